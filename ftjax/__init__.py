@@ -1,0 +1,18 @@
+"""ftjax: serve Mixture-of-Experts models larger than accelerator memory with JAX/XLA.
+
+Stable public API::
+
+  ftjax.convert_hf(hf_dir, out_dir, dtype="bfloat16") -> path
+  ftjax.load(path) -> Model            # model.config.num_layers, num_experts, top_k, ...
+  ftjax.Engine(model, **runtime_options)
+      .forward_logits(token_ids) -> np.ndarray [T, V] float32
+      .generate(token_ids, max_new_tokens, greedy=True, ...) -> list[int]
+"""
+
+from ftjax.formats.hf import convert_hf
+from ftjax.model.config import ModelConfig
+from ftjax.runtime.engine import Engine, RuntimeOptions
+from ftjax.runtime.model import Model, load
+
+__all__ = ["convert_hf", "load", "Engine", "Model", "ModelConfig", "RuntimeOptions"]
+__version__ = "0.1.0"

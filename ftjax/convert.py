@@ -1,0 +1,23 @@
+"""``python -m ftjax.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16|float32]``."""
+
+from absl import app, flags
+
+from ftjax.formats.hf import convert_hf
+
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory", required=True)
+_OUT = flags.DEFINE_string("out", None, "output FTW directory (must not exist)", required=True)
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "storage dtype")
+_OVERWRITE = flags.DEFINE_boolean("overwrite", False, "replace --out if it is an FTW model")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  try:
+    print(convert_hf(_HF_DIR.value, _OUT.value, dtype=_DTYPE.value, overwrite=_OVERWRITE.value))
+  except (ValueError, FileNotFoundError, FileExistsError) as e:
+    raise SystemExit(f"ftjax.convert: error: {e}") from None
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,1 @@
+"""Weight formats: FTW (ftjax's own) and the Hugging Face safetensors import."""

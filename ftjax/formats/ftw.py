@@ -1,0 +1,340 @@
+"""FTW ("FreeToken weights"): ftjax's weight format, memory-mapped with no repacking.
+
+An FTW model is a directory::
+
+  ftw.json      the index (UTF-8 JSON, described below)
+  dense.bin     every tensor that is not a routed expert
+  experts.bin   the expert bank
+  (tokenizer files copied from the source checkout, optional)
+
+Index (``ftw.json``), all integers in bytes unless named otherwise::
+
+  format          "ftw"
+  format_version  1; a reader must refuse a larger number
+  alignment       4096; every tensor and every expert block starts at a multiple of it
+  dtype           storage dtype of the weights: "bfloat16" or "float32"
+  model_config    ftjax.ModelConfig fields (shapes and family options)
+  source          {"fingerprint": "sha256:<hex>", "kind": ..., "hf_config": {...}}: identifies
+                  the checkpoint this was converted from (see ftjax.formats.hf.fingerprint)
+  files           {file name: exact size in bytes}
+  tensors         {name: {"file", "offset", "nbytes", "shape": [..], "dtype", "crc32"}}
+  experts         {"file", "offset", "dtype", "num_layers" L, "num_experts" E, "ffn_dim" F,
+                   "width" D, "block_bytes", "parts", "layer_crc32": [L ints]}
+
+Tensors are C-order (row-major), little-endian; "bfloat16" is the upper half of an IEEE-754
+float32. ``crc32`` is zlib's CRC-32 (polynomial 0xEDB88320, as ``zlib.crc32``) of the
+tensor's ``nbytes`` bytes. Dense tensor names are ftjax parameter paths joined by "."
+(``layers.0.attn.w_q_had``); the letters after ``w_`` give the axis order (see
+``ftjax.model``).
+
+The expert bank is layer-major, then expert: the block of (layer l, expert e) starts at
+``experts.offset + (l·E + e)·block_bytes``. ``block_bytes`` is ``3·F·D·itemsize`` rounded up
+to ``alignment``; inside a block, ``parts`` lists ``gate [F, D]`` at 0, ``up [F, D]`` at
+``F·D·itemsize`` and ``down [D, F]`` at ``2·F·D·itemsize`` (Hugging Face's [out, in] layout:
+``down(silu(gate·x) * (up·x))``); the padding is zero. One expert is one contiguous copy and
+one layer is one contiguous copy. ``layer_crc32[l]`` is the CRC-32 of the ``E·block_bytes``
+bytes of layer l, padding included.
+
+Errors (all subclasses of ``FTWError``, a ``ValueError``): ``FTWVersionError`` for a newer
+format, ``FTWTruncatedError`` for a missing or short file, ``FTWChecksumError`` for a CRC
+mismatch, ``FTWConfigMismatchError`` when the tensors do not have the shapes the config
+implies.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import ml_dtypes
+import numpy as np
+
+from ftjax.model.config import ModelConfig
+
+FORMAT_VERSION = 1
+ALIGNMENT = 4096
+INDEX_NAME = "ftw.json"
+DENSE_FILE = "dense.bin"
+EXPERTS_FILE = "experts.bin"
+EXPERT_PARTS = ("gate", "up", "down")
+
+DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+
+
+class FTWError(ValueError):
+  """Base class of every FTW load error."""
+
+
+class FTWVersionError(FTWError):
+  pass
+
+
+class FTWTruncatedError(FTWError):
+  pass
+
+
+class FTWChecksumError(FTWError):
+  pass
+
+
+class FTWConfigMismatchError(FTWError):
+  pass
+
+
+def align(n: int, alignment: int = ALIGNMENT) -> int:
+  return (n + alignment - 1) // alignment * alignment
+
+
+def storage_dtype(name: str) -> np.dtype:
+  if name not in DTYPES:
+    raise ValueError(f"unsupported FTW dtype {name!r}; choose one of {', '.join(DTYPES)}")
+  return DTYPES[name]
+
+
+def _crc32(buf, chunk: int = 1 << 26) -> int:
+  if isinstance(buf, np.ndarray):
+    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
+  view = memoryview(buf).cast("B")
+  crc = 0
+  for start in range(0, len(view), chunk):
+    crc = zlib.crc32(view[start:start + chunk], crc)
+  return crc
+
+
+def is_ftw_dir(path: str | os.PathLike) -> bool:
+  return os.path.isfile(os.path.join(path, INDEX_NAME))
+
+
+def expert_part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+  f, d = config.moe_intermediate_size, config.hidden_size
+  return {"gate": (f, d), "up": (f, d), "down": (d, f)}
+
+
+class FTWWriter:
+  """Writes an FTW directory, tensor by tensor, in any order.
+
+  ``add_tensor`` appends a dense tensor; ``add_expert_part`` writes one part of one expert
+  at its place in the preallocated bank. ``close`` checks that every part was written, then
+  computes the layer checksums and writes the index last, so a directory with an
+  ``ftw.json`` is always complete.
+  """
+
+  def __init__(self, out_dir: str | os.PathLike, config: ModelConfig, dtype: str,
+               source: dict[str, Any]):
+    self.out_dir = os.fspath(out_dir)
+    self.config = config
+    self.dtype_name = dtype
+    self.dtype = storage_dtype(dtype)
+    self.source = source
+    os.makedirs(self.out_dir, exist_ok=True)
+    self.tensors: dict[str, dict[str, Any]] = {}
+    self._dense = open(os.path.join(self.out_dir, DENSE_FILE), "wb")
+    self._dense_size = 0
+    c = config
+    self.part_shapes = expert_part_shapes(c)
+    itemsize = self.dtype.itemsize
+    self.part_offsets = {"gate": 0, "up": c.moe_intermediate_size * c.hidden_size * itemsize,
+                         "down": 2 * c.moe_intermediate_size * c.hidden_size * itemsize}
+    self.block_bytes = align(c.expert_block_elems * itemsize)
+    self._bank_size = c.num_moe_layers * c.num_experts * self.block_bytes
+    self._experts = open(os.path.join(self.out_dir, EXPERTS_FILE), "wb+")
+    self._experts.truncate(self._bank_size)  # sparse, zero-filled
+    self._written = np.zeros((c.num_moe_layers, c.num_experts, len(EXPERT_PARTS)), bool)
+
+  def _cast(self, name: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if tuple(array.shape) != tuple(shape):
+      raise FTWConfigMismatchError(
+          f"tensor {name} has shape {tuple(array.shape)} but the model config implies {tuple(shape)}")
+    if not np.issubdtype(array.dtype, np.floating) and array.dtype != self.dtype:
+      raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
+    return np.ascontiguousarray(array.astype(self.dtype, copy=False))
+
+  def add_tensor(self, name: str, array: np.ndarray, shape: tuple[int, ...] | None = None) -> None:
+    if name in self.tensors:
+      raise FTWError(f"tensor {name} written twice")
+    data = self._cast(name, array, shape if shape is not None else array.shape)
+    offset = align(self._dense_size)
+    self._dense.write(b"\0" * (offset - self._dense_size))
+    self._dense.write(data.tobytes())
+    self._dense_size = offset + data.nbytes
+    self.tensors[name] = {"file": DENSE_FILE, "offset": offset, "nbytes": data.nbytes,
+                          "shape": list(data.shape), "dtype": self.dtype_name,
+                          "crc32": _crc32(data)}
+
+  def add_expert_part(self, layer: int, expert: int, part: str, array: np.ndarray) -> None:
+    c = self.config
+    if not (0 <= layer < c.num_moe_layers and 0 <= expert < c.num_experts):
+      raise FTWConfigMismatchError(
+          f"expert ({layer}, {expert}) is outside the config's {c.num_moe_layers} layers x "
+          f"{c.num_experts} experts")
+    p = EXPERT_PARTS.index(part)
+    if self._written[layer, expert, p]:
+      raise FTWError(f"expert part layer {layer} expert {expert} {part} written twice")
+    data = self._cast(f"expert[{layer},{expert}].{part}", array, self.part_shapes[part])
+    offset = (layer * c.num_experts + expert) * self.block_bytes + self.part_offsets[part]
+    os.pwrite(self._experts.fileno(), data.tobytes(), offset)
+    self._written[layer, expert, p] = True
+
+  def close(self, extra_index: dict[str, Any] | None = None) -> str:
+    missing = np.argwhere(~self._written)
+    if len(missing):
+      l, e, p = missing[0]
+      raise FTWError(f"{len(missing)} expert parts were never written, first: layer {l} expert "
+                     f"{e} {EXPERT_PARTS[p]}")
+    self._dense.close()
+    self._experts.flush()
+    os.fsync(self._experts.fileno())
+    c = self.config
+    layer_bytes = c.num_experts * self.block_bytes
+    with mmap.mmap(self._experts.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+      layer_crc = [_crc32(memoryview(mm)[l * layer_bytes:(l + 1) * layer_bytes])
+                   for l in range(c.num_moe_layers)]
+    self._experts.close()
+    index = {
+        "format": "ftw",
+        "format_version": FORMAT_VERSION,
+        "alignment": ALIGNMENT,
+        "dtype": self.dtype_name,
+        "model_config": c.to_dict(),
+        "source": self.source,
+        "files": {DENSE_FILE: self._dense_size, EXPERTS_FILE: self._bank_size},
+        "tensors": self.tensors,
+        "experts": {
+            "file": EXPERTS_FILE, "offset": 0, "dtype": self.dtype_name,
+            "num_layers": c.num_moe_layers, "num_experts": c.num_experts,
+            "ffn_dim": c.moe_intermediate_size, "width": c.hidden_size,
+            "block_bytes": self.block_bytes,
+            "parts": [{"name": n, "shape": list(self.part_shapes[n]), "offset": self.part_offsets[n]}
+                      for n in EXPERT_PARTS],
+            "layer_crc32": layer_crc,
+        },
+        **(extra_index or {}),
+    }
+    tmp = os.path.join(self.out_dir, INDEX_NAME + ".tmp")
+    with open(tmp, "w") as f:
+      json.dump(index, f, indent=1)
+    os.replace(tmp, os.path.join(self.out_dir, INDEX_NAME))
+    return self.out_dir
+
+
+@dataclass
+class FTWFile:
+  """An opened FTW directory: the index and read-only memory maps of its files."""
+  path: str
+  index: dict[str, Any]
+  config: ModelConfig
+  dtype: np.dtype
+  _maps: dict[str, np.memmap]
+
+  @classmethod
+  def open(cls, path: str | os.PathLike, *, verify: bool = True,
+           progress: Callable[[Iterable], Iterable] | None = None) -> "FTWFile":
+    """Opens and validates an FTW directory. ``verify`` checks every CRC-32."""
+    path = os.fspath(path)
+    index_path = os.path.join(path, INDEX_NAME)
+    if not os.path.isfile(index_path):
+      raise FileNotFoundError(
+          f"{index_path} not found: {path} is not an FTW directory (convert a Hugging Face "
+          "checkpoint with `python -m ftjax.convert --hf_dir=... --out=...`)")
+    try:
+      with open(index_path) as f:
+        index = json.load(f)
+    except json.JSONDecodeError as e:
+      raise FTWTruncatedError(f"{index_path} is not valid JSON ({e}); the file is damaged or "
+                              "was cut short: convert the model again") from e
+    if index.get("format") != "ftw":
+      raise FTWError(f"{index_path} is not an FTW index (format={index.get('format')!r})")
+    version = index.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+      raise FTWVersionError(
+          f"{path} uses FTW format version {version}, newer than the {FORMAT_VERSION} this ftjax "
+          "reads: upgrade ftjax, or convert the checkpoint again with this version")
+    config = ModelConfig.from_dict(index["model_config"])
+    dtype = storage_dtype(index["dtype"])
+    maps = {}
+    for name, size in index["files"].items():
+      file_path = os.path.join(path, name)
+      actual = os.path.getsize(file_path) if os.path.isfile(file_path) else None
+      if actual is None or actual < size:
+        raise FTWTruncatedError(
+            f"{file_path} is {'missing' if actual is None else f'{actual} bytes'} but the index "
+            f"expects {size} bytes: the file was truncated or not fully copied; copy or convert "
+            "it again")
+      maps[name] = (np.memmap(file_path, dtype=np.uint8, mode="r", shape=(size,)) if size
+                    else np.zeros((0,), np.uint8))  # np.memmap cannot map an empty file
+    ftw = cls(path=path, index=index, config=config, dtype=dtype, _maps=maps)
+    ftw._check_layout()
+    if verify:
+      ftw.verify(progress=progress)
+    return ftw
+
+  def _check_layout(self) -> None:
+    """Every tensor and the bank lie inside their files and agree with the config."""
+    for name, t in self.index["tensors"].items():
+      end = t["offset"] + t["nbytes"]
+      expect = int(np.prod(t["shape"])) * storage_dtype(t["dtype"]).itemsize
+      if t["nbytes"] != expect or end > len(self._maps[t["file"]]):
+        raise FTWTruncatedError(f"tensor {name} does not fit its file in {self.path}")
+    c, ex = self.config, self.index["experts"]
+    want = {"num_layers": c.num_moe_layers, "num_experts": c.num_experts,
+            "ffn_dim": c.moe_intermediate_size, "width": c.hidden_size}
+    for key, value in want.items():
+      if ex[key] != value:
+        raise FTWConfigMismatchError(
+            f"expert bank has {key}={ex[key]} but the model config implies {value} in {self.path}")
+    if ex["block_bytes"] < c.expert_block_elems * self.dtype.itemsize:
+      raise FTWConfigMismatchError(f"expert block_bytes={ex['block_bytes']} is too small for "
+                                   f"the config's expert shape in {self.path}")
+
+  def tensor(self, name: str) -> np.ndarray:
+    """A read-only view into the mapped file (no copy)."""
+    t = self.index["tensors"][name]
+    raw = self._maps[t["file"]][t["offset"]:t["offset"] + t["nbytes"]]
+    return raw.view(storage_dtype(t["dtype"])).reshape(t["shape"])
+
+  def tensor_names(self) -> list[str]:
+    return list(self.index["tensors"])
+
+  def expert_bank(self) -> np.ndarray:
+    """The bank as ``[L, E, P]`` in the storage dtype, a view into the mapped file."""
+    ex = self.index["experts"]
+    num = ex["num_layers"] * ex["num_experts"] * ex["block_bytes"]
+    raw = self._maps[ex["file"]][ex["offset"]:ex["offset"] + num]
+    return raw.view(storage_dtype(ex["dtype"])).reshape(
+        ex["num_layers"], ex["num_experts"], ex["block_bytes"] // self.dtype.itemsize)
+
+  def expert_part(self, layer: int, expert: int, part: str) -> np.ndarray:
+    ex = self.index["experts"]
+    meta = next(p for p in ex["parts"] if p["name"] == part)
+    n = int(np.prod(meta["shape"]))
+    block = self.expert_bank()[layer, expert]
+    start = meta["offset"] // self.dtype.itemsize
+    return block[start:start + n].reshape(meta["shape"])
+
+  def verify(self, progress: Callable[[Iterable], Iterable] | None = None) -> None:
+    """Checks every CRC-32; raises FTWChecksumError naming the first bad tensor or layer."""
+    progress = progress or (lambda x: x)
+    for name in progress(list(self.index["tensors"])):
+      t = self.index["tensors"][name]
+      raw = self._maps[t["file"]][t["offset"]:t["offset"] + t["nbytes"]]
+      if _crc32(raw) != t["crc32"]:
+        raise FTWChecksumError(
+            f"checksum mismatch in tensor {name} of {self.path}: the file is corrupt; convert "
+            "the checkpoint again")
+    ex = self.index["experts"]
+    layer_bytes = ex["num_experts"] * ex["block_bytes"]
+    bank = self._maps[ex["file"]]
+    for layer in range(ex["num_layers"]):
+      start = ex["offset"] + layer * layer_bytes
+      if _crc32(bank[start:start + layer_bytes]) != ex["layer_crc32"][layer]:
+        raise FTWChecksumError(
+            f"checksum mismatch in the experts of layer {layer} of {self.path}: the file is "
+            "corrupt; convert the checkpoint again")
+
+  @property
+  def fingerprint(self) -> str | None:
+    return self.index.get("source", {}).get("fingerprint")

@@ -1,0 +1,67 @@
+"""A minimal, streaming safetensors reader (numpy memmap; bfloat16 via ml_dtypes).
+
+Format: 8-byte little-endian header length N, N bytes of JSON
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the
+data; offsets are relative to the end of the header. Reading a tensor maps only its bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class SafetensorsError(ValueError):
+  pass
+
+
+class SafetensorsFile:
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = os.fspath(path)
+    size = os.path.getsize(self.path)
+    with open(self.path, "rb") as f:
+      head = f.read(8)
+      if len(head) < 8:
+        raise SafetensorsError(f"{self.path} is too short to be a safetensors file")
+      (n,) = struct.unpack("<Q", head)
+      if n > size - 8:
+        raise SafetensorsError(f"{self.path}: header length {n} exceeds the file size {size}")
+      self.header_bytes = f.read(n)
+    try:
+      header = json.loads(self.header_bytes)
+    except json.JSONDecodeError as e:
+      raise SafetensorsError(f"{self.path}: damaged safetensors header ({e})") from e
+    self.metadata = header.pop("__metadata__", None)
+    self.entries = header
+    self.data_start = 8 + n
+    for name, e in header.items():
+      if e["dtype"] not in _DTYPES:
+        raise SafetensorsError(f"{self.path}: tensor {name} has unsupported dtype {e['dtype']}")
+      if self.data_start + e["data_offsets"][1] > size:
+        raise SafetensorsError(f"{self.path} is truncated: tensor {name} runs past the end")
+    self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self.data_start else None
+
+  def keys(self) -> list[str]:
+    return list(self.entries)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.entries[name]["shape"])
+
+  def get(self, name: str) -> np.ndarray:
+    """A read-only view of one tensor (no copy; pages are read when touched)."""
+    e = self.entries[name]
+    begin, end = e["data_offsets"]
+    dtype = np.dtype(_DTYPES[e["dtype"]])
+    raw = self._map[self.data_start + begin:self.data_start + end]
+    return raw.view(dtype).reshape(e["shape"])

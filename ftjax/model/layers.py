@@ -1,0 +1,191 @@
+"""Flax nnx layers: RMSNorm, rotary embedding, attention with a KV cache, SwiGLU MLP, MoE.
+
+Layers receive the options they need, never the whole config. Activations are float32;
+weights are cast to float32 where they are used (the bank and the params may be bfloat16).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import struct
+
+from ftjax.model import moe as moe_lib
+from ftjax.model.router import route
+
+_INIT_STD = 0.02
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype):
+  return nnx.Param((_INIT_STD * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+def _f32(p: nnx.Param) -> jax.Array:
+  return p[...].astype(jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return _f32(self.scale) * (x * jax.lax.rsqrt(var + self.eps))
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, rotate-half convention. x [B, T, H, A], positions [B, T]."""
+  width = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (np.arange(0, width, 2, dtype=np.float32) / width))  # [A/2]
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, A/2]
+  angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, A]
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+
+
+@struct.dataclass
+class KVCache:
+  """Keys and values of one attention layer, ``[B, S, G, A]`` each."""
+  k: jax.Array
+  v: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32):
+    shape = (batch, max_len, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with optional q/k norm, qkv/o bias, clipping and a sliding window.
+
+  ``qk_norm``: ``"per_head"`` normalises each head over A (Qwen3), ``"full"`` normalises the
+  whole projection over H·A (OLMoE), None for no norm.
+  """
+
+  def __init__(self, *, width: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               rope_theta: float, eps: float, qk_norm: str | None, qkv_bias: bool, o_bias: bool,
+               clip_qkv: float | None, window: int | None, rngs: nnx.Rngs, dtype=jnp.float32):
+    h, g, a, d = num_heads, num_kv_heads, head_dim, width
+    self.w_q_had = _normal(rngs, (h, a, d), dtype)
+    self.w_k_gad = _normal(rngs, (g, a, d), dtype)
+    self.w_v_gad = _normal(rngs, (g, a, d), dtype)
+    self.w_o_dha = _normal(rngs, (d, h, a), dtype)
+    if qkv_bias:
+      self.b_q_ha = nnx.Param(jnp.zeros((h, a), dtype))
+      self.b_k_ga = nnx.Param(jnp.zeros((g, a), dtype))
+      self.b_v_ga = nnx.Param(jnp.zeros((g, a), dtype))
+    if o_bias:
+      self.b_o_d = nnx.Param(jnp.zeros((d,), dtype))
+    if qk_norm == "per_head":
+      self.q_norm = RMSNorm(a, eps, dtype=dtype)
+      self.k_norm = RMSNorm(a, eps, dtype=dtype)
+    elif qk_norm == "full":
+      self.q_norm = RMSNorm(h * a, eps, dtype=dtype)
+      self.k_norm = RMSNorm(g * a, eps, dtype=dtype)
+    self.qk_norm = qk_norm
+    self.qkv_bias = qkv_bias
+    self.o_bias = o_bias
+    self.clip_qkv = clip_qkv
+    self.window = window
+    self.rope_theta = rope_theta
+
+  def _project(self, x):
+    q = jnp.einsum("BTD,HAD->BTHA", x, _f32(self.w_q_had))
+    k = jnp.einsum("BTD,GAD->BTGA", x, _f32(self.w_k_gad))
+    v = jnp.einsum("BTD,GAD->BTGA", x, _f32(self.w_v_gad))
+    if self.qkv_bias:
+      q, k, v = q + _f32(self.b_q_ha), k + _f32(self.b_k_ga), v + _f32(self.b_v_ga)
+    if self.qk_norm == "per_head":
+      q, k = self.q_norm(q), self.k_norm(k)
+    elif self.qk_norm == "full":
+      q = self.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape)
+      k = self.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape)
+    if self.clip_qkv is not None:
+      c = self.clip_qkv
+      q, k, v = jnp.clip(q, -c, c), jnp.clip(k, -c, c), jnp.clip(v, -c, c)
+    return q, k, v
+
+  def __call__(self, x: jax.Array, cache: KVCache, length: jax.Array, positions: jax.Array
+               ) -> tuple[KVCache, jax.Array]:
+    """x [B, T, D]; writes the T new keys/values at cache rows [length, length + T)."""
+    _, t, _ = x.shape
+    q, k, v = self._project(x)
+    q = rope(q, positions, self.rope_theta)
+    k = rope(k, positions, self.rope_theta)
+    start = (0, length, 0, 0)
+    cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
+                    v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start))
+    s = cache.k.shape[1]
+    g, a = cache.k.shape[2], cache.k.shape[3]
+    q = q.reshape(*q.shape[:2], g, -1, a)  # [B, T, G, R, A]
+    scores = jnp.einsum("BTGRA,BSGA->BGRTS", q, cache.k.astype(jnp.float32)) * (a ** -0.5)
+    q_idx = length + jnp.arange(t)  # cache row of each query
+    kv_idx = jnp.arange(s)
+    allowed = kv_idx[None, :] <= q_idx[:, None]  # [T, S]
+    if self.window is not None:
+      allowed &= kv_idx[None, :] > q_idx[:, None] - self.window
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, cache.v.astype(jnp.float32))
+    out = out.reshape(*out.shape[:2], -1, a)  # [B, T, H, A]
+    y = jnp.einsum("BTHA,DHA->BTD", out, _f32(self.w_o_dha))
+    if self.o_bias:
+      y = y + _f32(self.b_o_d)
+    return cache, y
+
+
+class MLP(nnx.Module):
+  """Dense SwiGLU MLP (the shared expert of Qwen2-MoE)."""
+
+  def __init__(self, *, width: int, hidden: int, rngs: nnx.Rngs, dtype=jnp.float32):
+    self.w_gate_id = _normal(rngs, (hidden, width), dtype)
+    self.w_up_id = _normal(rngs, (hidden, width), dtype)
+    self.w_down_di = _normal(rngs, (width, hidden), dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = jax.nn.silu(jnp.einsum("...D,ID->...I", x, _f32(self.w_gate_id)))
+    h = h * jnp.einsum("...D,ID->...I", x, _f32(self.w_up_id))
+    return jnp.einsum("...I,DI->...D", h, _f32(self.w_down_di))
+
+
+class MoE(nnx.Module):
+  """Router plus routed experts (read from the bank) plus an optional gated shared expert.
+
+  The routed experts' weights are not parameters of this module: they live in the host
+  expert bank, an argument of the jitted step.
+  """
+
+  def __init__(self, *, width: int, num_experts: int, top_k: int, ffn_dim: int, router: str,
+               norm_topk_prob: bool, shared_hidden: int, shared_gate: bool, rngs: nnx.Rngs,
+               dtype=jnp.float32):
+    self.w_router_ed = _normal(rngs, (num_experts, width), dtype)
+    if shared_hidden:
+      self.shared = MLP(width=width, hidden=shared_hidden, rngs=rngs, dtype=dtype)
+    if shared_gate:
+      self.w_shared_gate_d = _normal(rngs, (width,), dtype)
+    self.has_shared = bool(shared_hidden)
+    self.shared_gate = shared_gate
+    self.top_k = top_k
+    self.ffn_dim = ffn_dim
+    self.router = router
+    self.norm_topk_prob = norm_topk_prob
+
+  def __call__(self, x: jax.Array, bank: jax.Array, layer: int, *, impl: str) -> jax.Array:
+    lead, width = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, width)  # [B·T, D]
+    logits = jnp.einsum("TD,ED->TE", x2, _f32(self.w_router_ed))
+    weights, ids = route(logits, kind=self.router, top_k=self.top_k,
+                         norm_topk_prob=self.norm_topk_prob)
+    y = moe_lib.routed_experts(x2, ids, weights, bank, layer, ffn_dim=self.ffn_dim, impl=impl)
+    if self.has_shared:
+      shared = self.shared(x2)
+      if self.shared_gate:
+        shared = jax.nn.sigmoid(x2 @ _f32(self.w_shared_gate_d))[:, None] * shared
+      y = y + shared
+    return y.reshape(*lead, width)

@@ -1,0 +1,102 @@
+"""The decoder stack and its pure-functional step.
+
+``forward(graphdef, params, bank, state, tokens, positions) -> (new_state, logits)`` is the
+jit boundary: the dense parameters and the expert bank are arguments (never closed over),
+the decode state is donated and threaded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from ftjax.model.config import ModelConfig
+from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, _f32, _normal
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything a decode step changes: one cache per layer and the number of cached tokens.
+
+  ``layers[i]`` is the state of layer i's mixer (a ``KVCache`` for attention layers; linear
+  attention layers will carry conv and recurrent state here).
+  """
+  layers: tuple[KVCache, ...]
+  length: jax.Array  # int32 [], rows [0, length) of every cache are filled
+
+
+def init_state(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
+  layers = tuple(
+      KVCache.zeros(batch, max_len, config.num_kv_heads, config.head_dim, dtype)
+      for _ in config.layer_types)
+  return DecodeState(layers=layers, length=jnp.zeros((), jnp.int32))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, config: ModelConfig, layer_type: str, *, rngs: nnx.Rngs, dtype):
+    c = config
+    window = c.sliding_window if layer_type == "sliding_attention" else None
+    self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+    self.attn = Attention(
+        width=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
+        qkv_bias=c.qkv_bias, o_bias=c.o_bias, clip_qkv=c.clip_qkv, window=window, rngs=rngs,
+        dtype=dtype)
+    self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+    self.moe = MoE(
+        width=c.hidden_size, num_experts=c.num_experts, top_k=c.top_k,
+        ffn_dim=c.moe_intermediate_size, router=c.router, norm_topk_prob=c.norm_topk_prob,
+        shared_hidden=c.shared_expert_intermediate_size, shared_gate=c.shared_expert_gate,
+        rngs=rngs, dtype=dtype)
+
+  def __call__(self, x, cache, length, positions, bank, layer, *, moe_impl):
+    cache, h = self.attn(self.attn_norm(x), cache, length, positions)
+    x = x + h
+    x = x + self.moe(self.mlp_norm(x), bank, layer, impl=moe_impl)
+    return cache, x
+
+
+class Transformer(nnx.Module):
+  """Embedding, decoder layers, final norm, lm_head (tied to the embedding when configured)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    c = config
+    self.embed_vd = _normal(rngs, (c.vocab_size, c.hidden_size), dtype)
+    self.layers = nnx.List([DecoderLayer(c, kind, rngs=rngs, dtype=dtype)
+                            for kind in c.layer_types])
+    self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+    if not c.tie_word_embeddings:
+      self.w_lm_vd = _normal(rngs, (c.vocab_size, c.hidden_size), dtype)
+    self.tie_word_embeddings = c.tie_word_embeddings
+
+  def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
+               bank: jax.Array, *, last_only: bool = False, moe_impl: str = "xla"
+               ) -> tuple[DecodeState, jax.Array]:
+    """tokens, positions [B, T] -> (new state, logits [B, T or 1, V] float32)."""
+    x = jnp.take(self.embed_vd[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
+    caches = []
+    for i, layer in enumerate(self.layers):
+      cache, x = layer(x, state.layers[i], state.length, positions, bank, i, moe_impl=moe_impl)
+      caches.append(cache)
+    if last_only:
+      x = x[:, -1:]
+    x = self.final_norm(x)
+    w_lm = self.embed_vd if self.tie_word_embeddings else self.w_lm_vd
+    logits = jnp.einsum("BTD,VD->BTV", x, _f32(w_lm))
+    new_state = DecodeState(layers=tuple(caches), length=state.length + tokens.shape[1])
+    return new_state, logits
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "last_only", "moe_impl"),
+                   donate_argnames=("state",))
+def forward(graphdef: nnx.GraphDef, params: nnx.State, bank: jax.Array, state: DecodeState,
+            tokens: jax.Array, positions: jax.Array, *, last_only: bool = False,
+            moe_impl: str = "xla") -> tuple[DecodeState, jax.Array]:
+  """One jitted step over all layers: ``(new_state, logits)``. ``state`` is donated."""
+  model = nnx.merge(graphdef, params)
+  return model(state, tokens, positions, bank, last_only=last_only, moe_impl=moe_impl)

@@ -1,0 +1,1 @@
+"""Runtime: loading models, the engine, tokenizers, sampling."""

@@ -1,0 +1,74 @@
+"""Tokenizers: the checkpoint's ``tokenizer.json`` via ``tokenizers``, else UTF-8 bytes."""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, Sequence
+
+
+class Tokenizer(Protocol):
+  name: str
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+  """Token i is byte i (UTF-8); used when a model ships no tokenizer.json."""
+  name = "bytes"
+
+  def __init__(self, vocab_size: int):
+    if vocab_size < 256:
+      raise ValueError(f"the model has no tokenizer.json and its vocabulary ({vocab_size}) is "
+                       "smaller than 256, so the byte-level fallback cannot encode text")
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  name = "tokenizer.json"
+
+  def __init__(self, path: str):
+    from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
+    self._tok = _Tok.from_file(path)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:
+  if model_dir:
+    path = os.path.join(model_dir, "tokenizer.json")
+    if os.path.isfile(path):
+      return HFTokenizer(path)
+  return ByteTokenizer(vocab_size)
+
+
+class StreamDecoder:
+  """Turns a growing list of ids into text increments, holding back incomplete characters."""
+
+  def __init__(self, tokenizer: Tokenizer):
+    self.tokenizer = tokenizer
+    self.ids: list[int] = []
+    self.emitted = ""
+
+  def push(self, token: int) -> str:
+    self.ids.append(token)
+    text = self.tokenizer.decode(self.ids)
+    if text.endswith("\ufffd"):
+      return ""  # wait for the rest of a multi-byte character
+    new, self.emitted = text[len(self.emitted):], text
+    return new
+
+  def flush(self) -> str:
+    text = self.tokenizer.decode(self.ids)
+    new, self.emitted = text[len(self.emitted):], text
+    return new

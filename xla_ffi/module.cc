@@ -1,0 +1,31 @@
+// ftjax._ffi: exports every XLA FFI handler of ftjax as a PyCapsule, nothing else.
+// Python registers them at import (ftjax/kernels/) with jax.ffi.register_ffi_target.
+
+#include <type_traits>
+
+#include "nanobind/nanobind.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+// Handlers, one per file in xla_ffi/.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);  // expert_ffn.cc
+
+namespace {
+
+template <typename Handler>
+nb::capsule EncapsulateHandler(Handler* handler) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Handler, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler takes XLA_FFI_CallFrame* and returns XLA_FFI_Error*");
+  return nb::capsule(reinterpret_cast<void*>(handler));
+}
+
+}  // namespace
+
+NB_MODULE(_ffi, m) {
+  m.def("registrations", []() {
+    nb::dict registrations;
+    registrations["ftjax_expert_ffn"] = EncapsulateHandler(FtjaxExpertFfn);
+    return registrations;
+  });
+}
