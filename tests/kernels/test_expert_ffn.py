@@ -24,196 +24,196 @@ RTOL = {F32: 1e-5, BF16: 1e-5}
 
 
 def assert_matches_reference(y, ref, bank_dtype):
-    y = np.asarray(y)
-    assert y.dtype == np.float32
-    assert y.shape == ref.shape
-    scale = np.max(np.abs(ref))
-    assert scale > 0, "a test that expects zeros should compare exactly"
-    error = np.max(np.abs(y.astype(np.float64) - ref))
-    assert error <= RTOL[bank_dtype] * scale, (
-        f"max |y - ref| = {error:.3g} exceeds {RTOL[bank_dtype]:g} * max |ref| = {scale:.3g}"
-    )
+  y = np.asarray(y)
+  assert y.dtype == np.float32
+  assert y.shape == ref.shape
+  scale = np.max(np.abs(ref))
+  assert scale > 0, "a test that expects zeros should compare exactly"
+  error = np.max(np.abs(y.astype(np.float64) - ref))
+  assert error <= RTOL[bank_dtype] * scale, (
+    f"max |y - ref| = {error:.3g} exceeds {RTOL[bank_dtype]:g} * max |ref| = {scale:.3g}"
+  )
 
 
 def reference_expert_ffn(x, ids, weights, bank, layer, ffn_dim):
-    """float64, one route at a time, straight from the definition."""
-    x_td = np.asarray(x, np.float64)
-    ids_tk = np.asarray(ids)
-    weights_tk = np.asarray(weights, np.float64)
-    bank_ep = np.asarray(bank[layer]).astype(np.float64)  # bf16 -> float64 is exact
-    T, D = x_td.shape
-    F = ffn_dim
-    y_td = np.zeros((T, D))
-    for t in range(T):
-        for k in range(ids_tk.shape[1]):
-            e = ids_tk[t, k]
-            if e == -1:
-                continue
-            block = bank_ep[e]
-            gate_fd = block[: F * D].reshape(F, D)
-            up_fd = block[F * D : 2 * F * D].reshape(F, D)
-            down_df = block[2 * F * D : 3 * F * D].reshape(D, F)
-            gate_f = gate_fd @ x_td[t]
-            hidden_f = gate_f / (1.0 + np.exp(-gate_f)) * (up_fd @ x_td[t])
-            y_td[t] += weights_tk[t, k] * (down_df @ hidden_f)
-    return y_td
+  """float64, one route at a time, straight from the definition."""
+  x_td = np.asarray(x, np.float64)
+  ids_tk = np.asarray(ids)
+  weights_tk = np.asarray(weights, np.float64)
+  bank_ep = np.asarray(bank[layer]).astype(np.float64)  # bf16 -> float64 is exact
+  T, D = x_td.shape
+  F = ffn_dim
+  y_td = np.zeros((T, D))
+  for t in range(T):
+    for k in range(ids_tk.shape[1]):
+      e = ids_tk[t, k]
+      if e == -1:
+        continue
+      block = bank_ep[e]
+      gate_fd = block[: F * D].reshape(F, D)
+      up_fd = block[F * D : 2 * F * D].reshape(F, D)
+      down_df = block[2 * F * D : 3 * F * D].reshape(D, F)
+      gate_f = gate_fd @ x_td[t]
+      hidden_f = gate_f / (1.0 + np.exp(-gate_f)) * (up_fd @ x_td[t])
+      y_td[t] += weights_tk[t, k] * (down_df @ hidden_f)
+  return y_td
 
 
 def make_bank(rng, *, L, E, F, D, dtype, pad=0, layers_in_use=None):
-    """[L, E, P] expert blocks, P = 3*F*D + pad.
+  """[L, E, P] expert blocks, P = 3*F*D + pad.
 
-    Padding, and every layer not in `layers_in_use`, is NaN: a kernel that reads them
-    returns NaN.
-    """
-    gate_led = rng.standard_normal((L, E, F * D)) / np.sqrt(D)
-    up_led = rng.standard_normal((L, E, F * D)) / np.sqrt(D)
-    down_led = rng.standard_normal((L, E, D * F)) / np.sqrt(F)
-    padding_lep = np.full((L, E, pad), np.nan)
-    bank = np.concatenate([gate_led, up_led, down_led, padding_lep], axis=-1)
-    if layers_in_use is not None:
-        unused = np.setdiff1d(np.arange(L), layers_in_use)
-        bank[unused] = np.nan
-    return bank.astype(np.float32).astype(dtype)
+  Padding, and every layer not in `layers_in_use`, is NaN: a kernel that reads them
+  returns NaN.
+  """
+  gate_led = rng.standard_normal((L, E, F * D)) / np.sqrt(D)
+  up_led = rng.standard_normal((L, E, F * D)) / np.sqrt(D)
+  down_led = rng.standard_normal((L, E, D * F)) / np.sqrt(F)
+  padding_lep = np.full((L, E, pad), np.nan)
+  bank = np.concatenate([gate_led, up_led, down_led, padding_lep], axis=-1)
+  if layers_in_use is not None:
+    unused = np.setdiff1d(np.arange(L), layers_in_use)
+    bank[unused] = np.nan
+  return bank.astype(np.float32).astype(dtype)
 
 
 def make_routes(rng, *, T, E, K, skip_fraction=0.0, shared=False):
-    """ids [T, K] (distinct experts within a token, some -1), weights [T, K]."""
-    if shared:  # every token picks the same experts: duplicates across tokens
-        ids = np.tile(rng.permutation(E)[:K], (T, 1))
-    else:
-        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)])
-    ids = np.where(rng.random((T, K)) < skip_fraction, -1, ids).astype(np.int32)
-    weights = rng.random((T, K)).astype(np.float32)
-    return ids, weights
+  """ids [T, K] (distinct experts within a token, some -1), weights [T, K]."""
+  if shared:  # every token picks the same experts: duplicates across tokens
+    ids = np.tile(rng.permutation(E)[:K], (T, 1))
+  else:
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(T)])
+  ids = np.where(rng.random((T, K)) < skip_fraction, -1, ids).astype(np.int32)
+  weights = rng.random((T, K)).astype(np.float32)
+  return ids, weights
 
 
 def rng_for(*labels):
-    return np.random.default_rng(zlib.crc32(repr(labels).encode()))
+  return np.random.default_rng(zlib.crc32(repr(labels).encode()))
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    T: int
-    K: int
-    E: int = 8
-    D: int = 32
-    F: int = 16
-    L: int = 1
-    layer: int = 0
-    pad: int = 0
-    skip_fraction: float = 0.0
-    shared: bool = False
+  T: int
+  K: int
+  E: int = 8
+  D: int = 32
+  F: int = 16
+  L: int = 1
+  layer: int = 0
+  pad: int = 0
+  skip_fraction: float = 0.0
+  shared: bool = False
 
 
 CASES = {
-    "top_1": Case(T=5, K=1),
-    "top_k_4": Case(T=6, K=4, skip_fraction=0.25),
-    "duplicate_experts_across_tokens": Case(T=8, K=2, shared=True),
-    "tokens_1": Case(T=1, K=2),
-    "tokens_3": Case(T=3, K=2),
-    "tokens_64": Case(T=64, K=2),
-    "odd_widths": Case(T=4, K=3, E=5, D=96, F=40),
-    "padded_blocks": Case(T=4, K=2, pad=7),
-    "layer_2_of_4": Case(T=4, K=2, L=4, layer=2),
+  "top_1": Case(T=5, K=1),
+  "top_k_4": Case(T=6, K=4, skip_fraction=0.25),
+  "duplicate_experts_across_tokens": Case(T=8, K=2, shared=True),
+  "tokens_1": Case(T=1, K=2),
+  "tokens_3": Case(T=3, K=2),
+  "tokens_64": Case(T=64, K=2),
+  "odd_widths": Case(T=4, K=3, E=5, D=96, F=40),
+  "padded_blocks": Case(T=4, K=2, pad=7),
+  "layer_2_of_4": Case(T=4, K=2, L=4, layer=2),
 }
 
 
 def make_inputs(case, bank_dtype, *labels):
-    rng = rng_for(case, bank_dtype.name, *labels)
-    x = rng.standard_normal((case.T, case.D)).astype(np.float32)
-    ids, weights = make_routes(
-        rng, T=case.T, E=case.E, K=case.K, skip_fraction=case.skip_fraction, shared=case.shared
-    )
-    bank = make_bank(
-        rng,
-        L=case.L,
-        E=case.E,
-        F=case.F,
-        D=case.D,
-        dtype=bank_dtype,
-        pad=case.pad,
-        layers_in_use=[case.layer],
-    )
-    return x, ids, weights, bank
+  rng = rng_for(case, bank_dtype.name, *labels)
+  x = rng.standard_normal((case.T, case.D)).astype(np.float32)
+  ids, weights = make_routes(
+    rng, T=case.T, E=case.E, K=case.K, skip_fraction=case.skip_fraction, shared=case.shared
+  )
+  bank = make_bank(
+    rng,
+    L=case.L,
+    E=case.E,
+    F=case.F,
+    D=case.D,
+    dtype=bank_dtype,
+    pad=case.pad,
+    layers_in_use=[case.layer],
+  )
+  return x, ids, weights, bank
 
 
 @pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("case_name", CASES)
 def test_matches_reference(case_name, bank_dtype):
-    case = CASES[case_name]
-    x, ids, weights, bank = make_inputs(case, bank_dtype)
-    y = expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F)
-    ref = reference_expert_ffn(x, ids, weights, bank, case.layer, case.F)
-    assert_matches_reference(y, ref, bank_dtype)
+  case = CASES[case_name]
+  x, ids, weights, bank = make_inputs(case, bank_dtype)
+  y = expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F)
+  ref = reference_expert_ffn(x, ids, weights, bank, case.layer, case.F)
+  assert_matches_reference(y, ref, bank_dtype)
 
 
 @pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
 def test_all_routes_skipped_gives_exact_zeros(bank_dtype):
-    T, D, F, E, K = 3, 16, 8, 4, 2
-    x = rng_for("skipped").standard_normal((T, D)).astype(np.float32)
-    ids = np.full((T, K), -1, np.int32)
-    weights = np.ones((T, K), np.float32)
-    bank = np.full((1, E, 3 * F * D), np.nan, np.float32).astype(bank_dtype)  # never read
-    y = np.asarray(expert_ffn(x, ids, weights, bank, 0, ffn_dim=F))
-    assert y.dtype == np.float32
-    np.testing.assert_array_equal(y, np.zeros((T, D), np.float32))
+  T, D, F, E, K = 3, 16, 8, 4, 2
+  x = rng_for("skipped").standard_normal((T, D)).astype(np.float32)
+  ids = np.full((T, K), -1, np.int32)
+  weights = np.ones((T, K), np.float32)
+  bank = np.full((1, E, 3 * F * D), np.nan, np.float32).astype(bank_dtype)  # never read
+  y = np.asarray(expert_ffn(x, ids, weights, bank, 0, ffn_dim=F))
+  assert y.dtype == np.float32
+  np.testing.assert_array_equal(y, np.zeros((T, D), np.float32))
 
 
 @pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
 def test_under_jit_with_traced_bank_and_layer(bank_dtype):
-    case = CASES["layer_2_of_4"]
-    x, ids, weights, bank = make_inputs(case, bank_dtype, "jit")
-    jitted = jax.jit(functools.partial(expert_ffn, ffn_dim=case.F))
-    y = jitted(x, ids, weights, jnp.asarray(bank), jnp.int32(case.layer))
-    ref = reference_expert_ffn(x, ids, weights, bank, case.layer, case.F)
-    assert_matches_reference(y, ref, bank_dtype)
+  case = CASES["layer_2_of_4"]
+  x, ids, weights, bank = make_inputs(case, bank_dtype, "jit")
+  jitted = jax.jit(functools.partial(expert_ffn, ffn_dim=case.F))
+  y = jitted(x, ids, weights, jnp.asarray(bank), jnp.int32(case.layer))
+  ref = reference_expert_ffn(x, ids, weights, bank, case.layer, case.F)
+  assert_matches_reference(y, ref, bank_dtype)
 
 
 def test_second_jitted_call_with_new_data_does_not_retrace():
-    case = CASES["layer_2_of_4"]
-    traces = 0
+  case = CASES["layer_2_of_4"]
+  traces = 0
 
-    @functools.partial(jax.jit, static_argnames="ffn_dim")
-    def step(x, ids, weights, bank, layer, *, ffn_dim):
-        nonlocal traces
-        traces += 1
-        return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim)
+  @functools.partial(jax.jit, static_argnames="ffn_dim")
+  def step(x, ids, weights, bank, layer, *, ffn_dim):
+    nonlocal traces
+    traces += 1
+    return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim)
 
-    for call, layer in enumerate([case.layer, case.L - 1]):
-        x, ids, weights, bank = make_inputs(dataclasses.replace(case, layer=layer), BF16, call)
-        y = step(x, ids, weights, bank, jnp.int32(layer), ffn_dim=case.F)
-        ref = reference_expert_ffn(x, ids, weights, bank, layer, case.F)
-        assert_matches_reference(y, ref, BF16)
-    assert traces == 1
+  for call, layer in enumerate([case.layer, case.L - 1]):
+    x, ids, weights, bank = make_inputs(dataclasses.replace(case, layer=layer), BF16, call)
+    y = step(x, ids, weights, bank, jnp.int32(layer), ffn_dim=case.F)
+    ref = reference_expert_ffn(x, ids, weights, bank, layer, case.F)
+    assert_matches_reference(y, ref, BF16)
+  assert traces == 1
 
 
 @pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
 def test_vmap_over_a_leading_batch_axis(bank_dtype):
-    case = CASES["top_k_4"]
-    B = 3
-    inputs = [make_inputs(case, bank_dtype, "vmap", b) for b in range(B)]
-    x_btd, ids_btk, weights_btk = (np.stack([inp[i] for inp in inputs]) for i in range(3))
-    bank = inputs[0][3]
-    batched = jax.vmap(functools.partial(expert_ffn, ffn_dim=case.F), in_axes=(0, 0, 0, None, None))
-    y_btd = batched(x_btd, ids_btk, weights_btk, bank, case.layer)
-    assert y_btd.shape == (B, case.T, case.D)
-    for b in range(B):
-        ref = reference_expert_ffn(x_btd[b], ids_btk[b], weights_btk[b], bank, case.layer, case.F)
-        assert_matches_reference(y_btd[b], ref, bank_dtype)
+  case = CASES["top_k_4"]
+  B = 3
+  inputs = [make_inputs(case, bank_dtype, "vmap", b) for b in range(B)]
+  x_btd, ids_btk, weights_btk = (np.stack([inp[i] for inp in inputs]) for i in range(3))
+  bank = inputs[0][3]
+  batched = jax.vmap(functools.partial(expert_ffn, ffn_dim=case.F), in_axes=(0, 0, 0, None, None))
+  y_btd = batched(x_btd, ids_btk, weights_btk, bank, case.layer)
+  assert y_btd.shape == (B, case.T, case.D)
+  for b in range(B):
+    ref = reference_expert_ffn(x_btd[b], ids_btk[b], weights_btk[b], bank, case.layer, case.F)
+    assert_matches_reference(y_btd[b], ref, bank_dtype)
 
 
 def test_vmap_over_layer_under_jit():
-    case = Case(T=4, K=2, L=3)
-    x, ids, weights, _ = make_inputs(case, BF16, "vmap layer")
-    bank = make_bank(rng_for("vmap layer bank"), L=case.L, E=case.E, F=case.F, D=case.D, dtype=BF16)
-    layers = jnp.array([2, 0, 1], jnp.int32)
-    per_layer = jax.jit(
-        jax.vmap(functools.partial(expert_ffn, ffn_dim=case.F), in_axes=(None, None, None, None, 0))
-    )
-    y_ltd = per_layer(x, ids, weights, bank, layers)
-    for i, layer in enumerate(np.asarray(layers)):
-        ref = reference_expert_ffn(x, ids, weights, bank, layer, case.F)
-        assert_matches_reference(y_ltd[i], ref, BF16)
+  case = Case(T=4, K=2, L=3)
+  x, ids, weights, _ = make_inputs(case, BF16, "vmap layer")
+  bank = make_bank(rng_for("vmap layer bank"), L=case.L, E=case.E, F=case.F, D=case.D, dtype=BF16)
+  layers = jnp.array([2, 0, 1], jnp.int32)
+  per_layer = jax.jit(
+    jax.vmap(functools.partial(expert_ffn, ffn_dim=case.F), in_axes=(None, None, None, None, 0))
+  )
+  y_ltd = per_layer(x, ids, weights, bank, layers)
+  for i, layer in enumerate(np.asarray(layers)):
+    ref = reference_expert_ffn(x, ids, weights, bank, layer, case.F)
+    assert_matches_reference(y_ltd[i], ref, BF16)
 
 
 # --- bad input --------------------------------------------------------------------------------
@@ -222,129 +222,128 @@ T, D, F, E, K, L = 3, 8, 4, 4, 2, 2
 
 
 def good_arguments():
-    rng = rng_for("good arguments")
-    ids, weights = make_routes(rng, T=T, E=E, K=K)
-    return dict(
-        x=rng.standard_normal((T, D)).astype(np.float32),
-        ids=ids,
-        weights=weights,
-        bank=make_bank(rng, L=L, E=E, F=F, D=D, dtype=F32),
-        layer=1,
-        ffn_dim=F,
-    )
+  rng = rng_for("good arguments")
+  ids, weights = make_routes(rng, T=T, E=E, K=K)
+  return dict(
+    x=rng.standard_normal((T, D)).astype(np.float32),
+    ids=ids,
+    weights=weights,
+    bank=make_bank(rng, L=L, E=E, F=F, D=D, dtype=F32),
+    layer=1,
+    ffn_dim=F,
+  )
 
 
 PYTHON_ERRORS = {
-    "x_not_2d": (dict(x=np.zeros((1, T, D), np.float32)), "x must be 2-D [T, D]"),
-    "x_not_float32": (dict(x=np.zeros((T, D), np.float64)), "x must be float32"),
-    "ids_wrong_tokens": (dict(ids=np.zeros((T + 1, K), np.int32)), "ids must be [T, K] with T = 3"),
-    "ids_not_int32": (dict(ids=np.zeros((T, K), np.int64)), "ids must be int32"),
-    "weights_wrong_shape": (
-        dict(weights=np.zeros((T, K + 1), np.float32)),
-        "weights must be [T, K]",
-    ),
-    "weights_not_float32": (dict(weights=np.zeros((T, K), BF16)), "weights must be float32"),
-    "bank_not_3d": (dict(bank=np.zeros((E, 3 * F * D), np.float32)), "bank must be 3-D"),
-    "bank_dtype": (
-        dict(bank=np.zeros((L, E, 3 * F * D), np.int8)),
-        "bank must be bfloat16 or float32",
-    ),
-    "bank_too_narrow": (
-        dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),
-        "bank's last dimension P = 95 is smaller than 3 * ffn_dim * D",
-    ),
-    "ffn_dim_zero": (dict(ffn_dim=0), "ffn_dim must be positive"),
-    "ffn_dim_not_int": (dict(ffn_dim=4.0), "ffn_dim must be a Python int"),
-    "layer_too_large": (dict(layer=L), "layer = 2 is outside [0, L) with L = 2"),
-    "layer_negative": (dict(layer=np.int32(-1)), "layer = -1 is outside [0, L) with L = 2"),
-    "layer_not_scalar": (dict(layer=jnp.zeros((1,), jnp.int32)), "layer must be an integer scalar"),
-    "layer_float": (dict(layer=jnp.float32(1)), "layer must be an integer scalar"),
+  "x_not_2d": (dict(x=np.zeros((1, T, D), np.float32)), "x must be 2-D [T, D]"),
+  "x_not_float32": (dict(x=np.zeros((T, D), np.float64)), "x must be float32"),
+  "ids_wrong_tokens": (dict(ids=np.zeros((T + 1, K), np.int32)), "ids must be [T, K] with T = 3"),
+  "ids_not_int32": (dict(ids=np.zeros((T, K), np.int64)), "ids must be int32"),
+  "weights_wrong_shape": (
+    dict(weights=np.zeros((T, K + 1), np.float32)),
+    "weights must be [T, K]",
+  ),
+  "weights_not_float32": (dict(weights=np.zeros((T, K), BF16)), "weights must be float32"),
+  "bank_not_3d": (dict(bank=np.zeros((E, 3 * F * D), np.float32)), "bank must be 3-D"),
+  "bank_dtype": (
+    dict(bank=np.zeros((L, E, 3 * F * D), np.int8)),
+    "bank must be bfloat16 or float32",
+  ),
+  "bank_too_narrow": (
+    dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),
+    "bank's last dimension P = 95 is smaller than 3 * ffn_dim * D",
+  ),
+  "ffn_dim_zero": (dict(ffn_dim=0), "ffn_dim must be positive"),
+  "ffn_dim_not_int": (dict(ffn_dim=4.0), "ffn_dim must be a Python int"),
+  "layer_too_large": (dict(layer=L), "layer = 2 is outside [0, L) with L = 2"),
+  "layer_negative": (dict(layer=np.int32(-1)), "layer = -1 is outside [0, L) with L = 2"),
+  "layer_not_scalar": (dict(layer=jnp.zeros((1,), jnp.int32)), "layer must be an integer scalar"),
+  "layer_float": (dict(layer=jnp.float32(1)), "layer must be an integer scalar"),
 }
 
 
 @pytest.mark.parametrize("error_name", PYTHON_ERRORS)
 def test_python_side_rejects_bad_input(error_name):
-    changes, message = PYTHON_ERRORS[error_name]
-    arguments = good_arguments() | changes
-    with pytest.raises(ValueError, match=re.escape(message)):
-        expert_ffn(**arguments)
+  changes, message = PYTHON_ERRORS[error_name]
+  arguments = good_arguments() | changes
+  with pytest.raises(ValueError, match=re.escape(message)):
+    expert_ffn(**arguments)
 
 
 def call_kernel_directly(x, ids, weights, bank, layer, ffn_dim, result_shape=None):
-    """Bypasses the Python checks, so that the C++ ones are the ones that fire."""
-    call = jax.ffi.ffi_call(
-        "ftjax_expert_ffn",
-        jax.ShapeDtypeStruct(result_shape or x.shape, jnp.float32),
-        vmap_method="sequential",
-    )
-    y = call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32), ffn_dim=np.int64(ffn_dim))
-    return jax.block_until_ready(y)
+  """Bypasses the Python checks, so that the C++ ones are the ones that fire."""
+  call = jax.ffi.ffi_call(
+    "ftjax_expert_ffn",
+    jax.ShapeDtypeStruct(result_shape or x.shape, jnp.float32),
+    vmap_method="sequential",
+  )
+  y = call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32), ffn_dim=np.int64(ffn_dim))
+  return jax.block_until_ready(y)
 
 
 KERNEL_ERRORS = {
-    "id_too_large": (
-        dict(ids=np.array([[0, 1], [E, 2], [3, -1]], np.int32)),
-        "ids[1, 0] = 4 is outside [-1, E) with E = 4",
-    ),
-    "id_below_minus_one": (
-        dict(ids=np.array([[0, 1], [2, 3], [3, -2]], np.int32)),
-        "ids[2, 1] = -2 is outside [-1, E) with E = 4",
-    ),
-    "layer_too_large": (dict(layer=L), "layer = 2 is outside [0, L) with L = 2"),
-    "layer_negative": (dict(layer=-1), "layer = -1 is outside [0, L) with L = 2"),
-    "layer_not_scalar": (dict(layer=np.ones((1,), np.int32)), "layer must be an int32 scalar"),
-    "x_not_2d": (
-        dict(x=np.zeros((1, T, D), np.float32)),
-        "x must be 2-D [T, D], got shape [1, 3, 8]",
-    ),
-    "ids_wrong_tokens": (
-        dict(ids=np.zeros((T + 1, K), np.int32)),
-        "ids must be [T, K] with T = 3 from x, got shape [4, 2]",
-    ),
-    "weights_wrong_shape": (
-        dict(weights=np.zeros((T, K + 1), np.float32)),
-        "weights must be [T, K] = [3, 2] like ids, got shape [3, 3]",
-    ),
-    "bank_not_3d": (
-        dict(bank=np.zeros((E, 3 * F * D), np.float32)),
-        "bank must be 3-D [L, E, P], got shape [4, 96]",
-    ),
-    "bank_dtype": (
-        dict(bank=np.zeros((L, E, 3 * F * D), np.int8)),
-        "bank must be bfloat16 or float32",
-    ),
-    "bank_too_narrow": (
-        dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),
-        "bank's last dimension P = 95 is smaller than 3 * ffn_dim * D = 3 * 4 * 8",
-    ),
-    "ffn_dim_zero": (dict(ffn_dim=0), "ffn_dim must be positive, got 0"),
-    "ffn_dim_huge": (
-        dict(ffn_dim=2**62),
-        "bank's last dimension P = 96 is smaller than 3 * ffn_dim * D"
-        " = 3 * 4611686018427387904 * 8",
-    ),
-    "result_shape": (
-        dict(result_shape=(T, D + 1)),
-        "result y must have x's shape [3, 8], got [3, 9]",
-    ),
+  "id_too_large": (
+    dict(ids=np.array([[0, 1], [E, 2], [3, -1]], np.int32)),
+    "ids[1, 0] = 4 is outside [-1, E) with E = 4",
+  ),
+  "id_below_minus_one": (
+    dict(ids=np.array([[0, 1], [2, 3], [3, -2]], np.int32)),
+    "ids[2, 1] = -2 is outside [-1, E) with E = 4",
+  ),
+  "layer_too_large": (dict(layer=L), "layer = 2 is outside [0, L) with L = 2"),
+  "layer_negative": (dict(layer=-1), "layer = -1 is outside [0, L) with L = 2"),
+  "layer_not_scalar": (dict(layer=np.ones((1,), np.int32)), "layer must be an int32 scalar"),
+  "x_not_2d": (
+    dict(x=np.zeros((1, T, D), np.float32)),
+    "x must be 2-D [T, D], got shape [1, 3, 8]",
+  ),
+  "ids_wrong_tokens": (
+    dict(ids=np.zeros((T + 1, K), np.int32)),
+    "ids must be [T, K] with T = 3 from x, got shape [4, 2]",
+  ),
+  "weights_wrong_shape": (
+    dict(weights=np.zeros((T, K + 1), np.float32)),
+    "weights must be [T, K] = [3, 2] like ids, got shape [3, 3]",
+  ),
+  "bank_not_3d": (
+    dict(bank=np.zeros((E, 3 * F * D), np.float32)),
+    "bank must be 3-D [L, E, P], got shape [4, 96]",
+  ),
+  "bank_dtype": (
+    dict(bank=np.zeros((L, E, 3 * F * D), np.int8)),
+    "bank must be bfloat16 or float32",
+  ),
+  "bank_too_narrow": (
+    dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),
+    "bank's last dimension P = 95 is smaller than 3 * ffn_dim * D = 3 * 4 * 8",
+  ),
+  "ffn_dim_zero": (dict(ffn_dim=0), "ffn_dim must be positive, got 0"),
+  "ffn_dim_huge": (
+    dict(ffn_dim=2**62),
+    "bank's last dimension P = 96 is smaller than 3 * ffn_dim * D = 3 * 4611686018427387904 * 8",
+  ),
+  "result_shape": (
+    dict(result_shape=(T, D + 1)),
+    "result y must have x's shape [3, 8], got [3, 9]",
+  ),
 }
 
 
 @pytest.mark.parametrize("error_name", KERNEL_ERRORS)
 def test_kernel_rejects_bad_input(error_name):
-    changes, message = KERNEL_ERRORS[error_name]
-    arguments = good_arguments() | changes
-    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("ftjax_expert_ffn: " + message)):
-        call_kernel_directly(**arguments)
+  changes, message = KERNEL_ERRORS[error_name]
+  arguments = good_arguments() | changes
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("ftjax_expert_ffn: " + message)):
+    call_kernel_directly(**arguments)
 
 
 def test_traced_out_of_range_id_is_caught_by_the_kernel():
-    """Python cannot see traced ids; the kernel's check reaches the caller through jit."""
-    arguments = good_arguments()
-    ffn_dim = arguments.pop("ffn_dim")
-    arguments["ids"] = np.array([[0, 1], [2, 3], [E + 3, 0]], np.int32)
-    jitted = jax.jit(functools.partial(expert_ffn, ffn_dim=ffn_dim))
-    with pytest.raises(
-        jax.errors.JaxRuntimeError, match=re.escape("ids[2, 0] = 7 is outside [-1, E)")
-    ):
-        jax.block_until_ready(jitted(**arguments))
+  """Python cannot see traced ids; the kernel's check reaches the caller through jit."""
+  arguments = good_arguments()
+  ffn_dim = arguments.pop("ffn_dim")
+  arguments["ids"] = np.array([[0, 1], [2, 3], [E + 3, 0]], np.int32)
+  jitted = jax.jit(functools.partial(expert_ffn, ffn_dim=ffn_dim))
+  with pytest.raises(
+    jax.errors.JaxRuntimeError, match=re.escape("ids[2, 0] = 7 is outside [-1, E)")
+  ):
+    jax.block_until_ready(jitted(**arguments))

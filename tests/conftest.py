@@ -1,0 +1,127 @@
+"""Shared test helpers: tiny random-initialised Hugging Face checkpoints built offline."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Tiny configs, one per family. Shapes are small but every option of the family is on:
+# Qwen2-MoE's gated shared expert and qkv bias, OLMoE's full-projection q/k norm and
+# clipping, Mixtral's sliding window (shorter than the test sequence).
+_COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, num_experts_per_tok=2, initializer_range=0.15,
+               max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=None,
+               bos_token_id=None, pad_token_id=None)
+HF_FAMILIES = {
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=16, intermediate_size=48,
+                      norm_topk_prob=True, rope_theta=10000.0),
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=16, intermediate_size=48,
+                      shared_expert_intermediate_size=24, norm_topk_prob=False, qkv_bias=True),
+    "mixtral": dict(num_local_experts=8, intermediate_size=16, sliding_window=7),
+    "olmoe": dict(num_experts=8, intermediate_size=16, clip_qkv=3.0, norm_topk_prob=False),
+}
+
+
+def _hf_classes(family):
+  import transformers  # noqa: PLC0415
+  names = {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
+           "olmoe": "Olmoe"}[family]
+  return getattr(transformers, names + "Config"), getattr(transformers, names + "ForCausalLM")
+
+
+def build_hf_model(family: str, seed: int = 0):
+  """A random float32 transformers model; norms and biases get noise so none is identity."""
+  import torch  # noqa: PLC0415
+  torch.manual_seed(seed)
+  config_cls, model_cls = _hf_classes(family)
+  config = config_cls(**_COMMON, **HF_FAMILIES[family])
+  model = model_cls(config).eval().to(torch.float32)
+  model.config._attn_implementation = "eager"
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      elif name.endswith("bias"):
+        p.copy_(0.2 * torch.randn_like(p))
+  return model
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], out_dir: str, shards: int) -> None:
+  from safetensors.numpy import save_file  # noqa: PLC0415
+  for f in os.listdir(out_dir):
+    if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"):
+      os.remove(os.path.join(out_dir, f))
+  names = sorted(tensors)
+  if shards == 1:
+    save_file({n: tensors[n] for n in names}, os.path.join(out_dir, "model.safetensors"))
+    return
+  weight_map = {}
+  for i, chunk in enumerate(np.array_split(np.array(names, dtype=object), shards)):
+    fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+    save_file({n: tensors[n] for n in chunk}, os.path.join(out_dir, fname))
+    weight_map.update({n: fname for n in chunk})
+  with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def fuse_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Per-expert keys -> fused mlp.experts.gate_up_proj [E, 2F, D] and down_proj [E, D, F]."""
+  import re  # noqa: PLC0415
+  out, per_layer = {}, {}
+  pat = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+  for name, value in tensors.items():
+    m = pat.fullmatch(name)
+    if m:
+      part = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(m[3], m[3])
+      per_layer.setdefault(m[1], {}).setdefault(part, {})[int(m[2])] = value
+    else:
+      out[name] = value
+  for prefix, parts in per_layer.items():
+    n = len(parts["gate_proj"])
+    gate = np.stack([parts["gate_proj"][e] for e in range(n)])
+    up = np.stack([parts["up_proj"][e] for e in range(n)])
+    out[f"{prefix}.mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+    out[f"{prefix}.mlp.experts.down_proj"] = np.stack([parts["down_proj"][e] for e in range(n)])
+  return out
+
+
+def save_hf_checkpoint(model, out_dir: str, *, fused: bool = False, shards: int = 1) -> str:
+  """save_pretrained, then optionally rewrite as fused 3-D experts and/or several shards."""
+  from safetensors.numpy import load_file  # noqa: PLC0415
+  model.save_pretrained(out_dir)
+  if fused or shards > 1:
+    tensors = load_file(os.path.join(out_dir, "model.safetensors"))
+    if fused:
+      tensors = fuse_experts(tensors)
+    _write_safetensors(tensors, out_dir, shards)
+  return out_dir
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+  """family -> (torch model, checkpoint dir). Layouts differ across families so that both
+  expert layouts and sharding are exercised."""
+  layouts = {"qwen3_moe": dict(fused=True, shards=3), "qwen2_moe": dict(fused=True),
+             "mixtral": dict(), "olmoe": dict(shards=2)}
+  out = {}
+  for family, layout in layouts.items():
+    model = build_hf_model(family)
+    path = save_hf_checkpoint(model, str(tmp_path_factory.mktemp(family)), **layout)
+    out[family] = (model, path)
+  return out
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+  from ftjax.model.config import ModelConfig  # noqa: PLC0415
+  return ModelConfig(
+      model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+      num_kv_heads=2, head_dim=8, num_experts=8, top_k=2, moe_intermediate_size=16,
+      rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
+      layer_types=("full_attention",) * 2, qk_norm="per_head", norm_topk_prob=True)

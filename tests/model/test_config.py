@@ -1,0 +1,94 @@
+import glob
+import json
+import os
+
+import pytest
+
+from ftjax.model.config import ModelConfig, UnsupportedModelError, from_hf_config
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIG_DIR, "**", "*.json"),
+                                               recursive=True)))
+def test_every_shipped_config_loads(path):
+  with open(path) as f:
+    config = from_hf_config(json.load(f))
+  assert config.num_layers > 0 and config.num_experts >= config.top_k
+  assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_shipped_configs_exist():
+  assert len(glob.glob(os.path.join(CONFIG_DIR, "models", "*.json"))) >= 4
+
+
+def _load(name):
+  with open(os.path.join(CONFIG_DIR, "models", name)) as f:
+    return json.load(f)
+
+
+def test_hub_key_style_qwen3():
+  c = from_hf_config(_load("qwen3-30b-a3b.json"))
+  assert (c.num_layers, c.num_experts, c.top_k, c.hidden_size, c.moe_intermediate_size,
+          c.vocab_size) == (48, 128, 8, 2048, 768, 151936)
+  assert c.rope_theta == 1e6 and c.qk_norm == "per_head" and c.norm_topk_prob
+  assert c.source_dtype == "bfloat16" and c.eos_token_ids == (151645,)
+
+
+def test_family_options():
+  mixtral = from_hf_config(_load("mixtral-8x7b.json"))
+  assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 14336
+  assert mixtral.qk_norm is None and not mixtral.qkv_bias
+  olmoe = from_hf_config(_load("olmoe-1b-7b.json"))
+  assert olmoe.qk_norm == "full" and not olmoe.norm_topk_prob
+  qwen2 = from_hf_config(_load("qwen1.5-moe-a2.7b.json"))
+  assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.shared_expert_gate
+  assert qwen2.shared_expert_intermediate_size == 5632
+  assert qwen2.layer_types == ("full_attention",) * 24  # use_sliding_window is false
+
+
+def test_new_transformers_key_style_equals_hub_style():
+  hub = _load("qwen3-30b-a3b.json")
+  new = dict(hub)
+  new["num_local_experts"] = new.pop("num_experts")
+  new["rope_parameters"] = {"rope_type": "default", "rope_theta": new.pop("rope_theta")}
+  new.pop("rope_scaling")
+  new["dtype"] = new.pop("torch_dtype")
+  assert from_hf_config(new) == from_hf_config(hub)
+
+
+def test_files_written_by_transformers_parse(hf_checkpoints):
+  for family, (model, path) in hf_checkpoints.items():
+    c = ModelConfig.from_hf_dir(path)
+    assert c.model_type == family
+    assert c.num_experts == model.config.num_experts if family != "mixtral" else 8
+    assert c.hidden_size == model.config.hidden_size
+
+
+def test_unsupported_model_type_names_the_supported_ones():
+  cfg = _load("qwen3-30b-a3b.json") | {"model_type": "deepseek_v3"}
+  with pytest.raises(UnsupportedModelError, match="qwen3_moe, qwen2_moe, mixtral, olmoe"):
+    from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"mlp_only_layers": [0]}, "dense MLP layers"),
+    ({"num_experts_per_tok": 200}, "top_k"),
+])
+def test_unsupported_options_are_clear_errors(change, message):
+  with pytest.raises(UnsupportedModelError, match=message):
+    from_hf_config(_load("qwen3-30b-a3b.json") | change)
+
+
+def test_linear_attention_layers_are_named_unfinished():
+  c = from_hf_config(_load("qwen3-30b-a3b.json")).to_dict()
+  c["layer_types"] = ["linear_attention", *c["layer_types"][1:]]
+  with pytest.raises(UnsupportedModelError, match="not implemented yet"):
+    ModelConfig.from_dict(c)
+
+
+def test_missing_config_json(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    ModelConfig.from_hf_dir(tmp_path)
