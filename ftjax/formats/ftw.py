@@ -114,6 +114,12 @@ def expert_part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
   return {"gate": (f, d), "up": (f, d), "down": (d, f)}
 
 
+def expert_part_starts(config: ModelConfig) -> dict[str, int]:
+  """Element offset of each part inside an expert block (any dtype)."""
+  fd = config.moe_intermediate_size * config.hidden_size
+  return {"gate": 0, "up": fd, "down": 2 * fd}
+
+
 class FTWWriter:
   """Writes an FTW directory, tensor by tensor, in any order.
 
@@ -137,8 +143,7 @@ class FTWWriter:
     c = config
     self.part_shapes = expert_part_shapes(c)
     itemsize = self.dtype.itemsize
-    self.part_offsets = {"gate": 0, "up": c.moe_intermediate_size * c.hidden_size * itemsize,
-                         "down": 2 * c.moe_intermediate_size * c.hidden_size * itemsize}
+    self.part_offsets = {k: v * itemsize for k, v in expert_part_starts(c).items()}  # bytes
     self.block_bytes = align(c.expert_block_elems * itemsize)
     self._bank_size = c.num_moe_layers * c.num_experts * self.block_bytes
     self._experts = open(os.path.join(self.out_dir, EXPERTS_FILE), "wb+")

@@ -166,8 +166,17 @@ def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
   return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
+class _Required(dict):
+  """config.json as a dict whose missing keys are a clear error, not a bare KeyError."""
+
+  def __missing__(self, key):
+    raise UnsupportedModelError(
+        f"config.json of this {self.get('model_type')} checkpoint lacks the required key {key!r}")
+
+
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
   """Builds a ModelConfig from a Hugging Face config dict of a supported MoE family."""
+  hf = _Required(hf)
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise UnsupportedModelError(

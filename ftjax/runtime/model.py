@@ -36,14 +36,15 @@ class Model:
   bank: jax.Array
   path: str | None = None
   source: dict[str, Any] | None = None
+  storage: ftw.FTWFile | None = None  # the memory-mapped FTW file the arrays view
 
   @property
   def dtype(self) -> np.dtype:
     return np.dtype(self.bank.dtype)
 
 
-def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, path=None, source=None,
-              dtype=jnp.float32) -> Model:
+def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.float32,
+              **fields) -> Model:
   """Builds a Model from parameter arrays keyed by name, checking names and shapes."""
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
   graphdef, state = nnx.split(abstract)
@@ -63,8 +64,7 @@ def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, path=None, s
           f"{tuple(var.get_value().shape)}")
     leaves.append((p, var.replace(value=value)))
   params = nnx.from_flat_state(leaves)
-  return Model(config=config, graphdef=graphdef, params=params, bank=bank, path=path,
-               source=source)
+  return Model(config=config, graphdef=graphdef, params=params, bank=bank, **fields)
 
 
 def load(path: str | os.PathLike, *, verify: bool = True) -> Model:
@@ -87,7 +87,7 @@ def load(path: str | os.PathLike, *, verify: bool = True) -> Model:
   f = ftw.FTWFile.open(path, verify=verify)
   arrays = {name: jax.device_put(f.tensor(name)) for name in f.tensor_names()}
   bank = jax.device_put(f.expert_bank())
-  return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"))
+  return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"), storage=f)
 
 
 def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") -> Model:
@@ -104,6 +104,14 @@ def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") 
   return Model(config=config, graphdef=graphdef, params=params, bank=bank)
 
 
+def leaf(model: Model, name: str) -> jax.Array:
+  """One parameter array by its FTW name (``layers.0.attn.w_q_had``)."""
+  for p, v in nnx.to_flat_state(model.params):
+    if _path_name(p) == name:
+      return v.get_value()
+  raise KeyError(name)
+
+
 def named_params(model: Model) -> dict[str, np.ndarray]:
   return {_path_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(model.params)}
 
@@ -116,12 +124,12 @@ def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
   for name, value in named_params(model).items():
     writer.add_tensor(name, value)
   bank = np.asarray(model.bank)
-  itemsize = bank.dtype.itemsize
+  starts = ftw.expert_part_starts(model.config)
   for layer in range(bank.shape[0]):
     for expert in range(bank.shape[1]):
       block = bank[layer, expert]
       for part, shape in ftw.expert_part_shapes(model.config).items():
-        start = writer.part_offsets[part] // itemsize
+        start = starts[part]
         n = shape[0] * shape[1]
         writer.add_expert_part(layer, expert, part, block[start:start + n].reshape(shape))
   return writer.close()
