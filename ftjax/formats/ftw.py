@@ -1,39 +1,11 @@
 """FTW ("FreeToken weights"): ftjax's weight format, memory-mapped with no repacking.
 
-An FTW model is a directory::
-
-  ftw.json      the index (UTF-8 JSON, described below)
-  dense.bin     every tensor that is not a routed expert
-  experts.bin   the expert bank
-  (tokenizer files copied from the source checkout, optional)
-
-Index (``ftw.json``), all integers in bytes unless named otherwise::
-
-  format          "ftw"
-  format_version  1; a reader must refuse a larger number
-  alignment       4096; every tensor and every expert block starts at a multiple of it
-  dtype           storage dtype of the weights: "bfloat16" or "float32"
-  model_config    ftjax.ModelConfig fields (shapes and family options)
-  source          {"fingerprint": "sha256:<hex>", "kind": ..., "hf_config": {...}}: identifies
-                  the checkpoint this was converted from (see ftjax.formats.hf.fingerprint)
-  files           {file name: exact size in bytes}
-  tensors         {name: {"file", "offset", "nbytes", "shape": [..], "dtype", "crc32"}}
-  experts         {"file", "offset", "dtype", "num_layers" L, "num_experts" E, "ffn_dim" F,
-                   "width" D, "block_bytes", "parts", "layer_crc32": [L ints]}
-
-Tensors are C-order (row-major), little-endian; "bfloat16" is the upper half of an IEEE-754
-float32. ``crc32`` is zlib's CRC-32 (polynomial 0xEDB88320, as ``zlib.crc32``) of the
-tensor's ``nbytes`` bytes. Dense tensor names are ftjax parameter paths joined by "."
-(``layers.0.attn.w_q_had``); the letters after ``w_`` give the axis order (see
-``ftjax.model``).
-
-The expert bank is layer-major, then expert: the block of (layer l, expert e) starts at
-``experts.offset + (l·E + e)·block_bytes``. ``block_bytes`` is ``3·F·D·itemsize`` rounded up
-to ``alignment``; inside a block, ``parts`` lists ``gate [F, D]`` at 0, ``up [F, D]`` at
-``F·D·itemsize`` and ``down [D, F]`` at ``2·F·D·itemsize`` (Hugging Face's [out, in] layout:
-``down(silu(gate·x) * (up·x))``); the padding is zero. One expert is one contiguous copy and
-one layer is one contiguous copy. ``layer_crc32[l]`` is the CRC-32 of the ``E·block_bytes``
-bytes of layer l, padding included.
+The format is specified in ``docs/ftw.md`` (precisely enough to write a reader in another
+language). In short: a directory with ``ftw.json`` (format version, model config, dtype,
+alignment 4096, tensor table with CRC-32s, source fingerprint), ``dense.bin`` (every tensor
+that is not a routed expert, each 4096-aligned) and ``experts.bin`` (the expert bank:
+layer-major, then expert; each block is ``gate [F, D]; up [F, D]; down [D, F]`` contiguous
+and 4096-aligned, so one expert and one layer are each one contiguous copy).
 
 Errors (all subclasses of ``FTWError``, a ``ValueError``): ``FTWVersionError`` for a newer
 format, ``FTWTruncatedError`` for a missing or short file, ``FTWChecksumError`` for a CRC
