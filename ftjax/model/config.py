@@ -55,6 +55,10 @@ class ModelConfig:
   clip_qkv: float | None = None
   router: RouterKind = "softmax_topk"
   norm_topk_prob: bool = False
+  router_groups: int = 1  # sigmoid_group: experts are split into this many groups
+  router_topk_groups: int = 1  # sigmoid_group: experts are chosen within this many groups
+  routed_scaling_factor: float = 1.0  # sigmoid_group: scales the routed weights
+  attn_sinks: bool = False  # a learned per-head logit joins each softmax (gpt-oss)
   shared_expert_intermediate_size: int = 0  # I; 0 = no shared expert
   shared_expert_gate: bool = False  # sigmoid(x · w) scales the shared expert
   tie_word_embeddings: bool = False
@@ -81,9 +85,16 @@ class ModelConfig:
     if not 0 < self.top_k <= self.num_experts:
       raise UnsupportedModelError(
           f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
-    if self.router not in ("softmax_topk", "topk_softmax"):
+    if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group"):
       raise UnsupportedModelError(
-          f"router {self.router!r} is not implemented yet; supported: softmax_topk, topk_softmax")
+          f"unknown router {self.router!r}; supported: softmax_topk, topk_softmax, sigmoid_group")
+    if self.router == "sigmoid_group":
+      g, kg = self.router_groups, self.router_topk_groups
+      if g < 1 or self.num_experts % g or self.num_experts // g < 2 or not 1 <= kg <= g:
+        raise UnsupportedModelError(
+            f"sigmoid_group routing needs num_experts ({self.num_experts}) split into "
+            f"router_groups ({g}) groups of at least 2 and 1 <= router_topk_groups ({kg}) <= "
+            "router_groups")
     if self.qk_norm not in (None, "per_head", "full"):
       raise UnsupportedModelError(f"qk_norm must be None, 'per_head' or 'full', got {self.qk_norm!r}")
 

@@ -62,7 +62,8 @@ class KVCache:
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with optional q/k norm, qkv/o bias, clipping and a sliding window.
+  """Grouped-query attention with optional q/k norm, qkv/o bias, clipping, a sliding window
+  and attention sinks (a learned per-head logit that takes probability mass but no value).
 
   ``qk_norm``: ``"per_head"`` normalises each head over A (Qwen3), ``"full"`` normalises the
   whole projection over H·A (OLMoE), None for no norm.
@@ -70,7 +71,8 @@ class Attention(nnx.Module):
 
   def __init__(self, *, width: int, num_heads: int, num_kv_heads: int, head_dim: int,
                rope_theta: float, eps: float, qk_norm: str | None, qkv_bias: bool, o_bias: bool,
-               clip_qkv: float | None, window: int | None, rngs: nnx.Rngs, dtype=jnp.float32):
+               clip_qkv: float | None, window: int | None, rngs: nnx.Rngs, sinks: bool = False,
+               dtype=jnp.float32):
     h, g, a, d = num_heads, num_kv_heads, head_dim, width
     self.w_q_had = _normal(rngs, (h, a, d), dtype)
     self.w_k_gad = _normal(rngs, (g, a, d), dtype)
@@ -88,6 +90,9 @@ class Attention(nnx.Module):
     elif qk_norm == "full":
       self.q_norm = RMSNorm(h * a, eps, dtype=dtype)
       self.k_norm = RMSNorm(g * a, eps, dtype=dtype)
+    if sinks:
+      self.sinks_h = nnx.Param(jnp.zeros((h,), dtype))
+    self.sinks = sinks
     self.qk_norm = qk_norm
     self.qkv_bias = qkv_bias
     self.o_bias = o_bias
@@ -131,7 +136,12 @@ class Attention(nnx.Module):
     if self.window is not None:
       allowed &= kv_idx[None, :] > q_idx[:, None] - self.window
     scores = jnp.where(allowed, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if self.sinks:
+      sink = _f32(self.sinks_h).reshape(g, -1)[None, :, :, None, None]  # [1, G, R, 1, 1]
+      sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+      probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+      probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, cache.v.astype(jnp.float32))
     out = out.reshape(*out.shape[:2], -1, a)  # [B, T, H, A]
     y = jnp.einsum("BTHA,DHA->BTD", out, _f32(self.w_o_dha))
@@ -163,8 +173,13 @@ class MoE(nnx.Module):
 
   def __init__(self, *, width: int, num_experts: int, top_k: int, ffn_dim: int, router: str,
                norm_topk_prob: bool, shared_hidden: int, shared_gate: bool, rngs: nnx.Rngs,
+               router_groups: int = 1, router_topk_groups: int = 1, scaling: float = 1.0,
                dtype=jnp.float32):
     self.w_router_ed = _normal(rngs, (num_experts, width), dtype)
+    if router == "sigmoid_group":
+      self.b_router_e = nnx.Param(jnp.zeros((num_experts,), dtype))  # selection-only bias
+    self.router_groups, self.router_topk_groups, self.scaling = (
+        router_groups, router_topk_groups, scaling)
     if shared_hidden:
       self.shared = MLP(width=width, hidden=shared_hidden, rngs=rngs, dtype=dtype)
     if shared_gate:
@@ -180,8 +195,10 @@ class MoE(nnx.Module):
     lead, width = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, width)  # [B·T, D]
     logits = jnp.einsum("TD,ED->TE", x2, _f32(self.w_router_ed))
-    weights, ids = route(logits, kind=self.router, top_k=self.top_k,
-                         norm_topk_prob=self.norm_topk_prob)
+    weights, ids = route(
+        logits, kind=self.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
+        bias=_f32(self.b_router_e) if self.router == "sigmoid_group" else None,
+        n_group=self.router_groups, topk_group=self.router_topk_groups, scaling=self.scaling)
     y = moe_lib.routed_experts(x2, ids, weights, bank, layer, ffn_dim=self.ffn_dim, impl=impl)
     if self.has_shared:
       shared = self.shared(x2)

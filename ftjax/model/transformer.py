@@ -46,13 +46,14 @@ class DecoderLayer(nnx.Module):
         width=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
         qkv_bias=c.qkv_bias, o_bias=c.o_bias, clip_qkv=c.clip_qkv, window=window, rngs=rngs,
-        dtype=dtype)
+        sinks=c.attn_sinks, dtype=dtype)
     self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
     self.moe = MoE(
         width=c.hidden_size, num_experts=c.num_experts, top_k=c.top_k,
         ffn_dim=c.moe_intermediate_size, router=c.router, norm_topk_prob=c.norm_topk_prob,
         shared_hidden=c.shared_expert_intermediate_size, shared_gate=c.shared_expert_gate,
-        rngs=rngs, dtype=dtype)
+        router_groups=c.router_groups, router_topk_groups=c.router_topk_groups,
+        scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cache, length, positions, bank, layer, *, moe_impl):
     cache, h = self.attn(self.attn_norm(x), cache, length, positions)

@@ -1,0 +1,118 @@
+"""Layers against float64 numpy references: attention (GQA, window, sinks, cache offset),
+the sigmoid-group router; and a model using both keeps cached decode equal to full forward."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ftjax
+from ftjax.model.layers import Attention, KVCache
+from ftjax.model.router import route
+from ftjax.runtime import model as model_lib
+
+
+def _rope_ref(x, pos, theta):
+  a = x.shape[-1]
+  inv = 1.0 / theta ** (np.arange(0, a, 2) / a)
+  ang = np.concatenate([pos[:, None] * inv, pos[:, None] * inv], -1)[:, None, :]  # [T, 1, A]
+  rot = np.concatenate([-x[..., a // 2:], x[..., :a // 2]], -1)
+  return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def _attention_ref(attn, x, window, sinks):
+  """Single sequence, no cache: x [T, D] -> [T, D] in float64."""
+  p = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(attn))
+       for k in [".".join(map(str, k))]}
+  t = x.shape[0]
+  q = np.einsum("td,had->tha", x, p["w_q_had"])
+  k = np.einsum("td,gad->tga", x, p["w_k_gad"])
+  v = np.einsum("td,gad->tga", x, p["w_v_gad"])
+  pos = np.arange(t, dtype=np.float64)
+  q, k = _rope_ref(q, pos, attn.rope_theta), _rope_ref(k, pos, attn.rope_theta)
+  h, g = q.shape[1], k.shape[1]
+  out = np.zeros_like(q)
+  for head in range(h):
+    kv = head // (h // g)
+    for i in range(t):
+      s = [q[i, head] @ k[j, kv] / np.sqrt(q.shape[-1]) for j in range(t)
+           if j <= i and (window is None or j > i - window)]
+      js = [j for j in range(t) if j <= i and (window is None or j > i - window)]
+      logits = np.array(s + ([p["sinks_h"][head]] if sinks else []))
+      w = np.exp(logits - logits.max())
+      w /= w.sum()
+      out[i, head] = sum(w[n] * v[j, kv] for n, j in enumerate(js))
+  return np.einsum("tha,dha->td", out, p["w_o_dha"])
+
+
+@pytest.mark.parametrize("window, sinks", [(None, False), (3, False), (None, True), (4, True)])
+def test_attention_matches_numpy(window, sinks):
+  attn = Attention(width=16, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=100.0, eps=1e-6,
+                   qk_norm=None, qkv_bias=False, o_bias=False, clip_qkv=None, window=window,
+                   sinks=sinks, rngs=nnx.Rngs(0))
+  if sinks:
+    attn.sinks_h[...] = jnp.array([0.5, -1.0, 2.0, 0.0])
+  for name in ("w_q_had", "w_k_gad", "w_v_gad", "w_o_dha"):
+    getattr(attn, name)[...] = getattr(attn, name)[...] * 20  # sharp attention
+  x = np.random.default_rng(0).normal(size=(9, 16)).astype(np.float32)
+  ref = _attention_ref(attn, x.astype(np.float64), window, sinks)
+  # Split into a 5-token chunk and 4 single steps through the cache.
+  cache = KVCache.zeros(1, 16, 2, 8)
+  outs = []
+  for lo, hi in [(0, 5), (5, 6), (6, 7), (7, 8), (8, 9)]:
+    cache, y = attn(jnp.asarray(x[None, lo:hi]), cache, jnp.int32(lo),
+                    jnp.arange(lo, hi, dtype=jnp.int32)[None])
+    outs.append(np.asarray(y[0]))
+  np.testing.assert_allclose(np.concatenate(outs), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def _sigmoid_group_ref(logits, bias, k, n_group, topk_group, norm, scaling):
+  ids, weights = [], []
+  for row in logits.astype(np.float64):
+    s = 1 / (1 + np.exp(-row))
+    b = s + bias
+    groups = b.reshape(n_group, -1)
+    gscore = np.sort(groups, axis=-1)[:, -2:].sum(-1)
+    best = np.argsort(-gscore, kind="stable")[:topk_group]
+    masked = np.full_like(b, -np.inf)
+    per = len(b) // n_group
+    for grp in best:
+      masked[grp * per:(grp + 1) * per] = b[grp * per:(grp + 1) * per]
+    chosen = np.argsort(-masked, kind="stable")[:k]
+    w = s[chosen]
+    if norm:
+      w = w / w.sum()
+    ids.append(chosen)
+    weights.append(w * scaling)
+  return np.array(weights), np.array(ids)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_sigmoid_group_router_matches_numpy(norm):
+  rng = np.random.default_rng(2)
+  logits = rng.normal(size=(6, 16)).astype(np.float32)
+  bias = rng.normal(size=16).astype(np.float32) * 0.5
+  w, ids = route(jnp.asarray(logits), kind="sigmoid_group", top_k=3, norm_topk_prob=norm,
+                 bias=jnp.asarray(bias), n_group=4, topk_group=2, scaling=2.5)
+  rw, rids = _sigmoid_group_ref(logits, bias, 3, 4, 2, norm, 2.5)
+  np.testing.assert_array_equal(np.asarray(ids), rids)
+  np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-6)
+  assert set(np.asarray(ids).reshape(-1) // 4).__len__() <= 4
+
+
+def test_model_with_sinks_and_group_router_caches_consistently(tiny_config):
+  cfg = dataclasses.replace(tiny_config, attn_sinks=True, router="sigmoid_group",
+                            router_groups=4, router_topk_groups=2, routed_scaling_factor=1.5,
+                            layer_types=("sliding_attention", "full_attention"),
+                            sliding_window=4)
+  model = model_lib.random_model(cfg, seed=5)
+  params = jax.tree.map(lambda x: x * 10 + 0.1, model.params)  # non-zero sinks and biases
+  model = dataclasses.replace(model, params=params, bank=model.bank * 10)
+  engine = ftjax.Engine(model, moe_impl="xla")
+  ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 6))
+  new = engine.generate(ids, 8)
+  full = engine.forward_logits(ids + new)
+  assert [int(t) for t in full[len(ids) - 1:-1].argmax(-1)] == new
