@@ -16,7 +16,6 @@ implies.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import zlib
 from dataclasses import dataclass
@@ -67,13 +66,33 @@ def storage_dtype(name: str) -> np.dtype:
   return DTYPES[name]
 
 
+def _bytes_view(array: np.ndarray) -> memoryview:
+  """The bytes of a C-contiguous array without a copy (bfloat16 has no buffer format)."""
+  return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
 def _crc32(buf, chunk: int = 1 << 26) -> int:
   if isinstance(buf, np.ndarray):
-    buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
+    buf = _bytes_view(buf)
   view = memoryview(buf).cast("B")
   crc = 0
   for start in range(0, len(view), chunk):
     crc = zlib.crc32(view[start:start + chunk], crc)
+  return crc
+
+
+def _file_crc32(fd: int, offset: int, length: int, chunk: int = 1 << 24) -> int:
+  """CRC-32 of a file range, read in chunks (no mapping of the whole file)."""
+  crc = 0
+  buf = bytearray(chunk)
+  view = memoryview(buf)
+  end = offset + length
+  while offset < end:
+    n = os.preadv(fd, [view[:min(chunk, end - offset)]], offset)
+    if n <= 0:
+      raise FTWTruncatedError(f"short read at byte {offset} while checksumming")
+    crc = zlib.crc32(view[:n], crc)
+    offset += n
   return crc
 
 
@@ -136,7 +155,7 @@ class FTWWriter:
     data = self._cast(name, array, shape if shape is not None else array.shape)
     offset = align(self._dense_size)
     self._dense.write(b"\0" * (offset - self._dense_size))
-    self._dense.write(data.tobytes())
+    self._dense.write(_bytes_view(data))
     self._dense_size = offset + data.nbytes
     self.tensors[name] = {"file": DENSE_FILE, "offset": offset, "nbytes": data.nbytes,
                           "shape": list(data.shape), "dtype": self.dtype_name,
@@ -153,7 +172,7 @@ class FTWWriter:
       raise FTWError(f"expert part layer {layer} expert {expert} {part} written twice")
     data = self._cast(f"expert[{layer},{expert}].{part}", array, self.part_shapes[part])
     offset = (layer * c.num_experts + expert) * self.block_bytes + self.part_offsets[part]
-    os.pwrite(self._experts.fileno(), data.tobytes(), offset)
+    os.pwrite(self._experts.fileno(), _bytes_view(data), offset)
     self._written[layer, expert, p] = True
 
   def close(self, extra_index: dict[str, Any] | None = None) -> str:
@@ -167,9 +186,8 @@ class FTWWriter:
     os.fsync(self._experts.fileno())
     c = self.config
     layer_bytes = c.num_experts * self.block_bytes
-    with mmap.mmap(self._experts.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-      layer_crc = [_crc32(memoryview(mm)[l * layer_bytes:(l + 1) * layer_bytes])
-                   for l in range(c.num_moe_layers)]
+    layer_crc = [_file_crc32(self._experts.fileno(), l * layer_bytes, layer_bytes)
+                 for l in range(c.num_moe_layers)]
     self._experts.close()
     index = {
         "format": "ftw",

@@ -4,7 +4,8 @@ Accepts one ``model.safetensors`` or shards listed in ``model.safetensors.index.
 both expert layouts found in the wild: per-expert keys (``mlp.experts.{e}.gate_proj.weight``,
 Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``) and fused 3-D tensors
 (``mlp.experts.gate_up_proj`` [E, 2F, D] with gate rows first, ``mlp.experts.down_proj``
-[E, D, F]). Peak memory is one expert or one dense tensor, not the checkpoint.
+[E, D, F]). Peak memory is about one dense tensor in the output dtype plus one mapped source
+tensor, not the checkpoint (measured by benchmarks/convert_memory.py).
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   tmp_dir = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".partial-", dir=parent)
   try:
     writer = ftw.FTWWriter(tmp_dir, config, dtype, source)
-    total_bytes = sum(st.get(n).nbytes for st in shards for n in st.keys())
+    total_bytes = sum(st.nbytes(n) for st in shards for n in st.keys())
     bar = Progress(total_bytes, desc="convert", unit="B", enabled=show_progress)
     for st in shards:
       for name in st.keys():

@@ -2,7 +2,9 @@
 
 Format: 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the
-data; offsets are relative to the end of the header. Reading a tensor maps only its bytes.
+data; offsets are relative to the end of the header. Reading a tensor maps only its bytes,
+and the mapping lives as long as the returned array, so a converter that drops each tensor
+after writing it keeps neither the data nor the page cache of the whole file resident.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ class SafetensorsFile:
         raise SafetensorsError(f"{self.path}: tensor {name} has unsupported dtype {e['dtype']}")
       if self.data_start + e["data_offsets"][1] > size:
         raise SafetensorsError(f"{self.path} is truncated: tensor {name} runs past the end")
-    self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size > self.data_start else None
 
   def keys(self) -> list[str]:
     return list(self.entries)
@@ -58,10 +59,19 @@ class SafetensorsFile:
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self.entries[name]["shape"])
 
+  def nbytes(self, name: str) -> int:
+    begin, end = self.entries[name]["data_offsets"]
+    return end - begin
+
   def get(self, name: str) -> np.ndarray:
-    """A read-only view of one tensor (no copy; pages are read when touched)."""
+    """A read-only memory map of one tensor (no copy; pages are read when touched)."""
     e = self.entries[name]
     begin, end = e["data_offsets"]
     dtype = np.dtype(_DTYPES[e["dtype"]])
-    raw = self._map[self.data_start + begin:self.data_start + end]
-    return raw.view(dtype).reshape(e["shape"])
+    if end == begin:
+      return np.zeros(e["shape"], dtype)  # np.memmap cannot map zero bytes
+    if (end - begin) != int(np.prod(e["shape"])) * dtype.itemsize:
+      raise SafetensorsError(f"{self.path}: tensor {name} has {end - begin} bytes, which does not "
+                             f"match its shape {e['shape']} and dtype {e['dtype']}")
+    return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin,
+                     shape=tuple(e["shape"]))
