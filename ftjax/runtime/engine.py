@@ -91,7 +91,7 @@ class Engine:
   # -- Steps ---------------------------------------------------------------------------------
 
   def _step_fn(self, state: DecodeState, tokens, positions, last_only: bool):
-    key = (tokens.shape, state.layers[0].k.shape if state.layers else None, last_only)
+    key = (tokens.shape, tuple(x.shape for x in jax.tree.leaves(state)), last_only)
     fn = self._compiled.get(key)
     if fn is None:
       t0 = time.perf_counter()
