@@ -18,7 +18,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _GREEDY = flags.DEFINE_boolean("greedy", False, "argmax decoding (ignores temperature, top_p)")
 _MAX_SEQ = flags.DEFINE_integer("max_seq_len", None, "context limit; default the model's",
                                 lower_bound=1)
-_MOE_IMPL = flags.DEFINE_enum("moe_impl", "auto", ["auto", "xla", "ffi"],
+_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "xla", "ffi"],
                               "routed-expert implementation")
 
 
@@ -29,7 +29,7 @@ def main(argv):
   try:
     run_decode(_MODEL.value, _PROMPT.value, max_new_tokens=_MAX_NEW.value, greedy=_GREEDY.value,
                temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
-               max_seq_len=_MAX_SEQ.value, moe_impl=_MOE_IMPL.value)
+               max_seq_len=_MAX_SEQ.value, kernels=_KERNELS.value)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"ftjax.decode: error: {e}") from None
 

@@ -55,10 +55,10 @@ class DecoderLayer(nnx.Module):
         router_groups=c.router_groups, router_topk_groups=c.router_topk_groups,
         scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
 
-  def __call__(self, x, cache, length, positions, bank, layer, *, moe_impl):
+  def __call__(self, x, cache, length, positions, bank, layer, *, kernels):
     cache, h = self.attn(self.attn_norm(x), cache, length, positions)
     x = x + h
-    x = x + self.moe(self.mlp_norm(x), bank, layer, impl=moe_impl)
+    x = x + self.moe(self.mlp_norm(x), bank, layer, impl=kernels)
     return cache, x
 
 
@@ -76,13 +76,13 @@ class Transformer(nnx.Module):
     self.tie_word_embeddings = c.tie_word_embeddings
 
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
-               bank: jax.Array, *, last_only: bool = False, moe_impl: str = "xla"
+               bank: jax.Array, *, last_only: bool = False, kernels: str = "xla"
                ) -> tuple[DecodeState, jax.Array]:
     """tokens, positions [B, T] -> (new state, logits [B, T or 1, V] float32)."""
     x = jnp.take(self.embed_vd[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
     caches = []
     for i, layer in enumerate(self.layers):
-      cache, x = layer(x, state.layers[i], state.length, positions, bank, i, moe_impl=moe_impl)
+      cache, x = layer(x, state.layers[i], state.length, positions, bank, i, kernels=kernels)
       caches.append(cache)
     if last_only:
       x = x[:, -1:]
@@ -93,11 +93,11 @@ class Transformer(nnx.Module):
     return new_state, logits
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "last_only", "moe_impl"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "last_only", "kernels"),
                    donate_argnames=("state",))
 def forward(graphdef: nnx.GraphDef, params: nnx.State, bank: jax.Array, state: DecodeState,
             tokens: jax.Array, positions: jax.Array, *, last_only: bool = False,
-            moe_impl: str = "xla") -> tuple[DecodeState, jax.Array]:
+            kernels: str = "xla") -> tuple[DecodeState, jax.Array]:
   """One jitted step over all layers: ``(new_state, logits)``. ``state`` is donated."""
   model = nnx.merge(graphdef, params)
-  return model(state, tokens, positions, bank, last_only=last_only, moe_impl=moe_impl)
+  return model(state, tokens, positions, bank, last_only=last_only, kernels=kernels)

@@ -32,7 +32,7 @@ class DecodeResult:
 
 def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_new_tokens: int = 64,
                greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
-               max_seq_len: int | None = None, moe_impl: str = "auto",
+               max_seq_len: int | None = None, kernels: str = "auto",
                out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> DecodeResult:
   """Generates a completion of ``prompt``, streaming text to ``out``; returns the result."""
   path = model or DEFAULT_MODEL_DIR
@@ -45,7 +45,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
               "one\n")
   tokenizer = load_tokenizer(loaded.path, loaded.config.vocab_size)
   ids = tokenizer.encode(prompt)
-  engine = Engine(loaded, max_seq_len=max_seq_len, moe_impl=moe_impl)
+  engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels)
   check_sampling_args(greedy, temperature, top_p)
   engine.check_context(len(ids), max_new_tokens)  # fail before printing anything
   stream = StreamDecoder(tokenizer)

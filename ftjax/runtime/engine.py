@@ -40,15 +40,15 @@ class RuntimeOptions:
 
   max_seq_len: context limit (prompt + new tokens); default the model's
     ``max_position_embeddings``.
-  moe_impl: "xla" (plain jnp), "ffi" (the host expert kernel, CPU backend), or "auto"
-    (ffi on the CPU backend when the compiled module is present, else xla).
+  kernels: how host-side work runs: "ffi" (ftjax's C++ kernels, CPU backend), "xla" (plain
+    jnp), or "auto" (ffi on the CPU backend when the compiled module is present, else xla).
   """
   max_seq_len: int | None = None
-  moe_impl: str = "auto"
+  kernels: str = "auto"
 
   def __post_init__(self):
-    if self.moe_impl not in ("auto", "xla", "ffi"):
-      raise ValueError(f"moe_impl must be 'auto', 'xla' or 'ffi', got {self.moe_impl!r}")
+    if self.kernels not in ("auto", "xla", "ffi"):
+      raise ValueError(f"kernels must be 'auto', 'xla' or 'ffi', got {self.kernels!r}")
     if self.max_seq_len is not None and self.max_seq_len < 1:
       raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
 
@@ -78,12 +78,12 @@ class Engine:
   def __init__(self, model: Model, **runtime_options):
     self.model = model
     self.options = RuntimeOptions(**runtime_options)
-    impl = self.options.moe_impl
+    impl = self.options.kernels
     if impl == "auto":
       impl = "ffi" if jax.default_backend() == "cpu" and _ffi_available() else "xla"
     elif impl == "ffi" and jax.default_backend() != "cpu":
-      raise ValueError("moe_impl='ffi' needs the CPU backend; the GPU kernels are not built yet")
-    self.moe_impl = impl
+      raise ValueError("kernels='ffi' needs the CPU backend; the GPU kernels are not built yet")
+    self.kernels = impl
     self.max_seq_len = self.options.max_seq_len or model.config.max_position_embeddings
     self._compiled: dict[tuple, Callable] = {}
     self.compile_s = 0.0
@@ -96,7 +96,7 @@ class Engine:
     if fn is None:
       t0 = time.perf_counter()
       fn = forward.lower(self.model.graphdef, self.model.params, self.model.bank, state, tokens,
-                         positions, last_only=last_only, moe_impl=self.moe_impl).compile()
+                         positions, last_only=last_only, kernels=self.kernels).compile()
       self.compile_s += time.perf_counter() - t0
       self._compiled[key] = fn
     return fn

@@ -67,11 +67,12 @@ def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.fl
   return Model(config=config, graphdef=graphdef, params=params, bank=bank, **fields)
 
 
-def load(path: str | os.PathLike, *, verify: bool = True) -> Model:
+def load(path: str | os.PathLike, *, verify: bool = True, populate: bool = False) -> Model:
   """Loads an FTW directory, or a Hugging Face checkpoint directory (converted once, cached).
 
   On the CPU backend the dense tensors and the expert bank are zero-copy views of the
-  memory-mapped files.
+  memory-mapped files. ``verify`` checks every CRC-32 (which also reads every page);
+  ``populate`` faults every page in without checking, for timing with resident weights.
   """
   path = os.fspath(path)
   if not os.path.isdir(path):
@@ -85,6 +86,8 @@ def load(path: str | os.PathLike, *, verify: bool = True) -> Model:
           f"{path} is neither an FTW directory (no {ftw.INDEX_NAME}) nor a Hugging Face "
           "checkpoint (no config.json)")
   f = ftw.FTWFile.open(path, verify=verify)
+  if populate:
+    f.populate()
   arrays = {name: jax.device_put(f.tensor(name)) for name in f.tensor_names()}
   bank = jax.device_put(f.expert_bank())
   return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"), storage=f)

@@ -159,3 +159,10 @@ def test_bfloat16_storage_rounds_to_nearest_even(tiny_config, tmp_path):
         ml_dtypes.bfloat16).tobytes(), name
   assert np.asarray(loaded.bank).tobytes() == np.asarray(model.bank).astype(
       ml_dtypes.bfloat16).tobytes()
+
+
+def test_populate_touches_every_page(saved):
+  _, path = saved
+  f = ftw.FTWFile.open(path, verify=False)
+  assert f.populate() == sum(f.index["files"].values())
+  assert ftjax.load(path, verify=False, populate=True).config == f.config

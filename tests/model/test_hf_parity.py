@@ -26,14 +26,14 @@ def _prompt(vocab):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("moe_impl", ["xla", "ffi"])
-def test_logits_match_transformers(converted, family, moe_impl):
+@pytest.mark.parametrize("kernels", ["xla", "ffi"])
+def test_logits_match_transformers(converted, family, kernels):
   hf_model, model = converted[family]
   assert model.config.model_type == family
   ids = _prompt(model.config.vocab_size)
   with torch.no_grad():
     ref = hf_model(torch.tensor(ids[None])).logits[0].numpy()
-  got = ftjax.Engine(model, moe_impl=moe_impl).forward_logits(ids)
+  got = ftjax.Engine(model, kernels=kernels).forward_logits(ids)
   assert got.shape == ref.shape == (SEQ, model.config.vocab_size)
   err = np.max(np.abs(got - ref))
   assert err <= 1e-4 * max(1.0, np.max(np.abs(ref))), f"{family}: max |logits - ref| = {err}"

@@ -111,7 +111,7 @@ def test_model_with_sinks_and_group_router_caches_consistently(tiny_config):
   model = model_lib.random_model(cfg, seed=5)
   params = jax.tree.map(lambda x: x * 10 + 0.1, model.params)  # non-zero sinks and biases
   model = dataclasses.replace(model, params=params, bank=model.bank * 10)
-  engine = ftjax.Engine(model, moe_impl="xla")
+  engine = ftjax.Engine(model, kernels="xla")
   ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 6))
   new = engine.generate(ids, 8)
   full = engine.forward_logits(ids + new)

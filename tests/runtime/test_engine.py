@@ -25,11 +25,11 @@ def _scale(model, factor):
                          bank=model.bank * factor)
 
 
-@pytest.mark.parametrize("moe_impl", ["xla", "ffi"])
+@pytest.mark.parametrize("kernels", ["xla", "ffi"])
 @pytest.mark.parametrize("prefill", [1, 5])
-def test_cached_decode_equals_full_forward(model, moe_impl, prefill):
+def test_cached_decode_equals_full_forward(model, kernels, prefill):
   m = _scale(model, 10.0)
-  engine = ftjax.Engine(m, moe_impl=moe_impl)
+  engine = ftjax.Engine(m, kernels=kernels)
   ids = np.random.default_rng(0).integers(0, m.config.vocab_size, 13)
   full = engine.forward_logits(ids)
   state = engine.new_state(1, len(ids))
@@ -46,7 +46,7 @@ def test_cached_decode_equals_full_forward(model, moe_impl, prefill):
 
 
 def test_batch_rows_equal_single_rows(model):
-  engine = ftjax.Engine(_scale(model, 10.0), moe_impl="xla")
+  engine = ftjax.Engine(_scale(model, 10.0), kernels="xla")
   ids = np.random.default_rng(1).integers(0, model.config.vocab_size, (3, 9))
   batched = engine.forward_logits(ids)
   for b in range(3):
@@ -62,7 +62,7 @@ def test_second_call_with_new_data_does_not_retrace(model, monkeypatch):
     return original(self, *args, **kwargs)
 
   monkeypatch.setattr(transformer.Transformer, "__call__", counting)
-  engine = ftjax.Engine(model, moe_impl="xla")
+  engine = ftjax.Engine(model, kernels="xla")
   engine.generate([1, 2, 3, 4], 6)
   first = len(traces)
   assert first == 2  # one prefill shape, one decode shape
@@ -99,8 +99,8 @@ def test_context_and_input_errors(model):
     engine.generate([1], 3, greedy=False, temperature=0.0)
   with pytest.raises(ValueError, match="top_p"):
     engine.generate([1], 3, greedy=False, top_p=1.5)
-  with pytest.raises(ValueError, match="moe_impl"):
-    ftjax.Engine(model, moe_impl="gpu")
+  with pytest.raises(ValueError, match="kernels"):
+    ftjax.Engine(model, kernels="gpu")
 
 
 def test_top_p_keeps_the_smallest_nucleus():
