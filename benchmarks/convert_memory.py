@@ -25,12 +25,9 @@ GB/s, and peak RssAnon / checkpoint bytes. Results go to ``benchmarks/results/co
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +35,9 @@ import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                        "convert_memory.json")
@@ -266,32 +266,6 @@ def cp_once(shards: list[str], dst: str) -> dict:
   start = time.perf_counter()  # and the read alone: the ceiling for any reader of the shards
   subprocess.run(f"cat {' '.join(shards)} > /dev/null", shell=True, check=True)
   return {"cp_s": cp_s, "cp_sync_s": cp_sync_s, "read_s": time.perf_counter() - start}
-
-
-def machine_info() -> dict:
-  import jax  # noqa: PLC0415
-
-  import ftjax  # noqa: PLC0415
-
-  def first(path, key):
-    with open(path) as f:
-      for line in f:
-        if line.startswith(key):
-          return line.split(":", 1)[1].strip()
-    return None
-
-  return {
-      "hostname": socket.gethostname(),
-      "nproc": int(subprocess.run(["nproc"], capture_output=True, text=True).stdout),
-      "mem_total_bytes": int(first("/proc/meminfo", "MemTotal").split()[0]) * 1024,
-      "cpu_model": first("/proc/cpuinfo", "model name"),
-      "kernel": platform.release(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "ftjax": f"{ftjax.__version__} at {os.path.dirname(ftjax.__file__)}",
-      "numpy": np.__version__,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-  }
 
 
 def main() -> None:

@@ -1,0 +1,48 @@
+"""Shared by the benchmarks: machine description and results files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+
+import numpy as np
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine_info() -> dict:
+  import jax  # noqa: PLC0415
+
+  import ftjax  # noqa: PLC0415
+
+  def first(path, key):
+    with open(path) as f:
+      for line in f:
+        if line.startswith(key):
+          return line.split(":", 1)[1].strip()
+    return None
+
+  return {
+      "hostname": socket.gethostname(),
+      "nproc": int(subprocess.run(["nproc"], capture_output=True, text=True).stdout),
+      "mem_total_bytes": int(first("/proc/meminfo", "MemTotal").split()[0]) * 1024,
+      "cpu_model": first("/proc/cpuinfo", "model name"),
+      "kernel": platform.release(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "ftjax": f"{ftjax.__version__} at {os.path.dirname(ftjax.__file__)}",
+      "numpy": np.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
+
+
+def write_results(name: str, results: dict) -> str:
+  os.makedirs(RESULTS_DIR, exist_ok=True)
+  path = os.path.join(RESULTS_DIR, f"{name}.json")
+  with open(path, "w") as f:
+    json.dump(results, f, indent=1)
+  return path
