@@ -1,0 +1,59 @@
+"""The offloaded MoE layer: routed experts served from the device cache and the host pool.
+
+``offloaded_moe`` is a public, pure function that JAX users call inside their own jitted
+models (see ``docs/cache.md``)::
+
+  new_cache, y, plan = offloaded_moe(x, weights, ids, cache, bank, layer,
+                                     bandwidths=jnp.array([B_P, B_H]),
+                                     policy=PolicyConfig("freetoken"), ffn_dim=F)
+
+For one layer-step it plans (``ftjax.cache.policy.plan``), copies the fills from the host
+bank into their slots, computes the device routes (hits and fills) from the slots and the
+host routes from the bank, and adds the two partial sums: the result equals the dense MoE
+output for every policy and cache size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ftjax.cache.policy import Plan, PolicyConfig, plan
+from ftjax.cache.state import ExpertCache
+from ftjax.model.moe import routed_experts
+
+
+def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
+               fill_slot: jax.Array, *, impl: str = "xla") -> jax.Array:
+  """Copies bank[layer, fill_expert[i]] into slots[fill_slot[i]] (rows with -1 skipped).
+
+  In place when ``slots`` is donated by the caller's jit.
+  """
+  if fill_expert.shape[0] == 0:
+    return slots
+  if impl == "ffi":
+    from ftjax.kernels import slot_fill  # noqa: PLC0415
+    src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
+    return slot_fill(slots, bank, src, fill_slot)
+  blocks = bank[layer][jnp.maximum(fill_expert, 0)]  # [Q, P]
+  return slots.at[jnp.where(fill_slot >= 0, fill_slot, slots.shape[0])].set(blocks, mode="drop")
+
+
+def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: ExpertCache,
+                  bank: jax.Array, layer, *, bandwidths: jax.Array, policy: PolicyConfig,
+                  ffn_dim: int, impl: str = "xla") -> tuple[ExpertCache, jax.Array, Plan]:
+  """Routed-expert output for x [T, D] with router output ``weights``/``ids`` [T, K].
+
+  Returns ``(new_cache, y [T, D] float32, plan)``; ``plan`` carries the step's statistics.
+  """
+  cache, p = plan(cache, layer, ids, bandwidths, policy)
+  on_device = p.route_slot >= 0
+  slots = fill_slots(cache.slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl)
+  y = jnp.zeros(x.shape, jnp.float32)
+  if cache.num_slots:
+    y = y + routed_experts(x, p.route_slot, jnp.where(on_device, weights, 0.0), slots[None], 0,
+                           ffn_dim=ffn_dim, impl=impl)
+  host_ids = jnp.where(on_device, -1, ids)
+  y = y + routed_experts(x, host_ids, jnp.where(on_device, 0.0, weights), bank, layer,
+                         ffn_dim=ffn_dim, impl=impl)
+  return cache.replace(slots=slots), y, p

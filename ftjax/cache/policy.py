@@ -1,0 +1,148 @@
+"""Cache policies as pure plan functions with static shapes.
+
+For one layer-step, ``plan(cache, layer, ids, bandwidths, policy) -> (new_cache, Plan)``
+decides, for the distinct experts the router selected:
+
+* hits: experts already in a slot (served on the device);
+* fills: misses copied into slots, then served on the device (``q`` of the ``m`` misses);
+* host: the other misses, run in place by the host kernel, never copied.
+
+All policies share this mechanism and differ only in how many misses they fill:
+
+* ``freetoken``: ``q`` from the q* rule (DESIGN section 2, ``fill_count``);
+* ``lru_fill``: every miss (a classic expert cache);
+* ``cpu_only``, ``static_hot``, ``static_layers``: none (the cache keeps what it was
+  preloaded with: nothing, a hot set from a routing profile, or whole layers).
+
+Which misses are filled: the most recently routed before this step (``expert_stamp``), ties
+to the lower expert id. Victims: the least recently used slots not used in this step (empty
+slots first, ties to the lower slot), chosen in one pass for the whole layer-step. Recency
+changes only through router selections (``expert_stamp``) and slot use (``slot_stamp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ftjax.cache.state import ExpertCache
+
+POLICIES = ("freetoken", "lru_fill", "cpu_only", "static_hot", "static_layers")
+_FILLING = {"freetoken", "lru_fill"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+  """Static policy choice (hashable; a jit static argument)."""
+  name: str = "freetoken"
+
+  def __post_init__(self):
+    if self.name not in POLICIES:
+      raise ValueError(f"unknown cache policy {self.name!r}; choose one of {', '.join(POLICIES)}")
+
+
+@struct.dataclass
+class Plan:
+  """What one layer-step does. Shapes are static; Q = min(N, E, T·K)."""
+  route_slot: jax.Array  # [T, K] int32: the slot serving this route on the device, or -1 (host)
+  fill_expert: jax.Array  # [Q] int32: expert (of this layer) to copy into a slot, or -1
+  fill_slot: jax.Array  # [Q] int32: its destination slot, or -1
+  hits: jax.Array  # [] int32: distinct selected experts already cached
+  fills: jax.Array  # [] int32: misses filled (q)
+  host: jax.Array  # [] int32: misses run on the host (m - q)
+
+  @property
+  def misses(self) -> jax.Array:
+    return self.fills + self.host
+
+
+def fill_count(m: jax.Array, b_p: jax.Array, b_h: jax.Array) -> jax.Array:
+  """The q* rule: how many of ``m`` misses to fill, from bandwidths B_P (fill) and B_H (host).
+
+  Balances ``q/B_P = (m - q)/B_res`` with ``B_res = B_H - B_P``: ``q* = m·B_P/B_H``, rounded to
+  the floor or ceiling that minimises ``max(q/B_P, (m - q)/B_res)``, ties to the larger (a
+  fill also warms the cache); everything is filled when ``B_P >= B_H``.
+  """
+  m = jnp.asarray(m, jnp.float32)
+  b_p = jnp.asarray(b_p, jnp.float32)
+  b_h = jnp.asarray(b_h, jnp.float32)
+  q_star = m * b_p / b_h
+  b_res = jnp.maximum(b_h - b_p, jnp.finfo(jnp.float32).tiny)
+
+  def cost(q):
+    return jnp.maximum(q / b_p, (m - q) / b_res)
+
+  lo, hi = jnp.floor(q_star), jnp.ceil(q_star)
+  q = jnp.where(cost(hi) <= cost(lo), hi, lo)
+  q = jnp.where(b_p >= b_h, m, q)
+  return jnp.clip(q, 0, m).astype(jnp.int32)
+
+
+def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths: jax.Array,
+         policy: PolicyConfig) -> tuple[ExpertCache, Plan]:
+  """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H)."""
+  num_layers, num_experts = cache.slot_of.shape
+  num_slots = cache.num_slots
+  t, k = ids.shape
+  q_max = max(0, min(num_slots, num_experts, t * k))
+  clock = cache.clock + 1
+  layer = jnp.asarray(layer, jnp.int32)
+  expert_range = jnp.arange(num_experts, dtype=jnp.int32)
+
+  selected = jnp.any(ids.reshape(-1, 1) == expert_range, axis=0)  # [E], deduplicated
+  slot_of_l = cache.slot_of[layer]  # [E]
+  hit = selected & (slot_of_l >= 0)
+  miss = selected & (slot_of_l < 0)
+  m = jnp.sum(miss, dtype=jnp.int32)
+  hits = jnp.sum(hit, dtype=jnp.int32)
+
+  # Slots used by this step's hits are never victims; the others are, least recent first.
+  used = jnp.zeros((num_slots,), bool).at[jnp.where(hit, slot_of_l, num_slots)].set(
+      True, mode="drop")
+  available = num_slots - hits
+  if policy.name == "freetoken":
+    q = fill_count(m, bandwidths[0], bandwidths[1])
+  elif policy.name == "lru_fill":
+    q = m
+  else:
+    q = jnp.zeros((), jnp.int32)
+  q = jnp.minimum(q, available) if q_max else jnp.zeros((), jnp.int32)
+
+  if q_max:
+    prev_stamp = cache.expert_stamp[layer]
+    # Most recently routed misses first; lax.top_k breaks ties toward the lower index.
+    _, fill_cand = jax.lax.top_k(jnp.where(miss, prev_stamp, jnp.iinfo(jnp.int32).min), q_max)
+    _, victim = jax.lax.top_k(jnp.where(used, jnp.iinfo(jnp.int32).min, -cache.slot_stamp),
+                              q_max)
+    active = jnp.arange(q_max) < q
+    fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
+    fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
+    # Evict the victims' owners, then install the fills.
+    flat_slot_of = cache.slot_of.reshape(-1)
+    evicted = jnp.where(active, cache.owner[victim], -1)
+    out_of_range = flat_slot_of.shape[0]
+    flat_slot_of = flat_slot_of.at[jnp.where(evicted >= 0, evicted, out_of_range)].set(
+        -1, mode="drop")
+    new_owner_flat = layer * num_experts + fill_expert
+    flat_slot_of = flat_slot_of.at[jnp.where(active, new_owner_flat, out_of_range)].set(
+        fill_slot, mode="drop")
+    slot_of = flat_slot_of.reshape(num_layers, num_experts)
+    owner = cache.owner.at[jnp.where(active, fill_slot, num_slots)].set(
+        new_owner_flat, mode="drop")
+    stamped = used.at[jnp.where(active, fill_slot, num_slots)].set(True, mode="drop")
+    slot_stamp = jnp.where(stamped, clock, cache.slot_stamp)
+  else:
+    fill_expert = fill_slot = jnp.zeros((0,), jnp.int32)
+    slot_of, owner, slot_stamp = cache.slot_of, cache.owner, cache.slot_stamp
+
+  expert_stamp = cache.expert_stamp.at[layer].set(
+      jnp.where(selected, clock, cache.expert_stamp[layer]))
+  new_slot_of_l = slot_of[layer]
+  route_slot = jnp.where(ids >= 0, new_slot_of_l[jnp.maximum(ids, 0)], -1)
+  new_cache = cache.replace(slot_of=slot_of, owner=owner, slot_stamp=slot_stamp,
+                            expert_stamp=expert_stamp, clock=clock)
+  return new_cache, Plan(route_slot=route_slot.astype(jnp.int32), fill_expert=fill_expert,
+                         fill_slot=fill_slot, hits=hits, fills=q, host=m - q)

@@ -1,0 +1,118 @@
+"""``ExpertCache``: N device slots shared by all layers, as an immutable pytree.
+
+Fields (L layers, E experts per layer, N slots, P elements per expert block):
+
+* ``slots [N, P]``: the cached expert blocks (same layout as the host bank's blocks);
+* ``slot_of [L, E]``: the slot holding (l, e), or -1;
+* ``owner [N]``: the flat id ``l·E + e`` a slot holds, or -1 when empty;
+* ``slot_stamp [N]``: clock of the slot's last use (hit or fill), -1 when empty;
+* ``expert_stamp [L, E]``: clock of the router's last selection of (l, e), -1 if never;
+* ``clock []``: advanced once per layer-step.
+
+Invariants (``check_invariants``): ``slot_of`` and ``owner`` are inverse maps, no slot has
+two owners, stamps never decrease and never exceed the clock.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class ExpertCache:
+  slots: jax.Array
+  slot_of: jax.Array
+  owner: jax.Array
+  slot_stamp: jax.Array
+  expert_stamp: jax.Array
+  clock: jax.Array
+
+  @property
+  def num_slots(self) -> int:
+    return self.slots.shape[0]
+
+  @property
+  def num_layers(self) -> int:
+    return self.slot_of.shape[0]
+
+  @property
+  def num_experts(self) -> int:
+    return self.slot_of.shape[1]
+
+  @classmethod
+  def empty(cls, bank_shape: tuple[int, int, int], dtype, num_slots: int) -> "ExpertCache":
+    """An empty cache of ``num_slots`` slots for a bank ``[L, E, P]``."""
+    layers, experts, block = bank_shape
+    if num_slots < 0:
+      raise ValueError(f"cache_slots must be >= 0, got {num_slots}")
+    return cls(slots=jnp.zeros((num_slots, block), dtype),
+               slot_of=jnp.full((layers, experts), -1, jnp.int32),
+               owner=jnp.full((num_slots,), -1, jnp.int32),
+               slot_stamp=jnp.full((num_slots,), -1, jnp.int32),
+               expert_stamp=jnp.full((layers, experts), -1, jnp.int32),
+               clock=jnp.zeros((), jnp.int32))
+
+  @classmethod
+  def preloaded(cls, bank: jax.Array, num_slots: int, flat_ids) -> "ExpertCache":
+    """A cache whose first slots hold the experts ``flat_ids`` (``l·E + e``), e.g. the pinned
+    set of the static policies. Extra ids beyond ``num_slots`` are an error."""
+    layers, experts, _ = bank.shape
+    flat_ids = np.asarray(flat_ids, np.int64).reshape(-1)
+    if len(flat_ids) > num_slots:
+      raise ValueError(f"{len(flat_ids)} experts to preload but only {num_slots} slots")
+    if len(set(flat_ids.tolist())) != len(flat_ids) or (
+        len(flat_ids) and not (0 <= flat_ids.min() and flat_ids.max() < layers * experts)):
+      raise ValueError("preloaded expert ids must be distinct and in [0, L·E)")
+    cache = cls.empty(bank.shape, bank.dtype, num_slots)
+    n = len(flat_ids)
+    if n == 0:
+      return cache
+    idx = jnp.asarray(flat_ids, jnp.int32)
+    slots = cache.slots.at[:n].set(bank.reshape(layers * experts, -1)[idx])
+    slot_of = cache.slot_of.reshape(-1).at[idx].set(jnp.arange(n, dtype=jnp.int32))
+    return cache.replace(slots=slots, slot_of=slot_of.reshape(layers, experts),
+                         owner=cache.owner.at[:n].set(idx),
+                         slot_stamp=cache.slot_stamp.at[:n].set(0))
+
+  def resized(self, num_slots: int) -> "ExpertCache":
+    """A cache of ``num_slots`` slots keeping the most recently used ones (between steps)."""
+    n_old = self.num_slots
+    if num_slots < 0:
+      raise ValueError(f"cache_slots must be >= 0, got {num_slots}")
+    keep = min(num_slots, n_old)
+    # Most recent first; empty slots (stamp -1) last. Stable: ties keep slot order.
+    order = jnp.argsort(-self.slot_stamp, stable=True)[:keep]
+    owner = jnp.full((num_slots,), -1, jnp.int32).at[:keep].set(self.owner[order])
+    stamp = jnp.full((num_slots,), -1, jnp.int32).at[:keep].set(self.slot_stamp[order])
+    slots = jnp.zeros((num_slots, self.slots.shape[1]), self.slots.dtype)
+    slots = slots.at[:keep].set(self.slots[order])
+    flat = jnp.full((self.slot_of.size,), -1, jnp.int32)
+    valid = owner >= 0
+    flat = flat.at[jnp.where(valid, owner, flat.shape[0])].set(
+        jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+    return self.replace(slots=slots, slot_of=flat.reshape(self.slot_of.shape), owner=owner,
+                        slot_stamp=stamp)
+
+
+def check_invariants(cache: ExpertCache, previous: ExpertCache | None = None) -> None:
+  """Raises AssertionError when an invariant of the module docstring does not hold."""
+  slot_of = np.asarray(cache.slot_of).reshape(-1)
+  owner = np.asarray(cache.owner)
+  clock = int(cache.clock)
+  held = owner[owner >= 0]
+  assert len(set(held.tolist())) == len(held), "an expert is held by two slots"
+  for s, o in enumerate(owner):
+    if o >= 0:
+      assert slot_of[o] == s, f"slot {s} holds {o} but slot_of[{o}] = {slot_of[o]}"
+  for flat, s in enumerate(slot_of):
+    if s >= 0:
+      assert owner[s] == flat, f"slot_of[{flat}] = {s} but owner[{s}] = {owner[s]}"
+  stamp = np.asarray(cache.slot_stamp)
+  assert np.all((owner >= 0) | (stamp == -1)), "an empty slot has a stamp"
+  assert np.all(stamp <= clock) and np.all(np.asarray(cache.expert_stamp) <= clock)
+  if previous is not None:
+    assert clock >= int(previous.clock)
+    assert np.all(np.asarray(cache.expert_stamp) >= np.asarray(previous.expert_stamp))

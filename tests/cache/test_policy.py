@@ -1,0 +1,183 @@
+"""Plan functions: q* worked examples, the fill/victim rules, and properties on random
+routing streams (hypothesis)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ftjax.cache import POLICIES, ExpertCache, PolicyConfig, fill_count, plan
+from ftjax.cache.state import check_invariants
+
+BW = jnp.array([12.0, 24.0])
+
+
+@pytest.mark.parametrize("m, b_p, b_h, q", [
+    (2, 12.0, 24.0, 1),  # the paper's first example
+    (3, 4.0, 8.0, 2),    # q* = 1.5, both roundings cost 0.5 s for 1 GB experts: ties go up
+    (4, 11.8, 47.5, 1),  # RTX 4060 laptop: q* = 0.99
+    (8, 52.7, 77.3, 6),  # q* = 5.45: 6 -> max(0.114, 0.081) beats 5 -> max(0.095, 0.122)
+    (5, 30.0, 30.0, 5),  # B_P >= B_H fills everything
+    (5, 40.0, 30.0, 5),
+    (0, 12.0, 24.0, 0),
+])
+def test_fill_count(m, b_p, b_h, q):
+  assert int(fill_count(m, b_p, b_h)) == q
+
+
+def test_fill_count_minimises_the_slower_path():
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    m = int(rng.integers(0, 17))
+    b_h = float(rng.uniform(10, 200))
+    b_p = float(rng.uniform(1, b_h * 0.99))
+    q = int(fill_count(m, b_p, b_h))
+    cost = lambda q: max(q / b_p, (m - q) / (b_h - b_p))  # noqa: E731
+    best = min(cost(c) for c in range(m + 1))
+    assert cost(q) <= best * (1 + 1e-5)
+    assert abs(q - m * b_p / b_h) < 1 + 1e-6
+
+
+def _cache(slots, layers=2, experts=8, block=4):
+  return ExpertCache.empty((layers, experts, block), jnp.float32, slots)
+
+
+def _step(cache, layer, ids, policy="lru_fill", bw=BW):
+  return plan(cache, layer, jnp.asarray(ids, jnp.int32), bw, PolicyConfig(policy))
+
+
+def test_fills_take_lru_slots_and_most_recent_misses_first():
+  cache = _cache(3)
+  cache, _ = _step(cache, 0, [[1, 2]])  # slots 0, 1 <- e1, e2 (empty slots first, low id)
+  cache, _ = _step(cache, 1, [[5, -1]])  # slot 2 <- (1, e5)
+  cache, p = _step(cache, 0, [[2, 3]])  # hit e2; e3 misses: victim is the LRU unused slot 0
+  assert int(p.hits) == 1 and int(p.fills) == 1
+  assert p.fill_slot.tolist()[:1] == [0] and p.fill_expert.tolist()[:1] == [3]
+  assert int(cache.slot_of[0, 1]) == -1 and int(cache.slot_of[0, 3]) == 0
+  # freetoken with m=2, B_P/B_H = 1/2 fills one: the more recently routed miss (e1, routed at
+  # clock 1) before e7 (never routed), although 7 > 1 only matters for ties.
+  cache, p = _step(cache, 0, [[7, 1]], "freetoken")
+  assert int(p.fills) == 1 and p.fill_expert.tolist()[0] == 1 and int(p.host) == 1
+  check_invariants(cache)
+
+
+def test_ties_in_recency_go_to_the_lower_expert_id():
+  cache, p = _step(_cache(1), 0, [[6, 4]])  # both never routed: e4 is filled
+  assert p.fill_expert.tolist() == [4] and p.route_slot.tolist() == [[-1, 0]]
+
+
+def test_a_slot_used_in_this_step_is_never_evicted():
+  cache = _cache(2)
+  cache, _ = _step(cache, 0, [[0, 1]])
+  cache, p = _step(cache, 0, [[0, 1], [2, 3]])  # 2 hits fill the cache: misses go to the host
+  assert int(p.hits) == 2 and int(p.fills) == 0 and int(p.host) == 2
+  assert p.route_slot.tolist() == [[0, 1], [-1, -1]]
+
+
+def test_duplicates_across_a_batch_count_once():
+  cache, p = _step(_cache(4), 0, [[3, 5], [5, 3], [3, -1]])
+  assert int(p.fills) == 2 and int(p.hits) == 0
+  assert sorted(p.fill_expert.tolist()[:2]) == [3, 5]
+
+
+def test_zero_slots_runs_everything_on_the_host():
+  cache, p = _step(_cache(0), 1, [[3, 5]])
+  assert p.route_slot.tolist() == [[-1, -1]] and int(p.host) == 2 and int(p.fills) == 0
+
+
+def test_static_policies_never_fill_or_evict():
+  bank = jnp.arange(2 * 8 * 4, dtype=jnp.float32).reshape(2, 8, 4)
+  cache = ExpertCache.preloaded(bank, 3, [1, 9, 4])  # (0,1), (1,1), (0,4)
+  for name in ("cpu_only", "static_hot", "static_layers"):
+    new, p = _step(cache, 0, [[1, 2], [4, 7]], name)
+    assert int(p.fills) == 0 and int(p.hits) == 2 and int(p.host) == 2
+    assert p.route_slot.tolist() == [[0, -1], [2, -1]]
+    np.testing.assert_array_equal(new.owner, cache.owner)
+
+
+def test_preloaded_slots_hold_the_bank_blocks():
+  bank = jnp.arange(2 * 8 * 4, dtype=jnp.float32).reshape(2, 8, 4)
+  cache = ExpertCache.preloaded(bank, 4, [9, 2])
+  np.testing.assert_array_equal(cache.slots[0], bank[1, 1])
+  np.testing.assert_array_equal(cache.slots[1], bank[0, 2])
+  check_invariants(cache)
+
+
+routing = st.lists(st.lists(st.integers(-1, 7), min_size=6, max_size=6), min_size=1,
+                   max_size=30)
+
+
+@settings(max_examples=40, deadline=None)
+@given(stream=routing, slots=st.integers(0, 10), policy=st.sampled_from(POLICIES),
+       b_p=st.floats(1.0, 100.0), b_h=st.floats(1.0, 100.0))
+def test_invariants_hold_on_random_streams(stream, slots, policy, b_p, b_h):
+  step = jax.jit(plan, static_argnames="policy")
+  cache = _cache(slots)
+  bw = jnp.array([b_p, b_h], jnp.float32)
+  for i, row in enumerate(stream):
+    layer = i % 2
+    ids = jnp.asarray(row, jnp.int32).reshape(3, 2)
+    before = cache
+    cache, p = step(cache, layer, ids, bw, policy=PolicyConfig(policy))
+    check_invariants(cache, before)
+    selected = {e for e in row if e >= 0}
+    hits = {e for e in selected if int(before.slot_of[layer, e]) >= 0}
+    assert int(p.hits) == len(hits) and int(p.fills) + int(p.host) == len(selected - hits)
+    # A slot used by a hit in this step keeps its expert.
+    for e in hits:
+      assert int(cache.slot_of[layer, e]) == int(before.slot_of[layer, e])
+    # Every device route reads the slot that holds its expert after the step.
+    rs = np.asarray(p.route_slot)
+    for (t, k), s in np.ndenumerate(rs):
+      if s >= 0:
+        assert int(cache.owner[s]) == layer * 8 + int(ids[t, k])
+    # Victims are the least recently used of the slots this step did not use.
+    filled = [s for s in np.asarray(p.fill_slot) if s >= 0]
+    if filled:
+      unused = [s for s in range(slots) if s not in
+                {int(before.slot_of[layer, e]) for e in hits}]
+      stamps = sorted(int(before.slot_stamp[s]) for s in unused)
+      assert sorted(int(before.slot_stamp[s]) for s in filled) == stamps[:len(filled)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(stream=st.lists(st.lists(st.integers(0, 7), min_size=4, max_size=4), min_size=1,
+                       max_size=8))
+def test_lru_fill_with_enough_slots_ends_with_no_misses_on_a_repeated_stream(stream):
+  cache = _cache(16)
+  step = jax.jit(plan, static_argnames="policy")
+  for _ in range(2):
+    misses = 0
+    for i, row in enumerate(stream):
+      cache, p = step(cache, i % 2, jnp.asarray(row, jnp.int32).reshape(2, 2), BW,
+                      policy=PolicyConfig("lru_fill"))
+      misses += int(p.misses)
+  assert misses == 0
+
+
+def test_no_retrace_per_step():
+  traces = []
+
+  def counted(cache, layer, ids, bw):
+    traces.append(1)
+    return plan(cache, layer, ids, bw, PolicyConfig("freetoken"))
+
+  step = jax.jit(counted)
+  cache = _cache(4)
+  rng = np.random.default_rng(0)
+  for i in range(10):
+    cache, _ = step(cache, i % 2, jnp.asarray(rng.integers(0, 8, (1, 2)), jnp.int32), BW)
+  assert len(traces) == 1
+
+
+def test_plan_runs_inside_lax_scan():
+  stream = jnp.asarray(np.random.default_rng(1).integers(0, 8, (12, 1, 2)), jnp.int32)
+
+  def body(cache, ids):
+    cache, p = plan(cache, 0, ids, BW, PolicyConfig("freetoken"))
+    return cache, p.hits
+
+  cache, hits = jax.lax.scan(body, _cache(3), stream)
+  check_invariants(cache)
+  assert hits.shape == (12,)
