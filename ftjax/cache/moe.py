@@ -17,10 +17,53 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from ftjax.cache.policy import Plan, PolicyConfig, plan
 from ftjax.cache.state import ExpertCache
 from ftjax.model.moe import routed_experts
+
+
+@struct.dataclass
+class StepStats:
+  """Per layer of the last step: distinct experts hit, filled, and run on the host."""
+  hits: jax.Array  # [L] int32
+  fills: jax.Array  # [L] int32 (q)
+  host: jax.Array  # [L] int32 (m - q)
+
+  @classmethod
+  def zeros(cls, num_layers: int) -> "StepStats":
+    z = jnp.zeros((num_layers,), jnp.int32)
+    return cls(hits=z, fills=z, host=z)
+
+  def record(self, layer, p: Plan) -> "StepStats":
+    return StepStats(hits=self.hits.at[layer].set(p.hits), fills=self.fills.at[layer].set(p.fills),
+                     host=self.host.at[layer].set(p.host))
+
+
+@struct.dataclass
+class ExpertRunner:
+  """How a model's MoE layers get their routed experts, threaded through one step.
+
+  Without a cache, every routed expert runs from the host bank (the reference path). With
+  one, each layer-step is planned by ``policy`` and split between slots and the bank.
+  """
+  bank: jax.Array  # [L, E, P] host pool
+  cache: ExpertCache | None = None
+  bandwidths: jax.Array | None = None  # [2] float32: B_P, B_H in GB/s
+  stats: StepStats | None = None
+  impl: str = struct.field(pytree_node=False, default="xla")
+  policy: PolicyConfig | None = struct.field(pytree_node=False, default=None)
+
+  def __call__(self, x, weights, ids, layer: int, *, ffn_dim: int
+               ) -> tuple["ExpertRunner", jax.Array]:
+    if self.cache is None:
+      return self, routed_experts(x, ids, weights, self.bank, layer, ffn_dim=ffn_dim,
+                                  impl=self.impl)
+    cache, y, p = offloaded_moe(x, weights, ids, self.cache, self.bank, layer,
+                                bandwidths=self.bandwidths, policy=self.policy, ffn_dim=ffn_dim,
+                                impl=self.impl)
+    return self.replace(cache=cache, stats=self.stats.record(layer, p)), y
 
 
 def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
@@ -50,7 +93,7 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   on_device = p.route_slot >= 0
   slots = fill_slots(cache.slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl)
   y = jnp.zeros(x.shape, jnp.float32)
-  if cache.num_slots:
+  if cache.capacity:
     y = y + routed_experts(x, p.route_slot, jnp.where(on_device, weights, 0.0), slots[None], 0,
                            ffn_dim=ffn_dim, impl=impl)
   host_ids = jnp.where(on_device, -1, ids)

@@ -85,7 +85,7 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
          policy: PolicyConfig) -> tuple[ExpertCache, Plan]:
   """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H)."""
   num_layers, num_experts = cache.slot_of.shape
-  num_slots = cache.num_slots
+  num_slots = cache.capacity
   t, k = ids.shape
   q_max = max(0, min(num_slots, num_experts, t * k))
   clock = cache.clock + 1
@@ -102,7 +102,8 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
   # Slots used by this step's hits are never victims; the others are, least recent first.
   used = jnp.zeros((num_slots,), bool).at[jnp.where(hit, slot_of_l, num_slots)].set(
       True, mode="drop")
-  available = num_slots - hits
+  usable = jnp.arange(num_slots) < cache.limit
+  available = cache.limit - hits
   if policy.name == "freetoken":
     q = fill_count(m, bandwidths[0], bandwidths[1])
   elif policy.name == "lru_fill":
@@ -115,8 +116,8 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     prev_stamp = cache.expert_stamp[layer]
     # Most recently routed misses first; lax.top_k breaks ties toward the lower index.
     _, fill_cand = jax.lax.top_k(jnp.where(miss, prev_stamp, jnp.iinfo(jnp.int32).min), q_max)
-    _, victim = jax.lax.top_k(jnp.where(used, jnp.iinfo(jnp.int32).min, -cache.slot_stamp),
-                              q_max)
+    _, victim = jax.lax.top_k(
+        jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
     active = jnp.arange(q_max) < q
     fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
     fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
@@ -140,9 +141,10 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
 
   expert_stamp = cache.expert_stamp.at[layer].set(
       jnp.where(selected, clock, cache.expert_stamp[layer]))
+  expert_count = cache.expert_count.at[layer].add(selected.astype(jnp.int32))
   new_slot_of_l = slot_of[layer]
   route_slot = jnp.where(ids >= 0, new_slot_of_l[jnp.maximum(ids, 0)], -1)
   new_cache = cache.replace(slot_of=slot_of, owner=owner, slot_stamp=slot_stamp,
-                            expert_stamp=expert_stamp, clock=clock)
+                            expert_stamp=expert_stamp, expert_count=expert_count, clock=clock)
   return new_cache, Plan(route_slot=route_slot.astype(jnp.int32), fill_expert=fill_expert,
                          fill_slot=fill_slot, hits=hits, fills=q, host=m - q)

@@ -7,6 +7,11 @@ Fields (L layers, E experts per layer, N slots, P elements per expert block):
 * ``owner [N]``: the flat id ``l·E + e`` a slot holds, or -1 when empty;
 * ``slot_stamp [N]``: clock of the slot's last use (hit or fill), -1 when empty;
 * ``expert_stamp [L, E]``: clock of the router's last selection of (l, e), -1 if never;
+* ``expert_count [L, E]``: how often the router selected (l, e) (a routing profile, used to
+  pick the pinned set of ``static_hot``);
+* ``limit []``: slots ``[0, limit)`` are usable; the buffer may be larger (its size is
+  bucketed so that a resize inside a bucket needs no recompile); slots past ``limit`` stay
+  empty;
 * ``clock []``: advanced once per layer-step.
 
 Invariants (``check_invariants``): ``slot_of`` and ``owner`` are inverse maps, no slot has
@@ -28,11 +33,14 @@ class ExpertCache:
   owner: jax.Array
   slot_stamp: jax.Array
   expert_stamp: jax.Array
+  expert_count: jax.Array
+  limit: jax.Array
   clock: jax.Array
 
   @property
   def num_slots(self) -> int:
-    return self.slots.shape[0]
+    """Usable slots (``limit``); a host-side read."""
+    return int(self.limit)
 
   @property
   def num_layers(self) -> int:
@@ -42,21 +50,31 @@ class ExpertCache:
   def num_experts(self) -> int:
     return self.slot_of.shape[1]
 
+  @property
+  def capacity(self) -> int:
+    """Size of the slot buffer (static); ``limit`` of them are usable."""
+    return self.slots.shape[0]
+
   @classmethod
-  def empty(cls, bank_shape: tuple[int, int, int], dtype, num_slots: int) -> "ExpertCache":
-    """An empty cache of ``num_slots`` slots for a bank ``[L, E, P]``."""
+  def empty(cls, bank_shape: tuple[int, int, int], dtype, num_slots: int,
+            capacity: int | None = None) -> "ExpertCache":
+    """An empty cache of ``num_slots`` usable slots (buffer ``capacity``) for a bank [L, E, P]."""
     layers, experts, block = bank_shape
-    if num_slots < 0:
-      raise ValueError(f"cache_slots must be >= 0, got {num_slots}")
-    return cls(slots=jnp.zeros((num_slots, block), dtype),
+    capacity = num_slots if capacity is None else capacity
+    if not 0 <= num_slots <= capacity:
+      raise ValueError(f"cache_slots must be in [0, capacity={capacity}], got {num_slots}")
+    return cls(slots=jnp.zeros((capacity, block), dtype),
                slot_of=jnp.full((layers, experts), -1, jnp.int32),
-               owner=jnp.full((num_slots,), -1, jnp.int32),
-               slot_stamp=jnp.full((num_slots,), -1, jnp.int32),
+               owner=jnp.full((capacity,), -1, jnp.int32),
+               slot_stamp=jnp.full((capacity,), -1, jnp.int32),
                expert_stamp=jnp.full((layers, experts), -1, jnp.int32),
+               expert_count=jnp.zeros((layers, experts), jnp.int32),
+               limit=jnp.asarray(num_slots, jnp.int32),
                clock=jnp.zeros((), jnp.int32))
 
   @classmethod
-  def preloaded(cls, bank: jax.Array, num_slots: int, flat_ids) -> "ExpertCache":
+  def preloaded(cls, bank: jax.Array, num_slots: int, flat_ids,
+                capacity: int | None = None) -> "ExpertCache":
     """A cache whose first slots hold the experts ``flat_ids`` (``l·E + e``), e.g. the pinned
     set of the static policies. Extra ids beyond ``num_slots`` are an error."""
     layers, experts, _ = bank.shape
@@ -66,7 +84,7 @@ class ExpertCache:
     if len(set(flat_ids.tolist())) != len(flat_ids) or (
         len(flat_ids) and not (0 <= flat_ids.min() and flat_ids.max() < layers * experts)):
       raise ValueError("preloaded expert ids must be distinct and in [0, L·E)")
-    cache = cls.empty(bank.shape, bank.dtype, num_slots)
+    cache = cls.empty(bank.shape, bank.dtype, num_slots, capacity)
     n = len(flat_ids)
     if n == 0:
       return cache
@@ -77,24 +95,25 @@ class ExpertCache:
                          owner=cache.owner.at[:n].set(idx),
                          slot_stamp=cache.slot_stamp.at[:n].set(0))
 
-  def resized(self, num_slots: int) -> "ExpertCache":
-    """A cache of ``num_slots`` slots keeping the most recently used ones (between steps)."""
-    n_old = self.num_slots
-    if num_slots < 0:
-      raise ValueError(f"cache_slots must be >= 0, got {num_slots}")
-    keep = min(num_slots, n_old)
+  def resized(self, num_slots: int, capacity: int | None = None) -> "ExpertCache":
+    """``num_slots`` usable slots in a buffer of ``capacity``, keeping the most recently used
+    cached experts (called between steps, never inside one). The host pool is untouched."""
+    capacity = num_slots if capacity is None else capacity
+    if not 0 <= num_slots <= capacity:
+      raise ValueError(f"cache_slots must be in [0, capacity={capacity}], got {num_slots}")
+    keep = min(num_slots, self.capacity)
     # Most recent first; empty slots (stamp -1) last. Stable: ties keep slot order.
     order = jnp.argsort(-self.slot_stamp, stable=True)[:keep]
-    owner = jnp.full((num_slots,), -1, jnp.int32).at[:keep].set(self.owner[order])
-    stamp = jnp.full((num_slots,), -1, jnp.int32).at[:keep].set(self.slot_stamp[order])
-    slots = jnp.zeros((num_slots, self.slots.shape[1]), self.slots.dtype)
+    owner = jnp.full((capacity,), -1, jnp.int32).at[:keep].set(self.owner[order])
+    stamp = jnp.full((capacity,), -1, jnp.int32).at[:keep].set(self.slot_stamp[order])
+    slots = jnp.zeros((capacity, self.slots.shape[1]), self.slots.dtype)
     slots = slots.at[:keep].set(self.slots[order])
     flat = jnp.full((self.slot_of.size,), -1, jnp.int32)
     valid = owner >= 0
     flat = flat.at[jnp.where(valid, owner, flat.shape[0])].set(
-        jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+        jnp.arange(capacity, dtype=jnp.int32), mode="drop")
     return self.replace(slots=slots, slot_of=flat.reshape(self.slot_of.shape), owner=owner,
-                        slot_stamp=stamp)
+                        slot_stamp=stamp, limit=jnp.asarray(num_slots, jnp.int32))
 
 
 def check_invariants(cache: ExpertCache, previous: ExpertCache | None = None) -> None:
@@ -112,6 +131,7 @@ def check_invariants(cache: ExpertCache, previous: ExpertCache | None = None) ->
       assert owner[s] == flat, f"slot_of[{flat}] = {s} but owner[{s}] = {owner[s]}"
   stamp = np.asarray(cache.slot_stamp)
   assert np.all((owner >= 0) | (stamp == -1)), "an empty slot has a stamp"
+  assert np.all(owner[int(cache.limit):] == -1), "a slot past the limit holds an expert"
   assert np.all(stamp <= clock) and np.all(np.asarray(cache.expert_stamp) <= clock)
   if previous is not None:
     assert clock >= int(previous.clock)

@@ -12,7 +12,6 @@ import numpy as np
 from flax import nnx
 from flax import struct
 
-from ftjax.model import moe as moe_lib
 from ftjax.model.router import route
 
 _INIT_STD = 0.02
@@ -191,7 +190,9 @@ class MoE(nnx.Module):
     self.router = router
     self.norm_topk_prob = norm_topk_prob
 
-  def __call__(self, x: jax.Array, bank: jax.Array, layer: int, *, impl: str) -> jax.Array:
+  def __call__(self, x: jax.Array, layer: int, experts):
+    """x [B, T, D] -> (experts, y): ``experts`` is the ``ExpertRunner`` threaded through the
+    step (it holds the bank and, when caching, the expert cache)."""
     lead, width = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, width)  # [B·T, D]
     logits = jnp.einsum("TD,ED->TE", x2, _f32(self.w_router_ed))
@@ -199,10 +200,10 @@ class MoE(nnx.Module):
         logits, kind=self.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
         bias=_f32(self.b_router_e) if self.router == "sigmoid_group" else None,
         n_group=self.router_groups, topk_group=self.router_topk_groups, scaling=self.scaling)
-    y = moe_lib.routed_experts(x2, ids, weights, bank, layer, ffn_dim=self.ffn_dim, impl=impl)
+    experts, y = experts(x2, weights, ids, layer, ffn_dim=self.ffn_dim)
     if self.has_shared:
       shared = self.shared(x2)
       if self.shared_gate:
         shared = jax.nn.sigmoid(x2 @ _f32(self.w_shared_gate_d))[:, None] * shared
       y = y + shared
-    return y.reshape(*lead, width)
+    return experts, y.reshape(*lead, width)

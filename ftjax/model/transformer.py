@@ -14,26 +14,39 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from ftjax.cache.moe import ExpertRunner, StepStats
+from ftjax.cache.policy import PolicyConfig
+from ftjax.cache.state import ExpertCache
 from ftjax.model.config import ModelConfig
 from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, _f32, _normal
 
 
 @struct.dataclass
 class DecodeState:
-  """Everything a decode step changes: one cache per layer and the number of cached tokens.
+  """Everything a decode step changes.
 
   ``layers[i]`` is the state of layer i's mixer (a ``KVCache`` for attention layers; linear
-  attention layers will carry conv and recurrent state here).
+  attention layers will carry conv and recurrent state here); ``length`` counts the cached
+  tokens. With an expert cache, ``experts`` is it, ``bandwidths`` the (B_P, B_H) its policy
+  plans with, and ``stats`` what the last step did per layer.
   """
   layers: tuple[KVCache, ...]
   length: jax.Array  # int32 [], rows [0, length) of every cache are filled
+  experts: ExpertCache | None = None
+  bandwidths: jax.Array | None = None  # [2] float32 GB/s
+  stats: StepStats | None = None
 
 
-def init_state(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
+def init_state(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *,
+               experts: ExpertCache | None = None, bandwidths=None) -> DecodeState:
   layers = tuple(
       KVCache.zeros(batch, max_len, config.num_kv_heads, config.head_dim, dtype)
       for _ in config.layer_types)
-  return DecodeState(layers=layers, length=jnp.zeros((), jnp.int32))
+  if experts is None:
+    return DecodeState(layers=layers, length=jnp.zeros((), jnp.int32))
+  return DecodeState(layers=layers, length=jnp.zeros((), jnp.int32), experts=experts,
+                     bandwidths=jnp.asarray(bandwidths, jnp.float32),
+                     stats=StepStats.zeros(config.num_moe_layers))
 
 
 class DecoderLayer(nnx.Module):
@@ -55,11 +68,11 @@ class DecoderLayer(nnx.Module):
         router_groups=c.router_groups, router_topk_groups=c.router_topk_groups,
         scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
 
-  def __call__(self, x, cache, length, positions, bank, layer, *, kernels):
+  def __call__(self, x, cache, length, positions, layer, experts):
     cache, h = self.attn(self.attn_norm(x), cache, length, positions)
     x = x + h
-    x = x + self.moe(self.mlp_norm(x), bank, layer, impl=kernels)
-    return cache, x
+    experts, h = self.moe(self.mlp_norm(x), layer, experts)
+    return cache, experts, x + h
 
 
 class Transformer(nnx.Module):
@@ -76,28 +89,34 @@ class Transformer(nnx.Module):
     self.tie_word_embeddings = c.tie_word_embeddings
 
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
-               bank: jax.Array, *, last_only: bool = False, kernels: str = "xla"
-               ) -> tuple[DecodeState, jax.Array]:
+               bank: jax.Array, *, last_only: bool = False, kernels: str = "xla",
+               policy: PolicyConfig | None = None) -> tuple[DecodeState, jax.Array]:
     """tokens, positions [B, T] -> (new state, logits [B, T or 1, V] float32)."""
     x = jnp.take(self.embed_vd[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
+    experts = ExpertRunner(bank=bank, cache=state.experts, bandwidths=state.bandwidths,
+                           stats=state.stats, impl=kernels, policy=policy)
     caches = []
     for i, layer in enumerate(self.layers):
-      cache, x = layer(x, state.layers[i], state.length, positions, bank, i, kernels=kernels)
+      cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts)
       caches.append(cache)
     if last_only:
       x = x[:, -1:]
     x = self.final_norm(x)
     w_lm = self.embed_vd if self.tie_word_embeddings else self.w_lm_vd
     logits = jnp.einsum("BTD,VD->BTV", x, _f32(w_lm))
-    new_state = DecodeState(layers=tuple(caches), length=state.length + tokens.shape[1])
+    new_state = state.replace(layers=tuple(caches), length=state.length + tokens.shape[1],
+                              experts=experts.cache, stats=experts.stats)
     return new_state, logits
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "last_only", "kernels"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "last_only", "kernels", "policy"),
                    donate_argnames=("state",))
 def forward(graphdef: nnx.GraphDef, params: nnx.State, bank: jax.Array, state: DecodeState,
             tokens: jax.Array, positions: jax.Array, *, last_only: bool = False,
-            kernels: str = "xla") -> tuple[DecodeState, jax.Array]:
-  """One jitted step over all layers: ``(new_state, logits)``. ``state`` is donated."""
+            kernels: str = "xla", policy: PolicyConfig | None = None
+            ) -> tuple[DecodeState, jax.Array]:
+  """One jitted step over all layers: ``(new_state, logits)``. ``state`` is donated (with
+  the expert cache in it, so fills update the slot buffer in place)."""
   model = nnx.merge(graphdef, params)
-  return model(state, tokens, positions, bank, last_only=last_only, kernels=kernels)
+  return model(state, tokens, positions, bank, last_only=last_only, kernels=kernels,
+               policy=policy)
