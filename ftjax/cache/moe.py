@@ -33,8 +33,8 @@ class StepStats:
 
   @classmethod
   def zeros(cls, num_layers: int) -> "StepStats":
-    z = jnp.zeros((num_layers,), jnp.int32)
-    return cls(hits=z, fills=z, host=z)
+    # Three distinct buffers: the state is donated, and one buffer cannot be donated twice.
+    return cls(*(jnp.zeros((num_layers,), jnp.int32) for _ in range(3)))
 
   def record(self, layer, p: Plan) -> "StepStats":
     return StepStats(hits=self.hits.at[layer].set(p.hits), fills=self.fills.at[layer].set(p.fills),

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax.cache.policy import PolicyConfig
+from ftjax.cache.state import ExpertCache
 from ftjax.model.transformer import DecodeState, forward, init_state
 from ftjax.runtime.model import Model
 from ftjax.runtime.sampling import check_sampling_args, sample
@@ -42,15 +44,64 @@ class RuntimeOptions:
     ``max_position_embeddings``.
   kernels: how host-side work runs: "ffi" (ftjax's C++ kernels, CPU backend), "xla" (plain
     jnp), or "auto" (ffi on the CPU backend when the compiled module is present, else xla).
+  Expert cache (at most one of the four sizes; none = no cache, every routed expert runs
+  from the host pool):
+    cache_slots: number of slots; cache_fraction: of all L·E experts; cache_bytes: a memory
+    size; device_budget_bytes: a budget shared with the KV cache, re-divided automatically
+    as the KV cache grows or shrinks (DESIGN section 5).
+  policy: one of ``ftjax.cache.POLICIES``.
+  bandwidths: (B_P, B_H) in GB/s, or profile: a ``python -m ftjax.profile`` JSON. Needed by
+    the freetoken policy.
+  hot_experts: routing counts [L, E] choosing the pinned set of ``static_hot``.
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
+  cache_slots: int | None = None
+  cache_fraction: float | None = None
+  cache_bytes: int | None = None
+  device_budget_bytes: int | None = None
+  policy: str = "freetoken"
+  bandwidths: tuple[float, float] | None = None
+  profile: str | None = None
+  hot_experts: Any = None
 
   def __post_init__(self):
     if self.kernels not in ("auto", "xla", "ffi"):
       raise ValueError(f"kernels must be 'auto', 'xla' or 'ffi', got {self.kernels!r}")
     if self.max_seq_len is not None and self.max_seq_len < 1:
       raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+    sizes = {k: getattr(self, k) for k in ("cache_slots", "cache_fraction", "cache_bytes",
+                                           "device_budget_bytes") if getattr(self, k) is not None}
+    if len(sizes) > 1:
+      raise ValueError(f"give at most one cache size, got {', '.join(sizes)}")
+    for key, value in sizes.items():
+      if value < 0 or (key == "cache_fraction" and value > 1):
+        raise ValueError(f"{key} must be {'in [0, 1]' if key == 'cache_fraction' else '>= 0'}, "
+                         f"got {value}")
+    PolicyConfig(self.policy)  # validates the name
+    if self.bandwidths is not None and self.profile is not None:
+      raise ValueError("give bandwidths or profile, not both")
+    if self.bandwidths is not None:
+      if len(self.bandwidths) != 2 or min(self.bandwidths) <= 0:
+        raise ValueError(f"bandwidths must be two positive GB/s numbers (B_P, B_H), got "
+                         f"{self.bandwidths}")
+
+  @property
+  def caching(self) -> bool:
+    return any(getattr(self, k) is not None for k in ("cache_slots", "cache_fraction",
+                                                      "cache_bytes", "device_budget_bytes"))
+
+
+def slot_bucket(num_slots: int) -> int:
+  """Buffer capacity for ``num_slots``: the next power of two, so that resizes within a
+  bucket reuse the compiled step (one compile per bucket)."""
+  return 0 if num_slots == 0 else 1 << (num_slots - 1).bit_length()
+
+
+def slots_for_budget(budget_bytes: int, kv_bytes: int, slot_bytes: int) -> int:
+  """N = floor((budget - KV) / slot): e.g. 8 GB budget, 0.5 GB slots: KV 3 GB -> 10 slots,
+  KV 4 GB -> 8, KV 2 GB -> 12 (the paper's example)."""
+  return max(0, (budget_bytes - kv_bytes) // slot_bytes)
 
 
 @dataclasses.dataclass
@@ -73,20 +124,143 @@ class GenerateResult:
 
 
 class Engine:
-  """``Engine(model, **runtime_options)``; see ``RuntimeOptions`` for the options."""
+  """``Engine(model, **runtime_options)``; see ``RuntimeOptions`` for the options.
+
+  The engine owns the expert cache: it persists across requests, is threaded through every
+  step inside the (donated) decode state, and is resized only between steps. One sequence
+  runs at a time.
+  """
 
   def __init__(self, model: Model, **runtime_options):
     self.model = model
-    self.options = RuntimeOptions(**runtime_options)
-    impl = self.options.kernels
+    self.options = opts = RuntimeOptions(**runtime_options)
+    impl = opts.kernels
     if impl == "auto":
       impl = "ffi" if jax.default_backend() == "cpu" and _ffi_available() else "xla"
     elif impl == "ffi" and jax.default_backend() != "cpu":
       raise ValueError("kernels='ffi' needs the CPU backend; the GPU kernels are not built yet")
     self.kernels = impl
-    self.max_seq_len = self.options.max_seq_len or model.config.max_position_embeddings
+    self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
     self._compiled: dict[tuple, Callable] = {}
     self.compile_s = 0.0
+    self.policy = PolicyConfig(opts.policy) if opts.caching else None
+    self.bandwidths, self.bandwidth_source = self._bandwidths()
+    self._experts: ExpertCache | None = None
+    self._steps: list[dict[str, Any]] = []
+    if opts.caching:
+      self._experts = self._initial_cache(self._requested_slots(kv_bytes=0))
+
+  # -- Expert cache ---------------------------------------------------------------------------
+
+  @property
+  def slot_bytes(self) -> int:
+    return int(self.model.bank.shape[2]) * self.model.bank.dtype.itemsize
+
+  @property
+  def total_experts(self) -> int:
+    c = self.model.config
+    return c.num_moe_layers * c.num_experts
+
+  def _requested_slots(self, kv_bytes: int) -> int:
+    o = self.options
+    if o.cache_slots is not None:
+      n = o.cache_slots
+    elif o.cache_fraction is not None:
+      n = int(o.cache_fraction * self.total_experts)
+    elif o.cache_bytes is not None:
+      n = o.cache_bytes // self.slot_bytes
+    else:
+      n = slots_for_budget(o.device_budget_bytes, kv_bytes, self.slot_bytes)
+    return min(n, self.total_experts)  # more slots than experts would never be used
+
+  def _bandwidths(self) -> tuple[np.ndarray | None, str]:
+    o = self.options
+    if o.bandwidths is not None:
+      return np.asarray(o.bandwidths, np.float32), "given (B_P, B_H)"
+    if o.profile is not None:
+      from ftjax.runtime.profile import ExpertShape, load_profile  # noqa: PLC0415
+      c = self.model.config
+      prof = load_profile(o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size,
+                                                 str(self.model.dtype), c.top_k))
+      # Measured concurrently: B_P while the host kernel runs, and the host kernel's residual
+      # bandwidth B_res while a fill runs, so B_H = B_P + B_res (DESIGN section 2).
+      conc = prof["concurrent"]
+      return (np.asarray([conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"]], np.float32),
+              f"profile {o.profile} (concurrent)")
+    if self.policy is not None and self.policy.name == "freetoken":
+      raise ValueError("the freetoken policy needs bandwidths: pass bandwidths=(B_P, B_H) in "
+                       "GB/s or profile=PATH (write one with `python -m ftjax.profile`)")
+    return None, "none (not needed by this policy)"
+
+  def _initial_cache(self, num_slots: int) -> ExpertCache:
+    bank, c = self.model.bank, self.model.config
+    capacity = slot_bucket(num_slots)
+    name = self.policy.name
+    if name == "static_hot":
+      if self.options.hot_experts is None:
+        raise ValueError("static_hot needs a routing profile: pass hot_experts=counts [L, E] "
+                         "(e.g. engine.routing_counts() of a warm-up run with another policy)")
+      counts = np.asarray(self.options.hot_experts, np.float64).reshape(-1)
+      if counts.size != self.total_experts:
+        raise ValueError(f"hot_experts must have L·E = {self.total_experts} counts, got "
+                         f"{counts.size}")
+      pinned = np.argsort(-counts, kind="stable")[:num_slots]
+      return ExpertCache.preloaded(bank, num_slots, pinned, capacity)
+    if name == "static_layers":
+      whole = (num_slots // c.num_experts) * c.num_experts
+      return ExpertCache.preloaded(bank, num_slots, np.arange(whole), capacity)
+    return ExpertCache.empty(bank.shape, bank.dtype, num_slots, capacity)
+
+  def resize_cache(self, slots: int | None = None, bytes: int | None = None) -> int:  # noqa: A002
+    """Resizes the expert cache between steps; keeps the most recently used slots. The host
+    pool is not reloaded and nothing restarts. Returns the new slot count."""
+    if self._experts is None:
+      raise ValueError("this engine has no expert cache: create it with cache_slots=, "
+                       "cache_fraction=, cache_bytes= or device_budget_bytes=")
+    if (slots is None) == (bytes is None):
+      raise ValueError("give exactly one of slots= or bytes=")
+    n = slots if slots is not None else bytes // self.slot_bytes
+    if n < 0:
+      raise ValueError(f"the cache size must be >= 0, got {n} slots")
+    n = min(n, self.total_experts)
+    if self.policy.name in ("static_hot", "static_layers"):
+      self._experts = self._initial_cache(n)  # the pinned set is recomputed for the new size
+    else:
+      self._experts = self._experts.resized(n, slot_bucket(n))
+    return n
+
+  def routing_counts(self) -> np.ndarray:
+    """How often the router selected each (layer, expert) so far: [L, E]."""
+    if self._experts is None:
+      raise ValueError("routing counts are kept by the expert cache; this engine has none")
+    return np.asarray(self._experts.expert_count)
+
+  def stats(self) -> dict[str, Any]:
+    """Per step and layer (hits, fills, host-run experts, q) and cumulative per layer."""
+    if self._experts is None:
+      return {"cache": None}
+    layers = self.model.config.num_moe_layers
+    total = {k: np.zeros(layers, np.int64) for k in ("hits", "fills", "host")}
+    for step in self._steps:
+      for k in total:
+        total[k] += step[k]
+    misses = total["fills"] + total["host"]
+    selected = total["hits"] + misses
+    eb = self.model.config.expert_block_elems * self.model.bank.dtype.itemsize
+    return {
+        "policy": self.policy.name, "slots": int(self._experts.limit),
+        "capacity": self._experts.capacity, "slot_bytes": self.slot_bytes,
+        "bandwidths_gb_s": None if self.bandwidths is None else self.bandwidths.tolist(),
+        "bandwidth_source": self.bandwidth_source, "steps": len(self._steps),
+        "per_step": self._steps,
+        "per_layer": {**{k: v.tolist() for k, v in total.items()}, "misses": misses.tolist(),
+                      "miss_rate": np.where(selected > 0, misses / np.maximum(selected, 1),
+                                            0.0).tolist()},
+        "miss_rate": float(misses.sum() / max(selected.sum(), 1)),
+        "bytes": {"fill": int(total["fills"].sum() * eb), "host": int(total["host"].sum() * eb),
+                  "device": int((total["hits"] + total["fills"]).sum() * eb)},
+        "compiles": len(self._compiled),
+    }
 
   # -- Steps ---------------------------------------------------------------------------------
 
@@ -96,20 +270,41 @@ class Engine:
     if fn is None:
       t0 = time.perf_counter()
       fn = forward.lower(self.model.graphdef, self.model.params, self.model.bank, state, tokens,
-                         positions, last_only=last_only, kernels=self.kernels).compile()
+                         positions, last_only=last_only, kernels=self.kernels,
+                         policy=self.policy).compile()
       self.compile_s += time.perf_counter() - t0
       self._compiled[key] = fn
     return fn
 
   def step(self, state: DecodeState, tokens: jax.Array, positions: jax.Array, *,
            last_only: bool = False) -> tuple[DecodeState, jax.Array]:
-    """One jitted forward: tokens/positions [B, T] -> (new state, logits). Donates state."""
+    """One jitted forward: tokens/positions [B, T] -> (new state, logits). Donates state.
+
+    With an expert cache, the engine's current cache (resized since, perhaps) rides in the
+    state and comes back updated."""
+    if self._experts is not None:
+      state = state.replace(experts=self._experts)
     fn = self._step_fn(state, tokens, positions, last_only)
-    return fn(self.model.params, self.model.bank, state, tokens, positions)
+    state, logits = fn(self.model.params, self.model.bank, state, tokens, positions)
+    if self._experts is not None:
+      self._experts = state.experts
+      s = jax.device_get(state.stats)
+      self._steps.append({"tokens": int(tokens.size), "hits": s.hits, "fills": s.fills,
+                          "host": s.host})
+    return state, logits
 
   def new_state(self, batch: int, capacity: int) -> DecodeState:
     capacity = min(-(-capacity // _STATE_BUCKET) * _STATE_BUCKET, self.max_seq_len)
-    return init_state(self.model.config, batch, capacity)
+    if self._experts is None:
+      return init_state(self.model.config, batch, capacity)
+    if self.options.device_budget_bytes is not None:  # re-divide the budget for this KV size
+      c = self.model.config
+      kv_bytes = 2 * c.num_layers * batch * capacity * c.num_kv_heads * c.head_dim * 4
+      n = self._requested_slots(kv_bytes)
+      if n != int(self._experts.limit):
+        self.resize_cache(slots=n)
+    return init_state(self.model.config, batch, capacity, experts=self._experts,
+                      bandwidths=self.bandwidths if self.bandwidths is not None else [1.0, 1.0])
 
   def check_context(self, prompt_len: int, new: int) -> None:
     if prompt_len < 1:
