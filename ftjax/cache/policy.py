@@ -31,7 +31,6 @@ from flax import struct
 from ftjax.cache.state import ExpertCache
 
 POLICIES = ("freetoken", "lru_fill", "cpu_only", "static_hot", "static_layers")
-_FILLING = {"freetoken", "lru_fill"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +41,16 @@ class PolicyConfig:
   def __post_init__(self):
     if self.name not in POLICIES:
       raise ValueError(f"unknown cache policy {self.name!r}; choose one of {', '.join(POLICIES)}")
+
+  @property
+  def fill_rule(self) -> str:
+    """What the plan function does with misses: "q*", "all" or "none". Policies with the
+    same rule trace to the same program (they differ only in the preloaded cache)."""
+    return {"freetoken": "q*", "lru_fill": "all"}.get(self.name, "none")
+
+  def traced(self) -> "PolicyConfig":
+    """The canonical policy of this fill rule, so equal programs share one compile."""
+    return PolicyConfig({"q*": "freetoken", "all": "lru_fill", "none": "cpu_only"}[self.fill_rule])
 
 
 @struct.dataclass
@@ -104,9 +113,9 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
       True, mode="drop")
   usable = jnp.arange(num_slots) < cache.limit
   available = cache.limit - hits
-  if policy.name == "freetoken":
+  if policy.fill_rule == "q*":
     q = fill_count(m, bandwidths[0], bandwidths[1])
-  elif policy.name == "lru_fill":
+  elif policy.fill_rule == "all":
     q = m
   else:
     q = jnp.zeros((), jnp.int32)

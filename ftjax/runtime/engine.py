@@ -28,6 +28,11 @@ class ContextLengthError(ValueError):
   pass
 
 
+# Compiled steps, shared by every engine in the process: keyed by everything the program
+# depends on (graph, static options, and the shapes and dtypes of all arguments).
+_COMPILED: dict[tuple, Callable] = {}
+
+
 def _ffi_available() -> bool:
   try:
     import ftjax.kernels  # noqa: F401, PLC0415
@@ -53,6 +58,8 @@ class RuntimeOptions:
   bandwidths: (B_P, B_H) in GB/s, or profile: a ``python -m ftjax.profile`` JSON. Needed by
     the freetoken policy.
   hot_experts: routing counts [L, E] choosing the pinned set of ``static_hot``.
+  cache_capacity: a fixed slot-buffer size (default: the power-of-two bucket of the slot
+    count). Sizes up to it then share one compiled step: sweeps over cache sizes compile once.
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
@@ -64,6 +71,7 @@ class RuntimeOptions:
   bandwidths: tuple[float, float] | None = None
   profile: str | None = None
   hot_experts: Any = None
+  cache_capacity: int | None = None
 
   def __post_init__(self):
     if self.kernels not in ("auto", "xla", "ffi"):
@@ -141,7 +149,7 @@ class Engine:
       raise ValueError("kernels='ffi' needs the CPU backend; the GPU kernels are not built yet")
     self.kernels = impl
     self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
-    self._compiled: dict[tuple, Callable] = {}
+    self._compiled: set[tuple] = set()  # this engine's share of _COMPILED
     self.compile_s = 0.0
     self.policy = PolicyConfig(opts.policy) if opts.caching else None
     self.bandwidths, self.bandwidth_source = self._bandwidths()
@@ -192,9 +200,17 @@ class Engine:
                        "GB/s or profile=PATH (write one with `python -m ftjax.profile`)")
     return None, "none (not needed by this policy)"
 
+  def _capacity(self, num_slots: int) -> int:
+    fixed = self.options.cache_capacity
+    if fixed is None:
+      return slot_bucket(num_slots)
+    if num_slots > fixed:
+      raise ValueError(f"{num_slots} slots exceed cache_capacity={fixed}")
+    return fixed
+
   def _initial_cache(self, num_slots: int) -> ExpertCache:
     bank, c = self.model.bank, self.model.config
-    capacity = slot_bucket(num_slots)
+    capacity = self._capacity(num_slots)
     name = self.policy.name
     if name == "static_hot":
       if self.options.hot_experts is None:
@@ -226,7 +242,7 @@ class Engine:
     if self.policy.name in ("static_hot", "static_layers"):
       self._experts = self._initial_cache(n)  # the pinned set is recomputed for the new size
     else:
-      self._experts = self._experts.resized(n, slot_bucket(n))
+      self._experts = self._experts.resized(n, self._capacity(n))
     return n
 
   def routing_counts(self) -> np.ndarray:
@@ -265,15 +281,18 @@ class Engine:
   # -- Steps ---------------------------------------------------------------------------------
 
   def _step_fn(self, state: DecodeState, tokens, positions, last_only: bool):
-    key = (tokens.shape, tuple(x.shape for x in jax.tree.leaves(state)), last_only)
-    fn = self._compiled.get(key)
+    policy = self.policy.traced() if self.policy is not None else None
+    args = (self.model.params, self.model.bank, state, tokens, positions)
+    key = (self.model.graphdef, self.kernels, policy, last_only, jax.tree.structure(args),
+           tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+    fn = _COMPILED.get(key)
     if fn is None:
       t0 = time.perf_counter()
-      fn = forward.lower(self.model.graphdef, self.model.params, self.model.bank, state, tokens,
-                         positions, last_only=last_only, kernels=self.kernels,
-                         policy=self.policy).compile()
+      fn = forward.lower(self.model.graphdef, *args, last_only=last_only, kernels=self.kernels,
+                         policy=policy).compile()
       self.compile_s += time.perf_counter() - t0
-      self._compiled[key] = fn
+      _COMPILED[key] = fn
+    self._compiled.add(key)
     return fn
 
   def step(self, state: DecodeState, tokens: jax.Array, positions: jax.Array, *,

@@ -6,6 +6,7 @@ import pytest
 
 import ftjax
 from ftjax.model import transformer
+from ftjax.runtime import engine as engine_lib
 from ftjax.runtime import model as model_lib
 from ftjax.runtime.engine import ContextLengthError
 from ftjax.runtime.sampling import sample
@@ -62,6 +63,7 @@ def test_second_call_with_new_data_does_not_retrace(model, monkeypatch):
     return original(self, *args, **kwargs)
 
   monkeypatch.setattr(transformer.Transformer, "__call__", counting)
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # no executables from other tests
   engine = ftjax.Engine(model, kernels="xla")
   engine.generate([1, 2, 3, 4], 6)
   first = len(traces)

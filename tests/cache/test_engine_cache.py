@@ -1,0 +1,168 @@
+"""Every policy and cache size gives the dense reference's logits and greedy tokens, on two
+model families, at batch 1 and 3, and across resizes in the middle of generation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ftjax
+from ftjax.cache import POLICIES
+from ftjax.cache.state import check_invariants
+from ftjax.runtime import model as model_lib
+from ftjax.runtime.engine import slot_bucket, slots_for_budget
+
+STEPS = 32
+PROMPT = 5
+
+
+def _family(tiny_config, name):
+  if name == "qwen3_moe":
+    return tiny_config
+  return dataclasses.replace(tiny_config, model_type="qwen2_moe", qk_norm=None, qkv_bias=True,
+                             norm_topk_prob=False, shared_expert_intermediate_size=24,
+                             shared_expert_gate=True)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def family_model(request, tiny_config):
+  model = model_lib.random_model(_family(tiny_config, request.param), seed=11)
+  params = jax.tree.map(lambda x: x * 8.0, model.params)  # sharp routing, distinct logits
+  return dataclasses.replace(model, params=params, bank=model.bank * 8.0)
+
+
+def _run(engine, prompts, tokens_per_step=None):
+  """Prefill, then STEPS single-token steps; feeds ``tokens_per_step`` if given (teacher
+  forcing), else the engine's own greedy tokens. Returns (logits per step, tokens)."""
+  batch = len(prompts)
+  state = engine.new_state(batch, PROMPT + STEPS + 1)
+  ids = jnp.asarray(np.array(prompts, np.int32))
+  pos = jnp.broadcast_to(jnp.arange(PROMPT, dtype=jnp.int32), (batch, PROMPT))
+  state, logits = engine.step(state, ids, pos, last_only=True)
+  out_logits, out_tokens = [np.asarray(logits[:, -1])], []
+  for i in range(STEPS):
+    tok = (tokens_per_step[i] if tokens_per_step is not None
+           else np.asarray(out_logits[-1]).argmax(-1).astype(np.int32))
+    out_tokens.append(tok)
+    state, logits = engine.step(state, jnp.asarray(tok)[:, None],
+                                jnp.full((batch, 1), PROMPT + i, jnp.int32), last_only=True)
+    out_logits.append(np.asarray(logits[:, -1]))
+  return np.stack(out_logits), np.stack(out_tokens)
+
+
+def _assert_same_as_reference(ref, got):
+  ref_logits, ref_tokens = ref
+  logits, tokens = got
+  np.testing.assert_array_equal(tokens, ref_tokens)
+  np.testing.assert_allclose(logits, ref_logits, rtol=0,
+                             atol=1e-5 * max(1.0, np.abs(ref_logits).max()))
+
+
+@pytest.fixture(scope="module")
+def references(family_model):
+  rng = np.random.default_rng(0)
+  out = {}
+  for batch in (1, 3):
+    prompts = rng.integers(0, family_model.config.vocab_size, (batch, PROMPT))
+    engine = ftjax.Engine(family_model, kernels="xla")
+    out[batch] = (prompts, _run(engine, prompts))
+  return out
+
+
+def _sizes(config):
+  total = config.num_layers * config.num_experts
+  return [0, 1, config.top_k, total // 3, total]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_policy_and_size_matches_the_dense_reference(family_model, references, policy,
+                                                           batch):
+  prompts, ref = references[batch]
+  hot = np.arange(family_model.config.num_layers * family_model.config.num_experts)[::-1]
+  for slots in _sizes(family_model.config):
+    # One buffer size for all sizes: the sweep compiles once per policy rule.
+    engine = ftjax.Engine(family_model, kernels="xla", cache_slots=slots, policy=policy,
+                          bandwidths=(12.0, 24.0), hot_experts=hot,
+                          cache_capacity=_sizes(family_model.config)[-1])
+    got = _run(engine, prompts)
+    _assert_same_as_reference(ref, got)
+    check_invariants(engine._experts)
+    st = engine.stats()
+    assert st["steps"] == STEPS + 1 and st["slots"] == slots
+    if slots == 0 or policy in ("cpu_only", "static_hot", "static_layers"):
+      assert st["bytes"]["fill"] == 0
+    if slots == 0:
+      assert st["miss_rate"] == 1.0
+
+
+def test_resizes_in_the_middle_of_generation(family_model, references):
+  prompts, ref = references[3]
+  total = family_model.config.num_layers * family_model.config.num_experts
+  engine = ftjax.Engine(family_model, kernels="xla", cache_slots=4, policy="freetoken",
+                        bandwidths=(20.0, 24.0))
+  resizes = [total, 1, 7, 0, 3, total // 2]
+  sizes = iter(resizes)
+  ref_logits, ref_tokens = ref
+  state = engine.new_state(3, PROMPT + STEPS + 1)
+  ids = jnp.asarray(np.array(prompts, np.int32))
+  pos = jnp.broadcast_to(jnp.arange(PROMPT, dtype=jnp.int32), (3, PROMPT))
+  state, logits = engine.step(state, ids, pos, last_only=True)
+  for i in range(STEPS):
+    if i % 5 == 4:
+      before = engine._experts
+      kept = np.asarray(before.owner)[np.argsort(-np.asarray(before.slot_stamp), kind="stable")]
+      n = engine.resize_cache(slots=next(sizes))
+      check_invariants(engine._experts)
+      # Shrinking keeps the most recently used experts.
+      expect = [o for o in kept[:n] if o >= 0]
+      assert sorted(o for o in np.asarray(engine._experts.owner) if o >= 0) == sorted(expect)
+    tok = ref_tokens[i]
+    state, logits = engine.step(state, jnp.asarray(tok)[:, None],
+                                jnp.full((3, 1), PROMPT + i, jnp.int32), last_only=True)
+    np.testing.assert_allclose(np.asarray(logits[:, -1]), ref_logits[i + 1], rtol=0,
+                               atol=1e-5 * max(1.0, np.abs(ref_logits).max()))
+  # One prefill compile, then one decode compile per bucket, not per size (3 shares 4's,
+  # 7 shares 8's).
+  buckets = {slot_bucket(n) for n in [4, *resizes]}
+  assert len(engine._compiled) == 1 + len(buckets) < 1 + len(resizes) + 1
+
+
+def test_slot_buckets_and_the_paper_budget_example():
+  assert [slot_bucket(n) for n in (0, 1, 2, 3, 5, 8, 9)] == [0, 1, 2, 4, 8, 8, 16]
+  gb = 10**9
+  assert slots_for_budget(8 * gb, 3 * gb, gb // 2) == 10
+  assert slots_for_budget(8 * gb, 4 * gb, gb // 2) == 8
+  assert slots_for_budget(8 * gb, 2 * gb, gb // 2) == 12
+
+
+def test_device_budget_rebalances_as_the_kv_cache_grows(family_model):
+  c = family_model.config
+  slot = int(family_model.bank.shape[2]) * family_model.bank.dtype.itemsize
+  kv_per_256 = 2 * c.num_layers * 256 * c.num_kv_heads * c.head_dim * 4
+  budget = 6 * slot + 2 * kv_per_256
+  engine = ftjax.Engine(family_model, kernels="xla", device_budget_bytes=budget,
+                        policy="lru_fill", max_seq_len=1024)
+  engine.generate([1, 2, 3], 4)  # KV capacity 256 tokens
+  small = engine.stats()["slots"]
+  engine.generate([i % c.vocab_size for i in range(300)], 4)  # KV capacity 512: fewer slots
+  large_kv = engine.stats()["slots"]
+  engine.generate([1, 2, 3], 4)  # back to 256: the slots return
+  assert large_kv == small - kv_per_256 // slot < small == engine.stats()["slots"]
+
+
+def test_bad_cache_options_are_clear_errors(family_model):
+  with pytest.raises(ValueError, match="at most one cache size"):
+    ftjax.Engine(family_model, cache_slots=2, cache_bytes=10)
+  with pytest.raises(ValueError, match="needs bandwidths"):
+    ftjax.Engine(family_model, cache_slots=2, policy="freetoken")
+  with pytest.raises(ValueError, match="unknown cache policy"):
+    ftjax.Engine(family_model, cache_slots=2, policy="mru")
+  with pytest.raises(ValueError, match="static_hot needs a routing profile"):
+    ftjax.Engine(family_model, cache_slots=2, policy="static_hot")
+  with pytest.raises(ValueError, match="cache_fraction"):
+    ftjax.Engine(family_model, cache_fraction=1.5)
+  with pytest.raises(ValueError, match="no expert cache"):
+    ftjax.Engine(family_model).resize_cache(slots=3)
