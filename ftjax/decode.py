@@ -5,6 +5,7 @@ With no flags it runs the embedded default model on a default prompt.
 
 from absl import app, flags, logging
 
+from ftjax.cache import POLICIES
 from ftjax.runtime.decode import DEFAULT_PROMPT, run_decode
 
 _MODEL = flags.DEFINE_string(
@@ -18,6 +19,16 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _GREEDY = flags.DEFINE_boolean("greedy", False, "argmax decoding (ignores temperature, top_p)")
 _MAX_SEQ = flags.DEFINE_integer("max_seq_len", None, "context limit; default the model's",
                                 lower_bound=1)
+_CACHE_SLOTS = flags.DEFINE_integer("cache_slots", None, "expert cache slots", lower_bound=0)
+_CACHE_FRACTION = flags.DEFINE_float("cache_fraction", None,
+                                     "expert cache size as a fraction of all L·E experts",
+                                     lower_bound=0, upper_bound=1)
+_CACHE_BYTES = flags.DEFINE_integer("cache_bytes", None, "expert cache size in bytes",
+                                    lower_bound=0)
+_POLICY = flags.DEFINE_enum("policy", "freetoken", list(POLICIES), "expert cache policy")
+_PROFILE = flags.DEFINE_string("profile", None, "bandwidth profile JSON (python -m ftjax.profile)")
+_BANDWIDTHS = flags.DEFINE_list("bandwidths", None, "B_P,B_H in GB/s (instead of --profile)")
+_STATS = flags.DEFINE_boolean("stats", False, "print the expert cache statistics at the end")
 _KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "xla", "ffi"],
                               "routed-expert implementation")
 
@@ -26,10 +37,24 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # keep JAX's backend probing out of the output
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; pass the prompt with --prompt")
+  cache = {}
+  for name, flag in (("cache_slots", _CACHE_SLOTS), ("cache_fraction", _CACHE_FRACTION),
+                     ("cache_bytes", _CACHE_BYTES), ("profile", _PROFILE)):
+    if flag.value is not None:
+      cache[name] = flag.value
+  if _BANDWIDTHS.value is not None:
+    try:
+      cache["bandwidths"] = tuple(float(b) for b in _BANDWIDTHS.value)
+    except ValueError:
+      raise app.UsageError(f"--bandwidths must be two numbers B_P,B_H in GB/s, got "
+                           f"{','.join(_BANDWIDTHS.value)}") from None
+  if cache:
+    cache["policy"] = _POLICY.value
   try:
     run_decode(_MODEL.value, _PROMPT.value, max_new_tokens=_MAX_NEW.value, greedy=_GREEDY.value,
                temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
-               max_seq_len=_MAX_SEQ.value, kernels=_KERNELS.value)
+               max_seq_len=_MAX_SEQ.value, kernels=_KERNELS.value, show_stats=_STATS.value,
+               **cache)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"ftjax.decode: error: {e}") from None
 

@@ -22,6 +22,7 @@ class DecodeResult:
   generation: GenerateResult
   model_path: str
   tokenizer: str
+  stats: dict | None = None
 
   def summary(self) -> str:
     g = self.generation
@@ -32,9 +33,13 @@ class DecodeResult:
 
 def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_new_tokens: int = 64,
                greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
-               max_seq_len: int | None = None, kernels: str = "auto",
-               out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> DecodeResult:
-  """Generates a completion of ``prompt``, streaming text to ``out``; returns the result."""
+               max_seq_len: int | None = None, kernels: str = "auto", show_stats: bool = False,
+               out: TextIO = sys.stdout, log: TextIO = sys.stderr,
+               **cache_options) -> DecodeResult:
+  """Generates a completion of ``prompt``, streaming text to ``out``; returns the result.
+
+  ``cache_options`` are the expert-cache options of ``ftjax.runtime.engine.RuntimeOptions``
+  (cache_slots, cache_fraction, cache_bytes, policy, bandwidths, profile)."""
   path = model or DEFAULT_MODEL_DIR
   loaded = load(path)
   if model is None:
@@ -45,7 +50,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
               "one\n")
   tokenizer = load_tokenizer(loaded.path, loaded.config.vocab_size)
   ids = tokenizer.encode(prompt)
-  engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels)
+  engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels, **cache_options)
   check_sampling_args(greedy, temperature, top_p)
   engine.check_context(len(ids), max_new_tokens)  # fail before printing anything
   stream = StreamDecoder(tokenizer)
@@ -65,4 +70,28 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
                          generation=result, model_path=loaded.path or path,
                          tokenizer=tokenizer.name)
   log.write(decoded.summary() + "\n")
+  if show_stats:
+    log.write(format_stats(engine.stats()))
+  decoded.stats = engine.stats()
   return decoded
+
+
+def format_stats(stats: dict) -> str:
+  """A short table of the expert cache's statistics."""
+  if stats.get("cache") is None and "policy" not in stats:
+    return "expert cache: none (every routed expert ran from the host pool)\n"
+  bw = stats["bandwidths_gb_s"]
+  lines = [f"expert cache: policy {stats['policy']}, {stats['slots']} slots "
+           f"(buffer {stats['capacity']}, {stats['slot_bytes'] / 2**20:.2f} MiB each), "
+           f"bandwidths {'n/a' if bw is None else f'B_P {bw[0]:.1f} B_H {bw[1]:.1f} GB/s'} from "
+           f"{stats['bandwidth_source']}, {stats['steps']} steps, "
+           f"{stats['compiles']} compiled programs",
+           "layer   hits  fills   host  miss rate"]
+  per = stats["per_layer"]
+  for i, rate in enumerate(per["miss_rate"]):
+    lines.append(f"{i:5d} {per['hits'][i]:6d} {per['fills'][i]:6d} {per['host'][i]:6d}"
+                 f"  {rate:9.3f}")
+  b = stats["bytes"]
+  lines.append(f"total miss rate {stats['miss_rate']:.3f}; bytes filled {b['fill'] / 1e6:.1f} MB, "
+               f"run on host {b['host'] / 1e6:.1f} MB, read from slots {b['device'] / 1e6:.1f} MB")
+  return "\n".join(lines) + "\n"
