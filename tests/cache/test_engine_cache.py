@@ -166,3 +166,25 @@ def test_bad_cache_options_are_clear_errors(family_model):
     ftjax.Engine(family_model, cache_fraction=1.5)
   with pytest.raises(ValueError, match="no expert cache"):
     ftjax.Engine(family_model).resize_cache(slots=3)
+
+
+def test_cached_decode_does_not_retrace(family_model, monkeypatch):
+  from ftjax.model import transformer  # noqa: PLC0415
+  from ftjax.runtime import engine as engine_lib  # noqa: PLC0415
+  traces = []
+  original = transformer.Transformer.__call__
+
+  def counting(self, *args, **kwargs):
+    traces.append(1)  # runs only while tracing
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(transformer.Transformer, "__call__", counting)
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  engine = ftjax.Engine(family_model, kernels="xla", cache_slots=5, policy="freetoken",
+                        bandwidths=(10.0, 30.0))
+  engine.generate([1, 2, 3], 8)
+  assert len(traces) == 2  # prefill and decode
+  engine.generate([7, 8, 9], 8, greedy=False, temperature=1.0, seed=4)
+  engine.resize_cache(slots=6)  # same bucket (8): no new program
+  engine.generate([4, 5, 6], 8)
+  assert len(traces) == 2
