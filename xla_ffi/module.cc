@@ -10,6 +10,7 @@ namespace nb = nanobind;
 
 // Handlers, one per file in xla_ffi/.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);  // expert_ffn.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxSlotFill);   // slot_fill.cc
 
 namespace {
 
@@ -26,6 +27,7 @@ NB_MODULE(_ffi, m) {
   m.def("registrations", []() {
     nb::dict registrations;
     registrations["ftjax_expert_ffn"] = EncapsulateHandler(FtjaxExpertFfn);
+    registrations["ftjax_slot_fill"] = EncapsulateHandler(FtjaxSlotFill);
     return registrations;
   });
 }

@@ -4,5 +4,6 @@ Importing this package registers the compiled handlers with XLA:CPU.
 """
 
 from ftjax.kernels.expert_ffn import expert_ffn
+from ftjax.kernels.slot_fill import slot_fill
 
-__all__ = ["expert_ffn"]
+__all__ = ["expert_ffn", "slot_fill"]
