@@ -179,7 +179,8 @@ def test_cached_decode_does_not_retrace(family_model, monkeypatch):
     return original(self, *args, **kwargs)
 
   monkeypatch.setattr(transformer.Transformer, "__call__", counting)
-  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # no executables from other tests
+  jax.clear_caches()  # nor traces
   engine = ftjax.Engine(family_model, kernels="xla", cache_slots=5, policy="freetoken",
                         bandwidths=(10.0, 30.0))
   engine.generate([1, 2, 3], 8)

@@ -1,5 +1,6 @@
 """Engine: cached decode equals the full forward, no retrace, batching, clear errors."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,6 +65,7 @@ def test_second_call_with_new_data_does_not_retrace(model, monkeypatch):
 
   monkeypatch.setattr(transformer.Transformer, "__call__", counting)
   monkeypatch.setattr(engine_lib, "_COMPILED", {})  # no executables from other tests
+  jax.clear_caches()  # nor traces
   engine = ftjax.Engine(model, kernels="xla")
   engine.generate([1, 2, 3, 4], 6)
   first = len(traces)
