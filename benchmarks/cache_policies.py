@@ -35,6 +35,23 @@ from ftjax.formats import ftw  # noqa: E402
 from ftjax.runtime import profile as profile_lib  # noqa: E402
 
 
+def online_estimate(step_log, expert_bytes: int, profiled) -> dict | None:
+  """Fits step time = a + fill_bytes / B_P + host_bytes / B_H over the logged decode steps
+  (least squares), and compares the q* decisions the fitted pair and the profile make."""
+  from ftjax.cache import fill_count  # noqa: PLC0415
+  rows = np.array(step_log, np.float64)
+  if len(rows) < 8 or rows[:, 0].std() == 0 or rows[:, 1].std() == 0:
+    return None
+  design = np.stack([np.ones(len(rows)), rows[:, 0] * expert_bytes, rows[:, 1] * expert_bytes], 1)
+  (a, per_fill_byte, per_host_byte), *_ = np.linalg.lstsq(design, rows[:, 2], rcond=None)
+  if per_fill_byte <= 0 or per_host_byte <= 0:
+    return {"fit": [a, per_fill_byte, per_host_byte], "usable": False}
+  est = (1 / per_fill_byte / 1e9, 1 / per_host_byte / 1e9)
+  differs = sum(int(fill_count(m, *est)) != int(fill_count(m, *profiled)) for m in range(1, 17))
+  return {"bandwidths": est, "fixed_s": a, "usable": True, "q_differs_for_m": differs,
+          "steps": len(rows)}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--layers", type=int, default=4)
@@ -66,7 +83,7 @@ def main() -> None:
   del warm
 
   expert_bytes = c.expert_block_elems * model.dtype.itemsize
-  runs = []
+  runs, step_log = [], []
   for fraction in (float(f) for f in args.fractions.split(",")):
     for policy in args.policies.split(","):
       engine = ftjax.Engine(model, kernels="ffi", cache_fraction=fraction, policy=policy,
@@ -78,6 +95,8 @@ def main() -> None:
       wall = time.perf_counter() - t0
       st = engine.stats()
       decode_steps = st["per_step"][steps_before + 1:]  # skip this request's prefill
+      step_log.extend((int(s["fills"].sum()), int(s["host"].sum()), s["seconds"])
+                      for s in decode_steps)
       hits = sum(int(s["hits"].sum()) for s in decode_steps)
       fills = sum(int(s["fills"].sum()) for s in decode_steps)
       host = sum(int(s["host"].sum()) for s in decode_steps)
@@ -94,9 +113,23 @@ def main() -> None:
             f"{row['fill_mb_per_token']:6.1f} MB, host {row['host_mb_per_token']:6.1f} MB, "
             f"slots {row['slot_mb_per_token']:6.1f} MB")
       del engine
+  online = online_estimate(step_log, expert_bytes, bandwidths)
+  if online is not None:
+    est = online["bandwidths"]
+    engine = ftjax.Engine(model, kernels="ffi", cache_fraction=0.37, policy="freetoken",
+                          bandwidths=est)
+    engine.generate(prompt[:4], 2)
+    online["freetoken_0.37_tok_s_with_estimate"] = engine.generate_timed(
+        prompt, args.tokens + 1, greedy=True).decode_tok_s
+    online["freetoken_0.37_tok_s_with_profile"] = next(
+        r["decode_tok_s"] for r in runs if r["policy"] == "freetoken" and r["fraction"] == 0.37)
+    print(f"online estimate from step timings: B_P {est[0]:.1f}, B_H {est[1]:.1f} GB/s; q* "
+          f"differs from the profile's for {online['q_differs_for_m']} of m = 1..16; freetoken at "
+          f"0.37: {online['freetoken_0.37_tok_s_with_estimate']:.2f} tok/s with it vs "
+          f"{online['freetoken_0.37_tok_s_with_profile']:.2f} with the profile")
   out = write_results("cache_policies", {"machine": machine_info(), "profile": prof,
                                          "bandwidths_used": bandwidths, "runs": runs,
-                                         "args": vars(args)})
+                                         "online_estimate": online, "args": vars(args)})
   print(f"wrote {out}")
 
 

@@ -304,12 +304,13 @@ class Engine:
     if self._experts is not None:
       state = state.replace(experts=self._experts)
     fn = self._step_fn(state, tokens, positions, last_only)
+    t0 = time.perf_counter()
     state, logits = fn(self.model.params, self.model.bank, state, tokens, positions)
     if self._experts is not None:
       self._experts = state.experts
-      s = jax.device_get(state.stats)
+      s = jax.device_get(state.stats)  # waits for the step: the time below is the step's
       self._steps.append({"tokens": int(tokens.size), "hits": s.hits, "fills": s.fills,
-                          "host": s.host})
+                          "host": s.host, "seconds": time.perf_counter() - t0})
     return state, logits
 
   def new_state(self, batch: int, capacity: int) -> DecodeState:
