@@ -36,14 +36,16 @@ from ftjax.runtime import profile as profile_lib  # noqa: E402
 
 
 def online_estimate(step_log, expert_bytes: int, profiled) -> dict | None:
-  """Fits step time = a + fill_bytes / B_P + host_bytes / B_H over the logged decode steps
-  (least squares), and compares the q* decisions the fitted pair and the profile make."""
+  """Fits step time = a + fill_bytes / B_P + host_bytes / B_H + slot_bytes · s over the logged
+  decode steps (least squares; hits cost time too), and compares the q* decisions that the
+  fitted pair and the profile make."""
   from ftjax.cache import fill_count  # noqa: PLC0415
   rows = np.array(step_log, np.float64)
   if len(rows) < 8 or rows[:, 0].std() == 0 or rows[:, 1].std() == 0:
     return None
-  design = np.stack([np.ones(len(rows)), rows[:, 0] * expert_bytes, rows[:, 1] * expert_bytes], 1)
-  (a, per_fill_byte, per_host_byte), *_ = np.linalg.lstsq(design, rows[:, 2], rcond=None)
+  design = np.stack([np.ones(len(rows)), rows[:, 0] * expert_bytes, rows[:, 1] * expert_bytes,
+                     rows[:, 2] * expert_bytes], 1)
+  (a, per_fill_byte, per_host_byte, _), *_ = np.linalg.lstsq(design, rows[:, 3], rcond=None)
   if per_fill_byte <= 0 or per_host_byte <= 0:
     return {"fit": [a, per_fill_byte, per_host_byte], "usable": False}
   est = (1 / per_fill_byte / 1e9, 1 / per_host_byte / 1e9)
@@ -95,8 +97,8 @@ def main() -> None:
       wall = time.perf_counter() - t0
       st = engine.stats()
       decode_steps = st["per_step"][steps_before + 1:]  # skip this request's prefill
-      step_log.extend((int(s["fills"].sum()), int(s["host"].sum()), s["seconds"])
-                      for s in decode_steps)
+      step_log.extend((int(s["fills"].sum()), int(s["host"].sum()), int(s["hits"].sum()),
+                       s["seconds"]) for s in decode_steps)
       hits = sum(int(s["hits"].sum()) for s in decode_steps)
       fills = sum(int(s["fills"].sum()) for s in decode_steps)
       host = sum(int(s["host"].sum()) for s in decode_steps)

@@ -25,6 +25,23 @@ def _f32(p: nnx.Param) -> jax.Array:
   return p[...].astype(jnp.float32)
 
 
+def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, impl: str) -> jax.Array:
+  """``x [..., *in] -> [..., *out]`` for a weight stored ``[*out, *in]`` (``out_axes`` leading
+  output axes, like torch's Linear). ``impl="ffi"`` runs ftjax's host GEMV/GEMM kernel
+  (bfloat16 weights are read as stored), ``"xla"`` a float32 einsum."""
+  w = w[...]
+  out_shape, in_shape = w.shape[:out_axes], w.shape[out_axes:]
+  n_in = int(np.prod(in_shape))
+  x2 = x.reshape(*x.shape[:x.ndim - len(in_shape)], n_in)
+  w2 = w.reshape(int(np.prod(out_shape)), n_in)
+  if impl == "ffi":
+    from ftjax.kernels import dense  # noqa: PLC0415 (needs the compiled module)
+    y = dense(x2.astype(jnp.float32), w2)
+  else:
+    y = jnp.einsum("...K,NK->...N", x2, w2.astype(jnp.float32))
+  return y.reshape(*x2.shape[:-1], *out_shape)
+
+
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
@@ -99,10 +116,10 @@ class Attention(nnx.Module):
     self.window = window
     self.rope_theta = rope_theta
 
-  def _project(self, x):
-    q = jnp.einsum("BTD,HAD->BTHA", x, _f32(self.w_q_had))
-    k = jnp.einsum("BTD,GAD->BTGA", x, _f32(self.w_k_gad))
-    v = jnp.einsum("BTD,GAD->BTGA", x, _f32(self.w_v_gad))
+  def _project(self, x, impl):
+    q = linear(x, self.w_q_had, 2, impl=impl)  # [B, T, H, A]
+    k = linear(x, self.w_k_gad, 2, impl=impl)  # [B, T, G, A]
+    v = linear(x, self.w_v_gad, 2, impl=impl)
     if self.qkv_bias:
       q, k, v = q + _f32(self.b_q_ha), k + _f32(self.b_k_ga), v + _f32(self.b_v_ga)
     if self.qk_norm == "per_head":
@@ -115,11 +132,11 @@ class Attention(nnx.Module):
       q, k, v = jnp.clip(q, -c, c), jnp.clip(k, -c, c), jnp.clip(v, -c, c)
     return q, k, v
 
-  def __call__(self, x: jax.Array, cache: KVCache, length: jax.Array, positions: jax.Array
-               ) -> tuple[KVCache, jax.Array]:
+  def __call__(self, x: jax.Array, cache: KVCache, length: jax.Array, positions: jax.Array,
+               *, impl: str = "xla") -> tuple[KVCache, jax.Array]:
     """x [B, T, D]; writes the T new keys/values at cache rows [length, length + T)."""
     _, t, _ = x.shape
-    q, k, v = self._project(x)
+    q, k, v = self._project(x, impl)
     q = rope(q, positions, self.rope_theta)
     k = rope(k, positions, self.rope_theta)
     start = (0, length, 0, 0)
@@ -143,7 +160,7 @@ class Attention(nnx.Module):
       probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, cache.v.astype(jnp.float32))
     out = out.reshape(*out.shape[:2], -1, a)  # [B, T, H, A]
-    y = jnp.einsum("BTHA,DHA->BTD", out, _f32(self.w_o_dha))
+    y = linear(out, self.w_o_dha, 1, impl=impl)  # [B, T, D]
     if self.o_bias:
       y = y + _f32(self.b_o_d)
     return cache, y
@@ -157,10 +174,10 @@ class MLP(nnx.Module):
     self.w_up_id = _normal(rngs, (hidden, width), dtype)
     self.w_down_di = _normal(rngs, (width, hidden), dtype)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    h = jax.nn.silu(jnp.einsum("...D,ID->...I", x, _f32(self.w_gate_id)))
-    h = h * jnp.einsum("...D,ID->...I", x, _f32(self.w_up_id))
-    return jnp.einsum("...I,DI->...D", h, _f32(self.w_down_di))
+  def __call__(self, x: jax.Array, *, impl: str = "xla") -> jax.Array:
+    h = jax.nn.silu(linear(x, self.w_gate_id, 1, impl=impl))
+    h = h * linear(x, self.w_up_id, 1, impl=impl)
+    return linear(h, self.w_down_di, 1, impl=impl)
 
 
 class MoE(nnx.Module):
@@ -195,14 +212,14 @@ class MoE(nnx.Module):
     step (it holds the bank and, when caching, the expert cache)."""
     lead, width = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, width)  # [B·T, D]
-    logits = jnp.einsum("TD,ED->TE", x2, _f32(self.w_router_ed))
+    logits = linear(x2, self.w_router_ed, 1, impl=experts.impl)  # [T, E]
     weights, ids = route(
         logits, kind=self.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
         bias=_f32(self.b_router_e) if self.router == "sigmoid_group" else None,
         n_group=self.router_groups, topk_group=self.router_topk_groups, scaling=self.scaling)
     experts, y = experts(x2, weights, ids, layer, ffn_dim=self.ffn_dim)
     if self.has_shared:
-      shared = self.shared(x2)
+      shared = self.shared(x2, impl=experts.impl)
       if self.shared_gate:
         shared = jax.nn.sigmoid(x2 @ _f32(self.w_shared_gate_d))[:, None] * shared
       y = y + shared

@@ -18,7 +18,7 @@ from ftjax.cache.moe import ExpertRunner, StepStats
 from ftjax.cache.policy import PolicyConfig
 from ftjax.cache.state import ExpertCache
 from ftjax.model.config import ModelConfig
-from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, _f32, _normal
+from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, _normal, linear
 
 
 @struct.dataclass
@@ -69,7 +69,7 @@ class DecoderLayer(nnx.Module):
         scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cache, length, positions, layer, experts):
-    cache, h = self.attn(self.attn_norm(x), cache, length, positions)
+    cache, h = self.attn(self.attn_norm(x), cache, length, positions, impl=experts.impl)
     x = x + h
     experts, h = self.moe(self.mlp_norm(x), layer, experts)
     return cache, experts, x + h
@@ -103,7 +103,7 @@ class Transformer(nnx.Module):
       x = x[:, -1:]
     x = self.final_norm(x)
     w_lm = self.embed_vd if self.tie_word_embeddings else self.w_lm_vd
-    logits = jnp.einsum("BTD,VD->BTV", x, _f32(w_lm))
+    logits = linear(x, w_lm, 1, impl=kernels)  # [B, T, V]
     new_state = state.replace(layers=tuple(caches), length=state.length + tokens.shape[1],
                               experts=experts.cache, stats=experts.stats)
     return new_state, logits
