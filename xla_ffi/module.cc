@@ -10,6 +10,10 @@ namespace nb = nanobind;
 
 // Handlers, one per file in xla_ffi/.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);  // expert_ffn.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxDense);      // dense.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxReadProbe);  // read_probe.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxPeakProbe);  // peak_probe.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxCpuInfo);    // cpu_info.cc
 
 namespace {
 
@@ -26,6 +30,10 @@ NB_MODULE(_ffi, m) {
   m.def("registrations", []() {
     nb::dict registrations;
     registrations["ftjax_expert_ffn"] = EncapsulateHandler(FtjaxExpertFfn);
+    registrations["ftjax_dense"] = EncapsulateHandler(FtjaxDense);
+    registrations["ftjax_read_probe"] = EncapsulateHandler(FtjaxReadProbe);
+    registrations["ftjax_peak_probe"] = EncapsulateHandler(FtjaxPeakProbe);
+    registrations["ftjax_cpu_info"] = EncapsulateHandler(FtjaxCpuInfo);
     return registrations;
   });
 }
