@@ -31,9 +31,11 @@ using Bf16Bits = uint16_t;
 //
 // accumulated in float32. Weights are [out, in] row-major, as everywhere in ftjax, so both
 // operands are contiguous along i: this is the "NT" GEMM C = A @ W^T, and with tokens = 1 a
-// GEMV. The kernels block 4 rows x 4 tokens in registers and walk the rows in the outer loop,
-// so a block of 4 weight rows stays in L1 while all tokens stream past it. Nothing needs to be
-// aligned; tails of n, rows and tokens are handled (masked loads on AVX-512).
+// GEMV. For one token the kernels read the weight rows one after the other (one sequential
+// stream: memory-bound, at read bandwidth); with more tokens they block 4 rows x 4 tokens in
+// registers and walk the rows in the outer loop, so a block of 4 weight rows stays in L1 while
+// all tokens stream past it (compute-bound). Nothing needs to be aligned; tails of n, rows and
+// tokens are handled (masked loads on AVX-512).
 template <typename WeightT, typename ActivationT>
 struct DotProblem {
   const WeightT* w;

@@ -64,6 +64,7 @@ struct Bf16F32Ops256 {
     return _mm256_loadu_ps(padded);
   }
   static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm256_fmadd_ps(w, a, acc); }
+  static Acc Add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
   static float Sum(Acc acc) { return Sum256(acc); }
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x256(a0, a1, a2, a3, out); }
 };
@@ -87,6 +88,7 @@ struct F32F32Ops256 {
     return LoadWeightsTail(p, count);
   }
   static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm256_fmadd_ps(w, a, acc); }
+  static Acc Add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
   static float Sum(Acc acc) { return Sum256(acc); }
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x256(a0, a1, a2, a3, out); }
 };

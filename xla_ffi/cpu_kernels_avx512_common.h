@@ -59,6 +59,7 @@ struct Bf16F32Ops512 {
     return _mm512_maskz_loadu_ps(FirstLanes16(count), p);
   }
   static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm512_fmadd_ps(w, a, acc); }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static float Sum(Acc acc) { return Sum512(acc); }
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
 };
@@ -80,6 +81,7 @@ struct F32F32Ops512 {
     return _mm512_maskz_loadu_ps(FirstLanes16(count), p);
   }
   static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm512_fmadd_ps(w, a, acc); }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static float Sum(Acc acc) { return Sum512(acc); }
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
 };

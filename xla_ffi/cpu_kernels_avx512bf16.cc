@@ -38,6 +38,7 @@ struct Bf16Bf16Ops512 {
   }
   // Lane j += w[2j] * a[2j] + w[2j + 1] * a[2j + 1].
   static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm512_dpbf16_ps(acc, w, a); }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static float Sum(Acc acc) { return Sum512(acc); }
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
 };

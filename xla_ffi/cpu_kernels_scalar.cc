@@ -36,6 +36,7 @@ struct ScalarOps {
   static ActivationVec LoadActivations(const Activation* p) { return ToFloat(*p); }
   static ActivationVec LoadActivationsTail(const Activation*, int64_t) { return 0.0f; }
   static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return acc + w * a; }
+  static Acc Add(Acc a, Acc b) { return a + b; }
   static float Sum(Acc acc) { return acc; }
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) {
     out[0] = a0;

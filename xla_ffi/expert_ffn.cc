@@ -61,8 +61,8 @@ struct ExpertFfnDims {
 };
 
 constexpr int64_t kDecodeMaxTokens = 8;  // T at or below: decode form
-constexpr int64_t kFfnChunk = 32;        // rows of gate (and of up) per phase-1 task
-constexpr int64_t kModelChunk = 64;      // rows of down per phase-2 task
+constexpr int64_t kFfnChunk = 64;        // rows of gate (and of up) per phase-1 task
+constexpr int64_t kModelChunk = 128;     // rows of down per phase-2 task
 constexpr int64_t kTokenTile = 64;       // tokens per GEMM tile in the grouped form
 
 // The routes of one call bucketed by expert: experts[i] (ascending, none empty) has the routes

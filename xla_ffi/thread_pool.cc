@@ -25,6 +25,20 @@ inline void CpuRelax() {
 #endif
 }
 
+// Waits until done() is true: spins (the other workers' last tasks usually end within
+// microseconds), then yields the CPU, so that on an oversubscribed machine a preempted worker
+// that holds the last task can run on this core.
+template <typename Done>
+void WaitUntil(Done done) {
+  for (int round = 0; !done(); ++round) {
+    if (round < 4096) {
+      CpuRelax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
 int EnvInt(const char* name, int fallback) {
   const char* text = std::getenv(name);
   if (text == nullptr || *text == '\0') return fallback;
@@ -137,7 +151,7 @@ void WorkerPool::Run(int64_t num_tasks, TaskFunction fn) {
   }
   const uint64_t generation = generation_.load(std::memory_order_relaxed);  // even
   generation_.store(generation + 1, std::memory_order_seq_cst);
-  while (in_job_.load(std::memory_order_seq_cst) != 0) CpuRelax();  // stragglers of the last job
+  WaitUntil([&] { return in_job_.load(std::memory_order_seq_cst) == 0; });  // the last job's stragglers
   job_fn_ = fn;
   job_tasks_ = num_tasks;
   next_task_.store(0, std::memory_order_relaxed);
@@ -148,7 +162,7 @@ void WorkerPool::Run(int64_t num_tasks, TaskFunction fn) {
     wake_.notify_all();
   }
   RunTasks(fn, num_tasks, /*worker=*/0);
-  while (done_tasks_.load(std::memory_order_acquire) < num_tasks) CpuRelax();
+  WaitUntil([&] { return done_tasks_.load(std::memory_order_acquire) >= num_tasks; });
 }
 
 Workers Workers::ForCall(xla::ffi::ThreadPool* xla_pool, std::string* error) {
@@ -213,7 +227,7 @@ void Workers::RunOnXlaPool(int64_t num_tasks, TaskFunction fn) const {
   job->RunTasks(/*worker=*/0);
   // The caller only waits for the tasks, never for a helper to start: if XLA's threads are all
   // busy (the caller may be one of them), the caller has done every task itself by now.
-  while (job->done_tasks.load(std::memory_order_acquire) < num_tasks) CpuRelax();
+  WaitUntil([&] { return job->done_tasks.load(std::memory_order_acquire) >= num_tasks; });
 }
 
 }  // namespace ftjax
