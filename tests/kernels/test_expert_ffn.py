@@ -188,6 +188,9 @@ def test_vmap_over_a_leading_batch_axis(bank_dtype, assert_close):
   batched = jax.vmap(functools.partial(expert_ffn, ffn_dim=case.F), in_axes=(0, 0, 0, None, None))
   y_btd = batched(x_btd, ids_btk, weights_btk, bank, case.layer)
   assert y_btd.shape == (B, case.T, case.D)
+  # bank and layer unbatched: the batch joins the tokens of one call, no loop.
+  jaxpr = str(jax.make_jaxpr(batched)(x_btd, ids_btk, weights_btk, bank, case.layer))
+  assert jaxpr.count("ftjax_expert_ffn") == 1 and "while" not in jaxpr, jaxpr
   for b in range(B):
     ref = reference_expert_ffn(x_btd[b], ids_btk[b], weights_btk[b], bank, case.layer, case.F)
     assert_close(y_btd[b], ref, bank_dtype)
