@@ -12,10 +12,11 @@
 // Work split: one task per tile of kRowTile rows of w (N split across the threads); a task runs
 // all tokens against its rows in tiles of kTokenTile tokens, so its weight rows (kRowTile * K
 // elements, 256 KiB for K = 2048 bf16) stay in L2 while the tokens go past, and inside the dot
-// kernel 4 rows at a time stay in L1. Each weight element is read from memory once. With bf16
-// weights on an AVX-512-BF16 CPU, x is rounded to bf16 once and multiplied with vdpbf16ps
-// (relative error ~1e-2 of max|y|); otherwise bf16 is widened to float32 (FMA). Accumulation is
-// float32.
+// kernel 4 rows at a time stay in L1. Each weight element is read from memory once.
+// Accumulation is float32. bf16 weights are widened to float32 in registers (float32 FMA, exact
+// products). With the attribute bf16_activations and an AVX-512-BF16 CPU, x is rounded to bf16
+// once and multiplied with vdpbf16ps instead: twice the multiply-add rate for the compute-bound
+// GEMM, relative error ~1e-2 of max|y|.
 
 #include <algorithm>
 #include <cstdint>
@@ -63,13 +64,14 @@ void RunDense(int64_t tokens, int64_t n_out, int64_t k, const ActivationT* x_tk,
 
 template <typename WeightT>
 void Dense(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const WeightT* w_nk,
-           const KernelTable& kernels, const Workers& workers, float* y_tn) {
+           bool bf16_activations, const KernelTable& kernels, const Workers& workers,
+           float* y_tn) {
   if (k == 0) {
     std::fill_n(y_tn, tokens * n_out, 0.0f);
     return;
   }
   if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
-    if (kernels.dot_bf16_bf16 != nullptr) {
+    if (bf16_activations && kernels.dot_bf16_bf16 != nullptr) {
       std::vector<Bf16Bits> x_bf16(tokens * k);
       kernels.round_to_bf16(x_tk, x_bf16.data(), tokens * k);
       RunDense(tokens, n_out, k, x_bf16.data(), w_nk, kernels.dot_bf16_bf16, workers, y_tn);
@@ -89,7 +91,7 @@ ffi::Error InvalidArgument(const std::string& message) {
 }
 
 ffi::Error DenseImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                     ffi::ResultBuffer<ffi::F32> y) {
+                     bool bf16_activations, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) {
     return InvalidArgument("x must be 2-D [T, K], got shape " + ShapeString(x_dims));
@@ -115,11 +117,11 @@ ffi::Error DenseImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
   if (!setup.error.empty()) return InvalidArgument(setup.error);
 
   if (w_dtype == ffi::DataType::BF16) {
-    Dense(T, N, K, x.typed_data(), w.reinterpret_data<Bf16Bits>(), *setup.kernels,
-          setup.workers, y->typed_data());
+    Dense(T, N, K, x.typed_data(), w.reinterpret_data<Bf16Bits>(), bf16_activations,
+          *setup.kernels, setup.workers, y->typed_data());
   } else {
-    Dense(T, N, K, x.typed_data(), w.typed_data<float>(), *setup.kernels, setup.workers,
-          y->typed_data());
+    Dense(T, N, K, x.typed_data(), w.typed_data<float>(), bf16_activations, *setup.kernels,
+          setup.workers, y->typed_data());
   }
   return ffi::Error::Success();
 }
@@ -133,5 +135,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxDense, ftjax::DenseImpl,
                                   .Ctx<ffi::ThreadPool>()        // XLA's intra-op pool
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
                                   .Arg<ffi::AnyBuffer>()         // w [N, K], bf16 or f32
+                                  .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 w
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
 );

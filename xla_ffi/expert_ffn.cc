@@ -26,9 +26,12 @@
 //   2. down:    task (chunk of kModelChunk rows of D), over all experts: z = down_e . h, and
 //               y[token] += weight * z. Each task owns its columns of y, so no two threads ever
 //               add into the same element and the sum order does not depend on the threads.
-// All scratch is planned and allocated before phase 1. Accumulation is float32. With bf16
-// weights on an AVX-512-BF16 CPU, x and h are rounded to bf16 and multiplied with vdpbf16ps
-// (relative error ~1e-2 of max|y|); otherwise bf16 weights are widened to float32 (FMA).
+// All scratch is planned and allocated before phase 1. Accumulation is float32. bf16 weights are
+// widened to float32 in registers and multiplied with float32 FMA (exact products: relative error
+// ~1e-6). With the attribute bf16_activations and an AVX-512-BF16 CPU, x and h are rounded to
+// bf16 instead and multiplied with vdpbf16ps: twice the multiply-add rate, which the compute-bound
+// grouped form gains from (the memory-bound decode form runs at read bandwidth either way), at a
+// relative error of ~1e-2 of max|y|.
 
 #include <algorithm>
 #include <cstdint>
@@ -221,8 +224,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
 // bank_ep points at the E blocks of one layer.
 template <typename WeightT>
 void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_tk,
-               const float* weights_tk, const WeightT* bank_ep, const KernelTable& kernels,
-               const Workers& workers, float* y_td) {
+               const float* weights_tk, const WeightT* bank_ep, bool bf16_activations,
+               const KernelTable& kernels, const Workers& workers, float* y_td) {
   const ExpertGroups groups = dims.tokens <= kDecodeMaxTokens
                                   ? GroupDecode(dims, ids_tk, weights_tk)
                                   : GroupByCounting(dims, ids_tk, weights_tk);
@@ -231,7 +234,7 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
     return;
   }
   if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
-    if (kernels.dot_bf16_bf16 != nullptr) {
+    if (bf16_activations && kernels.dot_bf16_bf16 != nullptr) {
       std::vector<Bf16Bits> x_bf16(dims.tokens * dims.model_dim);
       kernels.round_to_bf16(x_td, x_bf16.data(), dims.tokens * dims.model_dim);
       RunExperts(dims, groups, x_bf16.data(), bank_ep, kernels, kernels.dot_bf16_bf16, workers,
@@ -254,7 +257,7 @@ ffi::Error InvalidArgument(const std::string& message) {
 ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                          ffi::AnyBuffer bank, ffi::Buffer<ffi::S32> layer, int64_t ffn_dim,
-                         ffi::ResultBuffer<ffi::F32> y) {
+                         bool bf16_activations, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) {
     return InvalidArgument("x must be 2-D [T, D], got shape " + ShapeString(x_dims));
@@ -330,12 +333,12 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   const int64_t layer_offset = layer_index * E * P;
   if (bank_dtype == ffi::DataType::BF16) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.reinterpret_data<Bf16Bits>() + layer_offset, *setup.kernels, setup.workers,
-              y->typed_data());
+              bank.reinterpret_data<Bf16Bits>() + layer_offset, bf16_activations, *setup.kernels,
+              setup.workers, y->typed_data());
   } else {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.typed_data<float>() + layer_offset, *setup.kernels, setup.workers,
-              y->typed_data());
+              bank.typed_data<float>() + layer_offset, bf16_activations, *setup.kernels,
+              setup.workers, y->typed_data());
   }
   return ffi::Error::Success();
 }
@@ -355,5 +358,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, ftjax::ExpertFfnImpl,
                                   .Arg<ffi::AnyBuffer>()         // bank [L, E, P], bf16 or f32
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [], index into L
                                   .Attr<int64_t>("ffn_dim")      // F
+                                  .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 banks
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
 );

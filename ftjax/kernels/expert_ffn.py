@@ -11,10 +11,10 @@ The kernel accumulates in float32 and returns float32.
 
 Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
 once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
-by expert, empty experts skipped, blocked GEMM over each expert's tokens). With a bf16 bank on
-an AVX-512-BF16 CPU the activations are rounded to bf16 (vdpbf16ps): relative error ~1e-2 of
-max|y|; a float32 bank is exact to ~1e-5. Environment: FTJAX_ISA, FTJAX_NUM_THREADS,
-FTJAX_THREAD_POOL (see ftjax.kernels).
+by expert, empty experts skipped, blocked GEMM over each expert's tokens). Products are exact
+(bf16 weights widened to float32) unless bf16_activations=True asks for vdpbf16ps on
+AVX-512-BF16 CPUs (relative error ~1e-2 of max|y|). Environment: FTJAX_ISA,
+FTJAX_NUM_THREADS, FTJAX_THREAD_POOL (see ftjax.kernels).
 
 To run experts from cache slots, pass the slot buffer as bank [1, N, P] with layer 0 and slot
 numbers as ids.
@@ -33,7 +33,7 @@ from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
 _BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
 
-def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim):
+def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False):
   """Weighted sum of the routed SwiGLU experts of one layer, on the host.
 
   Args:
@@ -45,6 +45,11 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim):
     layer: int32 scalar in [0, L) (may be traced; checked here when concrete and by the
       kernel at run time).
     ffn_dim: F, the expert hidden width; a static Python int.
+    bf16_activations: for a bf16 bank on a CPU with AVX-512-BF16, round the activations (x
+      and the hidden h) to bf16 and multiply with vdpbf16ps: twice the multiply-add rate,
+      which the grouped (prefill) form gains from, at a relative error of ~1e-2 of max|y|.
+      When False (the default), bf16 weights are widened to float32 and the result is exact
+      to ~1e-5 like a float32 bank; the decode form runs at read bandwidth either way.
 
   Returns:
     y: [T, D] float32.
@@ -89,28 +94,33 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim):
     )
 
   _check_layer(layer, L)
+  if not isinstance(bf16_activations, (bool, np.bool_)):
+    raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
 
-  return _batchable_call(int(ffn_dim))(x, ids, weights, bank, jnp.asarray(layer, jnp.int32))
+  call = _batchable_call(int(ffn_dim), bool(bf16_activations))
+  return call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32))
 
 
-def _call(x, ids, weights, bank, layer, ffn_dim):
+def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations):
   call = jax.ffi.ffi_call(
     "ftjax_expert_ffn",
     jax.ShapeDtypeStruct(x.shape, jnp.float32),
     vmap_method="sequential",
   )
-  return call(x, ids, weights, bank, layer, ffn_dim=np.int64(ffn_dim))
+  return call(
+    x, ids, weights, bank, layer, ffn_dim=np.int64(ffn_dim), bf16_activations=bf16_activations
+  )
 
 
 @functools.cache
-def _batchable_call(ffn_dim):
+def _batchable_call(ffn_dim, bf16_activations):
   """The op for one F, with a vmap rule: tokens are independent, so a batch over x, ids and
   weights with bank and layer unbatched becomes one call over B * T tokens; anything else runs
   one call per batch element."""
 
   @jax.custom_batching.custom_vmap
   def expert_ffn_call(x, ids, weights, bank, layer):
-    return _call(x, ids, weights, bank, layer, ffn_dim)
+    return _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations)
 
   @expert_ffn_call.def_vmap
   def expert_ffn_vmap(axis_size, in_batched, *args):

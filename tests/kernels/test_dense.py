@@ -59,12 +59,12 @@ def make_inputs(case, dtype, *labels):
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("case_name", CASES)
-def test_matches_reference(case_name, dtype, isa, assert_close):
+def test_matches_reference(case_name, dtype, bf16_activations, isa, assert_close):
   case = CASES[case_name]
   x, w = make_inputs(case, dtype)
-  y = dense(x, w)
+  y = dense(x, w, bf16_activations=bf16_activations)
   assert y.shape == (*case.x_shape[:-1], case.N)
-  assert_close(y, reference_dense(x, w), dtype)
+  assert_close(y, reference_dense(x, w), dtype, bf16_activations)
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=lambda d: d.name)
@@ -121,6 +121,7 @@ PYTHON_ERRORS = {
   "w_not_2d": (dict(w=np.zeros((3, 2, 4), np.float32)), "w must be 2-D [N, K]"),
   "w_dtype": (dict(w=np.zeros((3, 4), np.int8)), "w must be bfloat16 or float32"),
   "w_wrong_k": (dict(w=np.zeros((3, 5), np.float32)), "w must be [N, K] with K = 4"),
+  "bf16_activations_not_bool": (dict(bf16_activations="yes"), "bf16_activations must be a bool"),
 }
 
 
@@ -136,7 +137,7 @@ def call_kernel_directly(x, w, result_shape):
   call = jax.ffi.ffi_call(
     "ftjax_dense", jax.ShapeDtypeStruct(result_shape, jnp.float32), vmap_method="sequential"
   )
-  return jax.block_until_ready(call(x, w))
+  return jax.block_until_ready(call(x, w, bf16_activations=False))
 
 
 KERNEL_ERRORS = {

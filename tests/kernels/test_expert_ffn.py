@@ -129,23 +129,25 @@ def make_inputs(case, bank_dtype, *labels):
 
 @pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("case_name", CASES)
-def test_matches_reference(case_name, bank_dtype, isa, assert_close):
+def test_matches_reference(case_name, bank_dtype, bf16_activations, isa, assert_close):
   case = CASES[case_name]
   x, ids, weights, bank = make_inputs(case, bank_dtype)
-  y = expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F)
+  y = expert_ffn(
+    x, ids, weights, bank, case.layer, ffn_dim=case.F, bf16_activations=bf16_activations
+  )
   ref = reference_expert_ffn(x, ids, weights, bank, case.layer, case.F)
-  assert_close(y, ref, bank_dtype)
+  assert_close(y, ref, bank_dtype, bf16_activations)
 
 
 @pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("T", [3, 20], ids=["decode", "grouped"])
-def test_all_routes_skipped_gives_exact_zeros(bank_dtype, T, isa):
+def test_all_routes_skipped_gives_exact_zeros(bank_dtype, T, bf16_activations, isa):
   D, F, E, K = 16, 8, 4, 2
   x = rng_for("skipped").standard_normal((T, D)).astype(np.float32)
   ids = np.full((T, K), -1, np.int32)
   weights = np.ones((T, K), np.float32)
   bank = np.full((1, E, 3 * F * D), np.nan, np.float32).astype(bank_dtype)  # never read
-  y = np.asarray(expert_ffn(x, ids, weights, bank, 0, ffn_dim=F))
+  y = np.asarray(expert_ffn(x, ids, weights, bank, 0, ffn_dim=F, bf16_activations=bf16_activations))
   assert y.dtype == np.float32
   np.testing.assert_array_equal(y, np.zeros((T, D), np.float32))
 
@@ -249,6 +251,7 @@ PYTHON_ERRORS = {
   ),
   "ffn_dim_zero": (dict(ffn_dim=0), "ffn_dim must be positive"),
   "ffn_dim_not_int": (dict(ffn_dim=4.0), "ffn_dim must be a Python int"),
+  "bf16_activations_not_bool": (dict(bf16_activations=1), "bf16_activations must be a bool"),
   "layer_too_large": (dict(layer=L), "layer = 2 is outside [0, L) with L = 2"),
   "layer_negative": (dict(layer=np.int32(-1)), "layer = -1 is outside [0, L) with L = 2"),
   "layer_not_scalar": (dict(layer=jnp.zeros((1,), jnp.int32)), "layer must be an integer scalar"),
@@ -271,7 +274,10 @@ def call_kernel_directly(x, ids, weights, bank, layer, ffn_dim, result_shape=Non
     jax.ShapeDtypeStruct(result_shape or x.shape, jnp.float32),
     vmap_method="sequential",
   )
-  y = call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32), ffn_dim=np.int64(ffn_dim))
+  y = call(
+    x, ids, weights, bank, jnp.asarray(layer, jnp.int32), ffn_dim=np.int64(ffn_dim),
+    bf16_activations=False,
+  )
   return jax.block_until_ready(y)
 
 
