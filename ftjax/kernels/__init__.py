@@ -1,9 +1,31 @@
 """Python side of ftjax's XLA FFI kernels (C++ sources in xla_ffi/).
 
 Importing this package registers the compiled handlers with XLA:CPU.
+
+Ops:
+  expert_ffn(x, ids, weights, bank, layer, *, ffn_dim)  routed SwiGLU experts (decode and
+                                                         grouped prefill forms)
+  dense(x, w)                                            y = x @ w.T, w [N, K] bf16/f32
+  read_probe(buf)                                        host read-bandwidth probe
+  peak_probe(*, tasks, iterations)                       host multiply-add peak probe
+  cpu_info()                                             ISA and threads in use
+  slot_fill(slots, bank, src, dst)                       copy experts into cache slots in place
+
+Environment (read by the C++ kernels):
+  FTJAX_ISA=scalar|avx2|avx512|avx512bf16   use at most this instruction set (read every call;
+                                            the default is the best the CPU supports)
+  FTJAX_NUM_THREADS=n                       threads of ftjax's worker pool (read when the pool is
+                                            created, at the first kernel call; default: all CPUs)
+  FTJAX_PIN_THREADS=1                       pin the pool's workers to CPUs (at creation)
+  FTJAX_THREAD_POOL=own|xla                 ftjax's persistent pool (default) or XLA's intra-op
+                                            pool (read every call)
 """
 
+from ftjax.kernels.cpu_info import cpu_info
+from ftjax.kernels.dense import dense
 from ftjax.kernels.expert_ffn import expert_ffn
+from ftjax.kernels.peak_probe import peak_probe
+from ftjax.kernels.read_probe import read_probe
 from ftjax.kernels.slot_fill import slot_fill
 
-__all__ = ["expert_ffn", "slot_fill"]
+__all__ = ["cpu_info", "dense", "expert_ffn", "peak_probe", "read_probe", "slot_fill"]

@@ -24,8 +24,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-# Importing expert_ffn registers every handler of ftjax._ffi with XLA:CPU, this one too.
-import ftjax.kernels.expert_ffn  # noqa: F401
+# Registers every handler of ftjax._ffi with XLA:CPU, this one too.
+import ftjax.kernels._registration  # noqa: F401
 
 # Sub-byte types can be packed, so a block of P of them is not P whole elements in memory.
 _SUB_BYTE_DTYPES = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})

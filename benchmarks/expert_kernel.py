@@ -1,0 +1,375 @@
+"""Host kernel benchmark: expert FFN (decode and grouped prefill) and the lm_head GEMV against the
+host's read bandwidth and multiply-add peak, measured in the same run.
+
+Shapes are Qwen3-30B-A3B's: D = 2048, F = 768, bf16, 8 experts per token, vocab 151936. The
+weights are written by this script to a temporary file (128 experts x 2 layers = 2.4 GB of expert
+blocks, 4096-byte aligned as in FTW, plus a 622 MB lm_head), memory-mapped, handed to jax without
+a copy, and pre-faulted (read twice) before any timing. Each round measures, one after the other:
+
+  read       ftjax.kernels.read_probe over the whole expert bank (the read-bandwidth ceiling)
+  decode     ftjax.kernels.expert_ffn at T = 1, 8 experts (75.5 MB of weights per call); the 8
+             experts rotate over all 256 (layer, expert) blocks, so nothing is served from the
+             32 MiB L3; with ftjax's own pool and with XLA's intra-op pool
+  gemv       ftjax.kernels.dense, x [1, 2048] @ lm_head [151936, 2048].T; both pools
+  prefill    ftjax.kernels.expert_ffn at T = 512, top-8 over 128 experts (grouped form)
+  peak       ftjax.kernels.peak_probe, a register-only vdpbf16ps loop on all threads
+
+GB/s = weight bytes read / seconds (1 GB = 1e9 bytes). Every ratio is taken within one round and
+the table reports medians over the rounds (memory bandwidth on the development VMs swings by up
+to 2x over seconds). XLA:CPU doing the same math in jnp (gather the 8 blocks, einsums with
+float32 accumulation; x @ lm_head.T) is timed in the first rounds as the peer.
+
+Run from the repository root with the environment ftjax is installed in:
+
+  python benchmarks/expert_kernel.py [--rounds 9] [--out benchmarks/results/expert_kernel.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ftjax.kernels as kernels
+
+D, F, TOP_K = 2048, 768, 8  # Qwen3-30B-A3B
+EXPERTS, LAYERS = 128, 2
+VOCAB = 151936
+PREFILL_TOKENS = 512
+BF16 = np.dtype(jnp.bfloat16)
+PAGE = 4096
+
+
+def machine_info():
+  model = "unknown"
+  flags = []
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name") and model == "unknown":
+          model = line.split(":", 1)[1].strip()
+        if line.startswith("flags") and not flags:
+          flags = line.split(":", 1)[1].split()
+  except OSError:
+    pass
+  mem_total = None
+  try:
+    with open("/proc/meminfo") as f:
+      mem_total = int(f.readline().split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return {
+    "cpu": model,
+    "logical_cpus": os.cpu_count(),
+    "isa_flags": [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                              "avx512dq", "avx512_bf16", "avx512_vnni")],
+    "memory_bytes": mem_total,
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "ftjax_kernels": kernels.cpu_info(),
+  }
+
+
+def write_weights(directory):
+  """Writes the expert bank [L, E, P] and lm_head [V, D] (bf16, 4096-aligned) to one file and
+  maps them. Values are small normal numbers; a 32 MB random block is repeated with a varying
+  low-mantissa bit pattern, which is all the timing needs."""
+  P = 3 * F * D
+  bank_bytes = LAYERS * EXPERTS * P * 2
+  head_offset = -(-bank_bytes // PAGE) * PAGE
+  head_bytes = VOCAB * D * 2
+  path = os.path.join(directory, "weights.bin")
+  rng = np.random.default_rng(0)
+  block = (rng.standard_normal(16 << 20, dtype=np.float32) * 0.02).astype(BF16).view(np.uint16)
+  total = head_offset + head_bytes
+  with open(path, "wb") as f:
+    written, i = 0, 0
+    while written < total:
+      chunk = (block ^ np.uint16(i & 7)).tobytes()[: total - written]
+      f.write(chunk)
+      written += len(chunk)
+      i += 1
+    f.flush()
+    os.fsync(f.fileno())
+  raw = np.memmap(path, dtype=np.uint8, mode="r")
+  bank_np = raw[:bank_bytes].view(BF16).reshape(LAYERS, EXPERTS, P)
+  head_np = raw[head_offset : head_offset + head_bytes].view(BF16).reshape(VOCAB, D)
+  bank, head = jax.device_put(bank_np), jax.device_put(head_np)
+  zero_copy = (
+    bank.unsafe_buffer_pointer() == bank_np.ctypes.data
+    and head.unsafe_buffer_pointer() == head_np.ctypes.data
+  )
+  return raw, bank, head, zero_copy
+
+
+def timed(fn, calls):
+  """Seconds per call: `calls` calls dispatched back to back, then one wait."""
+  start = time.perf_counter()
+  out = None
+  for i in range(calls):
+    out = fn(i)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls
+
+
+def median_of(fn, calls, repeats):
+  return statistics.median(timed(fn, calls) for _ in range(repeats))
+
+
+def set_pool(pool):
+  os.environ["FTJAX_THREAD_POOL"] = pool
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rounds", type=int, default=9)
+  parser.add_argument("--peer_rounds", type=int, default=2, help="rounds that also time XLA:CPU")
+  parser.add_argument("--out", default="benchmarks/results/expert_kernel.json")
+  args = parser.parse_args(argv)
+
+  info = machine_info()
+  load_before = os.getloadavg()
+  print(f"machine: {info['cpu']}, {info['logical_cpus']} CPUs, kernels {info['ftjax_kernels']}")
+  expert_bytes = 3 * F * D * 2
+  decode_bytes = TOP_K * expert_bytes
+  head_bytes = VOCAB * D * 2
+  prefill_flops = 2 * 3 * F * D * PREFILL_TOKENS * TOP_K
+
+  with tempfile.TemporaryDirectory(prefix="ftjax_bench_") as directory:
+    t0 = time.perf_counter()
+    raw, bank, head, zero_copy = write_weights(directory)
+    print(f"wrote and mapped {raw.size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s "
+          f"(zero-copy jax arrays: {zero_copy})")
+
+    read_probe = jax.jit(kernels.read_probe)
+    expert = jax.jit(lambda x, ids, w, bank, layer: kernels.expert_ffn(x, ids, w, bank, layer,
+                                                                       ffn_dim=F))
+    dense = jax.jit(kernels.dense)
+
+    @jax.jit
+    def jnp_expert(x, ids, w, bank, layer):  # the same math in plain jnp, for XLA:CPU
+      blocks = bank[layer][ids[0]]  # [K, P] gather of the 8 expert blocks
+      gate_kfd = blocks[:, : F * D].reshape(TOP_K, F, D)
+      up_kfd = blocks[:, F * D : 2 * F * D].reshape(TOP_K, F, D)
+      down_kdf = blocks[:, 2 * F * D : 3 * F * D].reshape(TOP_K, D, F)
+      xb = x[0].astype(jnp.bfloat16)
+      gate_kf = jnp.einsum("kfd,d->kf", gate_kfd, xb, preferred_element_type=jnp.float32)
+      up_kf = jnp.einsum("kfd,d->kf", up_kfd, xb, preferred_element_type=jnp.float32)
+      hidden_kf = (jax.nn.silu(gate_kf) * up_kf).astype(jnp.bfloat16)
+      y_kd = jnp.einsum("kdf,kf->kd", down_kdf, hidden_kf, preferred_element_type=jnp.float32)
+      return (w[0][:, None] * y_kd).sum(0)[None]
+
+    @jax.jit
+    def jnp_gemv(x, w):
+      return jnp.einsum("td,vd->tv", x.astype(jnp.bfloat16), w,
+                        preferred_element_type=jnp.float32)
+
+    rng = np.random.default_rng(1)
+    x1 = jnp.asarray(rng.standard_normal((1, D), dtype=np.float32))
+    w1 = jnp.asarray(np.full((1, TOP_K), 1.0 / TOP_K, np.float32))
+    # 32 calls cover every (layer, expert) block once: a permutation of the 128 experts of each
+    # layer, 8 at a time.
+    decode_ids, decode_layers = [], []
+    for layer in range(LAYERS):
+      for group in rng.permutation(EXPERTS).reshape(-1, TOP_K):
+        decode_ids.append(jnp.asarray(group[None].astype(np.int32)))
+        decode_layers.append(jnp.int32(layer))
+    order = rng.permutation(len(decode_ids))
+    decode_ids = [decode_ids[i] for i in order]
+    decode_layers = [decode_layers[i] for i in order]
+    n_decode = len(decode_ids)
+
+    xp = jnp.asarray(rng.standard_normal((PREFILL_TOKENS, D), dtype=np.float32))
+    prefill_ids = jnp.asarray(
+      np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(PREFILL_TOKENS)]).astype(np.int32)
+    )
+    prefill_w = jnp.asarray(rng.random((PREFILL_TOKENS, TOP_K)).astype(np.float32))
+
+    def run_read(i):
+      return read_probe(bank)
+
+    # Back-to-back kernel calls inside one jitted program (a scan), as in a decode step: no Python
+    # dispatch runs concurrently with the kernels. A tiny dependency orders the calls.
+    ids_stack = jnp.concatenate(decode_ids)  # [32, K]
+    layer_stack = jnp.stack(decode_layers)
+
+    @jax.jit
+    def decode_chain(x, ids_stack, layer_stack, w, bank):
+      def step(x, ids_and_layer):
+        ids, layer = ids_and_layer
+        y = kernels.expert_ffn(x, ids[None], w, bank, layer, ffn_dim=F)
+        return x + 1e-30 * y, None
+      return jax.lax.scan(step, x, (ids_stack, layer_stack))[0]
+
+    @jax.jit
+    def gemv_chain(x, w):
+      def step(x, _):
+        y = kernels.dense(x, w)
+        return x + 1e-30 * y[:, :D], None
+      return jax.lax.scan(step, x, None, length=4)[0]
+
+    def run_decode(i):
+      return decode_chain(x1, ids_stack, layer_stack, w1, bank)
+
+    def run_gemv(i):
+      return gemv_chain(x1, head)
+
+    # Attention output projection [D, H * A] = [2048, 4096] and router [E, D] = [128, 2048].
+    o_proj_w = jnp.reshape(head[: 2 * D], (D, 2 * D))
+    router_w = head[:EXPERTS]
+    x_o = jnp.asarray(rng.standard_normal((1, 2 * D), dtype=np.float32))
+
+    def run_o_proj(i):
+      return dense(x_o, o_proj_w)
+
+    def run_router(i):
+      return dense(x1, router_w)
+
+    def run_prefill(i):
+      return expert(xp, prefill_ids, prefill_w, bank, jnp.int32(i % LAYERS))
+
+    def run_peak(i):
+      return kernels.peak_probe(tasks=4 * info["ftjax_kernels"]["threads"], iterations=2_000_000)
+
+    def run_jnp_decode(i):
+      j = i % n_decode
+      return jnp_expert(x1, decode_ids[j], w1, bank, decode_layers[j])
+
+    def run_jnp_gemv(i):
+      return jnp_gemv(x1, head)
+
+    # Pre-fault every page (twice) and compile everything.
+    for _ in range(2):
+      jax.block_until_ready((read_probe(bank), read_probe(head)))
+    for pool in ("own", "xla"):
+      set_pool(pool)
+      for fn in (run_decode, run_gemv, run_prefill, run_o_proj, run_router):
+        timed(fn, 2)
+    set_pool("own")
+    peak_result = np.asarray(run_peak(0))
+    peak_flops = float(peak_result[1])
+    timed(run_jnp_decode, 1)
+    timed(run_jnp_gemv, 1)
+
+    rounds = []
+    for r in range(args.rounds):
+      m = {}
+      # Each bandwidth-bound kernel is bracketed by two reads of the bank (~0.1 s apart), and
+      # its ratio is taken to their mean: bandwidth on these VMs drifts within seconds.
+      reads = [median_of(run_read, 1, 1)]
+      for name, fn, calls, kernel_calls, nbytes in (
+        ("decode", run_decode, 2, n_decode, decode_bytes),
+        ("gemv", run_gemv, 2, 4, head_bytes),
+      ):
+        for pool in ("own", "xla"):
+          set_pool(pool)
+          seconds = timed(fn, calls) / kernel_calls
+          set_pool("own")
+          reads.append(median_of(run_read, 1, 1))
+          read_gbps = bank.nbytes / ((reads[-2] + reads[-1]) / 2) / 1e9
+          m[f"{name}_{pool}_s"] = seconds
+          m[f"{name}_{pool}_GBps"] = nbytes / seconds / 1e9
+          m[f"{name}_{pool}_ratio"] = m[f"{name}_{pool}_GBps"] / read_gbps
+        m[f"{name}_own_over_xla"] = m[f"{name}_xla_s"] / m[f"{name}_own_s"]
+      m["read_GBps"] = statistics.median(bank.nbytes / t / 1e9 for t in reads)
+      # Small dense ops, where the hand-off to the threads is a visible part of the time.
+      for name, fn, calls in (("o_proj", run_o_proj, 200), ("router", run_router, 2000)):
+        for pool in ("own", "xla"):
+          set_pool(pool)
+          m[f"{name}_{pool}_us"] = timed(fn, calls) * 1e6
+        set_pool("own")
+        m[f"{name}_own_over_xla"] = m[f"{name}_xla_us"] / m[f"{name}_own_us"]
+      m["prefill_s"] = median_of(run_prefill, 1, 2)
+      m["peak_s"] = timed(run_peak, 1)
+      if r < args.peer_rounds:
+        m["jnp_decode_s"] = timed(run_jnp_decode, 4)
+        m["jnp_gemv_s"] = timed(run_jnp_gemv, 2)
+      m["prefill_tokens_per_s"] = PREFILL_TOKENS / m["prefill_s"]
+      m["prefill_GFLOPps"] = prefill_flops / m["prefill_s"] / 1e9
+      m["peak_GFLOPps"] = peak_flops / m["peak_s"] / 1e9
+      m["prefill_over_peak"] = m["prefill_GFLOPps"] / m["peak_GFLOPps"]
+      if "jnp_decode_s" in m:
+        m["jnp_decode_GBps"] = decode_bytes / m["jnp_decode_s"] / 1e9
+        m["jnp_gemv_GBps"] = head_bytes / m["jnp_gemv_s"] / 1e9
+        m["decode_speedup_over_jnp"] = m["jnp_decode_s"] / m["decode_own_s"]
+        m["gemv_speedup_over_jnp"] = m["jnp_gemv_s"] / m["gemv_own_s"]
+      rounds.append(m)
+      print(
+        f"round {r}: read {m['read_GBps']:5.1f} GB/s | decode own {m['decode_own_GBps']:5.1f} "
+        f"({m['decode_own_ratio']:.2f}) xla {m['decode_xla_GBps']:5.1f} "
+        f"({m['decode_xla_ratio']:.2f}) | gemv own {m['gemv_own_GBps']:5.1f} "
+        f"({m['gemv_own_ratio']:.2f}) xla {m['gemv_xla_GBps']:5.1f} ({m['gemv_xla_ratio']:.2f}) | "
+        f"o_proj {m['o_proj_own_us']:.0f}/{m['o_proj_xla_us']:.0f} us, router "
+        f"{m['router_own_us']:.1f}/{m['router_xla_us']:.1f} us (own/xla) | "
+        f"prefill {m['prefill_tokens_per_s']:6.0f} tok/s {m['prefill_GFLOPps']:5.0f} GFLOP/s "
+        f"= {m['prefill_over_peak']:.2f} of peak {m['peak_GFLOPps']:.0f}"
+        + (f" | jnp decode {m['jnp_decode_s'] * 1e3:.1f} ms, gemv {m['jnp_gemv_s'] * 1e3:.1f} ms"
+           if "jnp_decode_s" in m else ""),
+        flush=True,
+      )
+    del bank, head, raw, o_proj_w, router_w
+
+  keys = sorted({k for m in rounds for k in m})
+  medians = {k: statistics.median(m[k] for m in rounds if k in m) for k in keys}
+  summary = {
+    "read_GBps": medians["read_GBps"],
+    "o_proj_us_own_pool": medians["o_proj_own_us"],
+    "o_proj_us_xla_pool": medians["o_proj_xla_us"],
+    "router_us_own_pool": medians["router_own_us"],
+    "router_us_xla_pool": medians["router_xla_us"],
+    "decode_GBps": medians["decode_own_GBps"],
+    "decode_ratio_to_read": medians["decode_own_ratio"],
+    "decode_ms": medians["decode_own_s"] * 1e3,
+    "decode_xla_pool_ratio_to_read": medians["decode_xla_ratio"],
+    "decode_own_pool_speedup_over_xla_pool": medians["decode_own_over_xla"],
+    "gemv_GBps": medians["gemv_own_GBps"],
+    "gemv_ratio_to_read": medians["gemv_own_ratio"],
+    "gemv_ms": medians["gemv_own_s"] * 1e3,
+    "gemv_xla_pool_ratio_to_read": medians["gemv_xla_ratio"],
+    "gemv_own_pool_speedup_over_xla_pool": medians["gemv_own_over_xla"],
+    "prefill_tokens_per_s": medians["prefill_tokens_per_s"],
+    "prefill_GFLOPps": medians["prefill_GFLOPps"],
+    "peak_bf16_GFLOPps": medians["peak_GFLOPps"],
+    "prefill_ratio_to_peak": medians["prefill_over_peak"],
+    "jnp_decode_ms": medians.get("jnp_decode_s", float("nan")) * 1e3,
+    "decode_speedup_over_jnp": medians.get("decode_speedup_over_jnp"),
+    "jnp_gemv_ms": medians.get("jnp_gemv_s", float("nan")) * 1e3,
+    "gemv_speedup_over_jnp": medians.get("gemv_speedup_over_jnp"),
+  }
+  print("\nmedians over", len(rounds), "rounds:")
+  for k, v in summary.items():
+    print(f"  {k:42s} {v:10.3f}" if isinstance(v, float) else f"  {k:42s} {v}")
+  result = {
+    "benchmark": "expert_kernel",
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    "machine": info,
+    "load_average_before": load_before,
+    "load_average_after": os.getloadavg(),
+    "shapes": {"D": D, "F": F, "top_k": TOP_K, "experts": EXPERTS, "layers": LAYERS,
+               "vocab": VOCAB, "prefill_tokens": PREFILL_TOKENS, "dtype": "bfloat16"},
+    "bytes": {"decode_call": decode_bytes, "gemv_call": head_bytes, "bank": LAYERS * EXPERTS *
+              expert_bytes, "prefill_flops": prefill_flops},
+    "zero_copy_mapping": zero_copy,
+    "summary_medians": summary,
+    "rounds": rounds,
+  }
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  print("wrote", args.out)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,88 @@
+// The SIMD building blocks of ftjax's host ops, one table per instruction set.
+//
+// Every op (expert_ffn.cc, dense.cc, read_probe.cc) is written once, in portable C++, on top of
+// the few primitives below. Each instruction set has its own translation unit, compiled with its
+// own flags chosen by the file-name suffix in CMakeLists.txt (and the Bazel BUILD):
+//
+//   cpu_kernels_scalar.cc       baseline flags (any x86-64 or aarch64)
+//   cpu_kernels_avx2.cc         -mavx2 -mfma -mf16c
+//   cpu_kernels_avx512.cc       -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
+//   cpu_kernels_avx512bf16.cc   the AVX-512 flags plus -mavx512bf16
+//
+// Only the functions in this header cross from a baseline translation unit into an ISA one, and
+// only through a KernelTable returned after the CPU was checked (cpu_isa.cc), so no instruction
+// the CPU lacks can run. The ISA translation units use no standard-library templates: an inline
+// function instantiated there could be merged by the linker with a baseline copy and run AVX-512
+// code on a CPU without it.
+
+#ifndef FTJAX_XLA_FFI_CPU_KERNELS_H_
+#define FTJAX_XLA_FFI_CPU_KERNELS_H_
+
+#include <cstdint>
+
+namespace ftjax {
+
+// bfloat16 is stored as its 16 raw bits.
+using Bf16Bits = uint16_t;
+
+// A batch of dot products between the rows of a weight matrix and a few activation vectors:
+//
+//   c[t * c_stride + r] = sum_{i < n} w[r * w_stride + i] * a[t][i]   for r < rows, t < tokens
+//
+// accumulated in float32. Weights are [out, in] row-major, as everywhere in ftjax, so both
+// operands are contiguous along i: this is the "NT" GEMM C = A @ W^T, and with tokens = 1 a
+// GEMV. For one token the kernels read the weight rows one after the other (one sequential
+// stream: memory-bound, at read bandwidth); with more tokens they block 4 rows x 4 tokens in
+// registers and walk the rows in the outer loop, so a block of 4 weight rows stays in L1 while
+// all tokens stream past it (compute-bound). Nothing needs to be aligned; tails of n, rows and
+// tokens are handled (masked loads on AVX-512).
+template <typename WeightT, typename ActivationT>
+struct DotProblem {
+  const WeightT* w;
+  int64_t w_stride;  // elements from one weight row to the next
+  int64_t rows;
+  const ActivationT* const* a;  // a[t] points at n activations of token t
+  int64_t tokens;
+  int64_t n;
+  float* c;
+  int64_t c_stride;  // elements from one token's outputs to the next
+};
+
+using DotBf16Bf16Fn = void (*)(const DotProblem<Bf16Bits, Bf16Bits>&);
+using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
+using DotF32F32Fn = void (*)(const DotProblem<float, float>&);
+
+struct KernelTable {
+  const char* name;  // "scalar", "avx2", "avx512", "avx512bf16" (the FTJAX_ISA spellings)
+
+  // bf16 weights x bf16 activations (vdpbf16ps); null unless the ISA has AVX-512-BF16. When it is
+  // set, ops round float32 activations to bf16 once and use it for bf16 weights.
+  DotBf16Bf16Fn dot_bf16_bf16;
+  // bf16 weights widened to float32, float32 activations, float32 FMA.
+  DotBf16F32Fn dot_bf16_f32;
+  // float32 weights and activations, float32 FMA.
+  DotF32F32Fn dot_f32_f32;
+
+  // out[i] = bf16(in[i]), rounding to nearest even (NaN stays NaN).
+  void (*round_to_bf16)(const float* in, Bf16Bits* out, int64_t n);
+  // h[i] = silu(gate[i]) * up[i] with silu(g) = g / (1 + exp(-g)).
+  void (*silu_mul)(const float* gate, const float* up, float* h, int64_t n);
+  // XOR of the n_words little-endian 32-bit words at `data` (no alignment needed).
+  uint32_t (*xor_words)(const void* data, int64_t n_words);
+  // Runs `iterations` rounds of a register-only multiply-add loop at the ISA's widest
+  // multiply-add (vdpbf16ps for AVX-512-BF16, float32 FMA otherwise) and returns a value that
+  // depends on every round. `flops_per_iteration` is how many flops one round does.
+  float (*peak_loop)(int64_t iterations, float seed);
+  int64_t peak_flops_per_iteration;
+};
+
+// Each returns the table of its translation unit, or null when the compiler did not build that
+// ISA (a non-x86 target). Callers must check the CPU first: see cpu_isa.h.
+const KernelTable* ScalarKernels();
+const KernelTable* Avx2Kernels();
+const KernelTable* Avx512Kernels();
+const KernelTable* Avx512Bf16Kernels();
+
+}  // namespace ftjax
+
+#endif  // FTJAX_XLA_FFI_CPU_KERNELS_H_

@@ -1,0 +1,43 @@
+// AVX-512 (F, BW, VL, DQ) kernels: float32 FMA for float32 and bf16 weights (bf16 widened in
+// registers). Compiled with the AVX-512 flags by its suffix (CMakeLists.txt); on a compiler that
+// does not target them the table is absent. See cpu_kernels.h.
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__FMA__)
+
+#include "cpu_kernels_avx512_common.h"
+
+namespace ftjax {
+namespace {
+
+void RoundToBf16Avx512(const float* in, Bf16Bits* out, int64_t n) {
+  cpu_kernels_impl::RoundToBf16Loop(in, out, n);
+}
+
+const KernelTable kAvx512Table = {
+    /*name=*/"avx512",
+    /*dot_bf16_bf16=*/nullptr,
+    /*dot_bf16_f32=*/DotBf16F32Avx512,
+    /*dot_f32_f32=*/DotF32F32Avx512,
+    /*round_to_bf16=*/RoundToBf16Avx512,
+    /*silu_mul=*/SiluMulAvx512,
+    /*xor_words=*/XorWordsAvx512,
+    /*peak_loop=*/PeakLoopFma512,
+    /*peak_flops_per_iteration=*/kPeakChains512 * 16 * 2,
+};
+
+}  // namespace
+
+const KernelTable* Avx512Kernels() { return &kAvx512Table; }
+
+}  // namespace ftjax
+
+#else
+
+namespace ftjax {
+const KernelTable* Avx512Kernels() { return nullptr; }
+}  // namespace ftjax
+
+#endif

@@ -1,0 +1,169 @@
+// AVX-512 (F, BW, VL, DQ) pieces shared by cpu_kernels_avx512.cc and cpu_kernels_avx512bf16.cc.
+//
+// Include only from those two files: everything is in an anonymous namespace, so each includes
+// its own copy compiled with its own flags (see cpu_kernels.h on why nothing may be shared).
+
+#ifndef FTJAX_XLA_FFI_CPU_KERNELS_AVX512_COMMON_H_
+#define FTJAX_XLA_FFI_CPU_KERNELS_AVX512_COMMON_H_
+
+#include <immintrin.h>
+#include <math.h>
+
+#include <cstdint>
+
+#include "cpu_kernels.h"
+#include "cpu_kernels_impl.h"
+
+namespace ftjax {
+namespace {
+
+inline __mmask16 FirstLanes16(int64_t count) {
+  return static_cast<__mmask16>((1u << count) - 1u);  // count < 16
+}
+
+inline float Sum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// out[j] = sum of the lanes of a_j: a transpose-and-add tree (13 instructions for 4 sums).
+inline void Sum4x512(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
+  // In every 128-bit lane: [a0_0 + a0_2, a1_0 + a1_2, a0_1 + a0_3, a1_1 + a1_3].
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // In every 128-bit lane: [a0, a1, a2, a3] partial sums.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// 16 bf16 -> 16 float32: widen to 32 bits and shift into the high half.
+inline __m512 WidenBf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+struct Bf16F32Ops512 {
+  using Weight = Bf16Bits;
+  using Activation = float;
+  using WeightVec = __m512;
+  using ActivationVec = __m512;
+  using Acc = __m512;
+  static constexpr int64_t kStep = 16;
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static WeightVec LoadWeights(const Weight* p) {
+    return WidenBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {
+    return WidenBf16(_mm256_maskz_loadu_epi16(FirstLanes16(count), p));
+  }
+  static ActivationVec LoadActivations(const Activation* p) { return _mm512_loadu_ps(p); }
+  static ActivationVec LoadActivationsTail(const Activation* p, int64_t count) {
+    return _mm512_maskz_loadu_ps(FirstLanes16(count), p);
+  }
+  static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm512_fmadd_ps(w, a, acc); }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float Sum(Acc acc) { return Sum512(acc); }
+  static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
+};
+
+struct F32F32Ops512 {
+  using Weight = float;
+  using Activation = float;
+  using WeightVec = __m512;
+  using ActivationVec = __m512;
+  using Acc = __m512;
+  static constexpr int64_t kStep = 16;
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static WeightVec LoadWeights(const Weight* p) { return _mm512_loadu_ps(p); }
+  static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {
+    return _mm512_maskz_loadu_ps(FirstLanes16(count), p);
+  }
+  static ActivationVec LoadActivations(const Activation* p) { return _mm512_loadu_ps(p); }
+  static ActivationVec LoadActivationsTail(const Activation* p, int64_t count) {
+    return _mm512_maskz_loadu_ps(FirstLanes16(count), p);
+  }
+  static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm512_fmadd_ps(w, a, acc); }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float Sum(Acc acc) { return Sum512(acc); }
+  static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
+};
+
+void DotBf16F32Avx512(const DotProblem<Bf16Bits, float>& p) {
+  cpu_kernels_impl::Dot<Bf16F32Ops512>(p);
+}
+void DotF32F32Avx512(const DotProblem<float, float>& p) {
+  cpu_kernels_impl::Dot<F32F32Ops512>(p);
+}
+
+// exp(x) for x in [-87, 88] (clamped outside), Cephes' expf: relative error ~2e-7.
+inline __m512 Exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i exponent = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
+}
+
+inline __m512 SiluMul512(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 sigmoid = _mm512_div_ps(one, _mm512_add_ps(one, Exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+}
+
+void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(h + i, SiluMul512(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
+  }
+  if (i < n) {
+    const __mmask16 mask = FirstLanes16(n - i);
+    _mm512_mask_storeu_ps(h + i, mask, SiluMul512(_mm512_maskz_loadu_ps(mask, gate + i),
+                                                  _mm512_maskz_loadu_ps(mask, up + i)));
+  }
+}
+
+uint32_t XorWordsAvx512(const void* data, int64_t n_words) {
+  const unsigned char* bytes = static_cast<const unsigned char*>(data);
+  __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0;
+  int64_t i = 0;
+  for (; i + 64 <= n_words; i += 64) {  // 256 bytes per round, 4 independent chains
+    const unsigned char* p = bytes + 4 * i;
+    x0 = _mm512_xor_si512(x0, _mm512_loadu_si512(p));
+    x1 = _mm512_xor_si512(x1, _mm512_loadu_si512(p + 64));
+    x2 = _mm512_xor_si512(x2, _mm512_loadu_si512(p + 128));
+    x3 = _mm512_xor_si512(x3, _mm512_loadu_si512(p + 192));
+  }
+  const __m512i x = _mm512_xor_si512(_mm512_xor_si512(x0, x1), _mm512_xor_si512(x2, x3));
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, x);
+  uint32_t result = cpu_kernels_impl::XorWordsLoop(bytes + 4 * i, n_words - i);
+  for (int j = 0; j < 16; ++j) result ^= lanes[j];
+  return result;
+}
+
+constexpr int kPeakChains512 = 12;  // > FMA latency x throughput, so the loop is throughput-bound
+
+float PeakLoopFma512(int64_t iterations, float seed) {
+  __m512 acc[kPeakChains512];
+  for (int j = 0; j < kPeakChains512; ++j) acc[j] = _mm512_set1_ps(seed * static_cast<float>(j));
+  const __m512 scale = _mm512_set1_ps(1.0f - 1e-7f), add = _mm512_set1_ps(1e-7f * seed);
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int j = 0; j < kPeakChains512; ++j) acc[j] = _mm512_fmadd_ps(acc[j], scale, add);
+  }
+  __m512 sum = acc[0];
+  for (int j = 1; j < kPeakChains512; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  return Sum512(sum);
+}
+
+}  // namespace
+}  // namespace ftjax
+
+#endif  // FTJAX_XLA_FFI_CPU_KERNELS_AVX512_COMMON_H_

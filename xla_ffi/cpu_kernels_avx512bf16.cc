@@ -1,0 +1,104 @@
+// AVX-512-BF16 kernels: bf16 weights against bf16-rounded activations with vdpbf16ps (32
+// multiply-adds of bf16 pairs into 16 float32 lanes per instruction), plus the AVX-512 float32
+// paths. Compiled with the AVX-512 and -mavx512bf16 flags by its suffix (CMakeLists.txt); on a
+// compiler that does not target them the table is absent. See cpu_kernels.h.
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__)
+
+#include "cpu_kernels_avx512_common.h"
+
+namespace ftjax {
+namespace {
+
+inline __m512bh AsBf16(__m512i bits) { return (__m512bh)bits; }
+
+struct Bf16Bf16Ops512 {
+  using Weight = Bf16Bits;
+  using Activation = Bf16Bits;
+  using WeightVec = __m512bh;
+  using ActivationVec = __m512bh;
+  using Acc = __m512;
+  static constexpr int64_t kStep = 32;
+  static __mmask32 FirstLanes(int64_t count) {  // count < 32
+    return static_cast<__mmask32>((1u << count) - 1u);
+  }
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static WeightVec LoadWeights(const Weight* p) { return AsBf16(_mm512_loadu_si512(p)); }
+  static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {
+    return AsBf16(_mm512_maskz_loadu_epi16(FirstLanes(count), p));
+  }
+  static ActivationVec LoadActivations(const Activation* p) {
+    return AsBf16(_mm512_loadu_si512(p));
+  }
+  static ActivationVec LoadActivationsTail(const Activation* p, int64_t count) {
+    return AsBf16(_mm512_maskz_loadu_epi16(FirstLanes(count), p));
+  }
+  // Lane j += w[2j] * a[2j] + w[2j + 1] * a[2j + 1].
+  static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm512_dpbf16_ps(acc, w, a); }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float Sum(Acc acc) { return Sum512(acc); }
+  static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
+};
+
+void DotBf16Bf16Avx512(const DotProblem<Bf16Bits, Bf16Bits>& p) {
+  cpu_kernels_impl::Dot<Bf16Bf16Ops512>(p);
+}
+
+// vcvtneps2bf16: round to nearest even, NaN stays NaN.
+void RoundToBf16Avx512Bf16(const float* in, Bf16Bits* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(in + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)rounded);
+  }
+  if (i < n) {
+    const __mmask16 mask = FirstLanes16(n - i);
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, in + i));
+    _mm256_mask_storeu_epi16(out + i, mask, (__m256i)rounded);
+  }
+}
+
+constexpr int kPeakChainsBf16 = 12;
+
+float PeakLoopBf16(int64_t iterations, float seed) {
+  __m512 acc[kPeakChainsBf16];
+  for (int j = 0; j < kPeakChainsBf16; ++j) acc[j] = _mm512_set1_ps(seed * static_cast<float>(j));
+  // Small factors, so that the sums stay finite for any realistic number of iterations.
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f * seed), _mm512_set1_ps(1e-3f));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f * seed));
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int j = 0; j < kPeakChainsBf16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+  }
+  __m512 sum = acc[0];
+  for (int j = 1; j < kPeakChainsBf16; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  return Sum512(sum);
+}
+
+const KernelTable kAvx512Bf16Table = {
+    /*name=*/"avx512bf16",
+    /*dot_bf16_bf16=*/DotBf16Bf16Avx512,
+    /*dot_bf16_f32=*/DotBf16F32Avx512,
+    /*dot_f32_f32=*/DotF32F32Avx512,
+    /*round_to_bf16=*/RoundToBf16Avx512Bf16,
+    /*silu_mul=*/SiluMulAvx512,
+    /*xor_words=*/XorWordsAvx512,
+    /*peak_loop=*/PeakLoopBf16,
+    /*peak_flops_per_iteration=*/kPeakChainsBf16 * 32 * 2,
+};
+
+}  // namespace
+
+const KernelTable* Avx512Bf16Kernels() { return &kAvx512Bf16Table; }
+
+}  // namespace ftjax
+
+#else
+
+namespace ftjax {
+const KernelTable* Avx512Bf16Kernels() { return nullptr; }
+}  // namespace ftjax
+
+#endif

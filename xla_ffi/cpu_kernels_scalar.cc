@@ -1,0 +1,120 @@
+// Portable kernels: baseline compiler flags, no intrinsics. The reference for the SIMD files and
+// the fallback on any CPU (FTJAX_ISA=scalar forces it). See cpu_kernels.h.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_kernels.h"
+#include "cpu_kernels_impl.h"
+
+namespace ftjax {
+namespace {
+
+inline float Bf16ToFloat(Bf16Bits bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+inline float ToFloat(float value) { return value; }
+inline float ToFloat(Bf16Bits bits) { return Bf16ToFloat(bits); }
+
+// One element per step: the accumulator is a plain float.
+template <typename WeightT, typename ActivationT>
+struct ScalarOps {
+  using Weight = WeightT;
+  using Activation = ActivationT;
+  using WeightVec = float;
+  using ActivationVec = float;
+  using Acc = float;
+  static constexpr int64_t kStep = 1;
+  static Acc Zero() { return 0.0f; }
+  static WeightVec LoadWeights(const Weight* p) { return ToFloat(*p); }
+  static WeightVec LoadWeightsTail(const Weight*, int64_t) { return 0.0f; }  // never: kStep 1
+  static ActivationVec LoadActivations(const Activation* p) { return ToFloat(*p); }
+  static ActivationVec LoadActivationsTail(const Activation*, int64_t) { return 0.0f; }
+  static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return acc + w * a; }
+  static Acc Add(Acc a, Acc b) { return a + b; }
+  static float Sum(Acc acc) { return acc; }
+  static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) {
+    out[0] = a0;
+    out[1] = a1;
+    out[2] = a2;
+    out[3] = a3;
+  }
+};
+
+void DotBf16F32(const DotProblem<Bf16Bits, float>& p) {
+  cpu_kernels_impl::Dot<ScalarOps<Bf16Bits, float>>(p);
+}
+void DotF32F32(const DotProblem<float, float>& p) {
+  cpu_kernels_impl::Dot<ScalarOps<float, float>>(p);
+}
+
+void RoundToBf16(const float* in, Bf16Bits* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &in[i], sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+      out[i] = static_cast<Bf16Bits>((bits >> 16) | 0x40u);  // NaN: keep it a (quiet) NaN
+    } else {
+      out[i] = static_cast<Bf16Bits>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
+void SiluMul(const float* gate, const float* up, float* h, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+uint32_t XorWords(const void* data, int64_t n_words) {
+  const unsigned char* bytes = static_cast<const unsigned char*>(data);
+  uint64_t wide = 0;  // two words at a time
+  int64_t i = 0;
+  for (; i + 2 <= n_words; i += 2) {
+    uint64_t pair;
+    std::memcpy(&pair, bytes + 4 * i, sizeof(pair));
+    wide ^= pair;
+  }
+  uint32_t result = static_cast<uint32_t>(wide) ^ static_cast<uint32_t>(wide >> 32);
+  if (i < n_words) {
+    uint32_t word;
+    std::memcpy(&word, bytes + 4 * i, sizeof(word));
+    result ^= word;
+  }
+  return result;
+}
+
+constexpr int kPeakChains = 8;
+
+float PeakLoop(int64_t iterations, float seed) {
+  float acc[kPeakChains];
+  for (int j = 0; j < kPeakChains; ++j) acc[j] = seed * static_cast<float>(j + 1);
+  const float scale = 1.0f - 1e-7f, add = 1e-7f * seed;
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int j = 0; j < kPeakChains; ++j) acc[j] = acc[j] * scale + add;
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < kPeakChains; ++j) sum += acc[j];
+  return sum;
+}
+
+const KernelTable kScalarTable = {
+    /*name=*/"scalar",
+    /*dot_bf16_bf16=*/nullptr,
+    /*dot_bf16_f32=*/DotBf16F32,
+    /*dot_f32_f32=*/DotF32F32,
+    /*round_to_bf16=*/RoundToBf16,
+    /*silu_mul=*/SiluMul,
+    /*xor_words=*/XorWords,
+    /*peak_loop=*/PeakLoop,
+    /*peak_flops_per_iteration=*/2 * kPeakChains,
+};
+
+}  // namespace
+
+const KernelTable* ScalarKernels() { return &kScalarTable; }
+
+}  // namespace ftjax
