@@ -1,8 +1,10 @@
 """The engine: prefill + token-by-token decode over a loaded model.
 
-This is the reference execution of the foundation: every routed expert is computed from the
-host expert bank (no device cache yet). Compilation is done ahead of time per shape and
-reported separately, so throughput numbers measure execution only.
+Without an expert cache every routed expert is computed from the host expert bank (the
+reference execution); with one, each layer-step is planned by the cache policy and split
+between slots and the bank (``ftjax.cache``). Compilation is done ahead of time per shape,
+shared by all engines of the process, and reported separately, so throughput numbers
+measure execution only.
 """
 
 from __future__ import annotations
