@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -153,8 +154,7 @@ def main(argv=None):
           f"(zero-copy jax arrays: {zero_copy})")
 
     read_probe = jax.jit(kernels.read_probe)
-    expert = jax.jit(lambda x, ids, w, bank, layer: kernels.expert_ffn(x, ids, w, bank, layer,
-                                                                       ffn_dim=F))
+    expert = jax.jit(kernels.expert_ffn, static_argnames=("ffn_dim", "bf16_activations"))
     dense = jax.jit(kernels.dense)
 
     @jax.jit
@@ -204,26 +204,26 @@ def main(argv=None):
     ids_stack = jnp.concatenate(decode_ids)  # [32, K]
     layer_stack = jnp.stack(decode_layers)
 
-    @jax.jit
-    def decode_chain(x, ids_stack, layer_stack, w, bank):
+    @functools.partial(jax.jit, static_argnames="fast")
+    def decode_chain(x, ids_stack, layer_stack, w, bank, fast):
       def step(x, ids_and_layer):
         ids, layer = ids_and_layer
-        y = kernels.expert_ffn(x, ids[None], w, bank, layer, ffn_dim=F)
+        y = kernels.expert_ffn(x, ids[None], w, bank, layer, ffn_dim=F, bf16_activations=fast)
         return x + 1e-30 * y, None
       return jax.lax.scan(step, x, (ids_stack, layer_stack))[0]
 
-    @jax.jit
-    def gemv_chain(x, w):
+    @functools.partial(jax.jit, static_argnames="fast")
+    def gemv_chain(x, w, fast):
       def step(x, _):
-        y = kernels.dense(x, w)
+        y = kernels.dense(x, w, bf16_activations=fast)
         return x + 1e-30 * y[:, :D], None
       return jax.lax.scan(step, x, None, length=4)[0]
 
-    def run_decode(i):
-      return decode_chain(x1, ids_stack, layer_stack, w1, bank)
+    def run_decode(i, fast=False):
+      return decode_chain(x1, ids_stack, layer_stack, w1, bank, fast)
 
-    def run_gemv(i):
-      return gemv_chain(x1, head)
+    def run_gemv(i, fast=False):
+      return gemv_chain(x1, head, fast)
 
     # Attention output projection [D, H * A] = [2048, 4096] and router [E, D] = [128, 2048].
     o_proj_w = jnp.reshape(head[: 2 * D], (D, 2 * D))
@@ -236,8 +236,9 @@ def main(argv=None):
     def run_router(i):
       return dense(x1, router_w)
 
-    def run_prefill(i):
-      return expert(xp, prefill_ids, prefill_w, bank, jnp.int32(i % LAYERS))
+    def run_prefill(i, fast=False):
+      return expert(xp, prefill_ids, prefill_w, bank, jnp.int32(i % LAYERS), ffn_dim=F,
+                    bf16_activations=fast)
 
     def run_peak(i):
       return kernels.peak_probe(tasks=4 * info["ftjax_kernels"]["threads"], iterations=2_000_000)
@@ -256,6 +257,8 @@ def main(argv=None):
       set_pool(pool)
       for fn in (run_decode, run_gemv, run_prefill, run_o_proj, run_router):
         timed(fn, 2)
+        timed(functools.partial(fn, fast=True) if fn in (run_decode, run_gemv, run_prefill)
+              else fn, 2)
     set_pool("own")
     peak_result = np.asarray(run_peak(0))
     peak_flops = float(peak_result[1])
@@ -272,15 +275,16 @@ def main(argv=None):
         ("decode", run_decode, 2, n_decode, decode_bytes),
         ("gemv", run_gemv, 2, 4, head_bytes),
       ):
-        for pool in ("own", "xla"):
+        for variant, pool, fast in (("own", "own", False), ("xla", "xla", False),
+                                    ("fast", "own", True)):
           set_pool(pool)
-          seconds = timed(fn, calls) / kernel_calls
+          seconds = timed(functools.partial(fn, fast=fast), calls) / kernel_calls
           set_pool("own")
           reads.append(median_of(run_read, 1, 1))
           read_gbps = bank.nbytes / ((reads[-2] + reads[-1]) / 2) / 1e9
-          m[f"{name}_{pool}_s"] = seconds
-          m[f"{name}_{pool}_GBps"] = nbytes / seconds / 1e9
-          m[f"{name}_{pool}_ratio"] = m[f"{name}_{pool}_GBps"] / read_gbps
+          m[f"{name}_{variant}_s"] = seconds
+          m[f"{name}_{variant}_GBps"] = nbytes / seconds / 1e9
+          m[f"{name}_{variant}_ratio"] = m[f"{name}_{variant}_GBps"] / read_gbps
         m[f"{name}_own_over_xla"] = m[f"{name}_xla_s"] / m[f"{name}_own_s"]
       m["read_GBps"] = statistics.median(bank.nbytes / t / 1e9 for t in reads)
       # Small dense ops, where the hand-off to the threads is a visible part of the time.
@@ -291,6 +295,7 @@ def main(argv=None):
         set_pool("own")
         m[f"{name}_own_over_xla"] = m[f"{name}_xla_us"] / m[f"{name}_own_us"]
       m["prefill_s"] = median_of(run_prefill, 1, 2)
+      m["prefill_fast_s"] = median_of(functools.partial(run_prefill, fast=True), 1, 2)
       m["peak_s"] = timed(run_peak, 1)
       if r < args.peer_rounds:
         m["jnp_decode_s"] = timed(run_jnp_decode, 4)
@@ -299,6 +304,9 @@ def main(argv=None):
       m["prefill_GFLOPps"] = prefill_flops / m["prefill_s"] / 1e9
       m["peak_GFLOPps"] = peak_flops / m["peak_s"] / 1e9
       m["prefill_over_peak"] = m["prefill_GFLOPps"] / m["peak_GFLOPps"]
+      m["prefill_fast_tokens_per_s"] = PREFILL_TOKENS / m["prefill_fast_s"]
+      m["prefill_fast_GFLOPps"] = prefill_flops / m["prefill_fast_s"] / 1e9
+      m["prefill_fast_over_peak"] = m["prefill_fast_GFLOPps"] / m["peak_GFLOPps"]
       if "jnp_decode_s" in m:
         m["jnp_decode_GBps"] = decode_bytes / m["jnp_decode_s"] / 1e9
         m["jnp_gemv_GBps"] = head_bytes / m["jnp_gemv_s"] / 1e9
@@ -308,12 +316,16 @@ def main(argv=None):
       print(
         f"round {r}: read {m['read_GBps']:5.1f} GB/s | decode own {m['decode_own_GBps']:5.1f} "
         f"({m['decode_own_ratio']:.2f}) xla {m['decode_xla_GBps']:5.1f} "
-        f"({m['decode_xla_ratio']:.2f}) | gemv own {m['gemv_own_GBps']:5.1f} "
-        f"({m['gemv_own_ratio']:.2f}) xla {m['gemv_xla_GBps']:5.1f} ({m['gemv_xla_ratio']:.2f}) | "
+        f"({m['decode_xla_ratio']:.2f}) fast {m['decode_fast_GBps']:5.1f} "
+        f"({m['decode_fast_ratio']:.2f}) | gemv own {m['gemv_own_GBps']:5.1f} "
+        f"({m['gemv_own_ratio']:.2f}) xla {m['gemv_xla_GBps']:5.1f} ({m['gemv_xla_ratio']:.2f}) "
+        f"fast {m['gemv_fast_GBps']:5.1f} ({m['gemv_fast_ratio']:.2f}) | "
         f"o_proj {m['o_proj_own_us']:.0f}/{m['o_proj_xla_us']:.0f} us, router "
         f"{m['router_own_us']:.1f}/{m['router_xla_us']:.1f} us (own/xla) | "
-        f"prefill {m['prefill_tokens_per_s']:6.0f} tok/s {m['prefill_GFLOPps']:5.0f} GFLOP/s "
-        f"= {m['prefill_over_peak']:.2f} of peak {m['peak_GFLOPps']:.0f}"
+        f"prefill {m['prefill_tokens_per_s']:5.0f} tok/s {m['prefill_GFLOPps']:4.0f} GFLOP/s "
+        f"({m['prefill_over_peak']:.2f}), fast {m['prefill_fast_tokens_per_s']:5.0f} tok/s "
+        f"{m['prefill_fast_GFLOPps']:4.0f} GFLOP/s ({m['prefill_fast_over_peak']:.2f}) of peak "
+        f"{m['peak_GFLOPps']:.0f}"
         + (f" | jnp decode {m['jnp_decode_s'] * 1e3:.1f} ms, gemv {m['jnp_gemv_s'] * 1e3:.1f} ms"
            if "jnp_decode_s" in m else ""),
         flush=True,
@@ -333,15 +345,20 @@ def main(argv=None):
     "decode_ms": medians["decode_own_s"] * 1e3,
     "decode_xla_pool_ratio_to_read": medians["decode_xla_ratio"],
     "decode_own_pool_speedup_over_xla_pool": medians["decode_own_over_xla"],
+    "decode_fast_ratio_to_read": medians["decode_fast_ratio"],
     "gemv_GBps": medians["gemv_own_GBps"],
     "gemv_ratio_to_read": medians["gemv_own_ratio"],
     "gemv_ms": medians["gemv_own_s"] * 1e3,
     "gemv_xla_pool_ratio_to_read": medians["gemv_xla_ratio"],
     "gemv_own_pool_speedup_over_xla_pool": medians["gemv_own_over_xla"],
+    "gemv_fast_ratio_to_read": medians["gemv_fast_ratio"],
     "prefill_tokens_per_s": medians["prefill_tokens_per_s"],
     "prefill_GFLOPps": medians["prefill_GFLOPps"],
     "peak_bf16_GFLOPps": medians["peak_GFLOPps"],
     "prefill_ratio_to_peak": medians["prefill_over_peak"],
+    "prefill_fast_tokens_per_s": medians["prefill_fast_tokens_per_s"],
+    "prefill_fast_GFLOPps": medians["prefill_fast_GFLOPps"],
+    "prefill_fast_ratio_to_peak": medians["prefill_fast_over_peak"],
     "jnp_decode_ms": medians.get("jnp_decode_s", float("nan")) * 1e3,
     "decode_speedup_over_jnp": medians.get("decode_speedup_over_jnp"),
     "jnp_gemv_ms": medians.get("jnp_gemv_s", float("nan")) * 1e3,

@@ -49,6 +49,33 @@ struct DotProblem {
 };
 
 using DotBf16Bf16Fn = void (*)(const DotProblem<Bf16Bits, Bf16Bits>&);
+
+// Activations packed for the packed-activation GEMM (KernelTable::packed_dot_bf16): tokens in
+// groups of 16 and the n inputs in pairs, so that one 64-byte vector holds the pair (2p, 2p + 1)
+// of 16 tokens:
+//   packed[(g * pairs + p) * 32 + 2 * j + h] = x_{16 g + j}[2 p + h],  pairs = ceil(n / 2),
+// zero for tokens past the last one and for input n when n is odd.
+constexpr int64_t kPackedGroup = 16;
+static constexpr int64_t PackedPairs(int64_t n) { return (n + 1) / 2; }
+static constexpr int64_t PackedGroupElements(int64_t n) { return PackedPairs(n) * 2 * kPackedGroup; }
+
+// The packed-activation GEMM, transposed output:
+//   ct[r * c_stride + t] = sum_{i < n} w[r * w_stride + i] * x_t[i]   r < rows, t < 16 * groups
+// Each vdpbf16ps multiplies one broadcast pair of weights with a pair of 16 tokens, so no
+// horizontal sums are needed and the weight rows are read straight from the bank.
+struct PackedDotProblem {
+  const Bf16Bits* w;
+  int64_t w_stride;
+  int64_t rows;
+  const Bf16Bits* packed;  // `groups` groups of PackedGroupElements(n) elements
+  int64_t groups;
+  // The last group holds at most 8 real tokens: only its first 8 columns are computed (with
+  // 256-bit vectors) and stored, so a short tail costs half a group.
+  bool half_last_group;
+  int64_t n;
+  float* ct;
+  int64_t c_stride;  // >= 16 * groups
+};
 using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
 using DotF32F32Fn = void (*)(const DotProblem<float, float>&);
 
@@ -58,6 +85,9 @@ struct KernelTable {
   // bf16 weights x bf16 activations (vdpbf16ps); null unless the ISA has AVX-512-BF16. When it is
   // set, ops round float32 activations to bf16 once and use it for bf16 weights.
   DotBf16Bf16Fn dot_bf16_bf16;
+  // The packed-activation GEMM for bf16 weights and bf16 activations; null unless the ISA has
+  // AVX-512-BF16. Faster than dot_bf16_bf16 from ~17 tokens per weight row on.
+  void (*packed_dot_bf16)(const PackedDotProblem&);
   // bf16 weights widened to float32, float32 activations, float32 FMA.
   DotBf16F32Fn dot_bf16_f32;
   // float32 weights and activations, float32 FMA.

@@ -139,11 +139,58 @@ ExpertGroups GroupByCounting(const ExpertFfnDims& dims, const int32_t* ids_tk,
   return groups;
 }
 
+// Packs `count` rows of n bf16 activations into `groups` groups of 16 (layout in cpu_kernels.h),
+// zero past the last row and past n.
+void PackPairs(const Bf16Bits* const* rows, int64_t count, int64_t groups, int64_t n,
+               Bf16Bits* packed) {
+  const int64_t pairs = PackedPairs(n);
+  for (int64_t g = 0; g < groups; ++g) {
+    Bf16Bits* out = packed + g * PackedGroupElements(n);
+    for (int64_t j = 0; j < kPackedGroup; ++j) {
+      const int64_t row = g * kPackedGroup + j;
+      const Bf16Bits* x = row < count ? rows[row] : nullptr;
+      for (int64_t p = 0; p < pairs; ++p) {
+        out[p * 2 * kPackedGroup + 2 * j] = x != nullptr ? x[2 * p] : 0;
+        out[p * 2 * kPackedGroup + 2 * j + 1] = x != nullptr && 2 * p + 1 < n ? x[2 * p + 1] : 0;
+      }
+    }
+  }
+}
+
+// Stores rows f0 .. f0 + rows of a transposed tile h_ft[f][t] (t < 16 * tile_groups, row stride
+// `stride`) into the packed h of one expert (groups of 16 routes, pairs over F), starting at group
+// g0. Routes at or past `real` are padding and stored as zero, and so is input F when F is odd.
+void StorePackedRows(const Bf16Bits* h_ft, int64_t stride, int64_t rows, int64_t f0, int64_t F,
+                     int64_t g0, int64_t tile_groups, int64_t real, Bf16Bits* packed) {
+  const int64_t group_elements = PackedGroupElements(F);
+  for (int64_t t = 0; t < tile_groups * kPackedGroup; ++t) {
+    Bf16Bits* out = packed + (g0 + t / kPackedGroup) * group_elements + 2 * (t % kPackedGroup);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t f = f0 + r;
+      out[(f / 2) * 2 * kPackedGroup + f % 2] = t < real ? h_ft[r * stride + t] : 0;
+    }
+    if (f0 + rows == F && F % 2 == 1) out[(F / 2) * 2 * kPackedGroup + 1] = 0;
+  }
+}
+
 // Per-worker scratch, allocated once per call before the phases start.
 struct WorkerScratch {
-  std::unique_ptr<float[]> gate;  // [token_tile, kFfnChunk]
-  std::unique_ptr<float[]> up;    // [token_tile, kFfnChunk]
-  std::unique_ptr<float[]> down;  // [token_tile, kModelChunk]
+  std::unique_ptr<float[]> gate;         // [kTokenTile, kFfnChunk] (or transposed)
+  std::unique_ptr<float[]> up;           // [kTokenTile, kFfnChunk] (or transposed)
+  std::unique_ptr<float[]> down;         // [kTokenTile, kModelChunk] (or transposed)
+  std::unique_ptr<Bf16Bits[]> rounded;   // [kFfnChunk, kTokenTile], packed experts only
+};
+
+// Where one active expert's activations live. Experts with more than kPackedMinTokens routes
+// use the packed-activation GEMM when the ISA has it (bf16 activations on AVX-512-BF16): x and h
+// are stored packed (cpu_kernels.h) in groups of 16 routes; the others use the dot-product
+// kernels on rows of x and h.
+constexpr int64_t kPackedMinTokens = kPackedGroup;
+struct ExpertStorage {
+  bool packed = false;
+  int64_t groups = 0;         // ceil(routes / 16) when packed
+  int64_t x_offset = 0;       // into the packed x, elements
+  int64_t hidden_offset = 0;  // into the packed h, elements
 };
 
 // Runs both phases for one weight type and activation type (ActivationT is float, or bf16 bits
@@ -156,8 +203,29 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
   const int64_t D = dims.model_dim, F = dims.ffn_dim, routes = groups.num_routes();
   const int64_t num_experts = static_cast<int64_t>(groups.experts.size());
   const int64_t token_tile = std::min(kTokenTile, std::max<int64_t>(groups.largest_group(), 1));
+  constexpr bool kBf16Pairs =
+      std::is_same_v<WeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>;
+  constexpr int64_t kGroupsPerTile = kTokenTile / kPackedGroup;
 
-  // h [routes, F] in the activation type: phase 1 writes it, phase 2 reads it.
+  // The plan: storage of every expert's activations, all scratch sized up front.
+  std::vector<ExpertStorage> storage(num_experts);
+  int64_t packed_x_size = 0, packed_hidden_size = 0;
+  for (int64_t i = 0; i < num_experts; ++i) {
+    const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
+    if (kBf16Pairs && kernels.packed_dot_bf16 != nullptr && n > kPackedMinTokens) {
+      ExpertStorage& e = storage[i];
+      e.packed = true;
+      e.groups = CeilDiv(n, kPackedGroup);
+      e.x_offset = packed_x_size;
+      e.hidden_offset = packed_hidden_size;
+      packed_x_size += e.groups * PackedGroupElements(D);
+      packed_hidden_size += e.groups * PackedGroupElements(F);
+    }
+  }
+  std::unique_ptr<Bf16Bits[]> packed_x(new Bf16Bits[std::max<int64_t>(packed_x_size, 1)]);
+  std::unique_ptr<Bf16Bits[]> packed_hidden(
+      new Bf16Bits[std::max<int64_t>(packed_hidden_size, 1)]);
+  // h [routes, F] in the activation type for the other experts: phase 1 writes, phase 2 reads.
   std::unique_ptr<ActivationT[]> hidden_rf(new ActivationT[std::max<int64_t>(routes * F, 1)]);
   std::vector<const ActivationT*> route_x(routes), route_hidden(routes);
   for (int64_t r = 0; r < routes; ++r) {
@@ -166,9 +234,22 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
   }
   std::vector<WorkerScratch> scratch(workers.num_workers());
   for (WorkerScratch& s : scratch) {
-    s.gate.reset(new float[token_tile * kFfnChunk]);
-    s.up.reset(new float[token_tile * kFfnChunk]);
-    s.down.reset(new float[token_tile * kModelChunk]);
+    s.gate.reset(new float[kTokenTile * kFfnChunk]);
+    s.up.reset(new float[kTokenTile * kFfnChunk]);
+    s.down.reset(new float[kTokenTile * kModelChunk]);
+    if (packed_x_size > 0) s.rounded.reset(new Bf16Bits[kTokenTile * kFfnChunk]);
+  }
+
+  // Phase 0 (packed experts only): pack each expert's x rows.
+  if constexpr (kBf16Pairs) {
+    if (packed_x_size > 0) {
+      workers.ParallelFor(num_experts, [&](int64_t i, int /*worker*/) {
+        if (!storage[i].packed) return;
+        const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
+        PackPairs(route_x.data() + groups.offsets[i], n, storage[i].groups, D,
+                  packed_x.get() + storage[i].x_offset);
+      });
+    }
   }
 
   // Phase 1: h = silu(gate . x) * (up . x), task = (expert, chunk of F).
@@ -181,6 +262,26 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     const WeightT* gate_fd = block + f0 * D;
     const WeightT* up_fd = block + F * D + f0 * D;
     WorkerScratch& s = scratch[worker];
+    if constexpr (kBf16Pairs) {
+      if (storage[i].packed) {
+        const ExpertStorage& e = storage[i];
+        const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
+        for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
+          const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
+          const Bf16Bits* x = packed_x.get() + e.x_offset + g0 * PackedGroupElements(D);
+          // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
+          const bool half = n - (g0 + tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+          kernels.packed_dot_bf16(
+              {gate_fd, D, rows, x, tile_groups, half, D, s.gate.get(), kTokenTile});
+          kernels.packed_dot_bf16({up_fd, D, rows, x, tile_groups, half, D, s.up.get(), kTokenTile});
+          kernels.silu_mul(s.gate.get(), s.up.get(), s.gate.get(), rows * kTokenTile);
+          kernels.round_to_bf16(s.gate.get(), s.rounded.get(), rows * kTokenTile);
+          StorePackedRows(s.rounded.get(), kTokenTile, rows, f0, F, g0, tile_groups,
+                          n - g0 * kPackedGroup, packed_hidden.get() + e.hidden_offset);
+        }
+        return;
+      }
+    }
     for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
       dot({gate_fd, D, rows, route_x.data() + r0, tokens, D, s.gate.get(), rows});
@@ -206,6 +307,28 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     float* z = scratch[worker].down.get();
     for (int64_t i = 0; i < num_experts; ++i) {
       const WeightT* down_df = bank_ep + groups.experts[i] * dims.block_size + 2 * F * D;
+      if constexpr (kBf16Pairs) {
+        if (storage[i].packed) {
+          const ExpertStorage& e = storage[i];
+          for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
+            const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
+            const Bf16Bits* h =
+                packed_hidden.get() + e.hidden_offset + g0 * PackedGroupElements(F);
+            const int64_t r0 = groups.offsets[i] + g0 * kPackedGroup;
+            const int64_t tokens = std::min(tile_groups * kPackedGroup, groups.offsets[i + 1] - r0);
+            const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+            // Transposed: z_dt[d][t].
+            kernels.packed_dot_bf16(
+                {down_df + d0 * F, F, rows, h, tile_groups, half, F, z, kTokenTile});
+            for (int64_t j = 0; j < tokens; ++j) {
+              const float weight = groups.route_weight[r0 + j];
+              float* y = y_td + groups.route_token[r0 + j] * D + d0;
+              for (int64_t d = 0; d < rows; ++d) y[d] += weight * z[d * kTokenTile + j];
+            }
+          }
+          continue;
+        }
+      }
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
         dot({down_df + d0 * F, F, rows, route_hidden.data() + r0, tokens, F, z, rows});
