@@ -102,74 +102,18 @@ inline void PackedMicroKernel(const Bf16Bits* w, int64_t w_stride, const Bf16Bit
   }
 }
 
-// Up to 8 rows (24 accumulators at most).
-template <int kGroups, bool kHalf>
-inline void PackedRowBlock(int rows, const Bf16Bits* w, int64_t w_stride, const Bf16Bits* packed,
-                           int64_t group_stride, int64_t n, float* ct, int64_t c_stride) {
-  switch (rows) {
-    case 8:
-      PackedMicroKernel<8, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
-      break;
-    case 7:
-      PackedMicroKernel<7, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
-      break;
-    case 6:
-      PackedMicroKernel<6, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
-      break;
-    case 5:
-      PackedMicroKernel<5, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
-      break;
-    case 4:
-      PackedMicroKernel<4, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
-      break;
-    case 3:
-      PackedMicroKernel<3, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
-      break;
-    case 2:
-      PackedMicroKernel<2, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
-      break;
-    case 1:
-      PackedMicroKernel<1, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
-      break;
-    default: break;
+struct PackedBf16Kernels {
+  using Weight = Bf16Bits;
+  using Packed = Bf16Bits;
+  template <int kRows, int kGroups, bool kHalf>
+  static void Run(const Bf16Bits* w, int64_t w_stride, const Bf16Bits* packed,
+                  int64_t group_stride, int64_t n, float* ct, int64_t c_stride) {
+    PackedMicroKernel<kRows, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
   }
-}
+};
 
-void PackedDotBf16(const PackedDotProblem& p) {
-  const int64_t group_stride = PackedGroupElements(p.n);
-  const int64_t full_groups = p.groups - (p.half_last_group ? 1 : 0);
-  for (int64_t r = 0; r < p.rows; r += 8) {
-    const int rows = p.rows - r < 8 ? static_cast<int>(p.rows - r) : 8;
-    const Bf16Bits* w = p.w + r * p.w_stride;
-    // Passes of up to 3 groups over the same 8 rows (in L1 after the first pass); the half group
-    // joins the last pass when that has at most 2 full groups.
-    auto args = [&](int64_t g) {
-      return [&, g](auto kernel) {
-        kernel(rows, w, p.w_stride, p.packed + g * group_stride, group_stride, p.n,
-               p.ct + r * p.c_stride + 16 * g, p.c_stride);
-      };
-    };
-    bool half_done = !p.half_last_group;
-    for (int64_t g = 0; g < full_groups;) {
-      const int64_t left = full_groups - g;
-      if (!half_done && left <= 2) {
-        if (left == 2) args(g)(PackedRowBlock<2, true>);
-        else args(g)(PackedRowBlock<1, true>);
-        half_done = true;
-        g = full_groups;
-      } else if (left == 3 && half_done) {
-        args(g)(PackedRowBlock<3, false>);
-        g += 3;
-      } else if (left >= 2) {
-        args(g)(PackedRowBlock<2, false>);
-        g += 2;
-      } else {
-        args(g)(PackedRowBlock<1, false>);
-        g += 1;
-      }
-    }
-    if (!half_done) args(full_groups)(PackedRowBlock<0, true>);
-  }
+void PackedDotBf16(const PackedDotProblem<Bf16Bits, Bf16Bits>& p) {
+  PackedPasses<PackedBf16Kernels>(p);
 }
 
 // vcvtneps2bf16: round to nearest even, NaN stays NaN.
@@ -206,6 +150,8 @@ const KernelTable kAvx512Bf16Table = {
     /*name=*/"avx512bf16",
     /*dot_bf16_bf16=*/DotBf16Bf16Avx512,
     /*packed_dot_bf16=*/PackedDotBf16,
+    /*packed_dot_bf16_f32=*/PackedDotBf16F32Avx512,
+    /*packed_dot_f32=*/PackedDotF32Avx512,
     /*dot_bf16_f32=*/DotBf16F32Avx512,
     /*dot_f32_f32=*/DotF32F32Avx512,
     /*round_to_bf16=*/RoundToBf16Avx512Bf16,

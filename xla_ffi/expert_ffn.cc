@@ -139,37 +139,63 @@ ExpertGroups GroupByCounting(const ExpertFfnDims& dims, const int32_t* ids_tk,
   return groups;
 }
 
-// Packs `count` rows of n bf16 activations into `groups` groups of 16 (layout in cpu_kernels.h),
-// zero past the last row and past n.
-void PackPairs(const Bf16Bits* const* rows, int64_t count, int64_t groups, int64_t n,
-               Bf16Bits* packed) {
-  const int64_t pairs = PackedPairs(n);
+// Packs `count` rows of n activations into `groups` groups of 16 (layouts in cpu_kernels.h),
+// zero past the last row (and past n, bf16 pairs).
+template <typename PackedT>
+void PackRows(const PackedT* const* rows, int64_t count, int64_t groups, int64_t n,
+              PackedT* packed) {
   for (int64_t g = 0; g < groups; ++g) {
-    Bf16Bits* out = packed + g * PackedGroupElements(n);
+    PackedT* out = packed + g * PackedGroupElements<PackedT>(n);
     for (int64_t j = 0; j < kPackedGroup; ++j) {
       const int64_t row = g * kPackedGroup + j;
-      const Bf16Bits* x = row < count ? rows[row] : nullptr;
-      for (int64_t p = 0; p < pairs; ++p) {
-        out[p * 2 * kPackedGroup + 2 * j] = x != nullptr ? x[2 * p] : 0;
-        out[p * 2 * kPackedGroup + 2 * j + 1] = x != nullptr && 2 * p + 1 < n ? x[2 * p + 1] : 0;
+      const PackedT* x = row < count ? rows[row] : nullptr;
+      if constexpr (std::is_same_v<PackedT, Bf16Bits>) {
+        for (int64_t p = 0; p < (n + 1) / 2; ++p) {
+          out[p * 2 * kPackedGroup + 2 * j] = x != nullptr ? x[2 * p] : 0;
+          out[p * 2 * kPackedGroup + 2 * j + 1] = x != nullptr && 2 * p + 1 < n ? x[2 * p + 1] : 0;
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) out[i * kPackedGroup + j] = x != nullptr ? x[i] : 0.0f;
       }
     }
   }
 }
 
 // Stores rows f0 .. f0 + rows of a transposed tile h_ft[f][t] (t < 16 * tile_groups, row stride
-// `stride`) into the packed h of one expert (groups of 16 routes, pairs over F), starting at group
-// g0. Routes at or past `real` are padding and stored as zero, and so is input F when F is odd.
-void StorePackedRows(const Bf16Bits* h_ft, int64_t stride, int64_t rows, int64_t f0, int64_t F,
-                     int64_t g0, int64_t tile_groups, int64_t real, Bf16Bits* packed) {
-  const int64_t group_elements = PackedGroupElements(F);
+// `stride`) into the packed h of one expert (groups of 16 routes over F inputs), starting at
+// group g0. Routes at or past `real` are padding and stored as zero (and so is input F when F
+// is odd, bf16 pairs).
+template <typename PackedT>
+void StorePackedRows(const PackedT* h_ft, int64_t stride, int64_t rows, int64_t f0, int64_t F,
+                     int64_t g0, int64_t tile_groups, int64_t real, PackedT* packed) {
+  const int64_t group_elements = PackedGroupElements<PackedT>(F);
   for (int64_t t = 0; t < tile_groups * kPackedGroup; ++t) {
-    Bf16Bits* out = packed + (g0 + t / kPackedGroup) * group_elements + 2 * (t % kPackedGroup);
+    PackedT* group = packed + (g0 + t / kPackedGroup) * group_elements;
+    const int64_t j = t % kPackedGroup;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t f = f0 + r;
-      out[(f / 2) * 2 * kPackedGroup + f % 2] = t < real ? h_ft[r * stride + t] : 0;
+      const PackedT value = t < real ? h_ft[r * stride + t] : PackedT(0);
+      if constexpr (std::is_same_v<PackedT, Bf16Bits>) {
+        group[(f / 2) * 2 * kPackedGroup + 2 * j + f % 2] = value;
+      } else {
+        group[f * kPackedGroup + j] = value;
+      }
     }
-    if (f0 + rows == F && F % 2 == 1) out[(F / 2) * 2 * kPackedGroup + 1] = 0;
+    if constexpr (std::is_same_v<PackedT, Bf16Bits>) {
+      if (f0 + rows == F && F % 2 == 1) group[(F / 2) * 2 * kPackedGroup + 2 * j + 1] = 0;
+    }
+  }
+}
+
+// The packed-activation GEMM for a weight and activation type, or null when the ISA lacks it.
+template <typename WeightT, typename ActivationT>
+auto PackedDotFor(const KernelTable& kernels) {
+  if constexpr (std::is_same_v<WeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>) {
+    return kernels.packed_dot_bf16;
+  } else if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
+    return kernels.packed_dot_bf16_f32;
+  } else {
+    return kernels.packed_dot_f32;
   }
 }
 
@@ -178,13 +204,13 @@ struct WorkerScratch {
   std::unique_ptr<float[]> gate;         // [kTokenTile, kFfnChunk] (or transposed)
   std::unique_ptr<float[]> up;           // [kTokenTile, kFfnChunk] (or transposed)
   std::unique_ptr<float[]> down;         // [kTokenTile, kModelChunk] (or transposed)
-  std::unique_ptr<Bf16Bits[]> rounded;   // [kFfnChunk, kTokenTile], packed experts only
+  std::unique_ptr<Bf16Bits[]> rounded;   // [kFfnChunk, kTokenTile], packed bf16 experts only
 };
 
 // Where one active expert's activations live. Experts with more than kPackedMinTokens routes
-// use the packed-activation GEMM when the ISA has it (bf16 activations on AVX-512-BF16): x and h
-// are stored packed (cpu_kernels.h) in groups of 16 routes; the others use the dot-product
-// kernels on rows of x and h.
+// use the packed-activation GEMM when the ISA has it (AVX-512): x and h are stored packed
+// (cpu_kernels.h) in groups of 16 routes; the others use the dot-product kernels on rows of x
+// and h.
 constexpr int64_t kPackedMinTokens = kPackedGroup;
 struct ExpertStorage {
   bool packed = false;
@@ -203,28 +229,27 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
   const int64_t D = dims.model_dim, F = dims.ffn_dim, routes = groups.num_routes();
   const int64_t num_experts = static_cast<int64_t>(groups.experts.size());
   const int64_t token_tile = std::min(kTokenTile, std::max<int64_t>(groups.largest_group(), 1));
-  constexpr bool kBf16Pairs =
-      std::is_same_v<WeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>;
   constexpr int64_t kGroupsPerTile = kTokenTile / kPackedGroup;
+  const auto packed_dot = PackedDotFor<WeightT, ActivationT>(kernels);
 
   // The plan: storage of every expert's activations, all scratch sized up front.
   std::vector<ExpertStorage> storage(num_experts);
   int64_t packed_x_size = 0, packed_hidden_size = 0;
   for (int64_t i = 0; i < num_experts; ++i) {
     const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
-    if (kBf16Pairs && kernels.packed_dot_bf16 != nullptr && n > kPackedMinTokens) {
+    if (packed_dot != nullptr && n > kPackedMinTokens) {
       ExpertStorage& e = storage[i];
       e.packed = true;
       e.groups = CeilDiv(n, kPackedGroup);
       e.x_offset = packed_x_size;
       e.hidden_offset = packed_hidden_size;
-      packed_x_size += e.groups * PackedGroupElements(D);
-      packed_hidden_size += e.groups * PackedGroupElements(F);
+      packed_x_size += e.groups * PackedGroupElements<ActivationT>(D);
+      packed_hidden_size += e.groups * PackedGroupElements<ActivationT>(F);
     }
   }
-  std::unique_ptr<Bf16Bits[]> packed_x(new Bf16Bits[std::max<int64_t>(packed_x_size, 1)]);
-  std::unique_ptr<Bf16Bits[]> packed_hidden(
-      new Bf16Bits[std::max<int64_t>(packed_hidden_size, 1)]);
+  std::unique_ptr<ActivationT[]> packed_x(new ActivationT[std::max<int64_t>(packed_x_size, 1)]);
+  std::unique_ptr<ActivationT[]> packed_hidden(
+      new ActivationT[std::max<int64_t>(packed_hidden_size, 1)]);
   // h [routes, F] in the activation type for the other experts: phase 1 writes, phase 2 reads.
   std::unique_ptr<ActivationT[]> hidden_rf(new ActivationT[std::max<int64_t>(routes * F, 1)]);
   std::vector<const ActivationT*> route_x(routes), route_hidden(routes);
@@ -237,19 +262,19 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     s.gate.reset(new float[kTokenTile * kFfnChunk]);
     s.up.reset(new float[kTokenTile * kFfnChunk]);
     s.down.reset(new float[kTokenTile * kModelChunk]);
-    if (packed_x_size > 0) s.rounded.reset(new Bf16Bits[kTokenTile * kFfnChunk]);
+    if (packed_x_size > 0 && std::is_same_v<ActivationT, Bf16Bits>) {
+      s.rounded.reset(new Bf16Bits[kTokenTile * kFfnChunk]);
+    }
   }
 
   // Phase 0 (packed experts only): pack each expert's x rows.
-  if constexpr (kBf16Pairs) {
-    if (packed_x_size > 0) {
-      workers.ParallelFor(num_experts, [&](int64_t i, int /*worker*/) {
-        if (!storage[i].packed) return;
-        const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
-        PackPairs(route_x.data() + groups.offsets[i], n, storage[i].groups, D,
-                  packed_x.get() + storage[i].x_offset);
-      });
-    }
+  if (packed_x_size > 0) {
+    workers.ParallelFor(num_experts, [&](int64_t i, int /*worker*/) {
+      if (!storage[i].packed) return;
+      const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
+      PackRows(route_x.data() + groups.offsets[i], n, storage[i].groups, D,
+               packed_x.get() + storage[i].x_offset);
+    });
   }
 
   // Phase 1: h = silu(gate . x) * (up . x), task = (expert, chunk of F).
@@ -262,25 +287,29 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     const WeightT* gate_fd = block + f0 * D;
     const WeightT* up_fd = block + F * D + f0 * D;
     WorkerScratch& s = scratch[worker];
-    if constexpr (kBf16Pairs) {
-      if (storage[i].packed) {
-        const ExpertStorage& e = storage[i];
-        const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
-        for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
-          const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
-          const Bf16Bits* x = packed_x.get() + e.x_offset + g0 * PackedGroupElements(D);
-          // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
-          const bool half = n - (g0 + tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
-          kernels.packed_dot_bf16(
-              {gate_fd, D, rows, x, tile_groups, half, D, s.gate.get(), kTokenTile});
-          kernels.packed_dot_bf16({up_fd, D, rows, x, tile_groups, half, D, s.up.get(), kTokenTile});
-          kernels.silu_mul(s.gate.get(), s.up.get(), s.gate.get(), rows * kTokenTile);
+    if (storage[i].packed) {
+      const ExpertStorage& e = storage[i];
+      const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
+      for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
+        const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
+        const ActivationT* x =
+            packed_x.get() + e.x_offset + g0 * PackedGroupElements<ActivationT>(D);
+        const bool half = n - (g0 + tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+        // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
+        packed_dot({gate_fd, D, rows, x, tile_groups, half, D, s.gate.get(), kTokenTile});
+        packed_dot({up_fd, D, rows, x, tile_groups, half, D, s.up.get(), kTokenTile});
+        kernels.silu_mul(s.gate.get(), s.up.get(), s.gate.get(), rows * kTokenTile);
+        ActivationT* hidden = packed_hidden.get() + e.hidden_offset;
+        if constexpr (std::is_same_v<ActivationT, Bf16Bits>) {
           kernels.round_to_bf16(s.gate.get(), s.rounded.get(), rows * kTokenTile);
           StorePackedRows(s.rounded.get(), kTokenTile, rows, f0, F, g0, tile_groups,
-                          n - g0 * kPackedGroup, packed_hidden.get() + e.hidden_offset);
+                          n - g0 * kPackedGroup, hidden);
+        } else {
+          StorePackedRows(s.gate.get(), kTokenTile, rows, f0, F, g0, tile_groups,
+                          n - g0 * kPackedGroup, hidden);
         }
-        return;
       }
+      return;
     }
     for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
@@ -307,27 +336,24 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     float* z = scratch[worker].down.get();
     for (int64_t i = 0; i < num_experts; ++i) {
       const WeightT* down_df = bank_ep + groups.experts[i] * dims.block_size + 2 * F * D;
-      if constexpr (kBf16Pairs) {
-        if (storage[i].packed) {
-          const ExpertStorage& e = storage[i];
-          for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
-            const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
-            const Bf16Bits* h =
-                packed_hidden.get() + e.hidden_offset + g0 * PackedGroupElements(F);
-            const int64_t r0 = groups.offsets[i] + g0 * kPackedGroup;
-            const int64_t tokens = std::min(tile_groups * kPackedGroup, groups.offsets[i + 1] - r0);
-            const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
-            // Transposed: z_dt[d][t].
-            kernels.packed_dot_bf16(
-                {down_df + d0 * F, F, rows, h, tile_groups, half, F, z, kTokenTile});
-            for (int64_t j = 0; j < tokens; ++j) {
-              const float weight = groups.route_weight[r0 + j];
-              float* y = y_td + groups.route_token[r0 + j] * D + d0;
-              for (int64_t d = 0; d < rows; ++d) y[d] += weight * z[d * kTokenTile + j];
-            }
+      if (storage[i].packed) {
+        const ExpertStorage& e = storage[i];
+        for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
+          const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
+          const ActivationT* h =
+              packed_hidden.get() + e.hidden_offset + g0 * PackedGroupElements<ActivationT>(F);
+          const int64_t r0 = groups.offsets[i] + g0 * kPackedGroup;
+          const int64_t tokens = std::min(tile_groups * kPackedGroup, groups.offsets[i + 1] - r0);
+          const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+          // Transposed: z_dt[d][t].
+          packed_dot({down_df + d0 * F, F, rows, h, tile_groups, half, F, z, kTokenTile});
+          for (int64_t j = 0; j < tokens; ++j) {
+            const float weight = groups.route_weight[r0 + j];
+            float* y = y_td + groups.route_token[r0 + j] * D + d0;
+            for (int64_t d = 0; d < rows; ++d) y[d] += weight * z[d * kTokenTile + j];
           }
-          continue;
         }
+        continue;
       }
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
