@@ -230,6 +230,23 @@ def main(argv=None):
     router_w = head[:EXPERTS]
     x_o = jnp.asarray(rng.standard_normal((1, 2 * D), dtype=np.float32))
 
+    # A decode-step-like chain: q projection on the host, some XLA:CPU work, the expert kernel.
+    q_w = head[: 2 * D]  # q projection [H * A, D] = [4096, 2048]
+    xla_w = jnp.asarray(rng.standard_normal((D, 512), dtype=np.float32) * 0.02)
+
+    @jax.jit
+    def interleaved_chain(x, ids_stack, layer_stack, w, bank, q_w, xla_w):
+      def step(x, ids_and_layer):
+        ids, layer = ids_and_layer
+        q = kernels.dense(x, q_w)
+        a = jnp.tanh(x @ xla_w).sum() * 1e-30  # XLA:CPU work between the host kernels
+        y = kernels.expert_ffn(x, ids[None], w, bank, layer, ffn_dim=F)
+        return x + 1e-30 * (y + q[:, :D]) + a, None
+      return jax.lax.scan(step, x, (ids_stack, layer_stack))[0]
+
+    def run_interleaved(i):
+      return interleaved_chain(x1, ids_stack, layer_stack, w1, bank, q_w, xla_w)
+
     def run_o_proj(i):
       return dense(x_o, o_proj_w)
 
@@ -255,11 +272,11 @@ def main(argv=None):
       jax.block_until_ready((read_probe(bank), read_probe(head)))
     for pool in ("own", "xla"):
       set_pool(pool)
-      for fn in (run_decode, run_gemv, run_prefill, run_o_proj, run_router):
+      for fn in (run_decode, run_gemv, run_prefill, run_o_proj, run_router, run_interleaved):
         timed(fn, 2)
         timed(functools.partial(fn, fast=True) if fn in (run_decode, run_gemv, run_prefill)
               else fn, 2)
-    set_pool("own")
+    set_pool("xla")
     peak_result = np.asarray(run_peak(0))
     peak_flops = float(peak_result[1])
     timed(run_jnp_decode, 1)
@@ -275,11 +292,11 @@ def main(argv=None):
         ("decode", run_decode, 2, n_decode, decode_bytes),
         ("gemv", run_gemv, 2, 4, head_bytes),
       ):
-        for variant, pool, fast in (("own", "own", False), ("xla", "xla", False),
-                                    ("fast", "own", True)):
+        for variant, pool, fast in (("xla", "xla", False), ("own", "own", False),
+                                    ("fast", "xla", True)):
           set_pool(pool)
           seconds = timed(functools.partial(fn, fast=fast), calls) / kernel_calls
-          set_pool("own")
+          set_pool("xla")
           reads.append(median_of(run_read, 1, 1))
           read_gbps = bank.nbytes / ((reads[-2] + reads[-1]) / 2) / 1e9
           m[f"{name}_{variant}_s"] = seconds
@@ -289,11 +306,17 @@ def main(argv=None):
       m["read_GBps"] = statistics.median(bank.nbytes / t / 1e9 for t in reads)
       # Small dense ops, where the hand-off to the threads is a visible part of the time.
       for name, fn, calls in (("o_proj", run_o_proj, 200), ("router", run_router, 2000)):
-        for pool in ("own", "xla"):
+        for pool in ("xla", "own"):
           set_pool(pool)
           m[f"{name}_{pool}_us"] = timed(fn, calls) * 1e6
-        set_pool("own")
+        set_pool("xla")
         m[f"{name}_own_over_xla"] = m[f"{name}_xla_us"] / m[f"{name}_own_us"]
+      # The kernels between XLA:CPU ops, as in a decode step: both pools, alternating order.
+      for pool in (("xla", "own") if r % 2 == 0 else ("own", "xla")):
+        set_pool(pool)
+        m[f"interleaved_{pool}_ms"] = timed(run_interleaved, 1) / n_decode * 1e3
+      set_pool("xla")
+      m["interleaved_own_over_xla"] = m["interleaved_xla_ms"] / m["interleaved_own_ms"]
       m["prefill_s"] = median_of(run_prefill, 1, 2)
       m["prefill_fast_s"] = median_of(functools.partial(run_prefill, fast=True), 1, 2)
       m["peak_s"] = timed(run_peak, 1)
@@ -314,14 +337,15 @@ def main(argv=None):
         m["gemv_speedup_over_jnp"] = m["jnp_gemv_s"] / m["gemv_own_s"]
       rounds.append(m)
       print(
-        f"round {r}: read {m['read_GBps']:5.1f} GB/s | decode own {m['decode_own_GBps']:5.1f} "
-        f"({m['decode_own_ratio']:.2f}) xla {m['decode_xla_GBps']:5.1f} "
-        f"({m['decode_xla_ratio']:.2f}) fast {m['decode_fast_GBps']:5.1f} "
-        f"({m['decode_fast_ratio']:.2f}) | gemv own {m['gemv_own_GBps']:5.1f} "
-        f"({m['gemv_own_ratio']:.2f}) xla {m['gemv_xla_GBps']:5.1f} ({m['gemv_xla_ratio']:.2f}) "
-        f"fast {m['gemv_fast_GBps']:5.1f} ({m['gemv_fast_ratio']:.2f}) | "
-        f"o_proj {m['o_proj_own_us']:.0f}/{m['o_proj_xla_us']:.0f} us, router "
-        f"{m['router_own_us']:.1f}/{m['router_xla_us']:.1f} us (own/xla) | "
+        f"round {r}: read {m['read_GBps']:5.1f} GB/s | decode {m['decode_xla_GBps']:5.1f} "
+        f"({m['decode_xla_ratio']:.2f}) own pool {m['decode_own_GBps']:5.1f} "
+        f"({m['decode_own_ratio']:.2f}) fast {m['decode_fast_GBps']:5.1f} "
+        f"({m['decode_fast_ratio']:.2f}) | gemv {m['gemv_xla_GBps']:5.1f} "
+        f"({m['gemv_xla_ratio']:.2f}) own pool {m['gemv_own_GBps']:5.1f} "
+        f"({m['gemv_own_ratio']:.2f}) fast {m['gemv_fast_GBps']:5.1f} "
+        f"({m['gemv_fast_ratio']:.2f}) | xla/own pool: o_proj {m['o_proj_xla_us']:.0f}/"
+        f"{m['o_proj_own_us']:.0f} us, router {m['router_xla_us']:.1f}/{m['router_own_us']:.1f} "
+        f"us, step {m['interleaved_xla_ms']:.2f}/{m['interleaved_own_ms']:.2f} ms | "
         f"prefill {m['prefill_tokens_per_s']:5.0f} tok/s {m['prefill_GFLOPps']:4.0f} GFLOP/s "
         f"({m['prefill_over_peak']:.2f}), fast {m['prefill_fast_tokens_per_s']:5.0f} tok/s "
         f"{m['prefill_fast_GFLOPps']:4.0f} GFLOP/s ({m['prefill_fast_over_peak']:.2f}) of peak "
@@ -330,35 +354,39 @@ def main(argv=None):
            if "jnp_decode_s" in m else ""),
         flush=True,
       )
-    del bank, head, raw, o_proj_w, router_w
+    del bank, head, raw, o_proj_w, router_w, q_w
 
   keys = sorted({k for m in rounds for k in m})
   medians = {k: statistics.median(m[k] for m in rounds if k in m) for k in keys}
   summary = {
     "read_GBps": medians["read_GBps"],
-    "o_proj_us_own_pool": medians["o_proj_own_us"],
-    "o_proj_us_xla_pool": medians["o_proj_xla_us"],
-    "router_us_own_pool": medians["router_own_us"],
-    "router_us_xla_pool": medians["router_xla_us"],
-    "decode_GBps": medians["decode_own_GBps"],
-    "decode_ratio_to_read": medians["decode_own_ratio"],
-    "decode_ms": medians["decode_own_s"] * 1e3,
-    "decode_xla_pool_ratio_to_read": medians["decode_xla_ratio"],
-    "decode_own_pool_speedup_over_xla_pool": medians["decode_own_over_xla"],
-    "decode_fast_ratio_to_read": medians["decode_fast_ratio"],
-    "gemv_GBps": medians["gemv_own_GBps"],
-    "gemv_ratio_to_read": medians["gemv_own_ratio"],
-    "gemv_ms": medians["gemv_own_s"] * 1e3,
-    "gemv_xla_pool_ratio_to_read": medians["gemv_xla_ratio"],
-    "gemv_own_pool_speedup_over_xla_pool": medians["gemv_own_over_xla"],
-    "gemv_fast_ratio_to_read": medians["gemv_fast_ratio"],
+    "decode_GBps": medians["decode_xla_GBps"],
+    "decode_ms": medians["decode_xla_s"] * 1e3,
+    "decode_ratio_to_read": medians["decode_xla_ratio"],
+    "decode_own_pool_ratio_to_read": medians["decode_own_ratio"],
+    "decode_bf16_activations_ratio_to_read": medians["decode_fast_ratio"],
+    "gemv_GBps": medians["gemv_xla_GBps"],
+    "gemv_ms": medians["gemv_xla_s"] * 1e3,
+    "gemv_ratio_to_read": medians["gemv_xla_ratio"],
+    "gemv_own_pool_ratio_to_read": medians["gemv_own_ratio"],
+    "gemv_bf16_activations_ratio_to_read": medians["gemv_fast_ratio"],
+    "own_pool_speed_over_xla_pool": {
+      "decode": medians["decode_own_over_xla"],
+      "gemv": medians["gemv_own_over_xla"],
+      "o_proj": medians["o_proj_own_over_xla"],
+      "router": medians["router_own_over_xla"],
+      "interleaved_step": medians["interleaved_own_over_xla"],
+    },
+    "o_proj_us": medians["o_proj_xla_us"],
+    "router_us": medians["router_xla_us"],
+    "interleaved_step_ms": medians["interleaved_xla_ms"],
     "prefill_tokens_per_s": medians["prefill_tokens_per_s"],
     "prefill_GFLOPps": medians["prefill_GFLOPps"],
-    "peak_bf16_GFLOPps": medians["peak_GFLOPps"],
     "prefill_ratio_to_peak": medians["prefill_over_peak"],
-    "prefill_fast_tokens_per_s": medians["prefill_fast_tokens_per_s"],
-    "prefill_fast_GFLOPps": medians["prefill_fast_GFLOPps"],
-    "prefill_fast_ratio_to_peak": medians["prefill_fast_over_peak"],
+    "prefill_bf16_activations_tokens_per_s": medians["prefill_fast_tokens_per_s"],
+    "prefill_bf16_activations_GFLOPps": medians["prefill_fast_GFLOPps"],
+    "prefill_bf16_activations_ratio_to_peak": medians["prefill_fast_over_peak"],
+    "peak_bf16_GFLOPps": medians["peak_GFLOPps"],
     "jnp_decode_ms": medians.get("jnp_decode_s", float("nan")) * 1e3,
     "decode_speedup_over_jnp": medians.get("decode_speedup_over_jnp"),
     "jnp_gemv_ms": medians.get("jnp_gemv_s", float("nan")) * 1e3,
@@ -366,7 +394,11 @@ def main(argv=None):
   }
   print("\nmedians over", len(rounds), "rounds:")
   for k, v in summary.items():
-    print(f"  {k:42s} {v:10.3f}" if isinstance(v, float) else f"  {k:42s} {v}")
+    if isinstance(v, dict):
+      v = ", ".join(f"{name} {value:.3f}" for name, value in v.items())
+      print(f"  {k:42s} {v}")
+    else:
+      print(f"  {k:42s} {v:10.3f}" if isinstance(v, float) else f"  {k:42s} {v}")
   result = {
     "benchmark": "expert_kernel",
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -6,6 +6,14 @@
 #ifndef FTJAX_XLA_FFI_CPU_KERNELS_AVX512_COMMON_H_
 #define FTJAX_XLA_FFI_CPU_KERNELS_AVX512_COMMON_H_
 
+// GCC 12 warns that the "undefined" vectors inside its own AVX-512 intrinsics are used
+// uninitialized (GCC bug 105593, fixed in GCC 13). Silenced here, before the intrinsics header,
+// and only in the files that include this one.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 #include <immintrin.h>
 #include <math.h>
 
@@ -27,7 +35,19 @@ inline __mmask16 FirstLanes16(int64_t count) {
   return static_cast<__mmask16>((1u << count) - 1u);  // count < 16
 }
 
-inline float Sum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+// (Written with shuffles rather than _mm512_reduce_add_ps or _mm512_extractf32x8_ps, whose
+// "undefined" upper halves make GCC 12 warn.)
+inline __m512 SwapHalves512(__m512 v) {
+  return _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2));
+}
+
+inline float Sum512(__m512 v) {
+  v = _mm512_add_ps(v, SwapHalves512(v));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // 128-bit lanes
+  __m128 q = _mm512_castps512_ps128(v);
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
 
 // out[j] = sum of the lanes of a_j: a transpose-and-add tree (13 instructions for 4 sums).
 inline void Sum4x512(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
@@ -37,7 +57,7 @@ inline void Sum4x512(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
   // In every 128-bit lane: [a0, a1, a2, a3] partial sums.
   const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+  const __m256 h = _mm512_castps512_ps256(_mm512_add_ps(s, SwapHalves512(s)));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
@@ -92,10 +112,10 @@ struct F32F32Ops512 {
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
 };
 
-void DotBf16F32Avx512(const DotProblem<Bf16Bits, float>& p) {
+inline void DotBf16F32Avx512(const DotProblem<Bf16Bits, float>& p) {
   cpu_kernels_impl::Dot<Bf16F32Ops512>(p);
 }
-void DotF32F32Avx512(const DotProblem<float, float>& p) {
+inline void DotF32F32Avx512(const DotProblem<float, float>& p) {
   cpu_kernels_impl::Dot<F32F32Ops512>(p);
 }
 
@@ -104,7 +124,7 @@ void DotF32F32Avx512(const DotProblem<float, float>& p) {
 // passes of up to 3 over the same rows (in L1 after the first pass); the half group joins the
 // last pass when that has at most 2 full groups.
 template <typename Kernels>
-void PackedPasses(const PackedDotProblem<typename Kernels::Weight, typename Kernels::Packed>& p) {
+inline void PackedPasses(const PackedDotProblem<typename Kernels::Weight, typename Kernels::Packed>& p) {
   using Weight = typename Kernels::Weight;
   using Packed = typename Kernels::Packed;
   const int64_t group_stride = PackedGroupElements<Packed>(p.n);
@@ -220,10 +240,10 @@ struct PackedF32Kernels {
   }
 };
 
-void PackedDotBf16F32Avx512(const PackedDotProblem<Bf16Bits, float>& p) {
+inline void PackedDotBf16F32Avx512(const PackedDotProblem<Bf16Bits, float>& p) {
   PackedPasses<PackedF32Kernels<Bf16Bits>>(p);
 }
-void PackedDotF32Avx512(const PackedDotProblem<float, float>& p) {
+inline void PackedDotF32Avx512(const PackedDotProblem<float, float>& p) {
   PackedPasses<PackedF32Kernels<float>>(p);
 }
 
@@ -252,7 +272,7 @@ inline __m512 SiluMul512(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
 }
 
-void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t n) {
+inline void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     _mm512_storeu_ps(h + i, SiluMul512(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
@@ -264,7 +284,7 @@ void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t n) {
   }
 }
 
-uint32_t XorWordsAvx512(const void* data, int64_t n_words) {
+inline uint32_t XorWordsAvx512(const void* data, int64_t n_words) {
   const unsigned char* bytes = static_cast<const unsigned char*>(data);
   __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0;
   int64_t i = 0;
@@ -285,7 +305,7 @@ uint32_t XorWordsAvx512(const void* data, int64_t n_words) {
 
 constexpr int kPeakChains512 = 12;  // > FMA latency x throughput, so the loop is throughput-bound
 
-float PeakLoopFma512(int64_t iterations, float seed) {
+inline float PeakLoopFma512(int64_t iterations, float seed) {
   __m512 acc[kPeakChains512];
   for (int j = 0; j < kPeakChains512; ++j) acc[j] = _mm512_set1_ps(seed * static_cast<float>(j));
   const __m512 scale = _mm512_set1_ps(1.0f - 1e-7f), add = _mm512_set1_ps(1e-7f * seed);

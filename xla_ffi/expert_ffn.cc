@@ -18,15 +18,20 @@
 //   decode  (T <= 8)  the distinct experts of all tokens are found by a linear scan, so an
 //                     expert chosen by several tokens is read once for all of them;
 //   grouped (T > 8)   routes are bucketed by expert with a counting sort over E; empty experts
-//                     are skipped; each expert runs as a blocked GEMM over its tokens, in tiles
-//                     of kTokenTile tokens.
-// Both then run the same two parallel phases, each expert's rows split across the threads:
+//                     are skipped; each expert runs as a blocked GEMM over its routes, in tiles
+//                     of kTokenTile routes.
+// Both run the same parallel phases, each expert's rows split across the threads:
+//   0. (grouped, AVX-512) pack the x rows of every expert with more than 16 routes for the
+//      packed-activation GEMM (cpu_kernels.h): broadcast weights times 16 routes per vector, no
+//      horizontal sums; experts with fewer routes, and other ISAs, use the dot-product kernels;
 //   1. gate/up: task (expert, chunk of kFfnChunk rows of F): h[route, f] = silu(g) * u for all
 //      of the expert's routes, g and u from one pass over those gate and up rows;
 //   2. down:    task (chunk of kModelChunk rows of D), over all experts: z = down_e . h, and
 //               y[token] += weight * z. Each task owns its columns of y, so no two threads ever
 //               add into the same element and the sum order does not depend on the threads.
-// All scratch is planned and allocated before phase 1. Accumulation is float32. bf16 weights are
+// A T = 1 call reads each weight row once, as one sequential stream (cpu_kernels_impl.h), and
+// runs at the host's read bandwidth (benchmarks/README.md).
+// All scratch is planned and allocated before phase 0. Accumulation is float32. bf16 weights are
 // widened to float32 in registers and multiplied with float32 FMA (exact products: relative error
 // ~1e-6). With the attribute bf16_activations and an AVX-512-BF16 CPU, x and h are rounded to
 // bf16 instead and multiplied with vdpbf16ps: twice the multiply-add rate, which the compute-bound

@@ -167,14 +167,16 @@ void WorkerPool::Run(int64_t num_tasks, TaskFunction fn) {
 
 Workers Workers::ForCall(xla::ffi::ThreadPool* xla_pool, std::string* error) {
   const char* requested = std::getenv("FTJAX_THREAD_POOL");
-  if (requested == nullptr || *requested == '\0' || std::strcmp(requested, "own") == 0) {
-    return Workers(PoolKind::kOwn, WorkerPool::Instance().num_threads(), nullptr);
-  }
-  if (std::strcmp(requested, "xla") == 0 && xla_pool != nullptr) {
+  const bool use_xla = requested == nullptr || *requested == '\0' ||
+                       std::strcmp(requested, "xla") == 0;
+  if (use_xla && xla_pool != nullptr) {
     const int64_t threads = xla_pool->num_threads();
     return Workers(PoolKind::kXla, threads > 0 ? static_cast<int>(threads) : 1, xla_pool);
   }
-  *error = std::string("FTJAX_THREAD_POOL = \"") + requested + "\" is not one of own, xla";
+  if (use_xla || std::strcmp(requested, "own") == 0) {
+    return Workers(PoolKind::kOwn, WorkerPool::Instance().num_threads(), nullptr);
+  }
+  *error = std::string("FTJAX_THREAD_POOL = \"") + requested + "\" is not one of xla, own";
   return Workers(PoolKind::kOwn, 1, nullptr);
 }
 

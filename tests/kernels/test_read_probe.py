@@ -67,8 +67,8 @@ def test_cpu_info_honours_the_environment(monkeypatch):
   monkeypatch.setenv("FTJAX_ISA", "scalar")
   info = cpu_info()
   assert info["isa"] == "scalar" and info["best_isa"] == best
-  assert info["threads"] >= 1 and info["pool"] == "own"
+  assert info["threads"] >= 1 and info["pool"] == "xla"
   monkeypatch.setenv("FTJAX_ISA", "avx512bf16")  # never above what the CPU has
   assert cpu_info()["isa"] == best
-  monkeypatch.setenv("FTJAX_THREAD_POOL", "xla")
-  assert cpu_info()["pool"] == "xla"
+  monkeypatch.setenv("FTJAX_THREAD_POOL", "own")
+  assert cpu_info()["pool"] == "own"
