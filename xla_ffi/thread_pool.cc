@@ -5,6 +5,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -170,8 +171,10 @@ Workers Workers::ForCall(xla::ffi::ThreadPool* xla_pool, std::string* error) {
   const bool use_xla = requested == nullptr || *requested == '\0' ||
                        std::strcmp(requested, "xla") == 0;
   if (use_xla && xla_pool != nullptr) {
-    const int64_t threads = xla_pool->num_threads();
-    return Workers(PoolKind::kXla, threads > 0 ? static_cast<int>(threads) : 1, xla_pool);
+    // XLA's pool has its own size; FTJAX_NUM_THREADS can only lower the count used of it.
+    const int64_t pool_threads = std::max<int64_t>(xla_pool->num_threads(), 1);
+    const int threads = std::min<int64_t>(pool_threads, EnvInt("FTJAX_NUM_THREADS", 4096));
+    return Workers(PoolKind::kXla, threads, xla_pool);
   }
   if (use_xla || std::strcmp(requested, "own") == 0) {
     return Workers(PoolKind::kOwn, WorkerPool::Instance().num_threads(), nullptr);

@@ -105,8 +105,8 @@ enum class PoolKind { kOwn, kXla };
 class Workers {
  public:
   // FTJAX_THREAD_POOL = "xla" (default: XLA's intra-op pool, from the handler's
-  // ffi::Ctx<ffi::ThreadPool>) or "own" (WorkerPool); read on every call. Sets `error` for
-  // another value.
+  // ffi::Ctx<ffi::ThreadPool>, of which at most FTJAX_NUM_THREADS threads are used) or "own"
+  // (WorkerPool); read on every call. Sets `error` for another value.
   static Workers ForCall(xla::ffi::ThreadPool* xla_pool, std::string* error);
 
   PoolKind kind() const { return kind_; }

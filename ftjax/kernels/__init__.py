@@ -16,9 +16,10 @@ Environment (read by the C++ kernels):
   FTJAX_THREAD_POOL=xla|own                 XLA's intra-op pool (default; measured faster between
                                             XLA ops, see xla_ffi/thread_pool.h) or ftjax's own
                                             persistent pool (read every call)
-  FTJAX_NUM_THREADS=n                       threads of ftjax's own pool (read when it is created,
-                                            at its first use; default: all CPUs). XLA's pool has
-                                            XLA's size (one thread per CPU).
+  FTJAX_NUM_THREADS=n                       threads: the size of ftjax's own pool (read when it is
+                                            created, at its first use; default: all CPUs), and at
+                                            most this many of XLA's pool (read every call; XLA's
+                                            pool has one thread per CPU)
   FTJAX_PIN_THREADS=1                       pin the own pool's workers to CPUs (at creation)
 """
 

@@ -62,10 +62,10 @@ def test_unknown_environment_values_are_errors(variable, value, message, monkeyp
     jax.block_until_ready(dense(x, bank[0, :, :D]))
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_thread_count_from_the_environment(threads, tmp_path):
-  """FTJAX_NUM_THREADS sizes ftjax's own pool (read once, in a fresh process); results do not
-  change."""
+@pytest.mark.parametrize("pool, threads", [("own", 1), ("own", 3), ("xla", 1)])
+def test_thread_count_from_the_environment(pool, threads, tmp_path):
+  """FTJAX_NUM_THREADS sizes ftjax's own pool (read once, in a fresh process) and caps the
+  threads used of XLA's; results do not change."""
   reference = run_all(200, seed=7) + run_all(1, seed=8)
   np.savez(tmp_path / "reference.npz", *reference)
   script = textwrap.dedent(f"""
@@ -82,7 +82,7 @@ def test_thread_count_from_the_environment(threads, tmp_path):
     print("ok")
   """)
   env = dict(os.environ, FTJAX_NUM_THREADS=str(threads), FTJAX_PIN_THREADS="1",
-             FTJAX_THREAD_POOL="own")
+             FTJAX_THREAD_POOL=pool)
   # cwd: not the source checkout, whose ftjax/ has no compiled module.
   result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           cwd=tmp_path,
