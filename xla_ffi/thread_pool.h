@@ -1,21 +1,22 @@
 // Parallel loops for the host kernels: XLA's intra-op pool (ffi::ThreadPool, the default) or a
 // persistent worker pool of ftjax's own (FTJAX_THREAD_POOL=own), chosen per call.
 //
-// Which one, and why. Both were measured on the 2-core Zen 4 development VM:
-//   - each kernel alone (benchmarks/expert_kernel.py, medians of 9 alternating rounds, one run):
-//     batch-1 expert kernel 0.892 (own) vs 0.893 (XLA) of the read bandwidth, own/XLA speed 0.97;
-//     lm_head GEMV 0.920 vs 0.927 (1.00); router [128, 2048] 13.1 vs 13.9 us; o-projection
-//     [2048, 4096] 182 vs 178 us: a tie;
-//   - the kernels between XLA:CPU ops, as in a decode step (a scan of 32 steps of q-projection
-//     GEMV, an XLA matmul and the expert kernel; 12 alternating rounds, two runs): 2.39 and 2.75
-//     ms per step on XLA's pool against 2.65 and 3.10 on ftjax's, i.e. ftjax's pool 9% slower
-//     (and 10-16% slower with a 5 us spin instead of 100 us).
-// So XLA's pool is the default. Why it wins: on XLA:CPU the handler already runs on one of XLA's
-// intra-op threads, and XLA's other thread is awake (spinning for work) after the previous op;
-// handing it the second half of the work needs no extra thread. A pool of our own adds a third
-// runnable thread on two cores, which competes with XLA's threads around every call. ftjax's
-// pool stays available for measurements and for callers outside XLA's executor; both give
-// bitwise-identical results (each output element is summed in a fixed order).
+// Which one, and why. Both were measured on the 2-core Zen 4 development VM in one run of
+// benchmarks/expert_kernel.py (medians of 15 alternating rounds; results/expert_kernel.json):
+//   - each kernel alone: speed of ftjax's pool over XLA's 1.00 on the batch-1 expert kernel (8
+//     Qwen3-30B-A3B experts, ~1.5 ms), 1.01 on the lm_head GEMV (~12.5 ms), 0.98 on the
+//     o-projection [2048, 4096] (~190 us), 1.11 on the router [128, 2048] (~15 us): a tie except
+//     for the smallest op, where ftjax's spinning workers hand off faster;
+//   - the kernels between XLA:CPU ops, as in a decode step (a scan of q-projection GEMV, an XLA
+//     matmul and the expert kernel): 0.93, i.e. 2.11 ms per step on XLA's pool against 2.34 on
+//     ftjax's (an earlier separate A/B: 2.39 vs 2.65 and 2.75 vs 3.10 ms; 10-16% worse still
+//     with a 5 us spin instead of 100 us).
+// So XLA's pool is the default. Why it wins where it matters: on XLA:CPU the handler already runs
+// on one of XLA's intra-op threads, and XLA's other thread is awake (spinning for work) after the
+// previous op; handing it the second half of the work needs no extra thread. A pool of our own
+// adds a third runnable thread on two cores, which competes with XLA's threads around every call.
+// ftjax's pool stays available for measurements and for callers outside XLA's executor; both
+// give bitwise-identical results (each output element is summed in a fixed order).
 
 #ifndef FTJAX_XLA_FFI_THREAD_POOL_H_
 #define FTJAX_XLA_FFI_THREAD_POOL_H_
