@@ -49,9 +49,10 @@ int EnvInt(const char* name, int fallback) {
                                                                      : fallback;
 }
 
-// The CPUs this process may run on, in order.
+// The CPUs this process may run on, in order (empty where affinity is not supported: no pinning).
 std::vector<int> AllowedCpus() {
   std::vector<int> cpus;
+#if defined(__linux__)
   cpu_set_t set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
@@ -59,6 +60,7 @@ std::vector<int> AllowedCpus() {
       if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
     }
   }
+#endif
   return cpus;
 }
 
@@ -124,12 +126,16 @@ uint64_t WorkerPool::WaitForJob(uint64_t seen_generation) {
 }
 
 void WorkerPool::WorkerLoop(int worker, int cpu) {
+#if defined(__linux__)
   if (cpu >= 0) {
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
     sched_setaffinity(0, sizeof(set), &set);  // best effort
   }
+#else
+  (void)cpu;
+#endif
   uint64_t seen_generation = 0;
   for (;;) {
     const uint64_t generation = WaitForJob(seen_generation);
