@@ -49,6 +49,38 @@ struct DotProblem {
 };
 
 using DotBf16Bf16Fn = void (*)(const DotProblem<Bf16Bits, Bf16Bits>&);
+
+// Activations packed for the packed-activation GEMMs (KernelTable::packed_dot_*), tokens in groups
+// of 16, so that one 64-byte vector holds one input (float) or one pair of inputs (bf16, for
+// vdpbf16ps) of 16 tokens:
+//   float: packed[(g * n + i) * 16 + j]                 = x_{16 g + j}[i]
+//   bf16:  packed[(g * pairs + p) * 32 + 2 * j + h]     = x_{16 g + j}[2 p + h], pairs = ceil(n/2)
+// zero for tokens past the last one, and for input n when n is odd (bf16).
+constexpr int64_t kPackedGroup = 16;
+template <typename PackedT>
+static constexpr int64_t PackedGroupElements(int64_t n) {
+  return sizeof(PackedT) == 2 ? (n + 1) / 2 * 2 * kPackedGroup : n * kPackedGroup;
+}
+
+// A packed-activation GEMM, with transposed output:
+//   ct[r * c_stride + t] = sum_{i < n} w[r * w_stride + i] * x_t[i]   r < rows, t < 16 * groups
+// Each multiply-add takes one broadcast weight (or pair of weights) and one input (or pair) of 16
+// tokens, so no horizontal sums are needed and the weight rows are read straight from the bank.
+template <typename WeightT, typename PackedT>
+struct PackedDotProblem {
+  const WeightT* w;
+  int64_t w_stride;
+  int64_t rows;
+  const PackedT* packed;  // `groups` groups of PackedGroupElements<PackedT>(n) elements
+  int64_t groups;
+  // The last group holds at most 8 real tokens: only its first 8 columns are computed (with
+  // 256-bit vectors) and stored, so a short tail costs half a group.
+  bool half_last_group;
+  int64_t n;
+  float* ct;
+  int64_t c_stride;  // >= 16 * groups
+};
+
 using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
 using DotF32F32Fn = void (*)(const DotProblem<float, float>&);
 
@@ -58,6 +90,12 @@ struct KernelTable {
   // bf16 weights x bf16 activations (vdpbf16ps); null unless the ISA has AVX-512-BF16. When it is
   // set, ops round float32 activations to bf16 once and use it for bf16 weights.
   DotBf16Bf16Fn dot_bf16_bf16;
+  // Packed-activation GEMMs, faster than the dot kernels from ~17 tokens per weight row on; null
+  // where the ISA lacks them. bf16 x bf16 pairs (vdpbf16ps) needs AVX-512-BF16; bf16 weights
+  // widened to float32 and float32 weights, both against float32 activations (FMA), AVX-512.
+  void (*packed_dot_bf16)(const PackedDotProblem<Bf16Bits, Bf16Bits>&);
+  void (*packed_dot_bf16_f32)(const PackedDotProblem<Bf16Bits, float>&);
+  void (*packed_dot_f32)(const PackedDotProblem<float, float>&);
   // bf16 weights widened to float32, float32 activations, float32 FMA.
   DotBf16F32Fn dot_bf16_f32;
   // float32 weights and activations, float32 FMA.

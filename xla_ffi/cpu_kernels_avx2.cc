@@ -169,6 +169,9 @@ float PeakLoopFma256(int64_t iterations, float seed) {
 const KernelTable kAvx2Table = {
     /*name=*/"avx2",
     /*dot_bf16_bf16=*/nullptr,
+    /*packed_dot_bf16=*/nullptr,
+    /*packed_dot_bf16_f32=*/nullptr,
+    /*packed_dot_f32=*/nullptr,
     /*dot_bf16_f32=*/DotBf16F32Avx2,
     /*dot_f32_f32=*/DotF32F32Avx2,
     /*round_to_bf16=*/RoundToBf16Avx2,

@@ -19,6 +19,9 @@ void RoundToBf16Avx512(const float* in, Bf16Bits* out, int64_t n) {
 const KernelTable kAvx512Table = {
     /*name=*/"avx512",
     /*dot_bf16_bf16=*/nullptr,
+    /*packed_dot_bf16=*/nullptr,
+    /*packed_dot_bf16_f32=*/PackedDotBf16F32Avx512,
+    /*packed_dot_f32=*/PackedDotF32Avx512,
     /*dot_bf16_f32=*/DotBf16F32Avx512,
     /*dot_f32_f32=*/DotF32F32Avx512,
     /*round_to_bf16=*/RoundToBf16Avx512,

@@ -6,6 +6,14 @@
 #ifndef FTJAX_XLA_FFI_CPU_KERNELS_AVX512_COMMON_H_
 #define FTJAX_XLA_FFI_CPU_KERNELS_AVX512_COMMON_H_
 
+// GCC 12 warns that the "undefined" vectors inside its own AVX-512 intrinsics are used
+// uninitialized (GCC bug 105593, fixed in GCC 13). Silenced here, before the intrinsics header,
+// and only in the files that include this one.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 #include <immintrin.h>
 #include <math.h>
 
@@ -17,11 +25,29 @@
 namespace ftjax {
 namespace {
 
+template <int kGroupsValue, bool kHalfValue>
+struct GroupsAndHalf {
+  static constexpr int kGroups = kGroupsValue;
+  static constexpr bool kHalf = kHalfValue;
+};
+
 inline __mmask16 FirstLanes16(int64_t count) {
   return static_cast<__mmask16>((1u << count) - 1u);  // count < 16
 }
 
-inline float Sum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+// (Written with shuffles rather than _mm512_reduce_add_ps or _mm512_extractf32x8_ps, whose
+// "undefined" upper halves make GCC 12 warn.)
+inline __m512 SwapHalves512(__m512 v) {
+  return _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2));
+}
+
+inline float Sum512(__m512 v) {
+  v = _mm512_add_ps(v, SwapHalves512(v));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // 128-bit lanes
+  __m128 q = _mm512_castps512_ps128(v);
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
 
 // out[j] = sum of the lanes of a_j: a transpose-and-add tree (13 instructions for 4 sums).
 inline void Sum4x512(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
@@ -31,7 +57,7 @@ inline void Sum4x512(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
   // In every 128-bit lane: [a0, a1, a2, a3] partial sums.
   const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+  const __m256 h = _mm512_castps512_ps256(_mm512_add_ps(s, SwapHalves512(s)));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
@@ -86,11 +112,139 @@ struct F32F32Ops512 {
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
 };
 
-void DotBf16F32Avx512(const DotProblem<Bf16Bits, float>& p) {
+inline void DotBf16F32Avx512(const DotProblem<Bf16Bits, float>& p) {
   cpu_kernels_impl::Dot<Bf16F32Ops512>(p);
 }
-void DotF32F32Avx512(const DotProblem<float, float>& p) {
+inline void DotF32F32Avx512(const DotProblem<float, float>& p) {
   cpu_kernels_impl::Dot<F32F32Ops512>(p);
+}
+
+// Runs a packed-activation GEMM (cpu_kernels.h) with the micro-kernels of `Kernels`
+// (Kernels::Run<kRows, kGroups, kHalf>): weight rows in blocks of 8, groups of 16 tokens in
+// passes of up to 3 over the same rows (in L1 after the first pass); the half group joins the
+// last pass when that has at most 2 full groups.
+template <typename Kernels>
+inline void PackedPasses(const PackedDotProblem<typename Kernels::Weight, typename Kernels::Packed>& p) {
+  using Weight = typename Kernels::Weight;
+  using Packed = typename Kernels::Packed;
+  const int64_t group_stride = PackedGroupElements<Packed>(p.n);
+  const int64_t full_groups = p.groups - (p.half_last_group ? 1 : 0);
+  for (int64_t r = 0; r < p.rows; r += 8) {
+    const int rows = p.rows - r < 8 ? static_cast<int>(p.rows - r) : 8;
+    const Weight* w = p.w + r * p.w_stride;
+    auto pass = [&](int64_t g, auto groups_and_half) {
+      constexpr int kGroups = decltype(groups_and_half)::kGroups;
+      constexpr bool kHalf = decltype(groups_and_half)::kHalf;
+      const Packed* packed = p.packed + g * group_stride;
+      float* ct = p.ct + r * p.c_stride + 16 * g;
+      switch (rows) {
+        case 8: Kernels::template Run<8, kGroups, kHalf>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride); break;
+        case 7: Kernels::template Run<7, kGroups, kHalf>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride); break;
+        case 6: Kernels::template Run<6, kGroups, kHalf>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride); break;
+        case 5: Kernels::template Run<5, kGroups, kHalf>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride); break;
+        case 4: Kernels::template Run<4, kGroups, kHalf>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride); break;
+        case 3: Kernels::template Run<3, kGroups, kHalf>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride); break;
+        case 2: Kernels::template Run<2, kGroups, kHalf>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride); break;
+        default: Kernels::template Run<1, kGroups, kHalf>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride); break;
+      }
+    };
+    bool half_done = !p.half_last_group;
+    for (int64_t g = 0; g < full_groups;) {
+      const int64_t left = full_groups - g;
+      if (!half_done && left <= 2) {
+        if (left == 2) pass(g, GroupsAndHalf<2, true>());
+        else pass(g, GroupsAndHalf<1, true>());
+        half_done = true;
+        g = full_groups;
+      } else if (left == 3 && half_done) {
+        pass(g, GroupsAndHalf<3, false>());
+        g += 3;
+      } else if (left >= 2) {
+        pass(g, GroupsAndHalf<2, false>());
+        g += 2;
+      } else {
+        pass(g, GroupsAndHalf<1, false>());
+        g += 1;
+      }
+    }
+    if (!half_done) pass(full_groups, GroupsAndHalf<0, true>());
+  }
+}
+
+// The packed-activation GEMM against float32 activations (cpu_kernels.h), float32 FMA: kRows
+// weight rows x kGroups groups of 16 tokens (plus, with kHalf, 8 tokens of one more group in
+// 256-bit vectors). bf16 weights are read as pairs (one broadcast 32-bit load) and widened in
+// registers: the even weight by a shift, the odd one by masking the low half.
+template <typename WeightT, int kRows, int kGroups, bool kHalf>
+inline void PackedMicroKernelF32(const WeightT* w, int64_t w_stride, const float* packed,
+                                 int64_t group_stride, int64_t n, float* ct, int64_t c_stride) {
+  __m512 acc[kRows][kGroups > 0 ? kGroups : 1];
+  __m256 acc_half[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    for (int g = 0; g < kGroups; ++g) acc[r][g] = _mm512_setzero_ps();
+    if constexpr (kHalf) acc_half[r] = _mm256_setzero_ps();
+  }
+  const float* half = packed + kGroups * group_stride;
+  // Input i of all tokens times the broadcast weights w_r (one per row).
+  auto input = [&](int64_t i, auto weight_of_row) {
+    __m512 x[kGroups > 0 ? kGroups : 1];
+    for (int g = 0; g < kGroups; ++g) x[g] = _mm512_loadu_ps(packed + g * group_stride + i * 16);
+    __m256 x_half;
+    if constexpr (kHalf) x_half = _mm256_loadu_ps(half + i * 16);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 w_r = weight_of_row(r);
+      for (int g = 0; g < kGroups; ++g) acc[r][g] = _mm512_fmadd_ps(w_r, x[g], acc[r][g]);
+      if constexpr (kHalf) {
+        acc_half[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(w_r), x_half, acc_half[r]);
+      }
+    }
+  };
+  if constexpr (sizeof(WeightT) == 2) {  // bf16 pairs
+    const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+      __m512i pairs[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        int32_t pair;
+        __builtin_memcpy(&pair, w + r * w_stride + i, sizeof(pair));
+        pairs[r] = _mm512_set1_epi32(pair);
+      }
+      input(i, [&](int r) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs[r], 16)); });
+      input(i + 1, [&](int r) { return _mm512_castsi512_ps(_mm512_and_si512(pairs[r], high_half)); });
+    }
+    if (i < n) {
+      input(i, [&](int r) {
+        return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(w[r * w_stride + i]) << 16));
+      });
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      input(i, [&](int r) { return _mm512_set1_ps(w[r * w_stride + i]); });
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int g = 0; g < kGroups; ++g) _mm512_storeu_ps(ct + r * c_stride + 16 * g, acc[r][g]);
+    if constexpr (kHalf) _mm256_storeu_ps(ct + r * c_stride + 16 * kGroups, acc_half[r]);
+  }
+}
+
+template <typename WeightT>
+struct PackedF32Kernels {
+  using Weight = WeightT;
+  using Packed = float;
+  template <int kRows, int kGroups, bool kHalf>
+  static void Run(const WeightT* w, int64_t w_stride, const float* packed, int64_t group_stride,
+                  int64_t n, float* ct, int64_t c_stride) {
+    PackedMicroKernelF32<WeightT, kRows, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct,
+                                                         c_stride);
+  }
+};
+
+inline void PackedDotBf16F32Avx512(const PackedDotProblem<Bf16Bits, float>& p) {
+  PackedPasses<PackedF32Kernels<Bf16Bits>>(p);
+}
+inline void PackedDotF32Avx512(const PackedDotProblem<float, float>& p) {
+  PackedPasses<PackedF32Kernels<float>>(p);
 }
 
 // exp(x) for x in [-87, 88] (clamped outside), Cephes' expf: relative error ~2e-7.
@@ -118,7 +272,7 @@ inline __m512 SiluMul512(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
 }
 
-void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t n) {
+inline void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     _mm512_storeu_ps(h + i, SiluMul512(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i)));
@@ -130,7 +284,7 @@ void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t n) {
   }
 }
 
-uint32_t XorWordsAvx512(const void* data, int64_t n_words) {
+inline uint32_t XorWordsAvx512(const void* data, int64_t n_words) {
   const unsigned char* bytes = static_cast<const unsigned char*>(data);
   __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0;
   int64_t i = 0;
@@ -151,7 +305,7 @@ uint32_t XorWordsAvx512(const void* data, int64_t n_words) {
 
 constexpr int kPeakChains512 = 12;  // > FMA latency x throughput, so the loop is throughput-bound
 
-float PeakLoopFma512(int64_t iterations, float seed) {
+inline float PeakLoopFma512(int64_t iterations, float seed) {
   __m512 acc[kPeakChains512];
   for (int j = 0; j < kPeakChains512; ++j) acc[j] = _mm512_set1_ps(seed * static_cast<float>(j));
   const __m512 scale = _mm512_set1_ps(1.0f - 1e-7f), add = _mm512_set1_ps(1e-7f * seed);

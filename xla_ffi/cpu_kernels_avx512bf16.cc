@@ -47,6 +47,75 @@ void DotBf16Bf16Avx512(const DotProblem<Bf16Bits, Bf16Bits>& p) {
   cpu_kernels_impl::Dot<Bf16Bf16Ops512>(p);
 }
 
+// The packed-activation GEMM (cpu_kernels.h): kRows weight rows x kGroups groups of 16 tokens
+// (plus, with kHalf, the first 8 tokens of one more group in 256-bit vectors) in accumulators;
+// per pair of inputs: one vector load of activations per group, one broadcast load of a weight
+// pair per row, one vdpbf16ps per accumulator. Measured on one Zen 4 core with the weights
+// streamed from memory and 32 tokens: 3.3 vdpbf16ps per ns (about the register-only peak),
+// against 2.3 for the dot-product kernel, whose 4 x 4 blocks need horizontal sums and re-read 4
+// weight rows per 4 tokens.
+template <int kRows, int kGroups, bool kHalf>
+inline void PackedMicroKernel(const Bf16Bits* w, int64_t w_stride, const Bf16Bits* packed,
+                              int64_t group_stride, int64_t n, float* ct, int64_t c_stride) {
+  __m512 acc[kRows][kGroups > 0 ? kGroups : 1];
+  __m256 acc_half[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    for (int g = 0; g < kGroups; ++g) acc[r][g] = _mm512_setzero_ps();
+    if constexpr (kHalf) acc_half[r] = _mm256_setzero_ps();
+  }
+  const Bf16Bits* half = packed + kGroups * group_stride;
+  // One pair of inputs: `pair_of_row(r)` gives row r's two weights as one 32-bit word.
+  auto step = [&](int64_t p, auto pair_of_row) {
+    __m512bh x[kGroups > 0 ? kGroups : 1];
+    for (int g = 0; g < kGroups; ++g) {
+      x[g] = AsBf16(_mm512_loadu_si512(packed + g * group_stride + p * 32));
+    }
+    __m256bh x_half;
+    if constexpr (kHalf) {
+      x_half = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + p * 32));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i w_pair = _mm512_set1_epi32(pair_of_row(r));
+      for (int g = 0; g < kGroups; ++g) {
+        acc[r][g] = _mm512_dpbf16_ps(acc[r][g], AsBf16(w_pair), x[g]);
+      }
+      if constexpr (kHalf) {
+        acc_half[r] =
+            _mm256_dpbf16_ps(acc_half[r], (__m256bh)_mm512_castsi512_si256(w_pair), x_half);
+      }
+    }
+  };
+  const int64_t full_pairs = n / 2;
+  for (int64_t p = 0; p < full_pairs; ++p) {
+    step(p, [&](int r) {
+      int32_t pair;
+      __builtin_memcpy(&pair, w + r * w_stride + 2 * p, sizeof(pair));
+      return pair;
+    });
+  }
+  if (n % 2 == 1) {  // the last input alone; its packed partner is zero
+    step(full_pairs, [&](int r) { return static_cast<int32_t>(w[r * w_stride + n - 1]); });
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int g = 0; g < kGroups; ++g) _mm512_storeu_ps(ct + r * c_stride + 16 * g, acc[r][g]);
+    if constexpr (kHalf) _mm256_storeu_ps(ct + r * c_stride + 16 * kGroups, acc_half[r]);
+  }
+}
+
+struct PackedBf16Kernels {
+  using Weight = Bf16Bits;
+  using Packed = Bf16Bits;
+  template <int kRows, int kGroups, bool kHalf>
+  static void Run(const Bf16Bits* w, int64_t w_stride, const Bf16Bits* packed,
+                  int64_t group_stride, int64_t n, float* ct, int64_t c_stride) {
+    PackedMicroKernel<kRows, kGroups, kHalf>(w, w_stride, packed, group_stride, n, ct, c_stride);
+  }
+};
+
+void PackedDotBf16(const PackedDotProblem<Bf16Bits, Bf16Bits>& p) {
+  PackedPasses<PackedBf16Kernels>(p);
+}
+
 // vcvtneps2bf16: round to nearest even, NaN stays NaN.
 void RoundToBf16Avx512Bf16(const float* in, Bf16Bits* out, int64_t n) {
   int64_t i = 0;
@@ -80,6 +149,9 @@ float PeakLoopBf16(int64_t iterations, float seed) {
 const KernelTable kAvx512Bf16Table = {
     /*name=*/"avx512bf16",
     /*dot_bf16_bf16=*/DotBf16Bf16Avx512,
+    /*packed_dot_bf16=*/PackedDotBf16,
+    /*packed_dot_bf16_f32=*/PackedDotBf16F32Avx512,
+    /*packed_dot_f32=*/PackedDotF32Avx512,
     /*dot_bf16_f32=*/DotBf16F32Avx512,
     /*dot_f32_f32=*/DotF32F32Avx512,
     /*round_to_bf16=*/RoundToBf16Avx512Bf16,

@@ -104,6 +104,9 @@ float PeakLoop(int64_t iterations, float seed) {
 const KernelTable kScalarTable = {
     /*name=*/"scalar",
     /*dot_bf16_bf16=*/nullptr,
+    /*packed_dot_bf16=*/nullptr,
+    /*packed_dot_bf16_f32=*/nullptr,
+    /*packed_dot_f32=*/nullptr,
     /*dot_bf16_f32=*/DotBf16F32,
     /*dot_f32_f32=*/DotF32F32,
     /*round_to_bf16=*/RoundToBf16,

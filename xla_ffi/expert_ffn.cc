@@ -18,15 +18,20 @@
 //   decode  (T <= 8)  the distinct experts of all tokens are found by a linear scan, so an
 //                     expert chosen by several tokens is read once for all of them;
 //   grouped (T > 8)   routes are bucketed by expert with a counting sort over E; empty experts
-//                     are skipped; each expert runs as a blocked GEMM over its tokens, in tiles
-//                     of kTokenTile tokens.
-// Both then run the same two parallel phases, each expert's rows split across the threads:
+//                     are skipped; each expert runs as a blocked GEMM over its routes, in tiles
+//                     of kTokenTile routes.
+// Both run the same parallel phases, each expert's rows split across the threads:
+//   0. (grouped, AVX-512) pack the x rows of every expert with more than 16 routes for the
+//      packed-activation GEMM (cpu_kernels.h): broadcast weights times 16 routes per vector, no
+//      horizontal sums; experts with fewer routes, and other ISAs, use the dot-product kernels;
 //   1. gate/up: task (expert, chunk of kFfnChunk rows of F): h[route, f] = silu(g) * u for all
 //      of the expert's routes, g and u from one pass over those gate and up rows;
 //   2. down:    task (chunk of kModelChunk rows of D), over all experts: z = down_e . h, and
 //               y[token] += weight * z. Each task owns its columns of y, so no two threads ever
 //               add into the same element and the sum order does not depend on the threads.
-// All scratch is planned and allocated before phase 1. Accumulation is float32. bf16 weights are
+// A T = 1 call reads each weight row once, as one sequential stream (cpu_kernels_impl.h), and
+// runs at the host's read bandwidth (benchmarks/README.md).
+// All scratch is planned and allocated before phase 0. Accumulation is float32. bf16 weights are
 // widened to float32 in registers and multiplied with float32 FMA (exact products: relative error
 // ~1e-6). With the attribute bf16_activations and an AVX-512-BF16 CPU, x and h are rounded to
 // bf16 instead and multiplied with vdpbf16ps: twice the multiply-add rate, which the compute-bound
@@ -139,11 +144,84 @@ ExpertGroups GroupByCounting(const ExpertFfnDims& dims, const int32_t* ids_tk,
   return groups;
 }
 
+// Packs `count` rows of n activations into `groups` groups of 16 (layouts in cpu_kernels.h),
+// zero past the last row (and past n, bf16 pairs).
+template <typename PackedT>
+void PackRows(const PackedT* const* rows, int64_t count, int64_t groups, int64_t n,
+              PackedT* packed) {
+  for (int64_t g = 0; g < groups; ++g) {
+    PackedT* out = packed + g * PackedGroupElements<PackedT>(n);
+    for (int64_t j = 0; j < kPackedGroup; ++j) {
+      const int64_t row = g * kPackedGroup + j;
+      const PackedT* x = row < count ? rows[row] : nullptr;
+      if constexpr (std::is_same_v<PackedT, Bf16Bits>) {
+        for (int64_t p = 0; p < (n + 1) / 2; ++p) {
+          out[p * 2 * kPackedGroup + 2 * j] = x != nullptr ? x[2 * p] : 0;
+          out[p * 2 * kPackedGroup + 2 * j + 1] = x != nullptr && 2 * p + 1 < n ? x[2 * p + 1] : 0;
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) out[i * kPackedGroup + j] = x != nullptr ? x[i] : 0.0f;
+      }
+    }
+  }
+}
+
+// Stores rows f0 .. f0 + rows of a transposed tile h_ft[f][t] (t < 16 * tile_groups, row stride
+// `stride`) into the packed h of one expert (groups of 16 routes over F inputs), starting at
+// group g0. Routes at or past `real` are padding and stored as zero (and so is input F when F
+// is odd, bf16 pairs).
+template <typename PackedT>
+void StorePackedRows(const PackedT* h_ft, int64_t stride, int64_t rows, int64_t f0, int64_t F,
+                     int64_t g0, int64_t tile_groups, int64_t real, PackedT* packed) {
+  const int64_t group_elements = PackedGroupElements<PackedT>(F);
+  for (int64_t t = 0; t < tile_groups * kPackedGroup; ++t) {
+    PackedT* group = packed + (g0 + t / kPackedGroup) * group_elements;
+    const int64_t j = t % kPackedGroup;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t f = f0 + r;
+      const PackedT value = t < real ? h_ft[r * stride + t] : PackedT(0);
+      if constexpr (std::is_same_v<PackedT, Bf16Bits>) {
+        group[(f / 2) * 2 * kPackedGroup + 2 * j + f % 2] = value;
+      } else {
+        group[f * kPackedGroup + j] = value;
+      }
+    }
+    if constexpr (std::is_same_v<PackedT, Bf16Bits>) {
+      if (f0 + rows == F && F % 2 == 1) group[(F / 2) * 2 * kPackedGroup + 2 * j + 1] = 0;
+    }
+  }
+}
+
+// The packed-activation GEMM for a weight and activation type, or null when the ISA lacks it.
+template <typename WeightT, typename ActivationT>
+auto PackedDotFor(const KernelTable& kernels) {
+  if constexpr (std::is_same_v<WeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>) {
+    return kernels.packed_dot_bf16;
+  } else if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
+    return kernels.packed_dot_bf16_f32;
+  } else {
+    return kernels.packed_dot_f32;
+  }
+}
+
 // Per-worker scratch, allocated once per call before the phases start.
 struct WorkerScratch {
-  std::unique_ptr<float[]> gate;  // [token_tile, kFfnChunk]
-  std::unique_ptr<float[]> up;    // [token_tile, kFfnChunk]
-  std::unique_ptr<float[]> down;  // [token_tile, kModelChunk]
+  std::unique_ptr<float[]> gate;         // [kTokenTile, kFfnChunk] (or transposed)
+  std::unique_ptr<float[]> up;           // [kTokenTile, kFfnChunk] (or transposed)
+  std::unique_ptr<float[]> down;         // [kTokenTile, kModelChunk] (or transposed)
+  std::unique_ptr<Bf16Bits[]> rounded;   // [kFfnChunk, kTokenTile], packed bf16 experts only
+};
+
+// Where one active expert's activations live. Experts with more than kPackedMinTokens routes
+// use the packed-activation GEMM when the ISA has it (AVX-512): x and h are stored packed
+// (cpu_kernels.h) in groups of 16 routes; the others use the dot-product kernels on rows of x
+// and h.
+constexpr int64_t kPackedMinTokens = kPackedGroup;
+struct ExpertStorage {
+  bool packed = false;
+  int64_t groups = 0;         // ceil(routes / 16) when packed
+  int64_t x_offset = 0;       // into the packed x, elements
+  int64_t hidden_offset = 0;  // into the packed h, elements
 };
 
 // Runs both phases for one weight type and activation type (ActivationT is float, or bf16 bits
@@ -156,8 +234,28 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
   const int64_t D = dims.model_dim, F = dims.ffn_dim, routes = groups.num_routes();
   const int64_t num_experts = static_cast<int64_t>(groups.experts.size());
   const int64_t token_tile = std::min(kTokenTile, std::max<int64_t>(groups.largest_group(), 1));
+  constexpr int64_t kGroupsPerTile = kTokenTile / kPackedGroup;
+  const auto packed_dot = PackedDotFor<WeightT, ActivationT>(kernels);
 
-  // h [routes, F] in the activation type: phase 1 writes it, phase 2 reads it.
+  // The plan: storage of every expert's activations, all scratch sized up front.
+  std::vector<ExpertStorage> storage(num_experts);
+  int64_t packed_x_size = 0, packed_hidden_size = 0;
+  for (int64_t i = 0; i < num_experts; ++i) {
+    const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
+    if (packed_dot != nullptr && n > kPackedMinTokens) {
+      ExpertStorage& e = storage[i];
+      e.packed = true;
+      e.groups = CeilDiv(n, kPackedGroup);
+      e.x_offset = packed_x_size;
+      e.hidden_offset = packed_hidden_size;
+      packed_x_size += e.groups * PackedGroupElements<ActivationT>(D);
+      packed_hidden_size += e.groups * PackedGroupElements<ActivationT>(F);
+    }
+  }
+  std::unique_ptr<ActivationT[]> packed_x(new ActivationT[std::max<int64_t>(packed_x_size, 1)]);
+  std::unique_ptr<ActivationT[]> packed_hidden(
+      new ActivationT[std::max<int64_t>(packed_hidden_size, 1)]);
+  // h [routes, F] in the activation type for the other experts: phase 1 writes, phase 2 reads.
   std::unique_ptr<ActivationT[]> hidden_rf(new ActivationT[std::max<int64_t>(routes * F, 1)]);
   std::vector<const ActivationT*> route_x(routes), route_hidden(routes);
   for (int64_t r = 0; r < routes; ++r) {
@@ -166,9 +264,22 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
   }
   std::vector<WorkerScratch> scratch(workers.num_workers());
   for (WorkerScratch& s : scratch) {
-    s.gate.reset(new float[token_tile * kFfnChunk]);
-    s.up.reset(new float[token_tile * kFfnChunk]);
-    s.down.reset(new float[token_tile * kModelChunk]);
+    s.gate.reset(new float[kTokenTile * kFfnChunk]);
+    s.up.reset(new float[kTokenTile * kFfnChunk]);
+    s.down.reset(new float[kTokenTile * kModelChunk]);
+    if (packed_x_size > 0 && std::is_same_v<ActivationT, Bf16Bits>) {
+      s.rounded.reset(new Bf16Bits[kTokenTile * kFfnChunk]);
+    }
+  }
+
+  // Phase 0 (packed experts only): pack each expert's x rows.
+  if (packed_x_size > 0) {
+    workers.ParallelFor(num_experts, [&](int64_t i, int /*worker*/) {
+      if (!storage[i].packed) return;
+      const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
+      PackRows(route_x.data() + groups.offsets[i], n, storage[i].groups, D,
+               packed_x.get() + storage[i].x_offset);
+    });
   }
 
   // Phase 1: h = silu(gate . x) * (up . x), task = (expert, chunk of F).
@@ -181,6 +292,30 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     const WeightT* gate_fd = block + f0 * D;
     const WeightT* up_fd = block + F * D + f0 * D;
     WorkerScratch& s = scratch[worker];
+    if (storage[i].packed) {
+      const ExpertStorage& e = storage[i];
+      const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
+      for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
+        const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
+        const ActivationT* x =
+            packed_x.get() + e.x_offset + g0 * PackedGroupElements<ActivationT>(D);
+        const bool half = n - (g0 + tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+        // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
+        packed_dot({gate_fd, D, rows, x, tile_groups, half, D, s.gate.get(), kTokenTile});
+        packed_dot({up_fd, D, rows, x, tile_groups, half, D, s.up.get(), kTokenTile});
+        kernels.silu_mul(s.gate.get(), s.up.get(), s.gate.get(), rows * kTokenTile);
+        ActivationT* hidden = packed_hidden.get() + e.hidden_offset;
+        if constexpr (std::is_same_v<ActivationT, Bf16Bits>) {
+          kernels.round_to_bf16(s.gate.get(), s.rounded.get(), rows * kTokenTile);
+          StorePackedRows(s.rounded.get(), kTokenTile, rows, f0, F, g0, tile_groups,
+                          n - g0 * kPackedGroup, hidden);
+        } else {
+          StorePackedRows(s.gate.get(), kTokenTile, rows, f0, F, g0, tile_groups,
+                          n - g0 * kPackedGroup, hidden);
+        }
+      }
+      return;
+    }
     for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
       dot({gate_fd, D, rows, route_x.data() + r0, tokens, D, s.gate.get(), rows});
@@ -206,6 +341,25 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     float* z = scratch[worker].down.get();
     for (int64_t i = 0; i < num_experts; ++i) {
       const WeightT* down_df = bank_ep + groups.experts[i] * dims.block_size + 2 * F * D;
+      if (storage[i].packed) {
+        const ExpertStorage& e = storage[i];
+        for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
+          const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
+          const ActivationT* h =
+              packed_hidden.get() + e.hidden_offset + g0 * PackedGroupElements<ActivationT>(F);
+          const int64_t r0 = groups.offsets[i] + g0 * kPackedGroup;
+          const int64_t tokens = std::min(tile_groups * kPackedGroup, groups.offsets[i + 1] - r0);
+          const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+          // Transposed: z_dt[d][t].
+          packed_dot({down_df + d0 * F, F, rows, h, tile_groups, half, F, z, kTokenTile});
+          for (int64_t j = 0; j < tokens; ++j) {
+            const float weight = groups.route_weight[r0 + j];
+            float* y = y_td + groups.route_token[r0 + j] * D + d0;
+            for (int64_t d = 0; d < rows; ++d) y[d] += weight * z[d * kTokenTile + j];
+          }
+        }
+        continue;
+      }
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
         dot({down_df + d0 * F, F, rows, route_hidden.data() + r0, tokens, F, z, rows});

@@ -5,6 +5,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -48,9 +49,10 @@ int EnvInt(const char* name, int fallback) {
                                                                      : fallback;
 }
 
-// The CPUs this process may run on, in order.
+// The CPUs this process may run on, in order (empty where affinity is not supported: no pinning).
 std::vector<int> AllowedCpus() {
   std::vector<int> cpus;
+#if defined(__linux__)
   cpu_set_t set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
@@ -58,6 +60,7 @@ std::vector<int> AllowedCpus() {
       if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
     }
   }
+#endif
   return cpus;
 }
 
@@ -123,12 +126,16 @@ uint64_t WorkerPool::WaitForJob(uint64_t seen_generation) {
 }
 
 void WorkerPool::WorkerLoop(int worker, int cpu) {
+#if defined(__linux__)
   if (cpu >= 0) {
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
     sched_setaffinity(0, sizeof(set), &set);  // best effort
   }
+#else
+  (void)cpu;
+#endif
   uint64_t seen_generation = 0;
   for (;;) {
     const uint64_t generation = WaitForJob(seen_generation);
@@ -167,14 +174,18 @@ void WorkerPool::Run(int64_t num_tasks, TaskFunction fn) {
 
 Workers Workers::ForCall(xla::ffi::ThreadPool* xla_pool, std::string* error) {
   const char* requested = std::getenv("FTJAX_THREAD_POOL");
-  if (requested == nullptr || *requested == '\0' || std::strcmp(requested, "own") == 0) {
+  const bool use_xla = requested == nullptr || *requested == '\0' ||
+                       std::strcmp(requested, "xla") == 0;
+  if (use_xla && xla_pool != nullptr) {
+    // XLA's pool has its own size; FTJAX_NUM_THREADS can only lower the count used of it.
+    const int64_t pool_threads = std::max<int64_t>(xla_pool->num_threads(), 1);
+    const int threads = std::min<int64_t>(pool_threads, EnvInt("FTJAX_NUM_THREADS", 4096));
+    return Workers(PoolKind::kXla, threads, xla_pool);
+  }
+  if (use_xla || std::strcmp(requested, "own") == 0) {
     return Workers(PoolKind::kOwn, WorkerPool::Instance().num_threads(), nullptr);
   }
-  if (std::strcmp(requested, "xla") == 0 && xla_pool != nullptr) {
-    const int64_t threads = xla_pool->num_threads();
-    return Workers(PoolKind::kXla, threads > 0 ? static_cast<int>(threads) : 1, xla_pool);
-  }
-  *error = std::string("FTJAX_THREAD_POOL = \"") + requested + "\" is not one of own, xla";
+  *error = std::string("FTJAX_THREAD_POOL = \"") + requested + "\" is not one of xla, own";
   return Workers(PoolKind::kOwn, 1, nullptr);
 }
 

@@ -1,13 +1,22 @@
-// Parallel loops for the host kernels: a persistent worker pool of ftjax's own, or XLA's intra-op
-// pool (ffi::ThreadPool), chosen per call.
+// Parallel loops for the host kernels: XLA's intra-op pool (ffi::ThreadPool, the default) or a
+// persistent worker pool of ftjax's own (FTJAX_THREAD_POOL=own), chosen per call.
 //
-// Which one, and why. Both were measured on the 2-core development VM (benchmarks/
-// expert_kernel.py, medians over alternating rounds in one run):
-//
-//   FTJAX_THREAD_POOL=own (default): see benchmarks/README.md "Expert kernel" for the numbers.
-//   FTJAX_THREAD_POOL=xla
-//
-// (The numbers and the conclusion are filled in by the measurement: see ParallelFor below.)
+// Which one, and why. Both were measured on the 2-core Zen 4 development VM in one run of
+// benchmarks/expert_kernel.py (medians of 15 alternating rounds; results/expert_kernel.json):
+//   - each kernel alone: speed of ftjax's pool over XLA's 1.00 on the batch-1 expert kernel (8
+//     Qwen3-30B-A3B experts, ~1.5 ms), 1.01 on the lm_head GEMV (~12.5 ms), 0.98 on the
+//     o-projection [2048, 4096] (~190 us), 1.11 on the router [128, 2048] (~15 us): a tie except
+//     for the smallest op, where ftjax's spinning workers hand off faster;
+//   - the kernels between XLA:CPU ops, as in a decode step (a scan of q-projection GEMV, an XLA
+//     matmul and the expert kernel): 0.93, i.e. 2.11 ms per step on XLA's pool against 2.34 on
+//     ftjax's (an earlier separate A/B: 2.39 vs 2.65 and 2.75 vs 3.10 ms; 10-16% worse still
+//     with a 5 us spin instead of 100 us).
+// So XLA's pool is the default. Why it wins where it matters: on XLA:CPU the handler already runs
+// on one of XLA's intra-op threads, and XLA's other thread is awake (spinning for work) after the
+// previous op; handing it the second half of the work needs no extra thread. A pool of our own
+// adds a third runnable thread on two cores, which competes with XLA's threads around every call.
+// ftjax's pool stays available for measurements and for callers outside XLA's executor; both
+// give bitwise-identical results (each output element is summed in a fixed order).
 
 #ifndef FTJAX_XLA_FFI_THREAD_POOL_H_
 #define FTJAX_XLA_FFI_THREAD_POOL_H_
@@ -96,8 +105,9 @@ enum class PoolKind { kOwn, kXla };
 // The threads one FFI call runs on.
 class Workers {
  public:
-  // FTJAX_THREAD_POOL = "own" (default) or "xla" (XLA's intra-op pool, from the handler's
-  // ffi::Ctx<ffi::ThreadPool>); read on every call. Sets `error` for another value.
+  // FTJAX_THREAD_POOL = "xla" (default: XLA's intra-op pool, from the handler's
+  // ffi::Ctx<ffi::ThreadPool>, of which at most FTJAX_NUM_THREADS threads are used) or "own"
+  // (WorkerPool); read on every call. Sets `error` for another value.
   static Workers ForCall(xla::ffi::ThreadPool* xla_pool, std::string* error);
 
   PoolKind kind() const { return kind_; }

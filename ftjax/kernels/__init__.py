@@ -14,11 +14,14 @@ Ops:
 Environment (read by the C++ kernels):
   FTJAX_ISA=scalar|avx2|avx512|avx512bf16   use at most this instruction set (read every call;
                                             the default is the best the CPU supports)
-  FTJAX_NUM_THREADS=n                       threads of ftjax's worker pool (read when the pool is
-                                            created, at the first kernel call; default: all CPUs)
-  FTJAX_PIN_THREADS=1                       pin the pool's workers to CPUs (at creation)
-  FTJAX_THREAD_POOL=own|xla                 ftjax's persistent pool (default) or XLA's intra-op
-                                            pool (read every call)
+  FTJAX_THREAD_POOL=xla|own                 XLA's intra-op pool (default; measured faster between
+                                            XLA ops, see xla_ffi/thread_pool.h) or ftjax's own
+                                            persistent pool (read every call)
+  FTJAX_NUM_THREADS=n                       threads: the size of ftjax's own pool (read when it is
+                                            created, at its first use; default: all CPUs), and at
+                                            most this many of XLA's pool (read every call; XLA's
+                                            pool has one thread per CPU)
+  FTJAX_PIN_THREADS=1                       pin the own pool's workers to CPUs (at creation)
 """
 
 from ftjax.kernels.cpu_info import cpu_info

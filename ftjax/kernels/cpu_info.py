@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # ordered: each implies those before it
-_POOLS = ("own", "xla")
+_POOLS = ("own", "xla")  # as numbered by xla_ffi/cpu_info.cc
 
 
 def cpu_info() -> dict:
@@ -16,7 +16,7 @@ def cpu_info() -> dict:
   Honours FTJAX_ISA, FTJAX_THREAD_POOL and (at the pool's creation) FTJAX_NUM_THREADS.
 
   Returns:
-    {"isa": ISA in use, "best_isa": best supported, "threads": workers, "pool": "own"|"xla"}.
+    {"isa": ISA in use, "best_isa": best supported, "threads": workers, "pool": "xla"|"own"}.
   """
   call = jax.ffi.ffi_call(
     "ftjax_cpu_info", jax.ShapeDtypeStruct((4,), jnp.int32), vmap_method="sequential"

@@ -140,6 +140,24 @@ def test_matches_reference(case_name, bank_dtype, bf16_activations, isa, assert_
 
 
 @pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
+def test_grouped_route_counts_around_the_tiles(bank_dtype, bf16_activations, isa, assert_close):
+  """Experts with 1..90 routes: every way a group of 16 and a tile of 64 routes can be cut
+  (full groups, a last group of at most 8, the dot-product path below 17 routes)."""
+  counts = [1, 8, 16, 17, 24, 25, 32, 40, 41, 48, 56, 57, 64, 65, 72, 90]
+  E, D, F = len(counts), 41, 25  # odd: the last input pair is half padding
+  ids = np.repeat(np.arange(E), counts).astype(np.int32)[:, None]  # K = 1
+  rng = rng_for("route counts", bank_dtype.name)
+  ids = ids[rng.permutation(len(ids))]
+  T = len(ids)
+  x = rng.standard_normal((T, D)).astype(np.float32)
+  weights = rng.random((T, 1)).astype(np.float32)
+  bank = make_bank(rng, L=1, E=E, F=F, D=D, dtype=bank_dtype)
+  y = expert_ffn(x, ids, weights, bank, 0, ffn_dim=F, bf16_activations=bf16_activations)
+  ref = reference_expert_ffn(x, ids, weights, bank, 0, F)
+  assert_close(y, ref, bank_dtype, bf16_activations)
+
+
+@pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("T", [3, 20], ids=["decode", "grouped"])
 def test_all_routes_skipped_gives_exact_zeros(bank_dtype, T, bf16_activations, isa):
   D, F, E, K = 16, 8, 4, 2

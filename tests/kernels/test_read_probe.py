@@ -1,7 +1,9 @@
 """ftjax_read_probe, ftjax_peak_probe and ftjax_cpu_info."""
 
+import re
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,8 +69,30 @@ def test_cpu_info_honours_the_environment(monkeypatch):
   monkeypatch.setenv("FTJAX_ISA", "scalar")
   info = cpu_info()
   assert info["isa"] == "scalar" and info["best_isa"] == best
-  assert info["threads"] >= 1 and info["pool"] == "own"
+  assert info["threads"] >= 1 and info["pool"] == "xla"
   monkeypatch.setenv("FTJAX_ISA", "avx512bf16")  # never above what the CPU has
   assert cpu_info()["isa"] == best
-  monkeypatch.setenv("FTJAX_THREAD_POOL", "xla")
-  assert cpu_info()["pool"] == "xla"
+  monkeypatch.setenv("FTJAX_THREAD_POOL", "own")
+  assert cpu_info()["pool"] == "own"
+
+
+@pytest.mark.parametrize(
+  "target, result, attributes, message",
+  [
+    ("ftjax_read_probe", jax.ShapeDtypeStruct((2,), jnp.uint32), {},
+     "ftjax_read_probe: result checksum must be a scalar, got [2]"),
+    ("ftjax_peak_probe", jax.ShapeDtypeStruct((2,), jnp.float32),
+     dict(tasks=np.int64(0), iterations=np.int64(5)),
+     "ftjax_peak_probe: tasks and iterations must be positive"),
+    ("ftjax_peak_probe", jax.ShapeDtypeStruct((3,), jnp.float32),
+     dict(tasks=np.int64(1), iterations=np.int64(5)), "ftjax_peak_probe: result must be [2], got [3]"),
+    ("ftjax_cpu_info", jax.ShapeDtypeStruct((3,), jnp.int32), {},
+     "ftjax_cpu_info: result must be [4], got [3]"),
+  ],
+  ids=["read_probe_result", "peak_probe_counts", "peak_probe_result", "cpu_info_result"],
+)
+def test_kernels_reject_bad_calls(target, result, attributes, message):
+  call = jax.ffi.ffi_call(target, result, vmap_method="sequential")
+  args = (np.zeros(8, np.uint8),) if target == "ftjax_read_probe" else ()
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(message)):
+    jax.block_until_ready(call(*args, **attributes))

@@ -50,7 +50,7 @@ def test_both_pools_give_identical_results(T, isa, monkeypatch):
   "variable, value, message",
   [
     ("FTJAX_ISA", "avx1024", 'FTJAX_ISA = "avx1024" is not one of scalar, avx2, avx512, avx512bf16'),
-    ("FTJAX_THREAD_POOL", "openmp", 'FTJAX_THREAD_POOL = "openmp" is not one of own, xla'),
+    ("FTJAX_THREAD_POOL", "openmp", 'FTJAX_THREAD_POOL = "openmp" is not one of xla, own'),
   ],
 )
 def test_unknown_environment_values_are_errors(variable, value, message, monkeypatch):
@@ -62,9 +62,10 @@ def test_unknown_environment_values_are_errors(variable, value, message, monkeyp
     jax.block_until_ready(dense(x, bank[0, :, :D]))
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_thread_count_from_the_environment(threads, tmp_path):
-  """FTJAX_NUM_THREADS sizes the pool (read once, in a fresh process); results do not change."""
+@pytest.mark.parametrize("pool, threads", [("own", 1), ("own", 3), ("xla", 1)])
+def test_thread_count_from_the_environment(pool, threads, tmp_path):
+  """FTJAX_NUM_THREADS sizes ftjax's own pool (read once, in a fresh process) and caps the
+  threads used of XLA's; results do not change."""
   reference = run_all(200, seed=7) + run_all(1, seed=8)
   np.savez(tmp_path / "reference.npz", *reference)
   script = textwrap.dedent(f"""
@@ -80,7 +81,8 @@ def test_thread_count_from_the_environment(threads, tmp_path):
       np.testing.assert_array_equal(g, reference[f"arr_{{i}}"])
     print("ok")
   """)
-  env = dict(os.environ, FTJAX_NUM_THREADS=str(threads), FTJAX_PIN_THREADS="1")
+  env = dict(os.environ, FTJAX_NUM_THREADS=str(threads), FTJAX_PIN_THREADS="1",
+             FTJAX_THREAD_POOL=pool)
   # cwd: not the source checkout, whose ftjax/ has no compiled module.
   result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           cwd=tmp_path,
@@ -88,8 +90,10 @@ def test_thread_count_from_the_environment(threads, tmp_path):
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
-def test_concurrent_callers_get_correct_results():
-  """Calls from several Python threads at once share the pool (a busy pool runs the caller's
+@pytest.mark.parametrize("pool", ["xla", "own"])
+def test_concurrent_callers_get_correct_results(pool, monkeypatch):
+  monkeypatch.setenv("FTJAX_THREAD_POOL", pool)
+  """Calls from several Python threads at once, on both pools (a busy own pool runs the caller's
   tasks on the caller's own thread)."""
   step = jax.jit(lambda x, ids, weights, bank: expert_ffn(x, ids, weights, bank, 0, ffn_dim=F))
   inputs = [make_inputs(T, seed) for seed, T in enumerate([1, 3, 40, 200] * 3)]
