@@ -29,8 +29,9 @@ _POLICY = flags.DEFINE_enum("policy", "freetoken", list(POLICIES), "expert cache
 _PROFILE = flags.DEFINE_string("profile", None, "bandwidth profile JSON (python -m ftjax.profile)")
 _BANDWIDTHS = flags.DEFINE_list("bandwidths", None, "B_P,B_H in GB/s (instead of --profile)")
 _STATS = flags.DEFINE_boolean("stats", False, "print the expert cache statistics at the end")
-_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "xla", "ffi"],
-                              "routed-expert implementation")
+_KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "xla", "ffi", "ffi_bf16"],
+                              "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: "
+                              "faster prefill), xla; auto picks ffi_bf16 for bf16 models on CPU")
 
 
 def main(argv):

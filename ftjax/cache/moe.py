@@ -74,7 +74,7 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
   """
   if fill_expert.shape[0] == 0:
     return slots
-  if impl == "ffi":
+  if impl in ("ffi", "ffi_bf16"):
     from ftjax.kernels import slot_fill  # noqa: PLC0415
     src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
     return slot_fill(slots, bank, src, fill_slot)

@@ -28,15 +28,17 @@ def _f32(p: nnx.Param) -> jax.Array:
 def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, impl: str) -> jax.Array:
   """``x [..., *in] -> [..., *out]`` for a weight stored ``[*out, *in]`` (``out_axes`` leading
   output axes, like torch's Linear). ``impl="ffi"`` runs ftjax's host GEMV/GEMM kernel
-  (bfloat16 weights are read as stored), ``"xla"`` a float32 einsum."""
+  (bfloat16 weights are read as stored and widened exactly), ``"ffi_bf16"`` the same kernel
+  with activations rounded to bfloat16 (``vdpbf16ps``: faster prefill, ~1e-2 relative error),
+  ``"xla"`` a float32 einsum."""
   w = w[...]
   out_shape, in_shape = w.shape[:out_axes], w.shape[out_axes:]
   n_in = int(np.prod(in_shape))
   x2 = x.reshape(*x.shape[:x.ndim - len(in_shape)], n_in)
   w2 = w.reshape(int(np.prod(out_shape)), n_in)
-  if impl == "ffi":
+  if impl in ("ffi", "ffi_bf16"):
     from ftjax.kernels import dense  # noqa: PLC0415 (needs the compiled module)
-    y = dense(x2.astype(jnp.float32), w2)
+    y = dense(x2.astype(jnp.float32), w2, bf16_activations=impl == "ffi_bf16")
   else:
     y = jnp.einsum("...K,NK->...N", x2, w2.astype(jnp.float32))
   return y.reshape(*x2.shape[:-1], *out_shape)
@@ -133,8 +135,12 @@ class Attention(nnx.Module):
     return q, k, v
 
   def __call__(self, x: jax.Array, cache: KVCache, length: jax.Array, positions: jax.Array,
-               *, impl: str = "xla") -> tuple[KVCache, jax.Array]:
-    """x [B, T, D]; writes the T new keys/values at cache rows [length, length + T)."""
+               *, impl: str = "xla", fresh: bool = False) -> tuple[KVCache, jax.Array]:
+    """x [B, T, D]; writes the T new keys/values at cache rows [length, length + T).
+
+    ``fresh`` (static) promises ``length == 0``: the queries then attend to this chunk's
+    keys only, not to the whole (empty) cache, which saves most of a long prefill's work.
+    """
     _, t, _ = x.shape
     q, k, v = self._project(x, impl)
     q = rope(q, positions, self.rope_theta)
@@ -142,10 +148,11 @@ class Attention(nnx.Module):
     start = (0, length, 0, 0)
     cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
                     v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start))
-    s = cache.k.shape[1]
-    g, a = cache.k.shape[2], cache.k.shape[3]
+    keys, values = (k, v) if fresh else (cache.k, cache.v)  # [B, S, G, A]
+    s = keys.shape[1]
+    g, a = keys.shape[2], keys.shape[3]
     q = q.reshape(*q.shape[:2], g, -1, a)  # [B, T, G, R, A]
-    scores = jnp.einsum("BTGRA,BSGA->BGRTS", q, cache.k.astype(jnp.float32)) * (a ** -0.5)
+    scores = jnp.einsum("BTGRA,BSGA->BGRTS", q, keys.astype(jnp.float32)) * (a ** -0.5)
     q_idx = length + jnp.arange(t)  # cache row of each query
     kv_idx = jnp.arange(s)
     allowed = kv_idx[None, :] <= q_idx[:, None]  # [T, S]
@@ -158,7 +165,7 @@ class Attention(nnx.Module):
       probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     else:
       probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, cache.v.astype(jnp.float32))
+    out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, values.astype(jnp.float32))
     out = out.reshape(*out.shape[:2], -1, a)  # [B, T, H, A]
     y = linear(out, self.w_o_dha, 1, impl=impl)  # [B, T, D]
     if self.o_bias:

@@ -68,8 +68,9 @@ class DecoderLayer(nnx.Module):
         router_groups=c.router_groups, router_topk_groups=c.router_topk_groups,
         scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
 
-  def __call__(self, x, cache, length, positions, layer, experts):
-    cache, h = self.attn(self.attn_norm(x), cache, length, positions, impl=experts.impl)
+  def __call__(self, x, cache, length, positions, layer, experts, fresh):
+    cache, h = self.attn(self.attn_norm(x), cache, length, positions, impl=experts.impl,
+                         fresh=fresh)
     x = x + h
     experts, h = self.moe(self.mlp_norm(x), layer, experts)
     return cache, experts, x + h
@@ -90,14 +91,17 @@ class Transformer(nnx.Module):
 
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
                bank: jax.Array, *, last_only: bool = False, kernels: str = "xla",
-               policy: PolicyConfig | None = None) -> tuple[DecodeState, jax.Array]:
-    """tokens, positions [B, T] -> (new state, logits [B, T or 1, V] float32)."""
+               policy: PolicyConfig | None = None, fresh: bool = False
+               ) -> tuple[DecodeState, jax.Array]:
+    """tokens, positions [B, T] -> (new state, logits [B, T or 1, V] float32).
+
+    ``fresh`` (static) promises an empty state (``length == 0``), as in a prefill."""
     x = jnp.take(self.embed_vd[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
     experts = ExpertRunner(bank=bank, cache=state.experts, bandwidths=state.bandwidths,
                            stats=state.stats, impl=kernels, policy=policy)
     caches = []
     for i, layer in enumerate(self.layers):
-      cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts)
+      cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts, fresh)
       caches.append(cache)
     if last_only:
       x = x[:, -1:]
@@ -109,14 +113,15 @@ class Transformer(nnx.Module):
     return new_state, logits
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "last_only", "kernels", "policy"),
+@functools.partial(jax.jit,
+                   static_argnames=("graphdef", "last_only", "kernels", "policy", "fresh"),
                    donate_argnames=("state",))
 def forward(graphdef: nnx.GraphDef, params: nnx.State, bank: jax.Array, state: DecodeState,
             tokens: jax.Array, positions: jax.Array, *, last_only: bool = False,
-            kernels: str = "xla", policy: PolicyConfig | None = None
+            kernels: str = "xla", policy: PolicyConfig | None = None, fresh: bool = False
             ) -> tuple[DecodeState, jax.Array]:
   """One jitted step over all layers: ``(new_state, logits)``. ``state`` is donated (with
   the expert cache in it, so fills update the slot buffer in place)."""
   model = nnx.merge(graphdef, params)
   return model(state, tokens, positions, bank, last_only=last_only, kernels=kernels,
-               policy=policy)
+               policy=policy, fresh=fresh)

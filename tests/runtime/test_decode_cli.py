@@ -60,7 +60,7 @@ def test_default_model_greedy_output_is_deterministic():
 
 def test_default_model_cached_decode_equals_full_forward():
   model = ftjax.load(DEFAULT_MODEL_DIR)
-  engine = ftjax.Engine(model)
+  engine = ftjax.Engine(model, kernels="ffi")  # exact: bf16 activations could flip near-ties
   prompt = list(b"import os\n")
   new = engine.generate(prompt, 10, greedy=True)
   full = engine.forward_logits(prompt + new)

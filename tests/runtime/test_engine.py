@@ -114,3 +114,21 @@ def test_top_p_keeps_the_smallest_nucleus():
   assert draws == {0, 1}  # 0.5 < 0.7 needs the second token; never the third
   draws = {sample(logits, rng, greedy=False, temperature=1.0, top_p=0.4) for _ in range(50)}
   assert draws == {0}
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_fresh_prefill_equals_attending_over_the_whole_cache(tiny_config, window):
+  import dataclasses  # noqa: PLC0415
+  cfg = tiny_config if window is None else dataclasses.replace(
+      tiny_config, layer_types=("sliding_attention",) * 2, sliding_window=window)
+  engine = ftjax.Engine(_scale(model_lib.random_model(cfg, seed=2), 10.0), kernels="xla")
+  ids = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+  _, fresh = engine.step(engine.new_state(2, 9), ids, pos, fresh=True)
+  _, full = engine.step(engine.new_state(2, 9), ids, pos)
+  full = np.asarray(full)
+  np.testing.assert_allclose(np.asarray(fresh), full, rtol=0,
+                             atol=1e-5 * max(1.0, np.abs(full).max()))
+  state, _ = engine.step(engine.new_state(2, 12), ids, pos)
+  with pytest.raises(ValueError, match="fresh=True needs an empty state"):
+    engine.step(state, ids[:, :1], pos[:, :1] + 9, fresh=True)
