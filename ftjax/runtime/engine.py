@@ -154,7 +154,8 @@ class Engine:
       if jax.default_backend() == "cpu" and _ffi_available():
         impl = "ffi_bf16" if model.bank.dtype == jnp.bfloat16 else "ffi"
     elif impl.startswith("ffi") and jax.default_backend() != "cpu":
-      raise ValueError("kernels='ffi' needs the CPU backend; the GPU kernels are not built yet")
+      raise ValueError(f"kernels={impl!r} needs the CPU backend; the GPU kernels are not "
+                       "built yet")
     self.kernels = impl
     self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
     self._compiled: set[tuple] = set()  # this engine's share of _COMPILED

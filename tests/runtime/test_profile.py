@@ -1,0 +1,58 @@
+"""The bandwidth profiler: what it measures, its CLI, and how the engine reads a profile."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ftjax
+from ftjax.runtime import model as model_lib
+from ftjax.runtime import profile as profile_lib
+
+
+@pytest.fixture(scope="module")
+def small_profile():
+  shape = profile_lib.ExpertShape(hidden=64, ffn=32, dtype="bfloat16", top_k=2)
+  bank = profile_lib.synthetic_bank(shape, min_bytes=4 << 20)
+  return shape, bank, profile_lib.measure(bank, shape, rounds=2, calls=4, show_progress=False)
+
+
+def test_measure_reports_every_bandwidth(small_profile):
+  shape, bank, prof = small_profile
+  assert bank.nbytes >= 4 << 20 and bank.shape[1] >= 4 * shape.top_k
+  for key in ("read_gb_s", "b_h_gb_s", "b_p_gb_s"):
+    assert prof[key] > 0 and len(prof["rounds"]) == 2
+  assert prof["concurrent"]["b_h_gb_s"] > 0 and prof["concurrent"]["b_p_gb_s"] > 0
+  assert prof["expert_shape"] == {"hidden": 64, "ffn": 32, "dtype": "bfloat16", "top_k": 2}
+  assert prof["platform"] == "cpu" and prof["version"] == profile_lib.PROFILE_VERSION
+
+
+def test_engine_reads_the_concurrent_pair(small_profile, tmp_path, tiny_config):
+  shape, _, prof = small_profile
+  path = profile_lib.save_profile(prof, str(tmp_path / "p.json"))
+  model = model_lib.random_model(tiny_config, seed=0)
+  with pytest.raises(ValueError, match="measured for expert_shape"):
+    ftjax.Engine(model, cache_slots=2, profile=path)  # tiny_config's experts are 32x16
+  c = tiny_config
+  matching = dict(prof, expert_shape={"hidden": c.hidden_size, "ffn": c.moe_intermediate_size,
+                                      "dtype": "float32", "top_k": c.top_k})
+  path = profile_lib.save_profile(matching, str(tmp_path / "q.json"))
+  engine = ftjax.Engine(model, cache_slots=2, profile=path)
+  conc = prof["concurrent"]
+  np.testing.assert_allclose(engine.bandwidths, [conc["b_p_gb_s"],
+                                                 conc["b_p_gb_s"] + conc["b_h_gb_s"]], rtol=1e-6)
+  assert "concurrent" in engine.stats()["bandwidth_source"]
+  with pytest.raises(FileNotFoundError, match="python -m ftjax.profile"):
+    ftjax.Engine(model, cache_slots=2, profile=str(tmp_path / "missing.json"))
+
+
+def test_cli_writes_a_profile(tmp_path):
+  out = tmp_path / "prof.json"
+  proc = subprocess.run([sys.executable, "-m", "ftjax.profile", "--hidden=64", "--ffn=32",
+                         "--top_k=2", "--bank_gb=0.004", "--rounds=1", f"--out={out}"],
+                        capture_output=True, text=True, check=False, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert "profile [" in proc.stderr  # progress
+  assert "B_H" in proc.stdout and json.loads(out.read_text())["b_h_gb_s"] > 0
