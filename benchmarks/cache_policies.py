@@ -72,8 +72,8 @@ def main() -> None:
   shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, str(model.dtype),
                                   c.top_k)
   prof = profile_lib.measure(model.bank, shape, rounds=3, calls=16)
-  conc = prof["concurrent"]
-  bandwidths = (conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"])
+  profile_path = profile_lib.save_profile(prof, os.path.join(args.model_dir, "profile.json"))
+  bandwidths = tuple(ftjax.Engine(model, cache_slots=0, profile=profile_path).bandwidths.tolist())
   print(f"bandwidths (concurrent profile): B_P {bandwidths[0]:.1f}, B_H {bandwidths[1]:.1f} GB/s; "
         f"read ceiling {prof['read_gb_s']:.1f} GB/s")
 
@@ -89,7 +89,7 @@ def main() -> None:
   for fraction in (float(f) for f in args.fractions.split(",")):
     for policy in args.policies.split(","):
       engine = ftjax.Engine(model, kernels="ffi", cache_fraction=fraction, policy=policy,
-                            bandwidths=bandwidths, hot_experts=hot)
+                            profile=profile_path, hot_experts=hot)
       engine.generate(prompt[:4], 2)  # compile
       steps_before = len(engine.stats()["per_step"])
       t0 = time.perf_counter()
