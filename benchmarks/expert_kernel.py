@@ -31,7 +31,6 @@ import datetime
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,43 +42,15 @@ import numpy as np
 
 import ftjax.kernels as kernels
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info  # noqa: E402
+
 D, F, TOP_K = 2048, 768, 8  # Qwen3-30B-A3B
 EXPERTS, LAYERS = 128, 2
 VOCAB = 151936
 PREFILL_TOKENS = 512
 BF16 = np.dtype(jnp.bfloat16)
 PAGE = 4096
-
-
-def machine_info():
-  model = "unknown"
-  flags = []
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name") and model == "unknown":
-          model = line.split(":", 1)[1].strip()
-        if line.startswith("flags") and not flags:
-          flags = line.split(":", 1)[1].split()
-  except OSError:
-    pass
-  mem_total = None
-  try:
-    with open("/proc/meminfo") as f:
-      mem_total = int(f.readline().split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return {
-    "cpu": model,
-    "logical_cpus": os.cpu_count(),
-    "isa_flags": [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
-                                              "avx512dq", "avx512_bf16", "avx512_vnni")],
-    "memory_bytes": mem_total,
-    "platform": platform.platform(),
-    "python": platform.python_version(),
-    "jax": jax.__version__,
-    "ftjax_kernels": kernels.cpu_info(),
-  }
 
 
 def write_weights(directory):

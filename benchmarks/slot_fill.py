@@ -24,14 +24,11 @@ not_donated / donated (time). Results go to ``benchmarks/results/slot_fill.json`
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
-import platform
-import socket
 import statistics
-import subprocess
+import sys
 import time
 
 import jax
@@ -39,6 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.kernels import slot_fill
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "slot_fill.json")
 GB = 1e9
@@ -73,30 +73,6 @@ def time_calls(run, num_calls):
     run(i)
     seconds.append(time.perf_counter() - start)
   return statistics.median(seconds)
-
-
-def machine_info() -> dict:
-  import ftjax  # noqa: PLC0415
-
-  def first(path, key):
-    with open(path) as f:
-      for line in f:
-        if line.startswith(key):
-          return line.split(":", 1)[1].strip()
-    return None
-
-  return {
-      "hostname": socket.gethostname(),
-      "nproc": int(subprocess.run(["nproc"], capture_output=True, text=True).stdout),
-      "mem_total_bytes": int(first("/proc/meminfo", "MemTotal").split()[0]) * 1024,
-      "cpu_model": first("/proc/cpuinfo", "model name"),
-      "kernel": platform.release(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "ftjax": f"{ftjax.__version__} at {os.path.dirname(ftjax.__file__)}",
-      "numpy": np.__version__,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-  }
 
 
 def main() -> None:

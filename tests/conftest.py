@@ -125,3 +125,24 @@ def tiny_config():
       num_kv_heads=2, head_dim=8, num_experts=8, top_k=2, moe_intermediate_size=16,
       rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
       layer_types=("full_attention",) * 2, qk_norm="per_head", norm_topk_prob=True)
+
+
+@pytest.fixture
+def count_traces(monkeypatch):
+  """A list that grows by one each time the model is traced; starts with empty JAX caches
+  and no executables compiled by other tests."""
+  import jax  # noqa: PLC0415
+
+  from ftjax.model import transformer  # noqa: PLC0415
+  from ftjax.runtime import engine as engine_lib  # noqa: PLC0415
+  traces = []
+  original = transformer.Transformer.__call__
+
+  def counting(self, *args, **kwargs):
+    traces.append(1)  # runs only while tracing
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(transformer.Transformer, "__call__", counting)
+  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  jax.clear_caches()
+  return traces

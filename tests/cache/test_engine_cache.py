@@ -168,19 +168,8 @@ def test_bad_cache_options_are_clear_errors(family_model):
     ftjax.Engine(family_model).resize_cache(slots=3)
 
 
-def test_cached_decode_does_not_retrace(family_model, monkeypatch):
-  from ftjax.model import transformer  # noqa: PLC0415
-  from ftjax.runtime import engine as engine_lib  # noqa: PLC0415
-  traces = []
-  original = transformer.Transformer.__call__
-
-  def counting(self, *args, **kwargs):
-    traces.append(1)  # runs only while tracing
-    return original(self, *args, **kwargs)
-
-  monkeypatch.setattr(transformer.Transformer, "__call__", counting)
-  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # no executables from other tests
-  jax.clear_caches()  # nor traces
+def test_cached_decode_does_not_retrace(family_model, count_traces):
+  traces = count_traces
   engine = ftjax.Engine(family_model, kernels="xla", cache_slots=5, policy="freetoken",
                         bandwidths=(10.0, 30.0))
   engine.generate([1, 2, 3], 8)

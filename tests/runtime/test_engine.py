@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 
 import ftjax
-from ftjax.model import transformer
-from ftjax.runtime import engine as engine_lib
 from ftjax.runtime import model as model_lib
 from ftjax.runtime.engine import ContextLengthError
 from ftjax.runtime.sampling import sample
@@ -55,17 +53,8 @@ def test_batch_rows_equal_single_rows(model):
     np.testing.assert_allclose(batched[b], engine.forward_logits(ids[b]), rtol=0, atol=1e-5)
 
 
-def test_second_call_with_new_data_does_not_retrace(model, monkeypatch):
-  traces = []
-  original = transformer.Transformer.__call__
-
-  def counting(self, *args, **kwargs):
-    traces.append(1)  # runs only while tracing
-    return original(self, *args, **kwargs)
-
-  monkeypatch.setattr(transformer.Transformer, "__call__", counting)
-  monkeypatch.setattr(engine_lib, "_COMPILED", {})  # no executables from other tests
-  jax.clear_caches()  # nor traces
+def test_second_call_with_new_data_does_not_retrace(model, count_traces):
+  traces = count_traces
   engine = ftjax.Engine(model, kernels="xla")
   engine.generate([1, 2, 3, 4], 6)
   first = len(traces)
