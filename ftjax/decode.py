@@ -29,6 +29,7 @@ _POLICY = flags.DEFINE_enum("policy", "freetoken", list(POLICIES), "expert cache
 _PROFILE = flags.DEFINE_string("profile", None, "bandwidth profile JSON (python -m ftjax.profile)")
 _BANDWIDTHS = flags.DEFINE_list("bandwidths", None, "B_P,B_H in GB/s (instead of --profile)")
 _STATS = flags.DEFINE_boolean("stats", False, "print the expert cache statistics at the end")
+_TRACE_OUT = flags.DEFINE_string("trace_out", None, "write the routing trace (.npz) here")
 _KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "xla", "ffi", "ffi_bf16"],
                               "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: "
                               "faster prefill), xla; auto picks ffi_bf16 for bf16 models on CPU")
@@ -55,7 +56,7 @@ def main(argv):
     run_decode(_MODEL.value, _PROMPT.value, max_new_tokens=_MAX_NEW.value, greedy=_GREEDY.value,
                temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
                max_seq_len=_MAX_SEQ.value, kernels=_KERNELS.value, show_stats=_STATS.value,
-               **cache)
+               trace_out=_TRACE_OUT.value, **cache)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"ftjax.decode: error: {e}") from None
 

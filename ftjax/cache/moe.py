@@ -42,6 +42,22 @@ class StepStats:
 
 
 @struct.dataclass
+class RoutingRecord:
+  """The router's output of one step, per layer: ids and weights [L, tokens, K]."""
+  ids: jax.Array
+  weights: jax.Array
+
+  @classmethod
+  def zeros(cls, num_layers: int, tokens: int, top_k: int) -> "RoutingRecord":
+    return cls(ids=jnp.full((num_layers, tokens, top_k), -1, jnp.int32),
+               weights=jnp.zeros((num_layers, tokens, top_k), jnp.float32))
+
+  def record(self, layer, ids, weights) -> "RoutingRecord":
+    return RoutingRecord(ids=self.ids.at[layer].set(ids), weights=self.weights.at[layer].set(
+        weights.astype(jnp.float32)))
+
+
+@struct.dataclass
 class ExpertRunner:
   """How a model's MoE layers get their routed experts, threaded through one step.
 
@@ -52,11 +68,14 @@ class ExpertRunner:
   cache: ExpertCache | None = None
   bandwidths: jax.Array | None = None  # [2] float32: B_P, B_H in GB/s
   stats: StepStats | None = None
+  routing: RoutingRecord | None = None  # filled when the step records routing (traces)
   impl: str = struct.field(pytree_node=False, default="xla")
   policy: PolicyConfig | None = struct.field(pytree_node=False, default=None)
 
   def __call__(self, x, weights, ids, layer: int, *, ffn_dim: int
                ) -> tuple["ExpertRunner", jax.Array]:
+    if self.routing is not None:
+      self = self.replace(routing=self.routing.record(layer, ids, weights))  # noqa: PLW0642
     if self.cache is None:
       return self, routed_experts(x, ids, weights, self.bank, layer, ffn_dim=ffn_dim,
                                   impl=self.impl)

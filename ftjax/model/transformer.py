@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
-from ftjax.cache.moe import ExpertRunner, StepStats
+from ftjax.cache.moe import ExpertRunner, RoutingRecord, StepStats
 from ftjax.cache.policy import PolicyConfig
 from ftjax.cache.state import ExpertCache
 from ftjax.model.config import ModelConfig
@@ -35,6 +35,7 @@ class DecodeState:
   experts: ExpertCache | None = None
   bandwidths: jax.Array | None = None  # [2] float32 GB/s
   stats: StepStats | None = None
+  routing: RoutingRecord | None = None  # the last step's router output, when recording
 
 
 def init_state(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *,
@@ -91,14 +92,18 @@ class Transformer(nnx.Module):
 
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
                bank: jax.Array, *, last_only: bool = False, kernels: str = "xla",
-               policy: PolicyConfig | None = None, fresh: bool = False
-               ) -> tuple[DecodeState, jax.Array]:
+               policy: PolicyConfig | None = None, fresh: bool = False,
+               record_routing: bool = False) -> tuple[DecodeState, jax.Array]:
     """tokens, positions [B, T] -> (new state, logits [B, T or 1, V] float32).
 
-    ``fresh`` (static) promises an empty state (``length == 0``), as in a prefill."""
+    ``fresh`` (static) promises an empty state (``length == 0``), as in a prefill;
+    ``record_routing`` (static) returns the router's output in ``new_state.routing``."""
     x = jnp.take(self.embed_vd[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
+    first_moe = self.layers[0].moe
+    routing = (RoutingRecord.zeros(len(self.layers), tokens.size, first_moe.top_k)
+               if record_routing else None)
     experts = ExpertRunner(bank=bank, cache=state.experts, bandwidths=state.bandwidths,
-                           stats=state.stats, impl=kernels, policy=policy)
+                           stats=state.stats, routing=routing, impl=kernels, policy=policy)
     caches = []
     for i, layer in enumerate(self.layers):
       cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts, fresh)
@@ -109,19 +114,21 @@ class Transformer(nnx.Module):
     w_lm = self.embed_vd if self.tie_word_embeddings else self.w_lm_vd
     logits = linear(x, w_lm, 1, impl=kernels)  # [B, T, V]
     new_state = state.replace(layers=tuple(caches), length=state.length + tokens.shape[1],
-                              experts=experts.cache, stats=experts.stats)
+                              experts=experts.cache, stats=experts.stats,
+                              routing=experts.routing)
     return new_state, logits
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("graphdef", "last_only", "kernels", "policy", "fresh"),
+                   static_argnames=("graphdef", "last_only", "kernels", "policy", "fresh",
+                                    "record_routing"),
                    donate_argnames=("state",))
 def forward(graphdef: nnx.GraphDef, params: nnx.State, bank: jax.Array, state: DecodeState,
             tokens: jax.Array, positions: jax.Array, *, last_only: bool = False,
-            kernels: str = "xla", policy: PolicyConfig | None = None, fresh: bool = False
-            ) -> tuple[DecodeState, jax.Array]:
+            kernels: str = "xla", policy: PolicyConfig | None = None, fresh: bool = False,
+            record_routing: bool = False) -> tuple[DecodeState, jax.Array]:
   """One jitted step over all layers: ``(new_state, logits)``. ``state`` is donated (with
   the expert cache in it, so fills update the slot buffer in place)."""
   model = nnx.merge(graphdef, params)
   return model(state, tokens, positions, bank, last_only=last_only, kernels=kernels,
-               policy=policy, fresh=fresh)
+               policy=policy, fresh=fresh, record_routing=record_routing)

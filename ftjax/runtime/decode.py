@@ -34,12 +34,13 @@ class DecodeResult:
 def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_new_tokens: int = 64,
                greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
                max_seq_len: int | None = None, kernels: str = "auto", show_stats: bool = False,
-               out: TextIO = sys.stdout, log: TextIO = sys.stderr,
-               **cache_options) -> DecodeResult:
+               trace_out: str | None = None, out: TextIO = sys.stdout,
+               log: TextIO = sys.stderr, **cache_options) -> DecodeResult:
   """Generates a completion of ``prompt``, streaming text to ``out``; returns the result.
 
   ``cache_options`` are the expert-cache options of ``ftjax.runtime.engine.RuntimeOptions``
-  (cache_slots, cache_fraction, cache_bytes, policy, bandwidths, profile)."""
+  (cache_slots, cache_fraction, cache_bytes, policy, bandwidths, profile). ``trace_out``
+  saves the routing trace of the run (``ftjax.traces``)."""
   path = model or DEFAULT_MODEL_DIR
   loaded = load(path)
   if model is None:
@@ -50,7 +51,8 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
               "one\n")
   tokenizer = load_tokenizer(loaded.path, loaded.config.vocab_size)
   ids = tokenizer.encode(prompt)
-  engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels, **cache_options)
+  engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels,
+                  record_routing=trace_out is not None, **cache_options)
   check_sampling_args(greedy, temperature, top_p)
   engine.check_context(len(ids), max_new_tokens)  # fail before printing anything
   stream = StreamDecoder(tokenizer)
@@ -72,6 +74,10 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   log.write(decoded.summary() + "\n")
   if show_stats:
     log.write(format_stats(engine.stats()))
+  if trace_out is not None:
+    trace = engine.routing_trace()
+    log.write(f"routing trace ({trace.num_steps} tokens x {trace.num_layers} layers) written to "
+              f"{trace.save(trace_out)}\n")
   decoded.stats = engine.stats()
   return decoded
 

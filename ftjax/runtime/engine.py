@@ -65,6 +65,7 @@ class RuntimeOptions:
   hot_experts: routing counts [L, E] choosing the pinned set of ``static_hot``.
   cache_capacity: a fixed slot-buffer size (default: the power-of-two bucket of the slot
     count). Sizes up to it then share one compiled step: sweeps over cache sizes compile once.
+  record_routing: keep every step's router output (``engine.routing_trace()``).
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
@@ -77,6 +78,7 @@ class RuntimeOptions:
   profile: str | None = None
   hot_experts: Any = None
   cache_capacity: int | None = None
+  record_routing: bool = False
 
   def __post_init__(self):
     if self.kernels not in ("auto", "xla", "ffi", "ffi_bf16"):
@@ -164,6 +166,7 @@ class Engine:
     self.bandwidths, self.bandwidth_source = self._bandwidths()
     self._experts: ExpertCache | None = None
     self._steps: list[dict[str, Any]] = []
+    self._routing: list[tuple[np.ndarray, np.ndarray, str]] = []  # ids, weights [L, t, K]
     if opts.caching:
       self._experts = self._initial_cache(self._requested_slots(kv_bytes=0))
 
@@ -292,13 +295,14 @@ class Engine:
   def _step_fn(self, state: DecodeState, tokens, positions, last_only: bool, fresh: bool):
     policy = self.policy.traced() if self.policy is not None else None
     args = (self.model.params, self.model.bank, state, tokens, positions)
-    key = (self.model.graphdef, self.kernels, policy, last_only, fresh, jax.tree.structure(args),
-           tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+    record = self.options.record_routing
+    key = (self.model.graphdef, self.kernels, policy, last_only, fresh, record,
+           jax.tree.structure(args), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
     fn = _COMPILED.get(key)
     if fn is None:
       t0 = time.perf_counter()
       fn = forward.lower(self.model.graphdef, *args, last_only=last_only, kernels=self.kernels,
-                         policy=policy, fresh=fresh).compile()
+                         policy=policy, fresh=fresh, record_routing=record).compile()
       self.compile_s += time.perf_counter() - t0
       _COMPILED[key] = fn
     self._compiled.add(key)
@@ -315,6 +319,7 @@ class Engine:
       raise ValueError(f"fresh=True needs an empty state, but it holds {int(state.length)} tokens")
     if self._experts is not None:
       state = state.replace(experts=self._experts)
+    state = state.replace(routing=None)  # an output only
     fn = self._step_fn(state, tokens, positions, last_only, fresh)
     t0 = time.perf_counter()
     state, logits = fn(self.model.params, self.model.bank, state, tokens, positions)
@@ -323,7 +328,26 @@ class Engine:
       s = jax.device_get(state.stats)  # waits for the step: the time below is the step's
       self._steps.append({"tokens": int(tokens.size), "hits": s.hits, "fills": s.fills,
                           "host": s.host, "seconds": time.perf_counter() - t0})
+    if state.routing is not None:
+      r = jax.device_get(state.routing)
+      self._routing.append((r.ids, r.weights, "prefill" if tokens.shape[1] > 1 else "decode"))
     return state, logits
+
+  def routing_trace(self):
+    """Every routed token so far as a ``ftjax.traces.Trace`` (needs record_routing=True)."""
+    from ftjax.traces import Trace  # noqa: PLC0415
+    if not self.options.record_routing:
+      raise ValueError("create the engine with record_routing=True to capture routing traces")
+    c = self.model.config
+    if not self._routing:
+      empty = np.zeros((0, c.num_moe_layers, c.top_k))
+      return Trace.from_arrays(empty.astype(np.int32), empty.astype(np.float32), c.num_experts)
+    ids = np.concatenate([r[0].transpose(1, 0, 2) for r in self._routing])  # [S, L, K]
+    weights = np.concatenate([r[1].transpose(1, 0, 2) for r in self._routing])
+    phase = np.concatenate([np.full(r[0].shape[1], r[2] == "decode", np.uint8)
+                            for r in self._routing])
+    return Trace.from_arrays(ids, weights, c.num_experts, phase=phase,
+                             metadata={"model_config": c.to_dict(), "source": self.model.path})
 
   def new_state(self, batch: int, capacity: int) -> DecodeState:
     capacity = min(-(-capacity // _STATE_BUCKET) * _STATE_BUCKET, self.max_seq_len)

@@ -85,3 +85,13 @@ def test_hf_dir_with_tokenizer_json(hf_checkpoints, tmp_path, monkeypatch):
   assert result.tokenizer == "tokenizer.json" and result.generation.prompt_tokens == 2
   assert len(result.generation.tokens) == 5
   assert os.path.isfile(os.path.join(result.model_path, "tokenizer.json"))
+
+
+def test_trace_out_writes_a_routing_trace(tmp_path):
+  from ftjax.traces import Trace  # noqa: PLC0415
+  path = tmp_path / "trace.npz"
+  proc = _run("--max_new_tokens=6", "--greedy", f"--trace_out={path}", cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  trace = Trace.load(path)
+  assert trace.num_steps == 17 + 5 and trace.num_layers == 4 and trace.num_experts == 16
+  assert trace.phase.tolist() == [0] * 17 + [1] * 5
