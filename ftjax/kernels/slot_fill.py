@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 # Registers every handler of ftjax._ffi with XLA:CPU, this one too.
-import ftjax.kernels._registration  # noqa: F401
+from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
 
 # Sub-byte types can be packed, so a block of P of them is not P whole elements in memory.
 _SUB_BYTE_DTYPES = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
@@ -86,9 +86,3 @@ def slot_fill(slots, bank, src, dst):
   )
   return call(slots, bank, src, dst)
 
-
-def _shape_and_dtype(name, array):
-  try:
-    return tuple(array.shape), np.dtype(array.dtype)
-  except AttributeError:
-    raise ValueError(f"{name} must be an array, got {type(array).__name__}") from None
