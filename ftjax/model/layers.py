@@ -220,6 +220,9 @@ class MoE(nnx.Module):
     lead, width = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, width)  # [B·T, D]
     logits = linear(x2, self.w_router_ed, 1, impl=experts.impl)  # [T, E]
+    # For training losses (load balancing, ftjax.tiny.train): read with nnx.pop(model,
+    # nnx.Intermediate); unused otherwise, so jit drops it from the decode step.
+    self.sow(nnx.Intermediate, "router_logits", logits)
     weights, ids = route(
         logits, kind=self.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
         bias=_f32(self.b_router_e) if self.router == "sigmoid_group" else None,
