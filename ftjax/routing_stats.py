@@ -105,8 +105,8 @@ def lru_hit_rate(trace: Trace, sizes: Sequence[int], *, phase: int | None = DECO
     hits += (counted[None] & (rank[None] < sizes[:, None, None])).sum(-1)
     if t >= warmup_steps:
       routed += valid.sum(1)
-    new_stamp = t * top_k + np.arange(top_k)  # [K]
-    last_use[rows, safe] = np.where(valid, new_stamp[None], stamp)
+    routed_rows, routed_cols = np.nonzero(valid)
+    last_use[routed_rows, step_ids[routed_rows, routed_cols]] = t * top_k + routed_cols
   return hits / np.maximum(routed, 1)[None]
 
 
