@@ -24,6 +24,7 @@ from ftjax.traces import Trace
 
 DECODE = 1
 PREFILL = 0
+_CHUNK = 1024  # steps per block where a [steps, L, E] membership array is built
 
 
 def _selected_steps(trace: Trace, phase: int | None) -> np.ndarray:
@@ -56,9 +57,12 @@ def consecutive_overlap(trace: Trace, *, phase: int | None = DECODE) -> np.ndarr
   pairs = steps[:-1][np.diff(steps) == 1]  # t with t and t+1 both in the phase
   if len(pairs) == 0:
     return np.zeros(trace.num_layers)
-  member = _membership(trace.ids, trace.num_experts)
-  shared = (member[pairs] & member[pairs + 1]).sum(-1)  # [P, L]
-  return shared.mean(0) / trace.top_k
+  shared = np.zeros(trace.num_layers, np.int64)
+  for start in range(0, len(pairs), _CHUNK):  # bounded memory: [chunk, L, E] at a time
+    chunk = pairs[start:start + _CHUNK]
+    shared += (_membership(trace.ids[chunk], trace.num_experts)
+               & _membership(trace.ids[chunk + 1], trace.num_experts)).sum((0, 2))
+  return shared / (len(pairs) * trace.top_k)
 
 
 def lru_hit_rate(trace: Trace, sizes: Sequence[int], *, phase: int | None = DECODE,
@@ -115,8 +119,10 @@ def top_share(trace: Trace, n: int, *, phase: int | None = DECODE) -> np.ndarray
   [L] float64 in [0, 1] (0 for a layer with no selection)."""
   if n < 0:
     raise ValueError(f"n must be non-negative, got {n}")
-  ids = trace.ids[_selected_steps(trace, phase)]
-  counts = _membership(ids, trace.num_experts).sum(0)  # [L, E]
+  steps = _selected_steps(trace, phase)
+  counts = np.zeros((trace.num_layers, trace.num_experts), np.int64)
+  for start in range(0, len(steps), _CHUNK):  # bounded memory: [chunk, L, E] at a time
+    counts += _membership(trace.ids[steps[start:start + _CHUNK]], trace.num_experts).sum(0)
   top = -np.sort(-counts, axis=1)[:, :n].sum(1)
   total = counts.sum(1)
   return np.where(total > 0, top / np.maximum(total, 1), 0.0)
@@ -147,7 +153,8 @@ def summary(trace: Trace, *, sizes: Sequence[int] | None = None, top_n: int | No
       "num_experts": trace.num_experts,
       "top_k": trace.top_k,
       "consecutive_overlap": {"mean": float(overlap.mean()), "per_layer": overlap.tolist()},
-      "lru_hit_rate": {"sizes": list(sizes), "warmup_steps": warmup_steps, "cold_start": True,
+      "lru_hit_rate": {"sizes": list(sizes), "warmup_steps": warmup_steps,
+                       "cold_start": warmup_steps == 0,
                        "mean": lru.mean(1).tolist(), "per_layer": lru.tolist()},
       "top_share": {"n": top_n, "mean": float(share.mean()), "min": float(share.min()),
                     "max": float(share.max()), "per_layer": share.tolist()},

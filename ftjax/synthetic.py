@@ -279,15 +279,16 @@ def qwen3_30b_a3b(**overrides) -> RoutingModel:
   """Qwen3-30B-A3B routing (48 layers, 128 experts, top-8), calibrated to published statistics.
 
   Decode targets: consecutive tokens share 42.7% of their experts on average (per layer
-  qwen3_overlap_profile); a per-layer LRU of 8 / 16 / 32 / 64 experts hits 42.4 / 64.7 /
+  ``qwen3_overlap_profile``); a per-layer LRU of 8 / 16 / 32 / 64 experts hits 42.4 / 64.7 /
   81.0 / 91.8% (mean over layers); the top 16 experts take 41-66% of a layer's selections
-  (per layer qwen3_top_share_profile). reuse is the overlap profile, skew is fitted
-  to the share profile, and one working_set (0.1) and working_set_decay (0.9, a mean
-  age of 10 steps) for all layers are chosen on a grid to match the LRU curve. The prefill
-  parameters are not calibrated (no published prefill statistics): prefill reuses like decode
-  and takes 30% of its popularity from a different expert order.
+  (per layer ``qwen3_top_share_profile``). ``reuse`` is the overlap profile, ``skew`` is
+  fitted to the share profile, and one ``working_set`` (0.1) and ``working_set_decay`` (0.9:
+  recalled experts were routed some 10 steps ago) for all layers were chosen among trial
+  points to match the LRU curve. The prefill parameters are not calibrated (no published
+  prefill statistics): prefill reuses like decode and takes 30% of its popularity from a
+  different expert order.
 
-  overrides replace fields (layout_seed=1, prefill_shift=0.5, ...).
+  ``overrides`` replace fields (``layout_seed=1``, ``prefill_shift=0.5``, ...).
   """
   overlap = tuple(np.round(qwen3_overlap_profile(), 4).tolist())
   model = RoutingModel(num_layers=48, num_experts=128, top_k=8, skew=_QWEN3_SKEW, reuse=overlap,
@@ -299,20 +300,20 @@ def qwen3_30b_a3b(**overrides) -> RoutingModel:
 def scaled(model: RoutingModel, *, num_layers: int | None = None, num_experts: int | None = None,
            top_k: int | None = None, refit: bool = True, steps: int = 2000,
            seed: int = 0) -> RoutingModel:
-  """The routing of model carried over to another shape, keeping its relative statistics.
+  """The routing of ``model`` carried over to another shape, keeping its relative statistics.
 
-  * Layers: every per-layer profile is resampled by relative depth (layer l of L sits at
-    l / (L - 1)), linearly; a change of depth alone changes nothing else.
-  * top_k: reuse is a per-expert probability, so consecutive steps keep sharing the
-    same fraction of their top_k; the working set is in steps and carries over as is.
-  * Experts (or top_k): the same Zipf exponent concentrates a different share on the
-    top eighth of the experts once E or K change, so with refit (default) the skew is
-    re-fitted (fit_skew, steps decode steps per round) until each layer's top eighth
-    (E/8 experts) takes the share it takes in model (measured on steps steps of it):
-    popularity is preserved in fractions of the experts. This takes a few seconds.
+  * Layers: every per-layer profile is resampled by relative depth (layer ``l`` of ``L``
+    sits at ``l / (L - 1)``), linearly; a change of depth alone changes nothing else.
+  * ``top_k``: ``reuse`` is a per-expert probability, so consecutive steps keep sharing the
+    same fraction of their ``top_k``; the working set is in steps and carries over as is.
+  * Experts (or ``top_k``): the same Zipf exponent puts a different share on the top eighth
+    of the experts once E or K change, so with ``refit`` (default) ``skew`` is re-fitted
+    (``fit_skew``, ``steps`` decode steps per round) until each layer's top E/8 experts take
+    the share they take in ``model`` (measured on ``steps`` steps of it): popularity is
+    preserved in fractions of the experts. This takes a few seconds.
 
-  What is not preserved: LRU hit rates at a fixed fraction of the experts depend on how many
-  steps of routing that fraction holds (E/K), so they rise with E at fixed K.
+  Not preserved: LRU hit rates at a fixed fraction of the experts, which depend on how many
+  steps of routing that fraction holds (E/K): at fixed K they rise with E.
   """
   num_layers = model.num_layers if num_layers is None else num_layers
   num_experts = model.num_experts if num_experts is None else num_experts
@@ -324,5 +325,6 @@ def scaled(model: RoutingModel, *, num_layers: int | None = None, num_experts: i
     return target
   shares = routing_stats.top_share(generate(model, steps, seed=seed),
                                    max(1, model.num_experts // 8))
-  shares = np.maximum(_by_depth(shares, num_layers), min(1.0, max(1, num_experts // 8) / num_experts))
+  uniform = min(1.0, max(1, num_experts // 8) / num_experts)  # the least share fit_skew takes
+  shares = np.maximum(_by_depth(shares, num_layers), uniform)
   return fit_skew(target, shares, steps=steps, iterations=6, seed=seed)
