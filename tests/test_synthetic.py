@@ -1,0 +1,168 @@
+"""The synthetic routing generator: calibration to the published Qwen3-30B-A3B statistics,
+determinism, shapes and validation, the prefill phase, scaling to other shapes.
+
+Stated tolerances (1500 decode steps, seed 0; the spread over seeds is far smaller):
+consecutive overlap: mean within ±3 points of 42.7%, layers 0 / 7 / 47 within ±6 points of
+8 / 60 / 21%; per-layer LRU hit rate (mean over layers, cold start) within ±4 points of
+42.4 / 64.7 / 81.0 / 91.8% at 8 / 16 / 32 / 64 experts; every layer's top-16 share within
+[0.41, 0.66] ± 0.03.
+"""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from ftjax import routing_stats, synthetic
+from ftjax.traces import Trace
+
+OVERLAP_MEAN = 0.427
+OVERLAP_ANCHORS = {0: 0.08, 7: 0.60, 47: 0.21}
+LRU_SIZES = (8, 16, 32, 64)
+LRU_TARGETS = (0.424, 0.647, 0.810, 0.918)
+TOP16_RANGE = (0.41, 0.66)
+
+
+@pytest.fixture(scope="module")
+def qwen3_stats():
+  trace = synthetic.generate(synthetic.qwen3_30b_a3b(), 1500, seed=0)
+  return routing_stats.summary(trace, sizes=LRU_SIZES, top_n=16)
+
+
+def test_consecutive_overlap_matches_qwen3(qwen3_stats):
+  overlap = qwen3_stats["consecutive_overlap"]
+  assert overlap["mean"] == pytest.approx(OVERLAP_MEAN, abs=0.03)
+  for layer, target in OVERLAP_ANCHORS.items():
+    assert overlap["per_layer"][layer] == pytest.approx(target, abs=0.06), layer
+
+
+def test_lru_hit_rates_match_qwen3(qwen3_stats):
+  np.testing.assert_allclose(qwen3_stats["lru_hit_rate"]["mean"], LRU_TARGETS, atol=0.04)
+
+
+def test_top16_share_of_every_layer_is_in_the_published_range(qwen3_stats):
+  shares = np.asarray(qwen3_stats["top_share"]["per_layer"])
+  assert shares.shape == (48,)
+  assert (shares >= TOP16_RANGE[0] - 0.03).all() and (shares <= TOP16_RANGE[1] + 0.03).all()
+  assert shares.max() - shares.min() > 0.15  # the range is spanned, not one value everywhere
+
+
+def test_trace_shapes_weights_and_phases():
+  model = synthetic.qwen3_30b_a3b()
+  trace = synthetic.generate(model, 30, seed=3, prefill_steps=12)
+  assert isinstance(trace, Trace)
+  assert trace.ids.shape == (42, 48, 8) and trace.num_experts == 128
+  assert ((trace.ids >= 0) & (trace.ids < 128)).all()
+  distinct = np.sort(trace.ids, -1)
+  assert (distinct[..., 1:] != distinct[..., :-1]).all()  # no expert twice in a route set
+  assert (trace.weights > 0).all()
+  np.testing.assert_allclose(trace.weights.sum(-1), 1.0, rtol=1e-5)
+  assert (np.diff(trace.weights, axis=-1) <= 0).all()  # descending, like a router's top-k
+  np.testing.assert_array_equal(trace.phase, [0] * 12 + [1] * 30)
+  assert trace.metadata["routing_model"]["num_experts"] == 128
+
+
+def test_deterministic_for_a_seed_and_seeds_differ():
+  model = synthetic.qwen3_30b_a3b()
+  a = synthetic.generate(model, 50, seed=7, prefill_steps=5)
+  b = synthetic.generate(model, 50, seed=7, prefill_steps=5)
+  c = synthetic.generate(model, 50, seed=8, prefill_steps=5)
+  np.testing.assert_array_equal(a.ids, b.ids)
+  np.testing.assert_array_equal(a.weights, b.weights)
+  assert (a.ids != c.ids).mean() > 0.5
+
+
+def _hot(trace, phase=1, n=16):
+  """Each layer's ``n`` most-selected experts at ``phase`` steps: a set of (layer, expert)."""
+  ids = trace.ids[trace.phase == phase]
+  return {(l, e) for l in range(trace.num_layers)
+          for e in np.argsort(-np.bincount(ids[:, l].ravel(), minlength=trace.num_experts),
+                              kind="stable")[:n]}
+
+
+def test_seeds_share_popular_experts_and_layout_seed_moves_them():
+  model = synthetic.qwen3_30b_a3b()
+  base = _hot(synthetic.generate(model, 500, seed=0))
+  assert len(base & _hot(synthetic.generate(model, 500, seed=1))) > 0.7 * len(base)
+  moved = synthetic.generate(dataclasses.replace(model, layout_seed=1), 500, seed=0)
+  assert len(base & _hot(moved)) < 0.35 * len(base)  # chance alone: 16 of 128 plus skew
+
+
+def test_prefill_prefers_other_experts_by_its_shift():
+  def common_hot(shift):  # the share of decode's hot experts that are also prefill's
+    trace = synthetic.generate(synthetic.qwen3_30b_a3b(prefill_shift=shift), 500, seed=0,
+                               prefill_steps=500)
+    assert (trace.phase[:500] == 0).all() and (trace.phase[500:] == 1).all()
+    decode = _hot(trace, phase=1)
+    return len(decode & _hot(trace, phase=0)) / len(decode)
+  same, shifted = common_hot(0.0), common_hot(1.0)
+  assert same > 0.7 and shifted < 0.35, (same, shifted)
+  model = synthetic.qwen3_30b_a3b(prefill_shift=0.5)
+  np.testing.assert_allclose(model.popularity(0).sum(1), 1.0)
+  assert not np.allclose(model.popularity(0), model.popularity(1))
+  np.testing.assert_allclose(synthetic.qwen3_30b_a3b(prefill_shift=0.0).popularity(0),
+                             model.popularity(1))
+
+
+def test_many_experts_per_token_and_every_expert():
+  # top_k > E / 2 leaves too few undropped experts; top_k == E routes every expert.
+  for top_k in (5, 6):
+    model = synthetic.RoutingModel(num_layers=2, num_experts=6, top_k=top_k, skew=1.0, reuse=0.3,
+                                   working_set=0.5, working_set_decay=0.5, prefill_reuse=0.3,
+                                   prefill_shift=0.2)
+    ids = np.sort(synthetic.generate(model, 40, seed=0, prefill_steps=3).ids, -1)
+    assert (ids[..., 1:] != ids[..., :-1]).all()
+
+
+def test_generates_100k_layer_steps_fast():
+  start = time.perf_counter()
+  trace = synthetic.generate(synthetic.qwen3_30b_a3b(), 2000, seed=0, prefill_steps=100)
+  assert trace.num_steps * trace.num_layers == 100_800
+  assert time.perf_counter() - start < 20.0  # about 1 s on one core
+
+
+def test_validation_names_the_problem():
+  model = synthetic.qwen3_30b_a3b()
+  with pytest.raises(ValueError, match="reuse needs one value per layer"):
+    dataclasses.replace(model, reuse=(0.5, 0.5))
+  with pytest.raises(ValueError, match=r"reuse\[3\] = 1.5 is outside"):
+    dataclasses.replace(model, reuse=tuple(1.5 if l == 3 else 0.5 for l in range(48)))
+  with pytest.raises(ValueError, match="working_set_decay"):
+    synthetic.qwen3_30b_a3b(working_set_decay=1.0)
+  with pytest.raises(ValueError, match="top_k must be in"):
+    synthetic.qwen3_30b_a3b(top_k=129)
+  with pytest.raises(ValueError, match="non-negative"):
+    synthetic.generate(model, -1, seed=0)
+  assert synthetic.qwen3_30b_a3b(skew=1.0).skew == (1.0,) * 48  # a number is every layer's
+
+
+def test_scaled_keeps_the_relative_statistics():
+  source = synthetic.qwen3_30b_a3b()
+  deep = synthetic.scaled(source, num_layers=40, top_k=6)  # no refit needed for depth
+  assert deep.num_layers == 40 and len(deep.reuse) == 40 and deep.num_experts == 128
+  assert deep.reuse[0] == pytest.approx(source.reuse[0])
+  assert deep.reuse[-1] == pytest.approx(source.reuse[-1])
+  overlap = routing_stats.consecutive_overlap(synthetic.generate(deep, 600, seed=0))
+  assert overlap.mean() == pytest.approx(np.mean(deep.reuse), abs=0.02)
+  # More experts: the skew is re-fitted so that the top eighth keeps its share.
+  wide = synthetic.scaled(source, num_layers=6, num_experts=256, steps=800)
+  assert wide.skew != synthetic.scaled(source, num_layers=6, num_experts=256, refit=False).skew
+  source_shares = routing_stats.top_share(synthetic.generate(source, 800, seed=0), 16)
+  wanted = np.interp(np.linspace(0, 1, 6), np.linspace(0, 1, 48), source_shares)
+  got = routing_stats.top_share(synthetic.generate(wide, 1500, seed=5), 32)
+  np.testing.assert_allclose(got, wanted, atol=0.04)
+
+
+def test_unreachable_shares_warn():
+  # 8 of 64 experts at top-8: the top eighth can take at most 1 / (2 - reuse) of the routes.
+  with pytest.warns(UserWarning, match="at most 8 / \\(8 \\* \\(2 - reuse\\)\\)"):
+    synthetic.scaled(synthetic.qwen3_30b_a3b(), num_layers=4, num_experts=64, steps=300)
+
+
+def test_trace_round_trips_through_a_file(tmp_path):
+  trace = synthetic.generate(synthetic.qwen3_30b_a3b(), 5, seed=0, prefill_steps=2)
+  loaded = Trace.load(trace.save(tmp_path / "synthetic.npz"))
+  np.testing.assert_array_equal(loaded.ids, trace.ids)
+  np.testing.assert_array_equal(loaded.phase, trace.phase)
+  assert loaded.metadata["routing_model"]["skew"] == list(trace.metadata["routing_model"]["skew"])
