@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ftjax.cache import POLICIES, ExpertCache, PolicyConfig, fill_count, plan
+from ftjax.cache import policy as policy_lib
 from ftjax.cache.state import check_invariants
 
 BW = jnp.array([12.0, 24.0])
@@ -181,3 +182,14 @@ def test_plan_runs_inside_lax_scan():
   cache, hits = jax.lax.scan(body, _cache(3), stream)
   check_invariants(cache)
   assert hits.shape == (12,)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 16, 17])
+def test_top_indices_matches_lax_top_k_order(k):
+  """The argmax path gives lax.top_k's indices (largest first, ties to the lower index)."""
+  rng = np.random.default_rng(k)
+  for _ in range(20):
+    values = jnp.asarray(rng.integers(-3, 4, size=40), jnp.int32)  # many ties
+    got = np.asarray(policy_lib.top_indices(values, k))
+    want = np.asarray(jax.lax.top_k(values, k)[1])
+    np.testing.assert_array_equal(got, want)
