@@ -7,17 +7,27 @@ decides, for the distinct experts the router selected:
 * fills: misses copied into slots, then served on the device (``q`` of the ``m`` misses);
 * host: the other misses, run in place by the host kernel, never copied.
 
-All policies share this mechanism and differ only in how many misses they fill:
+All policies share this mechanism and differ in how many misses they fill and, for one,
+in which experts they keep:
 
 * ``freetoken``: ``q`` from the q* rule (DESIGN section 2, ``fill_count``);
 * ``lru_fill``: every miss (a classic expert cache);
 * ``cpu_only``, ``static_hot``, ``static_layers``: none (the cache keeps what it was
-  preloaded with: nothing, a hot set from a routing profile, or whole layers).
+  preloaded with: nothing, a hot set from a routing profile, or whole layers);
+* ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below).
 
 Which misses are filled: the most recently routed before this step (``expert_stamp``), ties
 to the lower expert id. Victims: the least recently used slots not used in this step (empty
 slots first, ties to the lower slot), chosen in one pass for the whole layer-step. Recency
 changes only through router selections (``expert_stamp``) and slot use (``slot_stamp``).
+
+``freetoken_lrfu`` ranks experts by their LRFU value (Lee et al., 2001) instead of recency:
+each selection adds 1 to a count that decays by ``PolicyConfig.decay`` per token step
+(``ExpertCache.expert_score``), so an expert that many recent tokens chose outranks one that
+a single token chose slightly later. It fills the highest-valued misses and evicts the
+lowest-valued slots; how many it fills is freetoken's q*. ``decay -> 0`` approaches LRU.
+``benchmarks/sweep.py`` measures it against ``freetoken`` (results in
+``benchmarks/results/sweep``).
 """
 
 from __future__ import annotations
@@ -30,26 +40,41 @@ from flax import struct
 
 from ftjax.cache.state import ExpertCache
 
-POLICIES = ("freetoken", "lru_fill", "cpu_only", "static_hot", "static_layers")
+POLICIES = ("freetoken", "lru_fill", "cpu_only", "static_hot", "static_layers",
+            "freetoken_lrfu")
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-  """Static policy choice (hashable; a jit static argument)."""
+  """Static policy choice (hashable; a jit static argument).
+
+  ``decay``: per-token-step decay of the LRFU value, in (0, 1); read by ``freetoken_lrfu``
+  only (the others ignore it)."""
   name: str = "freetoken"
+  decay: float = 0.9
 
   def __post_init__(self):
     if self.name not in POLICIES:
       raise ValueError(f"unknown cache policy {self.name!r}; choose one of {', '.join(POLICIES)}")
+    if not 0.0 < self.decay < 1.0:
+      raise ValueError(f"the LRFU decay must be in (0, 1), got {self.decay}")
 
   @property
   def fill_rule(self) -> str:
     """What the plan function does with misses: "q*", "all" or "none". Policies with the
-    same rule trace to the same program (they differ only in the preloaded cache)."""
-    return {"freetoken": "q*", "lru_fill": "all"}.get(self.name, "none")
+    same rule and replacement trace to the same program (they differ only in the preloaded
+    cache)."""
+    return {"freetoken": "q*", "freetoken_lrfu": "q*", "lru_fill": "all"}.get(self.name, "none")
+
+  @property
+  def replacement(self) -> str:
+    """How fills and victims are ranked: "lru" or "lrfu"."""
+    return "lrfu" if self.name == "freetoken_lrfu" else "lru"
 
   def traced(self) -> "PolicyConfig":
-    """The canonical policy of this fill rule, so equal programs share one compile."""
+    """The canonical policy of this program, so equal programs share one compile."""
+    if self.replacement == "lrfu":
+      return self
     return PolicyConfig({"q*": "freetoken", "all": "lru_fill", "none": "cpu_only"}[self.fill_rule])
 
 
@@ -90,6 +115,7 @@ def fill_count(m: jax.Array, b_p: jax.Array, b_h: jax.Array) -> jax.Array:
   return jnp.clip(q, 0, m).astype(jnp.int32)
 
 
+_NEVER = -1e30  # LRFU log value of an expert never selected (below any real one)
 _ARGMAX_TOP_K = 16  # up to this k, top_indices runs k argmax passes instead of lax.top_k
 
 
@@ -101,7 +127,8 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
   the dtype's minimum may repeat; callers use only those."""
   if k > _ARGMAX_TOP_K:
     return jax.lax.top_k(values, k)[1]
-  floor = jnp.iinfo(values.dtype).min
+  floor = (jnp.iinfo(values.dtype).min if jnp.issubdtype(values.dtype, jnp.integer)
+           else -jnp.inf)
   picks = []
   for _ in range(k):
     i = jnp.argmax(values).astype(jnp.int32)
@@ -141,12 +168,32 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     q = jnp.zeros((), jnp.int32)
   q = jnp.minimum(q, available) if q_max else jnp.zeros((), jnp.int32)
 
+  # LRFU values (log domain) as of this clock: log(score) + (clock - stamp)·log(decay)/L, the
+  # clock advancing L times per token step; never selected: a finite floor (-inf masks).
+  log_decay_tick = jnp.log(jnp.float32(policy.decay)) / num_layers
+
+  def log_value(score, stamp):
+    return jnp.where(score > 0, jnp.log(jnp.maximum(score, 1e-30)) +
+                     (clock - stamp).astype(jnp.float32) * log_decay_tick, _NEVER)
+
+  prev_value = log_value(cache.expert_score[layer], cache.expert_stamp[layer])  # [E]
+
   if q_max:
-    prev_stamp = cache.expert_stamp[layer]
-    # Most recently routed misses first; ties toward the lower index.
-    fill_cand = top_indices(jnp.where(miss, prev_stamp, jnp.iinfo(jnp.int32).min), q_max)
-    victim = top_indices(
-        jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
+    if policy.replacement == "lrfu":
+      # Highest-valued misses first; lowest-valued slots (empty first) are the victims.
+      fill_cand = top_indices(jnp.where(miss, prev_value, -jnp.inf), q_max)
+      flat_owner = jnp.maximum(cache.owner, 0)
+      slot_value = jnp.where(cache.owner >= 0, log_value(
+          cache.expert_score.reshape(-1)[flat_owner], cache.expert_stamp.reshape(-1)[flat_owner]),
+          -jnp.inf)
+      victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
+                                     jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
+    else:
+      prev_stamp = cache.expert_stamp[layer]
+      # Most recently routed misses first; ties toward the lower index.
+      fill_cand = top_indices(jnp.where(miss, prev_stamp, jnp.iinfo(jnp.int32).min), q_max)
+      victim = top_indices(
+          jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
     active = jnp.arange(q_max) < q
     fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
     fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
@@ -171,9 +218,14 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
   expert_stamp = cache.expert_stamp.at[layer].set(
       jnp.where(selected, clock, cache.expert_stamp[layer]))
   expert_count = cache.expert_count.at[layer].add(selected.astype(jnp.int32))
+  expert_score = cache.expert_score
+  if policy.replacement == "lrfu":
+    expert_score = expert_score.at[layer].set(jnp.where(
+        selected, jnp.exp(jnp.logaddexp(prev_value, 0.0)), expert_score[layer]))
   new_slot_of_l = slot_of[layer]
   route_slot = jnp.where(ids >= 0, new_slot_of_l[jnp.maximum(ids, 0)], -1)
   new_cache = cache.replace(slot_of=slot_of, owner=owner, slot_stamp=slot_stamp,
-                            expert_stamp=expert_stamp, expert_count=expert_count, clock=clock)
+                            expert_stamp=expert_stamp, expert_count=expert_count,
+                            expert_score=expert_score, clock=clock)
   return new_cache, Plan(route_slot=route_slot.astype(jnp.int32), fill_expert=fill_expert,
                          fill_slot=fill_slot, hits=hits, fills=q, host=m - q)

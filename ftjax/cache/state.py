@@ -9,6 +9,8 @@ Fields (L layers, E experts per layer, N slots, P elements per expert block):
 * ``expert_stamp [L, E]``: clock of the router's last selection of (l, e), -1 if never;
 * ``expert_count [L, E]``: how often the router selected (l, e) (a routing profile, used to
   pick the pinned set of ``static_hot``);
+* ``expert_score [L, E]``: float32, the decayed selection count of (l, e) as of its last
+  selection (LRFU's combined recency-frequency value; read by ``freetoken_lrfu`` only);
 * ``limit []``: slots ``[0, limit)`` are usable; the buffer may be larger (its size is
   bucketed so that a resize inside a bucket needs no recompile); slots past ``limit`` stay
   empty;
@@ -34,6 +36,7 @@ class ExpertCache:
   slot_stamp: jax.Array
   expert_stamp: jax.Array
   expert_count: jax.Array
+  expert_score: jax.Array
   limit: jax.Array
   clock: jax.Array
 
@@ -69,6 +72,7 @@ class ExpertCache:
                slot_stamp=jnp.full((capacity,), -1, jnp.int32),
                expert_stamp=jnp.full((layers, experts), -1, jnp.int32),
                expert_count=jnp.zeros((layers, experts), jnp.int32),
+               expert_score=jnp.zeros((layers, experts), jnp.float32),
                limit=jnp.asarray(num_slots, jnp.int32),
                clock=jnp.zeros((), jnp.int32))
 

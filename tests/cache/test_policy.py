@@ -193,3 +193,26 @@ def test_top_indices_matches_lax_top_k_order(k):
     got = np.asarray(policy_lib.top_indices(values, k))
     want = np.asarray(jax.lax.top_k(values, k)[1])
     np.testing.assert_array_equal(got, want)
+
+
+def test_lrfu_keeps_the_frequently_routed_expert_where_lru_evicts_it():
+  """One layer, 2 slots, routes A, A, B, then C misses. LRU evicts A (least recent);
+  LRFU (decay 0.9 per step) values A at (0.9 + 1)·0.9² = 1.539 and B at 0.9, evicting B."""
+  a, b, c = 1, 2, 3
+  fill_all = jnp.array([2.0, 1.0])  # B_P >= B_H: q* fills every miss
+  victims = {}
+  for name in ("freetoken", "freetoken_lrfu"):
+    cache = _cache(2, layers=1)
+    for e in (a, a, b):
+      cache, _ = _step(cache, 0, [[e]], name, fill_all)
+    cache, p = _step(cache, 0, [[c]], name, fill_all)
+    check_invariants(cache)
+    assert int(p.fills) == 1
+    victims[name] = {a, b} - {int(e) for e in np.flatnonzero(np.asarray(cache.slot_of[0]) >= 0)}
+  assert victims == {"freetoken": {a}, "freetoken_lrfu": {b}}
+  np.testing.assert_allclose(float(cache.expert_score[0, a]), 1.9, rtol=1e-6)
+
+
+def test_lrfu_decay_must_be_a_fraction():
+  with pytest.raises(ValueError, match="decay"):
+    PolicyConfig("freetoken_lrfu", decay=1.0)
