@@ -125,15 +125,9 @@ class HardwareProfile:
   def load(cls, path: str | os.PathLike) -> "HardwareProfile":
     """Reads a YAML hardware profile (``configs/hardware/*.yaml``)."""
     import yaml  # noqa: PLC0415
-    if not os.path.isfile(path):
-      raise FileNotFoundError(f"hardware profile {path} not found: pick one in configs/hardware/ "
-                              "or write this machine's with `python -m ftjax.profile "
-                              "--hardware_out=PATH`")
-    with open(path) as f:
-      try:
-        d = yaml.safe_load(f)
-      except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({e}): fix the syntax") from None
+    d = _read_config(path, "YAML", yaml.safe_load, yaml.YAMLError,
+                     f"hardware profile {path} not found: pick one in configs/hardware/ or write "
+                     "this machine's with `python -m ftjax.profile --hardware_out=PATH`")
     return cls.from_dict(d, where=str(path))
 
   def save(self, path: str | os.PathLike) -> str:
@@ -143,6 +137,18 @@ class HardwareProfile:
     with open(path, "w") as f:
       yaml.safe_dump(self.to_dict(), f, sort_keys=False, width=100)
     return str(path)
+
+
+def _read_config(path: str | os.PathLike, fmt: str, parse, syntax_error: type[Exception],
+                 not_found: str) -> Any:
+  """Parses a config file; a missing file or bad syntax is an error that names the file."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(not_found)
+  with open(path) as f:
+    try:
+      return parse(f)
+    except syntax_error as e:
+      raise ValueError(f"{path}: not valid {fmt} ({e}): fix the syntax") from None
 
 
 # -- Model shapes ---------------------------------------------------------------------------
@@ -238,14 +244,9 @@ class ModelShape:
   @classmethod
   def load(cls, path: str | os.PathLike, bytes_per_param: int | None = None) -> "ModelShape":
     """Reads a ``config.json``-style file (``configs/models/*.json``); named by its file."""
-    if not os.path.isfile(path):
-      raise FileNotFoundError(f"model config {path} not found: pick one in configs/models/ or "
-                              "give a checkpoint's config.json")
-    with open(path) as f:
-      try:
-        hf = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}): fix the syntax") from None
+    hf = _read_config(path, "JSON", json.load, json.JSONDecodeError,
+                      f"model config {path} not found: pick one in configs/models/ or give a "
+                      "checkpoint's config.json")
     name = os.path.splitext(os.path.basename(path))[0]
     try:
       return cls.from_hf_config(hf, name=name, bytes_per_param=bytes_per_param)

@@ -251,6 +251,9 @@ def test_model_file_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="configs/models"):
     ModelShape.load(tmp_path / "missing.json")
   bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+    ModelShape.load(bad)
   with open(os.path.join(CONFIGS, "models", "qwen3.5-35b-a3b.json")) as f:
     hf = json.load(f)
   hf["text_config"]["layer_types"] = hf["text_config"]["layer_types"][:-1]

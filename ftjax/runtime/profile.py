@@ -260,7 +260,8 @@ def decode_counts(engine, prompt: list[int], tokens: int) -> dict[str, Any]:
   return out
 
 
-def measure_overheads(model, hw, *, tokens: int = 8, seed: int = 0) -> dict[str, float]:
+def measure_overheads(model, hw, *, tokens: int = 8, seed: int = 0,
+                      kernels: str = "auto") -> dict[str, float]:
   """Calibrates the cost model's fixed costs on ``model`` from one setting, cpu_only decode.
 
   Every routed expert then runs on the host kernel (no slot, no fill). With ``hw``'s
@@ -269,12 +270,13 @@ def measure_overheads(model, hw, *, tokens: int = 8, seed: int = 0) -> dict[str,
   time of each step; the mean remainder over the L layers is ``layer_overhead_s``. The wall
   time per token outside the forward (sampling, the host loop) is ``step_overhead_s``.
   Negative remainders (bytes modeled slower than measured) become 0, and are reported as
-  ``raw_layer_overhead_s`` / ``raw_step_overhead_s``.
+  ``raw_layer_overhead_s`` / ``raw_step_overhead_s``. ``kernels`` is the engine option.
   """
   from ftjax import cost  # noqa: PLC0415
   from ftjax.runtime.engine import Engine  # noqa: PLC0415
   c = model.config
-  engine = Engine(model, cache_slots=0, policy="cpu_only", max_seq_len=64 + tokens)
+  engine = Engine(model, kernels=kernels, cache_slots=0, policy="cpu_only",
+                  max_seq_len=64 + tokens)
   prompt = np.random.default_rng(seed).integers(0, c.vocab_size, 16).tolist()
   run = decode_counts(engine, prompt, tokens)
   shape = cost.ModelShape.from_config(c, bytes_per_param=model.dtype.itemsize)
