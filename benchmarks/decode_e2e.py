@@ -82,6 +82,23 @@ def write_model(config: ModelConfig, out_dir: str, seed: int = 0) -> str:
   return writer.close()
 
 
+def load_bench_model(layers: int, model_dir: str) -> ftjax.Model:
+  """The ``layers``-layer Qwen3-30B-A3B-shaped model in ``model_dir``, written there first if
+  it is missing or its config differs; loaded pre-faulted (every page read before timing)."""
+  config = qwen3_30b_shape(layers)
+  path = os.path.join(model_dir, f"{layers}l")
+  if ftw.is_ftw_dir(path) and ftw.FTWFile.open(path, verify=False).config == config:
+    print(f"reusing {path}")
+  else:
+    import shutil  # noqa: PLC0415
+    shutil.rmtree(path, ignore_errors=True)
+    write_model(config, path)
+  t0 = time.perf_counter()
+  model = ftjax.load(path, verify=False, populate=True)
+  print(f"loaded and pre-faulted {path} in {time.perf_counter() - t0:.1f} s")
+  return model
+
+
 def bytes_per_token(model: ftjax.Model) -> int:
   """Weights one decode step reads: all dense tensors but the embedding, top-k experts."""
   c = model.config
@@ -114,17 +131,8 @@ def main() -> None:
                       help="decode tokens with kernels=xla, for comparison (0 to skip)")
   args = parser.parse_args()
 
-  config = qwen3_30b_shape(args.layers)
-  path = os.path.join(args.model_dir, f"{args.layers}l")
-  if ftw.is_ftw_dir(path) and ftw.FTWFile.open(path, verify=False).config == config:
-    print(f"reusing {path}")
-  else:
-    import shutil  # noqa: PLC0415
-    shutil.rmtree(path, ignore_errors=True)
-    write_model(config, path)
-  t0 = time.perf_counter()
-  model = ftjax.load(path, verify=False, populate=True)
-  print(f"loaded and pre-faulted {path} in {time.perf_counter() - t0:.1f} s")
+  model = load_bench_model(args.layers, args.model_dir)
+  config = model.config
   per_token = bytes_per_token(model)
   # The probe buffer: one whole layer of experts (1.2 GB), far larger than the 32 MiB L3.
   probe = model.bank[0]

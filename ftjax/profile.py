@@ -3,6 +3,12 @@
   python -m ftjax.profile --out=profile.json                     # Qwen3-30B-A3B expert shape
   python -m ftjax.profile --model=DIR --out=profile.json         # the model's expert shape
   python -m ftjax.profile --hidden=4096 --ffn=14336 --top_k=2    # any shape
+  python -m ftjax.profile --hardware_out=configs/hardware/mine.yaml --name=mine
+
+``--hardware_out`` also writes this machine as a cost-model hardware profile (YAML, see
+``configs/hardware/README.md``): the measured bandwidths, and fixed overheads calibrated from
+a short cpu_only decode of ``--model`` (or, without it, of a small random model with the
+profiled expert shape: ``ftjax.runtime.profile.calibration_model``).
 """
 
 from absl import app, flags, logging
@@ -18,6 +24,11 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "expert
 _BANK_GB = flags.DEFINE_float("bank_gb", 1.0, "synthetic bank size (without --model)")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "alternating measurement rounds", lower_bound=1)
 _OUT = flags.DEFINE_string("out", "ftjax_profile.json", "where to write the JSON profile")
+_HARDWARE_OUT = flags.DEFINE_string("hardware_out", None,
+                                    "also write a cost-model hardware profile (YAML) here")
+_NAME = flags.DEFINE_string("name", None, "name of the hardware profile (default: the host name)")
+_OVERHEAD_TOKENS = flags.DEFINE_integer("overhead_tokens", 8, "decode tokens that calibrate the "
+                                        "fixed overheads (with --hardware_out)", lower_bound=1)
 
 
 def main(argv):
@@ -33,9 +44,13 @@ def main(argv):
                                       c.top_k)
       bank = model.bank
     else:
+      model = None
       shape = profile_lib.ExpertShape(_HIDDEN.value, _FFN.value, _DTYPE.value, _TOP_K.value)
       bank = profile_lib.synthetic_bank(shape, int(_BANK_GB.value * 1e9))
     result = profile_lib.measure(bank, shape, rounds=_ROUNDS.value)
+    if _HARDWARE_OUT.value:
+      del bank
+      hardware = _hardware_profile(result, shape, model)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"ftjax.profile: error: {e}") from None
   path = profile_lib.save_profile(result, _OUT.value)
@@ -45,6 +60,28 @@ def main(argv):
         f"{result['b_p_gb_s']:.1f} GB/s | concurrent B_H {c['b_h_gb_s']:.1f} + B_P "
         f"{c['b_p_gb_s']:.1f} GB/s")
   print(f"wrote {path}")
+  if _HARDWARE_OUT.value:
+    print(f"overheads: {hardware.layer_overhead_s * 1e6:.1f} us per layer, "
+          f"{hardware.step_overhead_s * 1e6:.1f} us per token")
+    print(f"wrote {hardware.save(_HARDWARE_OUT.value)}")
+
+
+def _hardware_profile(result, shape, model):
+  """The cost-model profile of this machine, overheads calibrated on ``model`` (or on a small
+  random model of the profiled expert shape)."""
+  import socket  # noqa: PLC0415
+  name = _NAME.value or socket.gethostname()
+  calibrated_on = f"model {_MODEL.value}"
+  if model is None:
+    model = profile_lib.calibration_model(shape)
+    calibrated_on = (f"a random {model.config.num_layers}-layer model of this expert shape "
+                     f"(D={shape.hidden}, F={shape.ffn}, {shape.dtype})")
+  bare = profile_lib.hardware_profile(result, name)
+  over = profile_lib.measure_overheads(model, bare, tokens=_OVERHEAD_TOKENS.value)
+  return profile_lib.hardware_profile(
+      result, name, layer_overhead_s=over["layer_overhead_s"],
+      step_overhead_s=over["step_overhead_s"],
+      source=f"overheads calibrated from {over['steps']} cpu_only decode steps of {calibrated_on}")
 
 
 if __name__ == "__main__":

@@ -189,6 +189,12 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
   """Builds a ModelConfig from a Hugging Face config dict of a supported MoE family."""
   hf = _Required(hf)
   model_type = hf.get("model_type")
+  layer_types = (hf.get("text_config") or hf).get("layer_types") or []
+  for kind in PLANNED_LAYER_TYPES:
+    if kind in layer_types:
+      raise UnsupportedModelError(
+          f"{model_type} has {kind!r} layers (Gated DeltaNet), which are not implemented yet; "
+          "ftjax.cost.ModelShape.from_hf_config can still model its decode cost")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise UnsupportedModelError(
         f"unsupported model_type {model_type!r}; ftjax supports: {', '.join(SUPPORTED_MODEL_TYPES)}")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ftjax
+from ftjax.cost import HardwareProfile
 from ftjax.runtime import model as model_lib
 from ftjax.runtime import profile as profile_lib
 
@@ -56,3 +57,38 @@ def test_cli_writes_a_profile(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert "profile [" in proc.stderr  # progress
   assert "B_H" in proc.stdout and json.loads(out.read_text())["b_h_gb_s"] > 0
+
+
+def test_hardware_profile_takes_the_separate_measurements(small_profile):
+  _, _, prof = small_profile
+  hw = profile_lib.hardware_profile(prof, "here", layer_overhead_s=1e-4, step_overhead_s=2e-4)
+  assert (hw.b_p, hw.b_h, hw.device_bw) == (prof["b_p_gb_s"], prof["b_h_gb_s"], prof["read_gb_s"])
+  assert (hw.layer_overhead_s, hw.step_overhead_s) == (1e-4, 2e-4) and hw.device_memory_gb > 0
+  assert "CPU backend" in hw.source and prof["host"] in hw.source
+
+
+def test_overheads_are_the_measured_time_the_bytes_do_not_explain(small_profile, tiny_config):
+  _, _, prof = small_profile
+  model = model_lib.random_model(tiny_config, seed=0)
+  over = profile_lib.measure_overheads(model, profile_lib.hardware_profile(prof, "here"),
+                                       tokens=3)
+  assert over["steps"] == 3
+  # The bytes of a model this small take microseconds; the step takes far longer.
+  assert over["modeled_bytes_s"] < over["measured_forward_s"]
+  assert over["layer_overhead_s"] == pytest.approx(
+      (over["measured_forward_s"] - over["modeled_bytes_s"]) / tiny_config.num_layers)
+
+
+def test_cli_writes_a_hardware_profile(tmp_path):
+  out, hw_out = tmp_path / "prof.json", tmp_path / "hw" / "mine.yaml"
+  proc = subprocess.run([sys.executable, "-m", "ftjax.profile", "--hidden=64", "--ffn=32",
+                         "--top_k=2", "--bank_gb=0.004", "--rounds=1", f"--out={out}",
+                         f"--hardware_out={hw_out}", "--name=mine", "--overhead_tokens=2"],
+                        capture_output=True, text=True, check=False, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  hw = HardwareProfile.load(hw_out)
+  prof = json.loads(out.read_text())
+  assert hw.name == "mine" and hw.b_p == prof["b_p_gb_s"] and hw.device_bw == prof["read_gb_s"]
+  assert hw.layer_overhead_s > 0  # a real decode step costs more than its bytes here
+  assert "calibrated from 2 cpu_only decode steps of a random 2-layer model" in hw.source
+  assert f"wrote {hw_out}" in proc.stdout

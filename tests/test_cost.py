@@ -1,0 +1,267 @@
+"""The decode cost model (ftjax.cost): hand-worked arithmetic, shapes of real models checked
+against parameter counts, hardware profile files and their errors."""
+
+import dataclasses
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ftjax import cost
+from ftjax.cost import HardwareProfile, ModelShape
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+HARDWARE_FILES = sorted(glob.glob(os.path.join(CONFIGS, "hardware", "*.yaml")))
+MODEL_FILES = sorted(glob.glob(os.path.join(CONFIGS, "models", "*.json")))
+
+# Round numbers so that every case below can be worked by hand (1 GB = 1e9 bytes).
+HW = HardwareProfile(name="hand", b_p=10.0, b_h=20.0, device_bw=100.0, layer_overhead_s=1e-3,
+                     step_overhead_s=2e-3, device_memory_gb=16.0, source="test")
+# expert_bytes = 3 · 1000 · 500 · 2 = 3e6 bytes (3 MB).
+SHAPE = ModelShape(name="hand", num_layers=2, num_experts=8, top_k=2, hidden=1000,
+                   expert_ffn=500, bytes_per_param=2, dense_bytes_per_layer=50e6, head_bytes=100e6)
+
+
+# -- Arithmetic -------------------------------------------------------------------------------
+
+
+def test_expert_bytes_and_total_experts():
+  assert SHAPE.expert_bytes == 3_000_000
+  assert SHAPE.total_experts == 16
+
+
+def test_layer_step_device_path_slower():
+  # device: 1 fill · 3e6 / 10e9 = 0.3 ms, then (2 hits + 1 fill) · 3e6 / 100e9 = 0.09 ms
+  #   -> 0.39 ms; host: 1 · 3e6 / 20e9 = 0.15 ms; max = 0.39 ms.
+  # + dense 50e6 / 100e9 = 0.5 ms + overhead 1 ms = 1.89 ms.
+  t = cost.layer_step_time(HW, SHAPE, 2, 1, 1)
+  np.testing.assert_allclose(t, 1.89e-3, rtol=1e-12)
+
+
+def test_layer_step_host_path_slower():
+  # device: 1 hit · 3e6 / 100e9 = 0.03 ms; host: 4 · 3e6 / 20e9 = 0.6 ms; max = 0.6 ms.
+  # + 0.5 ms dense + 1 ms overhead = 2.1 ms.
+  t = cost.layer_step_time(HW, SHAPE, 1, 0, 4)
+  np.testing.assert_allclose(t, 2.1e-3, rtol=1e-12)
+
+
+def test_layer_step_fills_and_compute_are_serial_host_overlaps():
+  # 2 fills: 0.6 ms of copies + 0.06 ms of compute = 0.66 ms on the device queue; 4 host
+  # runs (0.6 ms) hide under it; adding the host runs changes nothing, one more fill does.
+  base = cost.layer_step_time(HW, SHAPE, 0, 2, 0)
+  np.testing.assert_allclose(base, 0.66e-3 + 1.5e-3, rtol=1e-12)
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 2, 4), base, rtol=1e-12)
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 3, 4) - base, 0.33e-3, rtol=1e-9)
+
+
+def test_layer_step_with_nothing_routed_is_dense_plus_overhead():
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 0, 0), 1.5e-3, rtol=1e-12)
+
+
+def test_step_times_and_tok_s():
+  # step 0: layers (2 hits, 1 fill, 1 host) = 1.89 ms and (0, 0, 4) = 2.1 ms;
+  # step 1: both layers 8 hits: 8 · 3e6 / 100e9 = 0.24 ms + 1.5 ms = 1.74 ms each.
+  # + head 100e6 / 100e9 = 1 ms + step overhead 2 ms:
+  # step 0 = 3.99 + 3 = 6.99 ms, step 1 = 3.48 + 3 = 6.48 ms; tok/s = 1 / 6.735 ms.
+  hits = np.array([[2, 0], [8, 8]])
+  fills = np.array([[1, 0], [0, 0]])
+  host = np.array([[1, 4], [0, 0]])
+  np.testing.assert_allclose(cost.step_times(HW, SHAPE, hits, fills, host), [6.99e-3, 6.48e-3],
+                             rtol=1e-12)
+  assert cost.modeled_tok_s(HW, SHAPE, hits, fills, host) == pytest.approx(1 / 6.735e-3,
+                                                                            rel=1e-12)
+
+
+def test_vectorised_equals_scalar_calls():
+  rng = np.random.default_rng(0)
+  hits, fills, host = (rng.integers(0, 9, (5, 7, 2)) for _ in range(3))
+  got = cost.layer_step_time(HW, SHAPE, hits, fills, host)
+  assert got.shape == (5, 7, 2)
+  for idx in np.ndindex(got.shape):
+    assert got[idx] == cost.layer_step_time(HW, SHAPE, hits[idx], fills[idx], host[idx])
+  steps = cost.step_times(HW, SHAPE, hits, fills, host)
+  assert steps.shape == (5, 7)
+  np.testing.assert_allclose(steps, got.sum(-1) + 1e-3 + 2e-3, rtol=1e-12)
+
+
+def test_count_shapes_and_layer_axis_are_checked():
+  with pytest.raises(ValueError, match="equal shapes"):
+    cost.layer_step_time(HW, SHAPE, np.zeros((3, 2)), np.zeros((3, 2)), np.zeros((2, 3)))
+  with pytest.raises(ValueError, match="layer axis of 2 layers"):
+    cost.step_times(HW, SHAPE, *(np.zeros((3, 4)),) * 3)
+  with pytest.raises(ValueError, match=">= 0"):
+    cost.layer_step_time(HW, SHAPE, -1, 0, 0)
+  deeper = dataclasses.replace(SHAPE, num_layers=4)  # the fix the error suggests
+  assert cost.step_times(HW, deeper, *(np.zeros((3, 4)),) * 3).shape == (3,)
+
+
+# -- Hardware profiles ------------------------------------------------------------------------
+
+# The paper's Table 1 (DESIGN section 2): measured B_P, B_H in GB/s.
+PAPER_TABLE_1 = {
+    "rtx5090-server.yaml": (52.7, 77.3), "rtx4090.yaml": (25.1, 63.2),
+    "rtx3090.yaml": (25.3, 56.7), "rtx5090-desktop.yaml": (49.0, 53.8),
+    "rtx4060-laptop.yaml": (11.8, 47.5), "rtx-pro-6000.yaml": (51.5, 178.0),
+}
+
+
+@pytest.mark.parametrize("path", HARDWARE_FILES, ids=os.path.basename)
+def test_every_hardware_file_loads(path):
+  hw = HardwareProfile.load(path)
+  assert hw.name == os.path.splitext(os.path.basename(path))[0]
+  assert hw.b_p > 0 and hw.b_h > 0 and hw.device_bw > hw.b_h and hw.source
+
+
+def test_hardware_files_hold_the_paper_systems_and_an_h200():
+  names = {os.path.basename(p) for p in HARDWARE_FILES}
+  assert set(PAPER_TABLE_1) | {"h200-host.yaml"} <= names
+  for name, (b_p, b_h) in PAPER_TABLE_1.items():
+    hw = HardwareProfile.load(os.path.join(CONFIGS, "hardware", name))
+    assert (hw.b_p, hw.b_h) == (b_p, b_h), name
+  h200 = HardwareProfile.load(os.path.join(CONFIGS, "hardware", "h200-host.yaml"))
+  assert (h200.device_bw, h200.device_memory_gb) == (4800.0, 141.0)
+  assert "assumed" in h200.source
+
+
+def test_yaml_round_trip(tmp_path):
+  path = HW.save(tmp_path / "hw.yaml")
+  assert HardwareProfile.load(path) == HW
+  assert HW.to_dict()["b_p"] == 10.0 and list(HW.to_dict()) == list(HardwareProfile.keys())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"b_p": None}, r"missing key\(s\) \['b_p'\]: add them"),
+    ({"bandwidth": 3.0}, r"unknown key\(s\) \['bandwidth'\]: remove them"),
+    ({"b_h": 0}, "'b_h' must be positive, got 0: fix the value"),
+    ({"device_bw": -5.0}, "'device_bw' must be positive"),
+    ({"layer_overhead_s": -1e-6}, "'layer_overhead_s' must be >= 0"),
+    ({"b_p": "fast"}, "'b_p' must be a number, got 'fast'"),
+    ({"b_p": True}, "'b_p' must be a number"),
+    ({"name": ""}, "'name' must be a non-empty string"),
+])
+def test_yaml_errors_name_file_key_and_fix(tmp_path, change, message):
+  import yaml
+  d = HW.to_dict() | change
+  d = {k: v for k, v in d.items() if v is not None}
+  path = tmp_path / "bad.yaml"
+  path.write_text(yaml.safe_dump(d))
+  with pytest.raises(ValueError, match=message) as e:
+    HardwareProfile.load(path)
+  assert str(path) in str(e.value)
+
+
+def test_yaml_file_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="ftjax.profile --hardware_out"):
+    HardwareProfile.load(tmp_path / "missing.yaml")
+  (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+  with pytest.raises(ValueError, match="expected a mapping"):
+    HardwareProfile.load(tmp_path / "list.yaml")
+  (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
+  with pytest.raises(ValueError, match="not valid YAML"):
+    HardwareProfile.load(tmp_path / "broken.yaml")
+
+
+# -- Model shapes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", MODEL_FILES, ids=os.path.basename)
+def test_every_model_file_loads(path):
+  shape = ModelShape.load(path)
+  assert shape.name == os.path.splitext(os.path.basename(path))[0]
+  assert shape.bytes_per_param == 2  # all shipped checkpoints are bfloat16
+  assert shape.dense_bytes_per_layer > 0 and shape.head_bytes > 0
+  assert shape.expert_bytes == 3 * shape.hidden * shape.expert_ffn * 2
+
+
+def _total_params(shape: ModelShape, vocab: int) -> float:
+  """All weights: L · (dense + E experts) + the embedding (head_bytes counts one row)."""
+  per_layer = shape.dense_bytes_per_layer + shape.num_experts * shape.expert_bytes
+  return (shape.num_layers * per_layer + shape.head_bytes + (vocab - 1) * shape.hidden
+          * shape.bytes_per_param) / shape.bytes_per_param
+
+
+def test_qwen3_30b_a3b_matches_its_published_size():
+  # attention: 2048·(32·128 + 2·4·128) + 32·128·2048 + q/k norms 2·128 = 18,874,624;
+  # router 128·2048 + two norms 2·2048 = 266,240 -> 19,140,864 params = 38,281,728 bytes.
+  # head: (2048 + 2048 + 151936·2048) · 2 = 622,338,048 bytes.
+  s = ModelShape.load(os.path.join(CONFIGS, "models", "qwen3-30b-a3b.json"))
+  assert (s.num_layers, s.num_experts, s.top_k, s.hidden, s.expert_ffn) == (48, 128, 8, 2048, 768)
+  assert s.dense_bytes_per_layer == 38_281_728 and s.head_bytes == 622_338_048
+  assert _total_params(s, 151936) == pytest.approx(30.5e9, rel=0.01)  # model card: 30.5B
+
+
+def test_qwen35_35b_a3b_hybrid_shape():
+  # Gated DeltaNet (key_dim 2048, value_dim 4096, conv_dim 8192, Hv 32):
+  #   2048·(8192 + 4096 + 64) + 8192·4 + 4096·2048 + 2·32 + 128 = 33,718,464 params;
+  # gated attention: 2048·(16·256·2 + 2·2·256) + 16·256·2048 + 2·256 = 27,263,488;
+  # mean mixer over 30 + 10 layers: (30·33,718,464 + 10·27,263,488) / 40 = 32,104,720;
+  # router 256·2048 + norms 2·2048 + shared expert 3·2048·512 + its gate 2048 = 3,676,160;
+  # dense = 35,780,880 params = 71,561,760 bytes; head (2048 + 2048 + 248320·2048)·2.
+  s = ModelShape.load(os.path.join(CONFIGS, "models", "qwen3.5-35b-a3b.json"))
+  assert (s.num_layers, s.num_experts, s.top_k, s.hidden, s.expert_ffn) == (40, 256, 8, 2048, 512)
+  assert s.expert_bytes == 6_291_456
+  assert s.dense_bytes_per_layer == 71_561_760
+  assert s.head_bytes == (2048 + 2048 + 248320 * 2048) * 2
+  assert 34e9 < _total_params(s, 248320) < 35e9  # "35B" includes the vision tower and MTP
+
+
+def test_hybrid_layer_types_default_from_the_interval():
+  path = os.path.join(CONFIGS, "models", "qwen3.5-35b-a3b.json")
+  with open(path) as f:
+    text = json.load(f)["text_config"]
+  del text["layer_types"]  # transformers derives them from full_attention_interval
+  assert ModelShape.from_hf_config(text, name="qwen3.5-35b-a3b") == ModelShape.load(path)
+  all_linear = text | {"full_attention_interval": 1000}
+  assert (ModelShape.from_hf_config(all_linear).dense_bytes_per_layer
+          == (33_718_464 + 3_676_160) * 2)
+
+
+def test_hybrid_matches_transformers_parameter_count():
+  """The formulas against a tiny random Qwen3.5-MoE text model built by transformers."""
+  import torch
+  import transformers
+  config = transformers.Qwen3_5MoeTextConfig(
+      vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+      linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=3,
+      moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6,
+      num_experts_per_tok=2, full_attention_interval=2)
+  torch.manual_seed(0)
+  model = transformers.Qwen3_5MoeForCausalLM(config)
+  want = sum(p.numel() for p in model.parameters())
+  shape = ModelShape.from_hf_config(config.to_dict(), bytes_per_param=4)
+  assert _total_params(shape, 96) == want
+
+
+def test_attention_families_match_transformers_parameter_counts(hf_checkpoints):
+  for family, (model, path) in hf_checkpoints.items():
+    shape = ModelShape.load(os.path.join(path, "config.json"))
+    want = sum(p.numel() for p in model.parameters())
+    assert _total_params(shape, model.config.vocab_size) == want, family
+
+
+def test_from_config_takes_the_checkpoint_dtype(tiny_config):
+  assert ModelShape.from_config(tiny_config).bytes_per_param == 4  # float32 source
+  assert ModelShape.from_config(tiny_config, bytes_per_param=2).expert_bytes == 3 * 32 * 16 * 2
+
+
+def test_model_file_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="configs/models"):
+    ModelShape.load(tmp_path / "missing.json")
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+    ModelShape.load(bad)
+  with open(os.path.join(CONFIGS, "models", "qwen3.5-35b-a3b.json")) as f:
+    hf = json.load(f)
+  hf["text_config"]["layer_types"] = hf["text_config"]["layer_types"][:-1]
+  bad.write_text(json.dumps(hf))
+  with pytest.raises(ValueError, match=r"bad.json: .*layer_types has 39 entries"):
+    ModelShape.load(bad)
+  hf["text_config"].pop("layer_types")
+  hf["text_config"].pop("linear_num_value_heads")
+  bad.write_text(json.dumps(hf))
+  with pytest.raises(ValueError, match="bad.json: .*lacks the required key 'linear_num_value_h"):
+    ModelShape.load(bad)
