@@ -81,7 +81,8 @@ def _expand(specs: Iterable[str]) -> list[str]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
       matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else []
       if any(c in item for c in "*?[") and not matches:
-        raise FileNotFoundError(f"{item} matches no file")
+        raise FileNotFoundError(f"{item} matches no file (relative paths start in {os.getcwd()}; "
+                                "the defaults are relative to the ftjax repository root)")
       out.extend(matches or [item])
   return out
 
@@ -186,8 +187,9 @@ def _row(name, policy, hw_name, fraction, result: ReplayResult, trace, shape, hw
 def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence[float],
           hardware: Sequence, shapes: dict, *, belady: bool = True,
           progress: bool = True) -> list[SweepRow]:
-  """Every trace x policy x cache fraction x hardware profile (plus Belady per trace and
-  size). ``shapes`` maps trace name -> ``ftjax.cost.ModelShape``."""
+  """Every trace x policy x cache fraction x hardware profile, plus Belady's bound per trace
+  and size (with a free preload, so that it bounds the preloaded static policies too).
+  ``shapes`` maps trace name -> ``ftjax.cost.ModelShape``."""
   for p in policies:
     PolicyConfig(p)  # validates the name
   for f in fractions:
@@ -214,7 +216,7 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
     trace = traces[name]
     if policy == "belady":
       requests = sum(len(np.unique(r[r >= 0])) for step in trace.ids for r in step)
-      misses = belady_misses(trace, slots)
+      misses = belady_misses(trace, slots, preload=True)  # also bounds the static policies
       rows.append(SweepRow(trace=name, policy="belady", hardware="", cache_fraction=fraction,
                            cache_slots=slots, miss_rate=misses / max(requests, 1),
                            per_layer_miss_rate=[]))
@@ -337,6 +339,10 @@ def main(argv) -> None:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   try:
     fractions = [float(x) for x in _FRACTIONS.value]
+    if not all(0.0 <= f <= 1.0 for f in fractions):
+      raise ValueError(f"cache fractions must be in [0, 1], got {fractions}")
+    for p in _POLICIES.value:
+      PolicyConfig(p)
     traces = load_traces(_TRACES.value, seed=_SEED.value, synthetic_steps=_STEPS.value,
                          synthetic_prefill=_PREFILL.value)
     hardware = load_hardware(_HARDWARE.value)

@@ -14,6 +14,7 @@ import pytest
 from ftjax import cost, sweep, synthetic
 from ftjax.cache import POLICIES
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = synthetic.RoutingModel(num_layers=4, num_experts=16, top_k=2, skew=0.8, reuse=0.4,
                                working_set=0.1, working_set_decay=0.9, prefill_reuse=0.4,
                                prefill_shift=0.3)
@@ -134,7 +135,9 @@ def test_cli_on_a_captured_style_trace_file(tmp_path, small_trace):
     (["--policies=mru"], "unknown cache policy"),
 ])
 def test_cli_errors(args, message, tmp_path):
-  r = _cli(*args, "--synthetic_steps=5", f"--out={tmp_path}", cwd=str(tmp_path))
+  hardware = os.path.join(REPO, "configs", "hardware", "*.yaml")
+  r = _cli(f"--hardware={hardware}", *args, "--synthetic_steps=5", f"--out={tmp_path}",
+           cwd=str(tmp_path))
   assert r.returncode != 0
   assert message in r.stderr
   assert "Traceback" not in r.stderr
