@@ -9,6 +9,7 @@ Library::
 
 CLI (``docs/sweep.md``)::
 
+  python -m ftjax.sweep        # the embedded model's trace, all policies, configs/hardware
   python -m ftjax.sweep --traces=synthetic:qwen3-30b-a3b,trace.npz \\
       --cache_fractions=0.1,0.37,1 --policies=freetoken,lru_fill \\
       --hardware='configs/hardware/*.yaml' --out=DIR
@@ -43,6 +44,9 @@ __all__ = ["ReplayResult", "belady_misses", "expert_counts", "replay", "sweep", 
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.37, 0.5, 0.6, 0.7, 0.85, 1.0)
 SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b"}  # synthetic:NAME -> ftjax.synthetic preset
+# Routing of the embedded default model (benchmarks/sweep.py captures it): --traces=default.
+DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets",
+                             "default_trace.npz")
 
 
 @dataclasses.dataclass
@@ -89,11 +93,17 @@ def _expand(specs: Iterable[str]) -> list[str]:
 
 def load_traces(specs: Sequence[str], *, seed: int = 0, synthetic_steps: int = 2000,
                 synthetic_prefill: int = 0) -> dict[str, Trace]:
-  """``synthetic:NAME`` (generated, deterministic for ``seed``) or trace files -> traces."""
+  """``default`` (the embedded model's packaged trace), ``synthetic:NAME`` (generated,
+  deterministic for ``seed``) or trace files -> traces by name."""
   from ftjax import synthetic  # noqa: PLC0415
   traces = {}
   for spec in _expand(specs):
-    if spec.startswith("synthetic:"):
+    if spec == "default":
+      if not os.path.isfile(DEFAULT_TRACE):
+        raise FileNotFoundError(f"the packaged trace {DEFAULT_TRACE} is missing: reinstall "
+                                "ftjax, or write it with benchmarks/sweep.py")
+      traces["default-model"] = Trace.load(DEFAULT_TRACE)
+    elif spec.startswith("synthetic:"):
       name = spec.split(":", 1)[1]
       if name not in SYNTHETIC:
         raise ValueError(f"unknown synthetic trace {name!r}; choose one of "
@@ -371,8 +381,9 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   from absl import app, flags
-  _TRACES = flags.DEFINE_list("traces", ["synthetic:qwen3-30b-a3b"],
-                              "trace files (.npz, globs) and/or synthetic:NAME")
+  _TRACES = flags.DEFINE_list("traces", ["default"],
+                              "trace files (.npz, globs), synthetic:NAME (qwen3-30b-a3b) and/or "
+                              "default (routing of the embedded default model)")
   _FRACTIONS = flags.DEFINE_list("cache_fractions", [str(f) for f in DEFAULT_FRACTIONS],
                                  "cache sizes as fractions of all experts")
   _POLICIES = flags.DEFINE_list("policies", list(POLICIES), "cache policies to replay")

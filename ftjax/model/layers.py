@@ -214,15 +214,16 @@ class MoE(nnx.Module):
     self.router = router
     self.norm_topk_prob = norm_topk_prob
 
-  def __call__(self, x: jax.Array, layer: int, experts):
+  def __call__(self, x: jax.Array, layer: int, experts, *, sow_router_logits: bool = False):
     """x [B, T, D] -> (experts, y): ``experts`` is the ``ExpertRunner`` threaded through the
-    step (it holds the bank and, when caching, the expert cache)."""
+    step (it holds the bank and, when caching, the expert cache). ``sow_router_logits``
+    sows the router logits [B·T, E] as ``nnx.Intermediate`` "router_logits" (read them with
+    ``nnx.capture``; the training losses of ``ftjax.tiny.train`` do)."""
     lead, width = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, width)  # [B·T, D]
     logits = linear(x2, self.w_router_ed, 1, impl=experts.impl)  # [T, E]
-    # For training losses (load balancing, ftjax.tiny.train): read with nnx.pop(model,
-    # nnx.Intermediate); unused otherwise, so jit drops it from the decode step.
-    self.sow(nnx.Intermediate, "router_logits", logits)
+    if sow_router_logits:
+      self.sow(nnx.Intermediate, "router_logits", logits)
     weights, ids = route(
         logits, kind=self.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
         bias=_f32(self.b_router_e) if self.router == "sigmoid_group" else None,

@@ -69,11 +69,12 @@ class DecoderLayer(nnx.Module):
         router_groups=c.router_groups, router_topk_groups=c.router_topk_groups,
         scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
 
-  def __call__(self, x, cache, length, positions, layer, experts, fresh):
+  def __call__(self, x, cache, length, positions, layer, experts, fresh,
+               sow_router_logits=False):
     cache, h = self.attn(self.attn_norm(x), cache, length, positions, impl=experts.impl,
                          fresh=fresh)
     x = x + h
-    experts, h = self.moe(self.mlp_norm(x), layer, experts)
+    experts, h = self.moe(self.mlp_norm(x), layer, experts, sow_router_logits=sow_router_logits)
     return cache, experts, x + h
 
 
@@ -93,11 +94,13 @@ class Transformer(nnx.Module):
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
                bank: jax.Array, *, last_only: bool = False, kernels: str = "xla",
                policy: PolicyConfig | None = None, fresh: bool = False,
-               record_routing: bool = False) -> tuple[DecodeState, jax.Array]:
+               record_routing: bool = False, sow_router_logits: bool = False
+               ) -> tuple[DecodeState, jax.Array]:
     """tokens, positions [B, T] -> (new state, logits [B, T or 1, V] float32).
 
     ``fresh`` (static) promises an empty state (``length == 0``), as in a prefill;
-    ``record_routing`` (static) returns the router's output in ``new_state.routing``."""
+    ``record_routing`` (static) returns the router's output in ``new_state.routing``;
+    ``sow_router_logits`` sows each layer's router logits (``nnx.capture``, training)."""
     x = jnp.take(self.embed_vd[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
     first_moe = self.layers[0].moe
     routing = (RoutingRecord.zeros(len(self.layers), tokens.size, first_moe.top_k)
@@ -106,7 +109,8 @@ class Transformer(nnx.Module):
                            stats=state.stats, routing=routing, impl=kernels, policy=policy)
     caches = []
     for i, layer in enumerate(self.layers):
-      cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts, fresh)
+      cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts, fresh,
+                                sow_router_logits)
       caches.append(cache)
     if last_only:
       x = x[:, -1:]

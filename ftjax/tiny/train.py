@@ -170,11 +170,14 @@ def loss_fn(params, bank, graphdef, config: ModelConfig, tokens, balance_coef: f
   b, t = inputs.shape
   state = init_state(config, b, t)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  _, logits = model(state, inputs, positions, bank, kernels="xla", fresh=True)
+  (_, logits), intermediates = nnx.capture(model, nnx.Intermediate)(
+      state, inputs, positions, bank, kernels="xla", fresh=True, sow_router_logits=True)
   logp = jax.nn.log_softmax(logits, axis=-1)
   ce = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
   balance = jnp.zeros((), jnp.float32)
-  for router_logits in jax.tree.leaves(nnx.pop(model, nnx.Intermediate)):
+  router_logits_per_layer = jax.tree.leaves(intermediates)
+  assert len(router_logits_per_layer) == config.num_layers, len(router_logits_per_layer)
+  for router_logits in router_logits_per_layer:
     probs = jax.nn.softmax(router_logits, axis=-1)  # [B·T, E]
     _, ids = jax.lax.top_k(router_logits, config.top_k)
     chosen = jnp.sum(jax.nn.one_hot(ids, config.num_experts), axis=1)  # [B·T, E]
