@@ -120,15 +120,17 @@ _ARGMAX_TOP_K = 16  # up to this k, top_indices runs k argmax passes instead of 
 
 
 def top_indices(values: jax.Array, k: int) -> jax.Array:
-  """Indices of the ``k`` largest of ``values [n]`` (int32), largest first, ties to the lower
-  index: the order of ``lax.top_k``. For small ``k`` it takes ``k`` argmax passes, each
+  """Indices of the ``k`` largest of ``values [n]`` (int32 or float32 without NaN), largest
+  first, ties to the lower index: the order of ``lax.top_k``. For small ``k`` it takes ``k`` argmax passes, each
   masking its pick: on XLA:CPU ``lax.top_k`` sorts, which made it most of a decode step's
   planning time (8 of 2273 slots: 250 µs vs 30 µs). Entries past the number of values above
   the dtype's minimum may repeat; callers use only those."""
   if k > _ARGMAX_TOP_K:
     return jax.lax.top_k(values, k)[1]
-  floor = (jnp.iinfo(values.dtype).min if jnp.issubdtype(values.dtype, jnp.integer)
-           else -jnp.inf)
+  if values.dtype == jnp.float32:  # argmax over int32 is ~6x faster on XLA:CPU
+    bits = jax.lax.bitcast_convert_type(values, jnp.int32)
+    values = jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # same order as the floats
+  floor = jnp.iinfo(values.dtype).min
   picks = []
   for _ in range(k):
     i = jnp.argmax(values).astype(jnp.int32)

@@ -45,8 +45,10 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   loaded = load(path)
   if model is None:
     source = loaded.source or {}
-    kind = "random-initialised and untrained: its output is noise" if not source.get(
-        "trained", True) else "trained"
+    kind = ("random-initialised and untrained: its output is noise"
+            if not source.get("trained", True) else
+            f"trained: a small MoE trained on the {source.get('corpus', 'unknown data')}, see "
+            "ftjax/tiny/README.md")
     log.write(f"ftjax: using the embedded default model ({kind}); pass --model=DIR for a real "
               "one\n")
   tokenizer = load_tokenizer(loaded.path, loaded.config.vocab_size)

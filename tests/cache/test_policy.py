@@ -193,6 +193,12 @@ def test_top_indices_matches_lax_top_k_order(k):
     got = np.asarray(policy_lib.top_indices(values, k))
     want = np.asarray(jax.lax.top_k(values, k)[1])
     np.testing.assert_array_equal(got, want)
+    floats = jnp.asarray(rng.choice([-np.inf, -2.5, -0.0, 0.0, 1e-30, 3.0, np.inf], size=40),
+                         jnp.float32)
+    got = np.asarray(policy_lib.top_indices(floats, k))
+    # lax.top_k orders -0.0 and 0.0 as equal; the int keys put -0.0 just below 0.0
+    want = np.asarray(jax.lax.top_k(floats + 0.0, k)[1]) if k else np.zeros(0, int)
+    assert np.asarray(floats)[got].tolist() == np.asarray(floats)[want].tolist()
 
 
 def test_lrfu_keeps_the_frequently_routed_expert_where_lru_evicts_it():

@@ -1,0 +1,122 @@
+"""The embedded default model: held-out loss, samples, decode speed and routing statistics,
+each next to a random-initialised model of the same shape (the numbers of its model card,
+``ftjax/tiny/README.md``).
+
+Routing is compared on the same token sequences: each prompt of ``PROMPTS`` followed by the
+trained model's own sampled continuation (temperature 0.8, top-p 0.95, ``--tokens`` tokens),
+run through both models teacher-forced with routing recorded (one step per token; the
+statistics of ``ftjax.routing_stats`` over all of them, sequences concatenated).
+
+  /work/venv/bin/python benchmarks/default_model.py      # ~2 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info, write_results  # noqa: E402
+
+import ftjax  # noqa: E402
+from ftjax import routing_stats  # noqa: E402
+from ftjax.runtime import model as model_lib  # noqa: E402
+from ftjax.runtime.tokenizer import load_tokenizer  # noqa: E402
+from ftjax.tiny import DEFAULT_MODEL_DIR  # noqa: E402
+from ftjax.traces import Trace  # noqa: E402
+
+PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef list_files(path):",
+           "class Stack:\n    def __init__(self):", "def parse_args(argv=None):",
+           "    def __repr__(self):", "def read_config(filename):\n    \"\"\"")
+SAMPLE_PROMPTS = ("def fibonacci(n):", "class Stack:\n    def __init__(self):",
+                  "def read_lines(path):\n    with open(path) as f:")
+
+
+def routing_of(model, sequences) -> Trace:
+  engine = ftjax.Engine(model, kernels="xla", record_routing=True)
+  for seq in sequences:
+    engine.forward_logits(seq)
+  return engine.routing_trace()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--tokens", type=int, default=160)
+  args = parser.parse_args()
+  model = ftjax.load(DEFAULT_MODEL_DIR)
+  c = model.config
+  tok = load_tokenizer(model.path, c.vocab_size)
+  with open(os.path.join(DEFAULT_MODEL_DIR, "train_log.json")) as f:
+    log = json.load(f)
+
+  engine = ftjax.Engine(model)
+  samples = {}
+  for p in SAMPLE_PROMPTS:
+    samples[p] = tok.decode(engine.generate(tok.encode(p), 64, greedy=True))
+  speed = engine.generate_timed(tok.encode(PROMPTS[0]), 128, greedy=True)
+
+  sequences = []
+  for i, p in enumerate(PROMPTS):
+    ids = tok.encode(p)
+    sequences.append(ids + engine.generate(ids, args.tokens, greedy=False, temperature=0.8,
+                                           top_p=0.95, seed=i))
+  random = model_lib.random_model(c, seed=0, dtype="bfloat16")
+  sizes = (2, 4, 8, 16)
+  top_n = max(1, c.num_experts // 8)  # as the top 16 of 128
+  stats = {}
+  for name, m in (("trained", model), ("random-init", random)):
+    t0 = time.perf_counter()
+    trace = routing_of(m, sequences)
+    s = routing_stats.summary(trace, sizes=sizes, top_n=top_n, phase=None)
+    s["seconds"] = time.perf_counter() - t0
+    stats[name] = s
+
+  print(f"held-out loss {log['heldout_loss']:.3f} nats/token = {log['heldout_bits_per_byte']:.3f}"
+        f" bits/byte (unigram {log['unigram_heldout_loss']:.3f} = "
+        f"{log['unigram_bits_per_byte']:.3f}); trained {log['train_seconds'] / 60:.0f} min")
+  print(f"decode {speed.decode_tok_s:.0f} tok/s, prefill {speed.prefill_tok_s:.0f} tok/s\n")
+  rows = _table(stats, sizes, top_n)
+  for r in rows:
+    print(r)
+  for p, text in samples.items():
+    print(f"\n--- {p!r} ->\n{p}{text}")
+  path = write_results("default_model", {
+      "machine": machine_info(), "model": c.to_dict(), "train_log": {
+          k: v for k, v in log.items() if k != "history"}, "history": log["history"],
+      "samples_greedy_64": samples,
+      "decode_tok_s": speed.decode_tok_s, "prefill_tok_s": speed.prefill_tok_s,
+      "routing": stats, "routing_sequences": {"prompts": list(PROMPTS), "tokens": args.tokens,
+                                              "steps": sum(map(len, sequences))},
+      "table": rows})
+  print(f"wrote {path}")
+
+
+def _table(stats, sizes, top_n) -> list[str]:
+  """Markdown rows: per-layer values of the trained model, means of both."""
+  t, r = stats["trained"], stats["random-init"]
+  rows = ["| statistic (%) | trained, per layer | trained, mean | random-init, mean |",
+          "| --- | --- | --- | --- |"]
+
+  def fmt(v):
+    return " / ".join(f"{100 * x:.0f}" for x in v)
+
+  def row(label, tv, rv):
+    rows.append(f"| {label} | {fmt(tv)} | {100 * np.mean(tv):.1f} | {100 * np.mean(rv):.1f} |")
+
+  row("consecutive-token expert overlap", t["consecutive_overlap"]["per_layer"],
+      r["consecutive_overlap"]["per_layer"])
+  for i, n in enumerate(sizes):
+    row(f"per-layer LRU hit rate, {n} of {t['num_experts']} cached",
+        t["lru_hit_rate"]["per_layer"][i], r["lru_hit_rate"]["per_layer"][i])
+  row(f"share of the top {top_n} experts", t["top_share"]["per_layer"],
+      r["top_share"]["per_layer"])
+  return rows
+
+
+if __name__ == "__main__":
+  main()
