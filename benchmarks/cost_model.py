@@ -12,8 +12,9 @@ generated once into ``--model_dir``). Each of ``--rounds`` alternating rounds:
    the wall time per token outside the forward (sampling, the host loop) is
    ``step_overhead_s``;
 3. decodes ``--tokens`` tokens in each validation setting (a second cpu_only run, then
-   freetoken and lru_fill at each cache fraction), each on a fresh engine with an empty
-   cache, and feeds the engine's own per-step counts (hits, fills, host runs per layer) to
+   freetoken and lru_fill at each cache fraction, and static_hot pinning the experts that
+   served half of a warm-up decode's routes of the same prompt), each on a fresh engine with an empty (or, for
+   static_hot, pinned) cache, and feeds the engine's own per-step counts (hits, fills, host runs per layer) to
    ``ftjax.cost.step_times``. The modeled mean step time is compared with the measured wall
    time per decoded token (1 / decode tok/s).
 
@@ -76,7 +77,12 @@ def main() -> None:
   parser.add_argument("--model_dir", default="/tmp/ftjax-bench/qwen3-30b-a3b-shape")
   parser.add_argument("--fractions", default="0.1,0.37,1.0")
   parser.add_argument("--policies", default="freetoken,lru_fill")
-  parser.add_argument("--tokens", type=int, default=32)
+  parser.add_argument("--static_hot_share", type=float, default=0.5,
+                      help="also run static_hot with the fewest hot experts that serve this "
+                      "share of a warm-up decode's routes (0: skip): the layers then split "
+                      "their experts between slots and the host, the case where the overlap "
+                      "assumption matters most")
+  parser.add_argument("--tokens", type=int, default=64)
   parser.add_argument("--rounds", type=int, default=3)
   args = parser.parse_args()
 
@@ -90,6 +96,15 @@ def main() -> None:
   prompt = rng.integers(0, c.vocab_size, 16).tolist()
   settings = [("cpu_only", 0.0)] + [(p, float(f)) for f in args.fractions.split(",")
                                     for p in args.policies.split(",")]
+  hot = None
+  if args.static_hot_share:
+    warm = ftjax.Engine(model, cache_fraction=0.1, policy="lru_fill")
+    warm.generate(prompt, args.tokens)
+    hot = warm.routing_counts()  # the pinned set: the experts this prompt's decode routes to
+    del warm
+    share = np.cumsum(np.sort(hot.reshape(-1))[::-1]) / hot.sum()
+    pinned = int(np.searchsorted(share, args.static_hot_share)) + 1
+    settings.append(("static_hot", pinned / hot.size))
   profile_path = os.path.join(args.model_dir, "cost_model_profile.json")
 
   rounds = []
@@ -103,15 +118,17 @@ def main() -> None:
         measured, "this-machine", layer_overhead_s=over["layer_overhead_s"],
         step_overhead_s=over["step_overhead_s"],
         source=f"overheads calibrated from {over['steps']} cpu_only decode steps of {model.path}")
-    row = {"hardware": hw.to_dict(), "calibration": over, "settings": {}}
+    row = {"hardware": hw.to_dict(), "calibration": over, "settings": {},
+           "load_average_1min": os.getloadavg()[0]}  # other processes share these 2 cores
     print(f"round {r}: read {hw.device_bw:.1f}, B_H {hw.b_h:.1f}, B_P {hw.b_p:.1f} GB/s; "
           f"overheads {hw.layer_overhead_s * 1e3:.2f} ms/layer, {hw.step_overhead_s * 1e3:.2f} "
-          f"ms/token")
+          f"ms/token; load average {row['load_average_1min']:.1f}")
     for policy, fraction in settings:
-      engine = ftjax.Engine(model, cache_fraction=fraction, policy=policy, profile=profile_path)
+      engine = ftjax.Engine(model, cache_fraction=fraction, policy=policy, profile=profile_path,
+                            hot_experts=hot)
       v = validate(engine, hw, shape, prompt, args.tokens)
       del engine
-      key = f"{policy}@{fraction:g}"
+      key = f"{policy}@{fraction:.3g}"
       row["settings"][key] = v
       e = v["experts_per_step"]
       parts = ", ".join(f"{k[:-2]} {t * 1e3:.1f}" for k, t in v["modeled_parts"].items())
