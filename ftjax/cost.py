@@ -66,6 +66,10 @@ class HardwareProfile:
     loop.
   device_memory_gb: GB (1e9 bytes) of device memory, for sizing the cache.
   source: where the numbers come from (measured, paper, vendor spec, assumed).
+  paths_overlap: optional, default true: the device path (fills, then slot compute) and the
+    host kernel run at the same time, so a layer-step costs the slower one (a GPU machine).
+    False adds them (a CPU-only machine, where one set of cores runs both: measured by
+    ``benchmarks/cost_model.py``); ``python -m ftjax.profile --hardware_out`` writes false.
 
   Bandwidths and memory must be positive; overheads may be zero (none) but not negative.
   """
@@ -77,6 +81,7 @@ class HardwareProfile:
   step_overhead_s: float
   device_memory_gb: float
   source: str
+  paths_overlap: bool = True
 
   _POSITIVE = ("b_p", "b_h", "device_bw", "device_memory_gb")
   _NON_NEGATIVE = ("layer_overhead_s", "step_overhead_s")
@@ -87,6 +92,9 @@ class HardwareProfile:
       if not isinstance(value, str) or not value.strip():
         raise ValueError(f"hardware profile key {key!r} must be a non-empty string, got "
                          f"{value!r}")
+    if not isinstance(self.paths_overlap, bool):
+      raise ValueError(f"hardware profile key 'paths_overlap' must be true or false, got "
+                       f"{self.paths_overlap!r}")
     for key in self._POSITIVE + self._NON_NEGATIVE:
       value = getattr(self, key)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -114,7 +122,7 @@ class HardwareProfile:
     if unknown:
       raise ValueError(f"{where}: unknown key(s) {unknown}: remove them or fix their spelling; "
                        f"the keys are {', '.join(cls.keys())}")
-    missing = [k for k in cls.keys() if k not in d]
+    missing = [k for k in cls.keys() if k not in d and k != "paths_overlap"]
     if missing:
       raise ValueError(f"{where}: missing key(s) {missing}: add them (see "
                        "configs/hardware/README.md for their units)")
@@ -390,6 +398,8 @@ def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_ru
     max(fills·S/B_P + (hits + fills)·S/device_bw, host_runs·S/B_H)
       + dense_bytes_per_layer/device_bw + layer_overhead_s
 
+  (the sum of the two paths instead of their max when ``hw.paths_overlap`` is false)
+
   with S = ``shape.expert_bytes`` and bandwidths in bytes/s. A fill and the device compute
   are serial on one device queue (the filled experts are computed after they land); the host
   kernel runs its experts at the same time, so the slower of the two paths counts (the
@@ -400,8 +410,8 @@ def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_ru
   s = shape.expert_bytes
   device = fills * s / (hw.b_p * GB) + (hits + fills) * s / (hw.device_bw * GB)
   host = host_runs * s / (hw.b_h * GB)
-  return (np.maximum(device, host) + shape.dense_bytes_per_layer / (hw.device_bw * GB)
-          + hw.layer_overhead_s)
+  experts = np.maximum(device, host) if hw.paths_overlap else device + host
+  return experts + shape.dense_bytes_per_layer / (hw.device_bw * GB) + hw.layer_overhead_s
 
 
 def step_times(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -> np.ndarray:

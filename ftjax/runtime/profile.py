@@ -223,7 +223,8 @@ def hardware_profile(measured: dict[str, Any], name: str, *, layer_overhead_s: f
       name=name, b_p=measured["b_p_gb_s"], b_h=measured["b_h_gb_s"],
       device_bw=measured["read_gb_s"], layer_overhead_s=layer_overhead_s,
       step_overhead_s=step_overhead_s, device_memory_gb=_memory_gb(),
-      source=f"{where}; {source}" if source else where)
+      source=f"{where}; {source}" if source else where,
+      paths_overlap=False)  # one set of cores runs the slots and the host kernel
 
 
 def calibration_model(shape: ExpertShape, num_layers: int = 2, seed: int = 0):
