@@ -47,11 +47,14 @@ def routing_of(model, sequences) -> Trace:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tokens", type=int, default=160)
+  parser.add_argument("--model", default=DEFAULT_MODEL_DIR, help="a model written by "
+                      "ftjax.tiny.train (default: the embedded one)")
+  parser.add_argument("--no_write", action="store_true", help="print only (trials)")
   args = parser.parse_args()
-  model = ftjax.load(DEFAULT_MODEL_DIR)
+  model = ftjax.load(args.model)
   c = model.config
   tok = load_tokenizer(model.path, c.vocab_size)
-  with open(os.path.join(DEFAULT_MODEL_DIR, "train_log.json")) as f:
+  with open(os.path.join(args.model, "train_log.json")) as f:
     log = json.load(f)
 
   engine = ftjax.Engine(model)
@@ -66,7 +69,7 @@ def main():
     sequences.append(ids + engine.generate(ids, args.tokens, greedy=False, temperature=0.8,
                                            top_p=0.95, seed=i))
   random = model_lib.random_model(c, seed=0, dtype="bfloat16")
-  sizes = (2, 4, 8, 16)
+  sizes = routing_stats.default_sizes(c.num_experts)  # 1/16, 1/8, 1/4, 1/2 of the experts
   top_n = max(1, c.num_experts // 8)  # as the top 16 of 128
   stats = {}
   for name, m in (("trained", model), ("random-init", random)):
@@ -85,6 +88,8 @@ def main():
     print(r)
   for p, text in samples.items():
     print(f"\n--- {p!r} ->\n{p}{text}")
+  if args.no_write:
+    return
   path = write_results("default_model", {
       "machine": machine_info(), "model": c.to_dict(), "train_log": {
           k: v for k, v in log.items() if k != "history"}, "history": log["history"],
