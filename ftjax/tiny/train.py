@@ -308,6 +308,7 @@ def write_model(model, tok, result: dict, out_dir: str, source: dict) -> str:
   parent = os.path.dirname(os.path.abspath(out_dir)) or "."
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".ftjax-train-", dir=parent)
+  os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is a normal directory
   try:
     model_lib.save(model, tmp, dtype="bfloat16", source=source)
     tok.save(os.path.join(tmp, "tokenizer.json"))

@@ -67,6 +67,7 @@ def test_shipped_default_model_is_the_trained_configuration():
 # The greedy continuation on this machine (kernels=ffi: float32 accumulation of bf16 weights);
 # a change means the model, the tokenizer or the numerics changed.
 GOLDEN_PROMPT = "def add(a, b):"
+GOLDEN_TEXT = '\n    """Return a string of the string of the string.'
 
 
 def test_default_model_greedy_output_is_deterministic():
