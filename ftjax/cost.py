@@ -25,12 +25,12 @@ q* rule's B_res = B_H - B_P; use a profile measured with both paths running if i
 the KV cache and recurrent-state reads (they grow with the context or are small at short
 context), and compute-bound work (prefill).
 
-Limitation: on a CPU-only machine the "device" is the host itself. Slot compute, fills and
-the host kernel then share the same cores and memory bus and run one after the other instead
-of overlapping, and ``device_bw`` is the host's read bandwidth. ``benchmarks/cost_model.py``
-measures the model against the engine there: modeled / measured step time 0.85-0.98 on a
-2-core VM, lowest (0.85; 0.95 if the two paths are added instead) where every layer splits
-its experts between slots and the host.
+On a CPU-only machine the "device" is the host itself: slot compute, fills and the host
+kernel share the same cores and memory bus and run one after the other, and ``device_bw`` is
+the host's read bandwidth. Such profiles set ``paths_overlap: false`` (the two paths are
+added; ``python -m ftjax.profile --hardware_out`` writes it). ``benchmarks/cost_model.py``
+measures the model against the engine there: modeled / measured step time 0.96-1.03 on a
+2-core VM with the paths added, 0.86-1.01 if they were assumed to overlap.
 """
 
 from __future__ import annotations
