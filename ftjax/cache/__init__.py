@@ -4,7 +4,7 @@
   (layer, expert) <-> slot and the recency stamps; an immutable pytree.
 * ``plan`` (``policy.py``): for one layer-step, which routes the cache serves, which misses
   are filled (and into which slots), which run on the host. Pure, static shapes, usable in
-  ``jit`` and ``lax.scan``; the five policies share one mechanism and one ``Plan`` format.
+  ``jit`` and ``lax.scan``; the six policies share one mechanism and one ``Plan`` format.
 * ``offloaded_moe`` (``moe.py``): the public layer function JAX users call in their own
   models: ``(new_cache, y)``.
 """
