@@ -13,9 +13,9 @@ generated once into ``--model_dir``). Each of ``--rounds`` alternating rounds:
    ``step_overhead_s``;
 3. decodes ``--tokens`` tokens in each validation setting (a second cpu_only run, then
    freetoken and lru_fill at each cache fraction, and static_hot pinning the experts that
-   served half of a warm-up decode's routes of the same prompt), each on a fresh engine with an empty (or, for
-   static_hot, pinned) cache, and feeds the engine's own per-step counts (hits, fills, host runs per layer) to
-   ``ftjax.cost.step_times``. The modeled mean step time is compared with the measured wall
+   served half of a warm-up decode's routes of the same prompt), each on a fresh engine
+   with an empty (or, for static_hot, pinned) cache, and feeds the engine's own per-step
+   counts (hits, fills, host runs per layer) to ``ftjax.cost.step_times``. The modeled mean step time is compared with the measured wall
    time per decoded token (1 / decode tok/s).
 
 Reported per setting: the ratio modeled / measured (median over rounds) with the profile as

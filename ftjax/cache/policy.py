@@ -121,10 +121,11 @@ _ARGMAX_TOP_K = 16  # up to this k, top_indices runs k argmax passes instead of 
 
 def top_indices(values: jax.Array, k: int) -> jax.Array:
   """Indices of the ``k`` largest of ``values [n]`` (int32 or float32 without NaN), largest
-  first, ties to the lower index: the order of ``lax.top_k``. For small ``k`` it takes ``k`` argmax passes, each
-  masking its pick: on XLA:CPU ``lax.top_k`` sorts, which made it most of a decode step's
-  planning time (8 of 2273 slots: 250 µs vs 30 µs). Entries past the number of values above
-  the dtype's minimum may repeat; callers use only those."""
+  first, ties to the lower index: the order of ``lax.top_k``. For small ``k`` it takes ``k``
+  argmax passes, each masking its pick: on XLA:CPU ``lax.top_k`` sorts, which made it most
+  of a decode step's planning time (8 of 2273 slots: 250 µs vs 30 µs); float keys become
+  order-preserving int32 first (float argmax is ~6x slower). Entries past the number of
+  values above the dtype's minimum may repeat; callers use only those."""
   if k > _ARGMAX_TOP_K:
     return jax.lax.top_k(values, k)[1]
   if values.dtype == jnp.float32:  # argmax over int32 is ~6x faster on XLA:CPU

@@ -208,8 +208,8 @@ class Engine:
       return (np.asarray([conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"]], np.float32),
               f"profile {o.profile} (concurrent)")
     if self.policy is not None and self.policy.fill_rule == "q*":
-      raise ValueError(f"the {self.policy.name} policy needs bandwidths: pass bandwidths=(B_P, B_H) in "
-                       "GB/s or profile=PATH (write one with `python -m ftjax.profile`)")
+      raise ValueError(f"the {self.policy.name} policy needs bandwidths: pass bandwidths=(B_P, "
+                       "B_H) in GB/s or profile=PATH (write one with `python -m ftjax.profile`)")
     return None, "none (not needed by this policy)"
 
   def _capacity(self, num_slots: int) -> int:
