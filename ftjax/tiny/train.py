@@ -95,8 +95,10 @@ def stdlib_root() -> str:
   return sysconfig.get_paths()["stdlib"]
 
 
-def corpus_files(root: str | None = None) -> tuple[list[str], list[str]]:
-  """(train, held-out) relative paths of the ``.py`` files under ``root``, sorted."""
+def corpus_files(root: str | None = None, heldout_mod: int = TrainConfig.heldout_mod
+                 ) -> tuple[list[str], list[str]]:
+  """(train, held-out) relative paths of the ``.py`` files under ``root``, sorted; a file is
+  held out when the CRC-32 of its relative path is 0 mod ``heldout_mod``."""
   root = root or stdlib_root()
   if not os.path.isdir(root):
     raise FileNotFoundError(f"corpus directory {root} does not exist")
@@ -107,8 +109,8 @@ def corpus_files(root: str | None = None) -> tuple[list[str], list[str]]:
   files.sort()
   if not files:
     raise FileNotFoundError(f"no .py files under {root}: pass --corpus=DIR with Python sources")
-  train = [f for f in files if zlib.crc32(f.encode()) % TrainConfig.heldout_mod != 0]
-  held = [f for f in files if zlib.crc32(f.encode()) % TrainConfig.heldout_mod == 0]
+  train = [f for f in files if zlib.crc32(f.encode()) % heldout_mod != 0]
+  held = [f for f in files if zlib.crc32(f.encode()) % heldout_mod == 0]
   return train, held
 
 
@@ -157,8 +159,6 @@ def unigram_loss(train: np.ndarray, held: np.ndarray, vocab: int) -> float:
 
 
 # ----------------------------------------------------------------------------- training
-
-
 
 
 def loss_fn(params, bank, graphdef, config: ModelConfig, tokens, balance_coef: float):
@@ -226,7 +226,7 @@ def train(out_dir: str, cfg: TrainConfig = TrainConfig(), *, seed: int = 0,
   Returns the training log. ``corpus_bytes`` caps the text read (smoke tests)."""
   t0 = time.perf_counter()
   root = corpus or stdlib_root()
-  train_files, held_files = corpus_files(root)
+  train_files, held_files = corpus_files(root, cfg.heldout_mod)
   train_texts = read_texts(root, train_files, corpus_bytes)
   held_texts = read_texts(root, held_files, None if corpus_bytes is None else corpus_bytes // 4)
   log.write(f"corpus: {root}: {len(train_texts)} train files "
