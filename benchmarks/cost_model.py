@@ -24,7 +24,7 @@ and the host kernel are added, since the same two cores run both), and the same 
 the GPU machines' assumption that the two paths overlap (``ratio_overlap``): the settings
 that split a layer's experts between slots and the host show the difference.
 
-  /work/venv/bin/python benchmarks/cost_model.py        # ~5 min on 2 cores
+  /work/venv/bin/python benchmarks/cost_model.py        # ~3 min on 2 cores
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Every policy in ``ftjax.cache.POLICIES`` at 10 cache fractions under every profi
 rate and modeled tok/s per profile; extra synthetic seeds check that the difference is not
 one seed's. Writes ``results/sweep/`` (CSV, plots, summary) and ``results/sweep.json``.
 
-  /work/venv/bin/python benchmarks/sweep.py      # ~15 min on 2 cores
+  /work/venv/bin/python benchmarks/sweep.py      # ~9 min on 2 cores
 """
 
 from __future__ import annotations
