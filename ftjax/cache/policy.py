@@ -179,10 +179,11 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     return jnp.where(score > 0, jnp.log(jnp.maximum(score, 1e-30)) +
                      (clock - stamp).astype(jnp.float32) * log_decay_tick, _NEVER)
 
-  prev_value = log_value(cache.expert_score[layer], cache.expert_stamp[layer])  # [E]
+  lrfu = policy.replacement == "lrfu"  # the other policies never read or write the scores
+  prev_value = log_value(cache.expert_score[layer], cache.expert_stamp[layer]) if lrfu else None
 
   if q_max:
-    if policy.replacement == "lrfu":
+    if lrfu:
       # Highest-valued misses first; lowest-valued slots (empty first) are the victims.
       fill_cand = top_indices(jnp.where(miss, prev_value, -jnp.inf), q_max)
       flat_owner = jnp.maximum(cache.owner, 0)
@@ -222,7 +223,7 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
       jnp.where(selected, clock, cache.expert_stamp[layer]))
   expert_count = cache.expert_count.at[layer].add(selected.astype(jnp.int32))
   expert_score = cache.expert_score
-  if policy.replacement == "lrfu":
+  if lrfu:
     expert_score = expert_score.at[layer].set(jnp.where(
         selected, jnp.exp(jnp.logaddexp(prev_value, 0.0)), expert_score[layer]))
   new_slot_of_l = slot_of[layer]

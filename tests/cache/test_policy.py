@@ -133,13 +133,31 @@ def test_invariants_hold_on_random_streams(stream, slots, policy, b_p, b_h):
     for (t, k), s in np.ndenumerate(rs):
       if s >= 0:
         assert int(cache.owner[s]) == layer * 8 + int(ids[t, k])
-    # Victims are the least recently used of the slots this step did not use.
+    # Victims are the lowest-ranked of the slots this step did not use: least recently used,
+    # or for LRFU, lowest decayed count (empty slots first in both).
     filled = [s for s in np.asarray(p.fill_slot) if s >= 0]
     if filled:
       unused = [s for s in range(slots) if s not in
                 {int(before.slot_of[layer, e]) for e in hits}]
-      stamps = sorted(int(before.slot_stamp[s]) for s in unused)
-      assert sorted(int(before.slot_stamp[s]) for s in filled) == stamps[:len(filled)]
+      if PolicyConfig(policy).replacement == "lrfu":
+        rank = {s: _lrfu_log_value(before, s, PolicyConfig(policy).decay) for s in unused}
+        want = sorted(rank.values())[:len(filled)]
+        np.testing.assert_allclose(sorted(rank[s] for s in filled), want, rtol=1e-5)
+      else:
+        stamps = sorted(int(before.slot_stamp[s]) for s in unused)
+        assert sorted(int(before.slot_stamp[s]) for s in filled) == stamps[:len(filled)]
+
+
+def _lrfu_log_value(cache, slot, decay):
+  """log(score · decay^(steps since its last selection)) of a slot's owner, at the next
+  clock (the one the plan runs at); -inf for an empty slot. float64 reference."""
+  owner = int(cache.owner[slot])
+  if owner < 0:
+    return -np.inf
+  layers, experts = cache.slot_of.shape
+  score = float(cache.expert_score.reshape(-1)[owner])
+  age = int(cache.clock) + 1 - int(cache.expert_stamp.reshape(-1)[owner])
+  return np.log(score) + age * np.log(decay) / layers
 
 
 @settings(max_examples=15, deadline=None)
