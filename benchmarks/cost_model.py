@@ -7,7 +7,7 @@ generated once into ``--model_dir``). Each of ``--rounds`` alternating rounds:
    and turns it into a ``HardwareProfile``: b_p = slot fill, b_h = host expert kernel,
    device_bw = read ceiling;
 2. calibrates the two fixed overheads from ONE setting, a cpu_only decode
-   (``ftjax.runtime.profile.measure_overheads``): the forward time of each step minus the
+   (``ftjax.research.calibrate.measure_overheads``): the forward time of each step minus the
    modeled time of its bytes, averaged and divided over the layers, is ``layer_overhead_s``;
    the wall time per token outside the forward (sampling, the host loop) is
    ``step_overhead_s``;
@@ -15,7 +15,7 @@ generated once into ``--model_dir``). Each of ``--rounds`` alternating rounds:
    freetoken and lru_fill at each cache fraction, and static_hot pinning the experts that
    served half of a warm-up decode's routes of the same prompt), each on a fresh engine
    with an empty (or, for static_hot, pinned) cache, and feeds the engine's own per-step
-   counts (hits, fills, host runs per layer) to ``ftjax.cost.step_times``. The modeled mean step time is compared with the measured wall
+   counts (hits, fills, host runs per layer) to ``ftjax.research.cost.step_times``. The modeled mean step time is compared with the measured wall
    time per decoded token (1 / decode tok/s).
 
 Reported per setting: the ratio modeled / measured (median over rounds) with the profile as
@@ -43,13 +43,14 @@ from common import machine_info, write_results  # noqa: E402
 from decode_e2e import load_bench_model  # noqa: E402
 
 import ftjax  # noqa: E402
-from ftjax import cost  # noqa: E402
+from ftjax.research import cost  # noqa: E402
+from ftjax.research import calibrate  # noqa: E402
 from ftjax.runtime import profile as profile_lib  # noqa: E402
 
 
 def validate(engine: ftjax.Engine, hw: cost.HardwareProfile, shape: cost.ModelShape,
              prompt: list[int], tokens: int) -> dict:
-  run = profile_lib.decode_counts(engine, prompt, tokens)
+  run = calibrate.decode_counts(engine, prompt, tokens)
   counts = (run["hits"], run["fills"], run["host"])
   modeled = float(np.mean(cost.step_times(hw, shape, *counts)))  # paths added (CPU profile)
   overlap = float(np.mean(cost.step_times(dataclasses.replace(hw, paths_overlap=True), shape,
@@ -107,9 +108,9 @@ def main() -> None:
   for r in range(args.rounds):
     measured = profile_lib.measure(model.bank, expert, rounds=3, calls=40, show_progress=False)
     profile_lib.save_profile(measured, profile_path)  # the q* rule's bandwidths (freetoken)
-    bare = profile_lib.hardware_profile(measured, "this-machine")
-    over = profile_lib.measure_overheads(model, bare, tokens=args.tokens, seed=r)
-    hw = profile_lib.hardware_profile(
+    bare = calibrate.hardware_profile(measured, "this-machine")
+    over = calibrate.measure_overheads(model, bare, tokens=args.tokens, seed=r)
+    hw = calibrate.hardware_profile(
         measured, "this-machine", layer_overhead_s=over["layer_overhead_s"],
         step_overhead_s=over["step_overhead_s"],
         source=f"overheads calibrated from {over['steps']} cpu_only decode steps of {model.path}")

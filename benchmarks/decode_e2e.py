@@ -35,7 +35,7 @@ from common import machine_info, write_results  # noqa: E402
 import ftjax  # noqa: E402
 from ftjax.formats import ftw  # noqa: E402
 from ftjax.model.config import ModelConfig  # noqa: E402
-from ftjax.runtime.model import abstract_params  # noqa: E402
+from ftjax.model import abstract_params  # noqa: E402
 from ftjax.utils.progress import Progress  # noqa: E402
 
 LLAMA_CPP_DECODE_TOK_S = 52.0  # issue 3: llama.cpp BF16, 2 threads, this shape, these machines

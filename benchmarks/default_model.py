@@ -5,7 +5,7 @@ each next to a random-initialised model of the same shape (the numbers of its mo
 Routing is compared on the same natural code: the first ``--tokens`` tokens of the first
 ``--sequences`` held-out files of the training corpus (files the model never trained on), run
 through the trained model, its random initialisation, and compared with routing drawn
-uniformly at random; ``ftjax.routing_stats`` over all of them (sequences concatenated, one
+uniformly at random; ``ftjax.research.routing_stats`` over all of them (sequences concatenated, one
 step per token).
 
   /work/venv/bin/python benchmarks/default_model.py      # ~2 min on 2 cores
@@ -25,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_results  # noqa: E402
 
 import ftjax  # noqa: E402
-from ftjax import routing_stats  # noqa: E402
+from ftjax.research import routing_stats  # noqa: E402
 from ftjax.runtime import model as model_lib  # noqa: E402
 from ftjax.runtime.tokenizer import load_tokenizer  # noqa: E402
-from ftjax.tiny import DEFAULT_MODEL_DIR, train  # noqa: E402
-from ftjax.traces import Trace  # noqa: E402
+from ftjax.assets import DEFAULT_MODEL_DIR
+from ftjax.tiny import train  # noqa: E402
+from ftjax.research.traces import Trace  # noqa: E402
 
 SAMPLE_PROMPTS = ("def fibonacci(n):", "class Stack:\n    def __init__(self):",
                   "def read_lines(path):\n    with open(path) as f:")
@@ -39,7 +40,7 @@ def routing_of(model, sequences) -> Trace:
   engine = ftjax.Engine(model, kernels="xla", record_routing=True)
   for seq in sequences:
     engine.forward_logits(seq)
-  return engine.routing_trace()
+  return Trace.from_engine(engine)
 
 
 def main():

@@ -1,13 +1,13 @@
 """The committed cache sweep: policies x cache sizes x hardware profiles, modeled decode speed.
 
-Two traces, both replayed through the engine's own plan functions (``ftjax.sweep``):
+Two traces, both replayed through the engine's own plan functions (``ftjax.research.sweep``):
 
-* ``synthetic-qwen3-30b-a3b``: ``ftjax.synthetic.qwen3_30b_a3b()`` (calibrated to published
+* ``synthetic-qwen3-30b-a3b``: ``ftjax.research.synthetic.qwen3_30b_a3b()`` (calibrated to published
   Qwen3-30B-A3B routing statistics), 2100 decode steps x 48 layers = 100,800 layer-steps,
   modeled with ``configs/models/qwen3-30b-a3b.json``;
 * ``default-model``: routing captured from the embedded trained model (``python -m
   ftjax.decode``'s default) generating from Python prompts, modeled with its own shapes.
-  The capture is also written to ``ftjax/assets/default_trace.npz``, the default input of
+  The capture is also written to ``src/ftjax/assets/default_trace.npz``, the default input of
   ``python -m ftjax.sweep``.
 
 Every policy in ``ftjax.cache.POLICIES`` at 10 cache fractions under every profile in
@@ -32,9 +32,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, machine_info, write_results  # noqa: E402
 
-from ftjax import sweep, synthetic  # noqa: E402
+from ftjax.research import sweep, synthetic  # noqa: E402
 from ftjax.cache import POLICIES  # noqa: E402
-from ftjax.cost import ModelShape  # noqa: E402
+from ftjax.research.cost import ModelShape  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ("def fibonacci(n):", "import os\n\n\ndef list_files(path):",
@@ -47,8 +47,8 @@ def capture_default_trace(tokens_per_prompt: int, out_path: str):
   model from ``PROMPTS``, routing recorded, concatenated into one trace."""
   import ftjax  # noqa: PLC0415
   from ftjax.runtime.tokenizer import load_tokenizer  # noqa: PLC0415
-  from ftjax.tiny import DEFAULT_MODEL_DIR  # noqa: PLC0415
-  from ftjax.traces import Trace  # noqa: PLC0415
+  from ftjax.assets import DEFAULT_MODEL_DIR  # noqa: PLC0415
+  from ftjax.research.traces import Trace  # noqa: PLC0415
   model = ftjax.load(DEFAULT_MODEL_DIR)
   tok = load_tokenizer(model.path, model.config.vocab_size)
   parts = []
@@ -56,7 +56,7 @@ def capture_default_trace(tokens_per_prompt: int, out_path: str):
     engine = ftjax.Engine(model, kernels="xla", record_routing=True)
     engine.generate(tok.encode(prompt), tokens_per_prompt, greedy=False, temperature=0.8,
                     top_p=0.95, seed=i)
-    parts.append(engine.routing_trace())
+    parts.append(Trace.from_engine(engine))
   trace = Trace.from_arrays(
       np.concatenate([p.ids for p in parts]), np.concatenate([p.weights for p in parts]),
       parts[0].num_experts, phase=np.concatenate([p.phase for p in parts]),
@@ -109,7 +109,7 @@ def main():
 
   t0 = time.perf_counter()
   captured = capture_default_trace(args.capture_tokens,
-                                   os.path.join(REPO, "ftjax", "assets", "default_trace.npz"))
+                                   os.path.join(REPO, "src", "ftjax", "assets", "default_trace.npz"))
   capture_s = time.perf_counter() - t0
   ctraces = {"default-model": captured}
   cshapes = {"default-model": sweep.trace_shape(captured, None)}

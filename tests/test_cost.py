@@ -1,4 +1,4 @@
-"""The decode cost model (ftjax.cost): hand-worked arithmetic, shapes of real models checked
+"""The decode cost model (ftjax.research.cost): hand-worked arithmetic, shapes of real models checked
 against parameter counts, hardware profile files and their errors."""
 
 import dataclasses
@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from ftjax import cost
-from ftjax.cost import HardwareProfile, ModelShape
+from ftjax.research import cost
+from ftjax.research.cost import HardwareProfile, ModelShape
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 HARDWARE_FILES = sorted(glob.glob(os.path.join(CONFIGS, "hardware", "*.yaml")))

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from ftjax import routing_stats
-from ftjax.traces import Trace
+from ftjax.research import routing_stats
+from ftjax.research.traces import Trace
 
 
 def _trace(ids, num_experts=4, phase=None):

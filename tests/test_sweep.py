@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from ftjax import cost, sweep, synthetic
+from ftjax.research import cost, sweep, synthetic
 from ftjax.cache import POLICIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +95,7 @@ def test_csv_and_plots(rows, tmp_path):
 
 
 def _cli(*args, cwd):
-  return subprocess.run([sys.executable, "-m", "ftjax.sweep", *args], cwd=cwd,
+  return subprocess.run([sys.executable, "-m", "ftjax.research.sweep", *args], cwd=cwd,
                         capture_output=True, text=True, timeout=600)
 
 

@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from ftjax import routing_stats, synthetic
-from ftjax.traces import Trace
+from ftjax.research import routing_stats, synthetic
+from ftjax.research.traces import Trace
 
 OVERLAP_MEAN = 0.427
 OVERLAP_ANCHORS = {0: 0.08, 7: 0.60, 47: 0.21}

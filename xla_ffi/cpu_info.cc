@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 
 #include "cpu_isa.h"
 #include "ffi_util.h"
@@ -19,13 +20,15 @@ namespace ffi = xla::ffi;
 namespace ftjax {
 namespace {
 
+// The FFI target name, which prefixes every error message.
+constexpr std::string_view kOp = "ftjax_cpu_info";
+
 ffi::Error CpuInfoImpl(ffi::ThreadPool xla_pool, ffi::ResultBuffer<ffi::S32> info) {
   if (info->dimensions().size() != 1 || info->dimensions()[0] != 4) {
-    return ffi::Error::InvalidArgument("ftjax_cpu_info: result must be [4], got " +
-                                       ShapeString(info->dimensions()));
+    return InvalidArgument(kOp, "result must be [4], got " + ShapeString(info->dimensions()));
   }
   const HostSetup setup = ChooseHostSetup(&xla_pool);
-  if (!setup.error.empty()) return ffi::Error::InvalidArgument("ftjax_cpu_info: " + setup.error);
+  if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
   int32_t in_use = 0;
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (std::strcmp(setup.kernels->name, IsaName(isa)) == 0) in_use = static_cast<int32_t>(isa);

@@ -1,4 +1,6 @@
-// ftjax_dense: y = x @ w.T for a dense weight w [N, K] ([out, in], bf16 or float32) on the host.
+// ftjax_dense: y = x @ w.T for a dense weight w [O, C] ([out, in], bf16 or float32) on the host.
+// (O output features, C contracted inputs: the package glossary keeps K for top-k, N for slots;
+// the code below names them N and K as a GEMM does.)
 //
 //   y[t, n] = sum_k x[t, k] * w[n, k]
 //
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -86,35 +89,34 @@ void Dense(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const We
 // ---------------------------------------------------------------------------------------------
 // FFI implementation.
 
-ffi::Error InvalidArgument(const std::string& message) {
-  return ffi::Error::InvalidArgument("ftjax_dense: " + message);
-}
+// The FFI target name, which prefixes every error message.
+constexpr std::string_view kOp = "ftjax_dense";
 
 ffi::Error DenseImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                      bool bf16_activations, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) {
-    return InvalidArgument("x must be 2-D [T, K], got shape " + ShapeString(x_dims));
+    return InvalidArgument(kOp, "x must be 2-D [T, C], got shape " + ShapeString(x_dims));
   }
   const int64_t T = x_dims[0], K = x_dims[1];
   const auto w_dims = w.dimensions();
   if (w_dims.size() != 2 || w_dims[1] != K) {
-    return InvalidArgument("w must be [N, K] with K = " + std::to_string(K) +
-                           " from x, got shape " + ShapeString(w_dims));
+    return InvalidArgument(kOp, "w must be [O, C] with C = " + std::to_string(K) +
+                                " from x, got shape " + ShapeString(w_dims));
   }
   const ffi::DataType w_dtype = w.element_type();
   if (w_dtype != ffi::DataType::BF16 && w_dtype != ffi::DataType::F32) {
-    return InvalidArgument("w must be bfloat16 or float32");
+    return InvalidArgument(kOp, "w must be bfloat16 or float32");
   }
   const int64_t N = w_dims[0];
   const auto y_dims = y->dimensions();
   if (y_dims.size() != 2 || y_dims[0] != T || y_dims[1] != N) {
-    return InvalidArgument("result y must be [T, N] = [" + std::to_string(T) + ", " +
-                           std::to_string(N) + "], got " + ShapeString(y_dims));
+    return InvalidArgument(kOp, "result y must be [T, O] = [" + std::to_string(T) + ", " +
+                                std::to_string(N) + "], got " + ShapeString(y_dims));
   }
 
   const HostSetup setup = ChooseHostSetup(&xla_pool);
-  if (!setup.error.empty()) return InvalidArgument(setup.error);
+  if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
 
   if (w_dtype == ffi::DataType::BF16) {
     Dense(T, N, K, x.typed_data(), w.reinterpret_data<Bf16Bits>(), bf16_activations,
@@ -133,8 +135,8 @@ ffi::Error DenseImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxDense, ftjax::DenseImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()        // XLA's intra-op pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // w [N, K], bf16 or f32
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, C]
+                                  .Arg<ffi::AnyBuffer>()         // w [O, C], bf16 or f32
                                   .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 w
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, O]
 );

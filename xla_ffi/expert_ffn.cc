@@ -43,6 +43,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -404,9 +405,8 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
 // ---------------------------------------------------------------------------------------------
 // FFI implementation: unpack, validate, dispatch on the bank dtype.
 
-ffi::Error InvalidArgument(const std::string& message) {
-  return ffi::Error::InvalidArgument("ftjax_expert_ffn: " + message);
-}
+// The FFI target name, which prefixes every error message.
+constexpr std::string_view kOp = "ftjax_expert_ffn";
 
 ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
@@ -414,58 +414,58 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
                          bool bf16_activations, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) {
-    return InvalidArgument("x must be 2-D [T, D], got shape " + ShapeString(x_dims));
+    return InvalidArgument(kOp, "x must be 2-D [T, D], got shape " + ShapeString(x_dims));
   }
   const int64_t T = x_dims[0], D = x_dims[1];
 
   const auto ids_dims = ids.dimensions();
   if (ids_dims.size() != 2 || ids_dims[0] != T) {
-    return InvalidArgument("ids must be [T, K] with T = " + std::to_string(T) +
-                           " from x, got shape " + ShapeString(ids_dims));
+    return InvalidArgument(kOp, "ids must be [T, K] with T = " + std::to_string(T) +
+                                " from x, got shape " + ShapeString(ids_dims));
   }
   const int64_t K = ids_dims[1];
 
   const auto weights_dims = weights.dimensions();
   if (weights_dims.size() != 2 || weights_dims[0] != T || weights_dims[1] != K) {
-    return InvalidArgument("weights must be [T, K] = " + ShapeString(ids_dims) +
-                           " like ids, got shape " + ShapeString(weights_dims));
+    return InvalidArgument(kOp, "weights must be [T, K] = " + ShapeString(ids_dims) +
+                                " like ids, got shape " + ShapeString(weights_dims));
   }
 
   const auto bank_dims = bank.dimensions();
   if (bank_dims.size() != 3) {
-    return InvalidArgument("bank must be 3-D [L, E, P], got shape " + ShapeString(bank_dims));
+    return InvalidArgument(kOp, "bank must be 3-D [L, E, P], got shape " + ShapeString(bank_dims));
   }
   const ffi::DataType bank_dtype = bank.element_type();
   if (bank_dtype != ffi::DataType::BF16 && bank_dtype != ffi::DataType::F32) {
-    return InvalidArgument("bank must be bfloat16 or float32");
+    return InvalidArgument(kOp, "bank must be bfloat16 or float32");
   }
   const int64_t L = bank_dims[0], E = bank_dims[1], P = bank_dims[2];
 
   if (ffn_dim <= 0) {
-    return InvalidArgument("ffn_dim must be positive, got " + std::to_string(ffn_dim));
+    return InvalidArgument(kOp, "ffn_dim must be positive, got " + std::to_string(ffn_dim));
   }
   // P >= 3 * F * D, written so that a huge ffn_dim cannot overflow.
   if (D > 0 && ffn_dim > P / (3 * D)) {
-    return InvalidArgument("bank's last dimension P = " + std::to_string(P) +
-                           " is smaller than 3 * ffn_dim * D = 3 * " + std::to_string(ffn_dim) +
-                           " * " + std::to_string(D));
+    return InvalidArgument(kOp, "bank's last dimension P = " + std::to_string(P) +
+                                " is smaller than 3 * ffn_dim * D = 3 * " +
+                                std::to_string(ffn_dim) + " * " + std::to_string(D));
   }
 
   if (layer.dimensions().size() != 0) {
-    return InvalidArgument("layer must be an int32 scalar, got shape " +
-                           ShapeString(layer.dimensions()));
+    return InvalidArgument(kOp, "layer must be an int32 scalar, got shape " +
+                                ShapeString(layer.dimensions()));
   }
   // Host platform: operands live in host memory, so the scalar can be read directly.
   const int64_t layer_index = *layer.typed_data();
   if (layer_index < 0 || layer_index >= L) {
-    return InvalidArgument("layer = " + std::to_string(layer_index) +
-                           " is outside [0, L) with L = " + std::to_string(L));
+    return InvalidArgument(kOp, "layer = " + std::to_string(layer_index) +
+                                " is outside [0, L) with L = " + std::to_string(L));
   }
 
   const auto y_dims = y->dimensions();
   if (y_dims.size() != 2 || y_dims[0] != T || y_dims[1] != D) {
-    return InvalidArgument("result y must have x's shape " + ShapeString(x_dims) + ", got " +
-                           ShapeString(y_dims));
+    return InvalidArgument(kOp, "result y must have x's shape " + ShapeString(x_dims) + ", got " +
+                                ShapeString(y_dims));
   }
 
   const int32_t* ids_tk = ids.typed_data();
@@ -473,15 +473,15 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
     for (int64_t k = 0; k < K; ++k) {
       const int32_t expert = ids_tk[t * K + k];
       if (expert < -1 || expert >= E) {
-        return InvalidArgument("ids[" + std::to_string(t) + ", " + std::to_string(k) + "] = " +
-                               std::to_string(expert) + " is outside [-1, E) with E = " +
-                               std::to_string(E));
+        return InvalidArgument(kOp, "ids[" + std::to_string(t) + ", " + std::to_string(k) +
+                                    "] = " + std::to_string(expert) +
+                                    " is outside [-1, E) with E = " + std::to_string(E));
       }
     }
   }
 
   const HostSetup setup = ChooseHostSetup(&xla_pool);
-  if (!setup.error.empty()) return InvalidArgument(setup.error);
+  if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
 
   const ExpertFfnDims dims{T, D, K, ffn_dim, E, P};
   const int64_t layer_offset = layer_index * E * P;

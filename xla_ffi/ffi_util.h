@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "cpu_isa.h"
 #include "thread_pool.h"
@@ -12,6 +14,7 @@
 
 namespace ftjax {
 
+// "[2, 3]": a shape for error messages.
 inline std::string ShapeString(xla::ffi::Span<const int64_t> dims) {
   std::string text = "[";
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -19,6 +22,15 @@ inline std::string ShapeString(xla::ffi::Span<const int64_t> dims) {
     text += std::to_string(dims[i]);
   }
   return text + "]";
+}
+
+// The InvalidArgument error of a handler: "<op>: <message>", where `op` is the op's FFI target
+// name (each handler's kOp, e.g. "ftjax_dense"). The Python tests match on these texts.
+inline xla::ffi::Error InvalidArgument(std::string_view op, std::string_view message) {
+  std::string text(op);
+  text += ": ";
+  text += message;
+  return xla::ffi::Error::InvalidArgument(std::move(text));
 }
 
 // What one handler call runs with: the ISA's kernels (FTJAX_ISA) and the threads

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -20,6 +21,9 @@ namespace ffi = xla::ffi;
 
 namespace ftjax {
 namespace {
+
+// The FFI target name, which prefixes every error message.
+constexpr std::string_view kOp = "ftjax_peak_probe";
 
 // Returns the checksum; *flops is the number of multiply-add flops done.
 float PeakProbe(int64_t tasks, int64_t iterations, const KernelTable& kernels,
@@ -38,14 +42,13 @@ float PeakProbe(int64_t tasks, int64_t iterations, const KernelTable& kernels,
 ffi::Error PeakProbeImpl(ffi::ThreadPool xla_pool, int64_t tasks, int64_t iterations,
                          ffi::ResultBuffer<ffi::F32> out) {
   if (tasks < 1 || iterations < 1) {
-    return ffi::Error::InvalidArgument("ftjax_peak_probe: tasks and iterations must be positive");
+    return InvalidArgument(kOp, "tasks and iterations must be positive");
   }
   if (out->dimensions().size() != 1 || out->dimensions()[0] != 2) {
-    return ffi::Error::InvalidArgument("ftjax_peak_probe: result must be [2], got " +
-                                       ShapeString(out->dimensions()));
+    return InvalidArgument(kOp, "result must be [2], got " + ShapeString(out->dimensions()));
   }
   const HostSetup setup = ChooseHostSetup(&xla_pool);
-  if (!setup.error.empty()) return ffi::Error::InvalidArgument("ftjax_peak_probe: " + setup.error);
+  if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
   double flops = 0.0;
   out->typed_data()[0] = PeakProbe(tasks, iterations, *setup.kernels, setup.workers, &flops);
   out->typed_data()[1] = static_cast<float>(flops);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -20,6 +21,9 @@ namespace ffi = xla::ffi;
 
 namespace ftjax {
 namespace {
+
+// The FFI target name, which prefixes every error message.
+constexpr std::string_view kOp = "ftjax_read_probe";
 
 constexpr int64_t kChunkWords = int64_t{1} << 18;  // 1 MiB per task
 
@@ -49,11 +53,11 @@ uint32_t ReadProbe(const unsigned char* data, int64_t n_bytes, const KernelTable
 ffi::Error ReadProbeImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer buffer,
                          ffi::ResultBuffer<ffi::U32> checksum) {
   if (checksum->dimensions().size() != 0) {
-    return ffi::Error::InvalidArgument("ftjax_read_probe: result checksum must be a scalar, got " +
-                                       ShapeString(checksum->dimensions()));
+    return InvalidArgument(kOp, "result checksum must be a scalar, got " +
+                                ShapeString(checksum->dimensions()));
   }
   const HostSetup setup = ChooseHostSetup(&xla_pool);
-  if (!setup.error.empty()) return ffi::Error::InvalidArgument("ftjax_read_probe: " + setup.error);
+  if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
   *checksum->typed_data() =
       ReadProbe(static_cast<const unsigned char*>(buffer.untyped_data()),
                 static_cast<int64_t>(buffer.size_bytes()), *setup.kernels, setup.workers);

@@ -20,8 +20,10 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "ffi_util.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -62,18 +64,8 @@ void SlotFill(const SlotFillDims& dims, const std::byte* bank, const int32_t* sr
 // ---------------------------------------------------------------------------------------------
 // FFI implementation: unpack, validate, copy.
 
-std::string ShapeString(ffi::Span<const int64_t> dims) {
-  std::string text = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(dims[i]);
-  }
-  return text + "]";
-}
-
-ffi::Error InvalidArgument(const std::string& message) {
-  return ffi::Error::InvalidArgument("ftjax_slot_fill: " + message);
-}
+// The FFI target name, which prefixes every error message.
+constexpr std::string_view kOp = "ftjax_slot_fill";
 
 // Sub-byte types may be packed several to a byte, so "P elements" is not a whole number of
 // bytes; every other type is copied as raw bytes whatever it holds.
@@ -98,44 +90,44 @@ ffi::Error SlotFillImpl(ffi::AnyBuffer slots, ffi::AnyBuffer bank, ffi::Buffer<f
                         ffi::Buffer<ffi::S32> dst, ffi::Result<ffi::AnyBuffer> slots_out) {
   const auto slots_dims = slots.dimensions();
   if (slots_dims.size() != 2) {
-    return InvalidArgument("slots must be 2-D [N, P], got shape " + ShapeString(slots_dims));
+    return InvalidArgument(kOp, "slots must be 2-D [N, P], got shape " + ShapeString(slots_dims));
   }
   const int64_t N = slots_dims[0], P = slots_dims[1];
 
   const auto bank_dims = bank.dimensions();
   if (bank_dims.size() != 3) {
-    return InvalidArgument("bank must be 3-D [L, E, P], got shape " + ShapeString(bank_dims));
+    return InvalidArgument(kOp, "bank must be 3-D [L, E, P], got shape " + ShapeString(bank_dims));
   }
   const int64_t L = bank_dims[0], E = bank_dims[1];
   if (bank_dims[2] != P) {
-    return InvalidArgument("bank must be [L, E, P] with P = " + std::to_string(P) +
-                           " from slots, got shape " + ShapeString(bank_dims));
+    return InvalidArgument(kOp, "bank must be [L, E, P] with P = " + std::to_string(P) +
+                                " from slots, got shape " + ShapeString(bank_dims));
   }
   const ffi::DataType dtype = slots.element_type();
   if (bank.element_type() != dtype) {
-    return InvalidArgument("bank must have the dtype of slots");
+    return InvalidArgument(kOp, "bank must have the dtype of slots");
   }
   if (!HasWholeBytes(dtype)) {
-    return InvalidArgument("slots and bank must have a dtype of one or more whole bytes");
+    return InvalidArgument(kOp, "slots and bank must have a dtype of one or more whole bytes");
   }
 
   const auto src_dims = src.dimensions();
   if (src_dims.size() != 2 || src_dims[1] != 2) {
-    return InvalidArgument("src must be [M, 2] (layer, expert) pairs, got shape " +
-                           ShapeString(src_dims));
+    return InvalidArgument(kOp, "src must be [M, 2] (layer, expert) pairs, got shape " +
+                                ShapeString(src_dims));
   }
   const int64_t M = src_dims[0];
   const auto dst_dims = dst.dimensions();
   if (dst_dims.size() != 1 || dst_dims[0] != M) {
-    return InvalidArgument("dst must be [M] with M = " + std::to_string(M) +
-                           " from src, got shape " + ShapeString(dst_dims));
+    return InvalidArgument(kOp, "dst must be [M] with M = " + std::to_string(M) +
+                                " from src, got shape " + ShapeString(dst_dims));
   }
 
   const auto out_dims = slots_out->dimensions();
   if (slots_out->element_type() != dtype || out_dims.size() != 2 || out_dims[0] != N ||
       out_dims[1] != P) {
-    return InvalidArgument("result must have the shape and dtype of slots " +
-                           ShapeString(slots_dims) + ", got shape " + ShapeString(out_dims));
+    return InvalidArgument(kOp, "result must have the shape and dtype of slots " +
+                                ShapeString(slots_dims) + ", got shape " + ShapeString(out_dims));
   }
 
   // Host platform: the plan lives in host memory and can be read directly. Every row is
@@ -147,24 +139,24 @@ ffi::Error SlotFillImpl(ffi::AnyBuffer slots, ffi::AnyBuffer bank, ffi::Buffer<f
     const int32_t slot = dst_m[m];
     if (slot == -1) continue;  // padding: its src is not read and may hold anything
     if (slot < -1 || slot >= N) {
-      return InvalidArgument("dst[" + std::to_string(m) + "] = " + std::to_string(slot) +
-                             " is outside [-1, N) with N = " + std::to_string(N));
+      return InvalidArgument(kOp, "dst[" + std::to_string(m) + "] = " + std::to_string(slot) +
+                                  " is outside [-1, N) with N = " + std::to_string(N));
     }
     int64_t& writer = writer_of_slot[static_cast<size_t>(slot)];
     if (writer != -1) {
-      return InvalidArgument("dst[" + std::to_string(m) + "] = " + std::to_string(slot) +
-                             " repeats dst[" + std::to_string(writer) +
-                             "]: a plan writes each slot at most once");
+      return InvalidArgument(kOp, "dst[" + std::to_string(m) + "] = " + std::to_string(slot) +
+                                  " repeats dst[" + std::to_string(writer) +
+                                  "]: a plan writes each slot at most once");
     }
     writer = m;
     const int32_t layer = src_m2[2 * m], expert = src_m2[2 * m + 1];
     if (layer < 0 || layer >= L) {
-      return InvalidArgument("src[" + std::to_string(m) + ", 0] = " + std::to_string(layer) +
-                             " is outside [0, L) with L = " + std::to_string(L));
+      return InvalidArgument(kOp, "src[" + std::to_string(m) + ", 0] = " + std::to_string(layer) +
+                                  " is outside [0, L) with L = " + std::to_string(L));
     }
     if (expert < 0 || expert >= E) {
-      return InvalidArgument("src[" + std::to_string(m) + ", 1] = " + std::to_string(expert) +
-                             " is outside [0, E) with E = " + std::to_string(E));
+      return InvalidArgument(kOp, "src[" + std::to_string(m) + ", 1] = " + std::to_string(expert) +
+                                  " is outside [0, E) with E = " + std::to_string(E));
     }
   }
 

@@ -11,8 +11,8 @@ import pytest
 import ftjax
 from ftjax.cache import POLICIES
 from ftjax.runtime import model as model_lib
-from ftjax.sweep import belady_misses, replay
-from ftjax.traces import Trace
+from ftjax.research.sweep import belady_misses, replay
+from ftjax.research.traces import Trace
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_replay_gives_the_engines_counts(sharp_model, policy, slots):
   engine = ftjax.Engine(sharp_model, kernels="xla", cache_slots=slots, policy=policy,
                         bandwidths=(10.0, 30.0), record_routing=True)
   engine.generate([7], 24, greedy=False, temperature=1.0, seed=3)  # one token per step
-  trace = engine.routing_trace()
+  trace = Trace.from_engine(engine)
   assert trace.num_steps == 24 and trace.num_layers == 2 and trace.top_k == 2
   steps = engine.stats()["per_step"]
   result = replay(trace, policy, slots, bandwidths=(10.0, 30.0))
@@ -42,11 +42,11 @@ def test_replay_gives_the_engines_counts(sharp_model, policy, slots):
 def test_capture_without_a_cache_and_with_prefill(sharp_model):
   engine = ftjax.Engine(sharp_model, kernels="xla", record_routing=True)
   engine.generate([1, 2, 3, 4, 5], 4)
-  trace = engine.routing_trace()
+  trace = Trace.from_engine(engine)
   assert trace.num_steps == 5 + 3 and trace.phase.tolist() == [0] * 5 + [1] * 3
   assert np.all(trace.ids >= 0) and np.allclose(trace.weights.sum(-1), 1.0, atol=1e-5)
   with pytest.raises(ValueError, match="record_routing=True"):
-    ftjax.Engine(sharp_model).routing_trace()
+    Trace.from_engine(ftjax.Engine(sharp_model))
 
 
 def _random_trace(seed, steps=60, layers=3, experts=8, k=2, skew=1.5):

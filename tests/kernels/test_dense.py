@@ -118,9 +118,9 @@ PYTHON_ERRORS = {
   "x_not_array": (dict(x=[1.0, 2.0]), "x must be an array"),
   "x_scalar": (dict(x=np.float32(1)), "x must have at least 1 dimension"),
   "x_not_float32": (dict(x=np.zeros((2, 4), np.float64)), "x must be float32"),
-  "w_not_2d": (dict(w=np.zeros((3, 2, 4), np.float32)), "w must be 2-D [N, K]"),
+  "w_not_2d": (dict(w=np.zeros((3, 2, 4), np.float32)), "w must be 2-D [O, C]"),
   "w_dtype": (dict(w=np.zeros((3, 4), np.int8)), "w must be bfloat16 or float32"),
-  "w_wrong_k": (dict(w=np.zeros((3, 5), np.float32)), "w must be [N, K] with K = 4"),
+  "w_wrong_k": (dict(w=np.zeros((3, 5), np.float32)), "w must be [O, C] with C = 4"),
   "bf16_activations_not_bool": (dict(bf16_activations="yes"), "bf16_activations must be a bool"),
 }
 
@@ -143,12 +143,12 @@ def call_kernel_directly(x, w, result_shape):
 KERNEL_ERRORS = {
   "x_not_2d": (
     dict(x=np.zeros((1, 2, 4), np.float32)),
-    "x must be 2-D [T, K], got shape [1, 2, 4]",
+    "x must be 2-D [T, C], got shape [1, 2, 4]",
   ),
-  "w_wrong_k": (dict(w=np.zeros((3, 5), np.float32)), "w must be [N, K] with K = 4 from x"),
-  "w_not_2d": (dict(w=np.zeros((3,), np.float32)), "w must be [N, K] with K = 4 from x"),
+  "w_wrong_k": (dict(w=np.zeros((3, 5), np.float32)), "w must be [O, C] with C = 4 from x"),
+  "w_not_2d": (dict(w=np.zeros((3,), np.float32)), "w must be [O, C] with C = 4 from x"),
   "w_dtype": (dict(w=np.zeros((3, 4), np.int32)), "w must be bfloat16 or float32"),
-  "result_shape": (dict(result_shape=(2, 4)), "result y must be [T, N] = [2, 3], got [2, 4]"),
+  "result_shape": (dict(result_shape=(2, 4)), "result y must be [T, O] = [2, 3], got [2, 4]"),
 }
 
 

@@ -14,7 +14,8 @@ import ftjax
 from ftjax.formats import ftw
 from ftjax.runtime.decode import run_decode
 from ftjax.runtime.tokenizer import load_tokenizer
-from ftjax.tiny import DEFAULT_MODEL_DIR, train
+from ftjax.assets import DEFAULT_MODEL_DIR
+from ftjax.tiny import train
 
 
 def _tokens(text):
@@ -117,7 +118,7 @@ def test_hf_dir_with_tokenizer_json(hf_checkpoints, tmp_path, monkeypatch):
 
 
 def test_trace_out_writes_a_routing_trace(tmp_path):
-  from ftjax.traces import Trace  # noqa: PLC0415
+  from ftjax.research.traces import Trace  # noqa: PLC0415
   path = tmp_path / "trace.npz"
   proc = _run("--max_new_tokens=6", "--greedy", f"--trace_out={path}", cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import ftjax
-from ftjax.cost import HardwareProfile
+from ftjax.research.cost import HardwareProfile
 from ftjax.runtime import model as model_lib
+from ftjax.research import calibrate
 from ftjax.runtime import profile as profile_lib
 
 
@@ -61,7 +62,7 @@ def test_cli_writes_a_profile(tmp_path):
 
 def test_hardware_profile_takes_the_separate_measurements(small_profile):
   _, _, prof = small_profile
-  hw = profile_lib.hardware_profile(prof, "here", layer_overhead_s=1e-4, step_overhead_s=2e-4)
+  hw = calibrate.hardware_profile(prof, "here", layer_overhead_s=1e-4, step_overhead_s=2e-4)
   assert (hw.b_p, hw.b_h, hw.device_bw) == (prof["b_p_gb_s"], prof["b_h_gb_s"], prof["read_gb_s"])
   assert (hw.layer_overhead_s, hw.step_overhead_s) == (1e-4, 2e-4) and hw.device_memory_gb > 0
   assert "CPU backend" in hw.source and prof["host"] in hw.source
@@ -70,7 +71,7 @@ def test_hardware_profile_takes_the_separate_measurements(small_profile):
 def test_overheads_are_the_measured_time_the_bytes_do_not_explain(small_profile, tiny_config):
   _, _, prof = small_profile
   model = model_lib.random_model(tiny_config, seed=0)
-  over = profile_lib.measure_overheads(model, profile_lib.hardware_profile(prof, "here"),
+  over = calibrate.measure_overheads(model, calibrate.hardware_profile(prof, "here"),
                                        tokens=3)
   assert over["steps"] == 3
   # The bytes of a model this small take microseconds; the step takes far longer.

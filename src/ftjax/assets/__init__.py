@@ -1,0 +1,15 @@
+"""Files shipped inside the package: the embedded default model and its routing trace.
+
+``DEFAULT_MODEL_DIR``: the trained default model (FTW directory; its card is
+``ftjax/tiny/README.md``, ``python -m ftjax.tiny.train`` retrains it).
+``DEFAULT_TRACE``: that model's routing trace (``ftjax.traces.Trace``), the default input of
+``python -m ftjax.sweep`` (``benchmarks/sweep.py`` captures it).
+"""
+
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_MODEL_DIR = os.path.join(_HERE, "default_model")
+DEFAULT_TRACE = os.path.join(_HERE, "default_trace.npz")
+
+__all__ = ["DEFAULT_MODEL_DIR", "DEFAULT_TRACE"]

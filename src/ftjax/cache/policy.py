@@ -1,0 +1,291 @@
+"""Cache policies as pure plan functions with static shapes.
+
+For one layer-step, ``plan(cache, layer, ids, bandwidths, policy) -> (new_cache, Plan)``
+decides, for the distinct experts the router selected:
+
+* hits: experts already in a slot (served on the device);
+* fills: misses copied into slots, then served on the device (``q`` of the ``m`` misses);
+* host: the other misses, run in place by the host kernel, never copied.
+
+All policies share this mechanism; a policy is data (``PolicyConfig``: fill rule,
+replacement, preload) registered by name in ``POLICIES``:
+
+* ``freetoken``: ``q`` from the q* rule (DESIGN section 2, ``fill_count``);
+* ``lru_fill``: every miss (a classic expert cache);
+* ``cpu_only``, ``static_hot``, ``static_layers``: none (the cache keeps what it was
+  preloaded with: nothing, a hot set from a routing profile, or whole layers);
+* ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below).
+
+Which misses are filled: the most recently routed before this step (``expert_stamp``), ties
+to the lower expert id. Victims: the least recently used slots not used in this step (empty
+slots first, ties to the lower slot), chosen in one pass for the whole layer-step. Recency
+changes only through router selections (``expert_stamp``) and slot use (``slot_stamp``).
+
+``freetoken_lrfu`` ranks experts by their LRFU value (Lee et al., 2001) instead of recency:
+each selection adds 1 to a count that decays by ``PolicyConfig.decay`` per token step
+(``ExpertCache.expert_score``), so an expert that many recent tokens chose outranks one that
+a single token chose slightly later. It fills the highest-valued misses and evicts the
+lowest-valued slots; how many it fills is freetoken's q*. ``decay -> 0`` approaches LRU.
+``benchmarks/sweep.py`` measures it against ``freetoken`` (results in
+``benchmarks/results/sweep``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import jax.numpy as jnp
+from flax import struct
+
+from ftjax.cache.state import ExpertCache
+
+FILL_RULES = ("q*", "all", "none")  # how many misses a layer-step fills
+REPLACEMENTS = ("lru", "lrfu")  # how fill candidates and victims are ranked
+PRELOADS = ("none", "hot", "layers")  # what the cache holds before the first step
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+  """A cache policy as data (hashable; a jit static argument).
+
+  fill_rule: "q*" (the q* rule from the bandwidths, ``fill_count``), "all" (every miss) or
+    "none" (misses run on the host; the cache keeps what it was preloaded with).
+  replacement: "lru" (recency stamps) or "lrfu" (decayed selection counts, ``decay`` per
+    token step, in (0, 1)).
+  preload: "none" (starts empty), "hot" (the most selected experts of a routing profile,
+    ``hot_experts=``), "layers" (whole layers, first layers first). The engine reads it to
+    build the initial cache, and again after a resize.
+  name: the registry name, for messages and statistics.
+
+  The plan program depends on ``program()`` only: policies that differ only in their preload
+  (``cpu_only``, ``static_hot``, ``static_layers``) share one compiled step.
+  """
+  fill_rule: str
+  replacement: str = "lru"
+  preload: str = "none"
+  decay: float = 0.9
+  name: str | None = None
+
+  def __post_init__(self):
+    for field, value, allowed in (("fill_rule", self.fill_rule, FILL_RULES),
+                                  ("replacement", self.replacement, REPLACEMENTS),
+                                  ("preload", self.preload, PRELOADS)):
+      if value not in allowed:
+        hint = (f"; {value!r} is a policy name: use get_policy({value!r})"
+                if value in POLICIES else "")
+        raise ValueError(f"PolicyConfig {field} must be one of {', '.join(allowed)}, got "
+                         f"{value!r}{hint}")
+    if not 0.0 < self.decay < 1.0:
+      raise ValueError(f"the LRFU decay must be in (0, 1), got {self.decay}")
+
+  def program(self) -> "PolicyConfig":
+    """The part of the policy the plan program depends on (equal programs share a compile)."""
+    decay = self.decay if self.replacement == "lrfu" else 0.9
+    return PolicyConfig(self.fill_rule, self.replacement, "none", decay)
+
+  def __str__(self) -> str:
+    return self.name or f"{self.fill_rule}/{self.replacement}/{self.preload}"
+
+
+# The registry: adding a policy is one entry here plus, for a new rule, its plan code below.
+POLICIES: dict[str, PolicyConfig] = {
+    "freetoken": PolicyConfig("q*", "lru", "none", name="freetoken"),
+    "lru_fill": PolicyConfig("all", "lru", "none", name="lru_fill"),
+    "cpu_only": PolicyConfig("none", "lru", "none", name="cpu_only"),
+    "static_hot": PolicyConfig("none", "lru", "hot", name="static_hot"),
+    "static_layers": PolicyConfig("none", "lru", "layers", name="static_layers"),
+    "freetoken_lrfu": PolicyConfig("q*", "lrfu", "none", name="freetoken_lrfu"),
+}
+
+
+def get_policy(policy: "str | PolicyConfig", **overrides) -> PolicyConfig:
+  """A registered policy by name (``overrides`` replace fields, e.g. ``decay=0.8``), or a
+  ``PolicyConfig`` as given."""
+  if isinstance(policy, PolicyConfig):
+    return dataclasses.replace(policy, **overrides) if overrides else policy
+  if policy not in POLICIES:
+    raise ValueError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+  return dataclasses.replace(POLICIES[policy], **overrides) if overrides else POLICIES[policy]
+
+
+def initial_cache(policy: PolicyConfig, bank: jax.Array, num_slots: int,
+                  capacity: int | None = None, *, hot_experts=None) -> ExpertCache:
+  """The cache a policy starts from (its ``preload``): empty, the ``num_slots`` most selected
+  experts of the routing profile ``hot_experts`` ([L, E] counts), or whole layers (first
+  layers first). ``bank`` [L, E, P] supplies the preloaded blocks (its shape and dtype only
+  when nothing is preloaded)."""
+  layers, experts = bank.shape[0], bank.shape[1]
+  if policy.preload == "hot":
+    if hot_experts is None:
+      raise ValueError(f"the {policy} policy pins the hottest experts of a routing profile: "
+                       "pass hot_experts=counts [L, E] (e.g. engine.routing_counts() of a "
+                       "warm-up run with another policy)")
+    counts = np.asarray(hot_experts, np.float64).reshape(-1)
+    if counts.size != layers * experts:
+      raise ValueError(f"hot_experts must have L·E = {layers * experts} counts, got "
+                       f"{counts.size}")
+    pinned = np.argsort(-counts, kind="stable")[:num_slots]
+    return ExpertCache.preloaded(bank, num_slots, pinned, capacity)
+  if policy.preload == "layers":
+    whole = (num_slots // experts) * experts
+    return ExpertCache.preloaded(bank, num_slots, np.arange(whole), capacity)
+  return ExpertCache.empty(bank.shape, bank.dtype, num_slots, capacity)
+
+
+@struct.dataclass
+class Plan:
+  """What one layer-step does. Shapes are static; Q = min(N, E, T·K)."""
+  route_slot: jax.Array  # [T, K] int32: the slot serving this route on the device, or -1 (host)
+  fill_expert: jax.Array  # [Q] int32: expert (of this layer) to copy into a slot, or -1
+  fill_slot: jax.Array  # [Q] int32: its destination slot, or -1
+  hits: jax.Array  # [] int32: distinct selected experts already cached
+  fills: jax.Array  # [] int32: misses filled (q)
+  host: jax.Array  # [] int32: misses run on the host (m - q)
+
+  @property
+  def misses(self) -> jax.Array:
+    return self.fills + self.host
+
+
+def fill_count(m: jax.Array, b_p: jax.Array, b_h: jax.Array) -> jax.Array:
+  """The q* rule: how many of ``m`` misses to fill, from bandwidths B_P (fill) and B_H (host).
+
+  Balances ``q/B_P = (m - q)/B_res`` with ``B_res = B_H - B_P``: ``q* = m·B_P/B_H``, rounded to
+  the floor or ceiling that minimises ``max(q/B_P, (m - q)/B_res)``, ties to the larger (a
+  fill also warms the cache); everything is filled when ``B_P >= B_H``.
+  """
+  m = jnp.asarray(m, jnp.float32)
+  b_p = jnp.asarray(b_p, jnp.float32)
+  b_h = jnp.asarray(b_h, jnp.float32)
+  q_star = m * b_p / b_h
+  b_res = jnp.maximum(b_h - b_p, jnp.finfo(jnp.float32).tiny)
+
+  def cost(q):
+    return jnp.maximum(q / b_p, (m - q) / b_res)
+
+  lo, hi = jnp.floor(q_star), jnp.ceil(q_star)
+  q = jnp.where(cost(hi) <= cost(lo), hi, lo)
+  q = jnp.where(b_p >= b_h, m, q)
+  return jnp.clip(q, 0, m).astype(jnp.int32)
+
+
+_NEVER = -1e30  # LRFU log value of an expert never selected (below any real one)
+_ARGMAX_TOP_K = 16  # up to this k, top_indices runs k argmax passes instead of lax.top_k
+
+
+def top_indices(values: jax.Array, k: int) -> jax.Array:
+  """Indices of the ``k`` largest of ``values [n]`` (int32 or float32 without NaN), largest
+  first, ties to the lower index: the order of ``lax.top_k``. For small ``k`` it takes ``k``
+  argmax passes, each masking its pick: on XLA:CPU ``lax.top_k`` sorts, which made it most
+  of a decode step's planning time (8 of 2273 slots: 250 µs vs 30 µs); float keys become
+  order-preserving int32 first (float argmax is ~6x slower). Entries past the number of
+  values above the dtype's minimum may repeat; callers use only those."""
+  if k > _ARGMAX_TOP_K:
+    return jax.lax.top_k(values, k)[1]
+  if values.dtype == jnp.float32:  # argmax over int32 is ~6x faster on XLA:CPU
+    bits = jax.lax.bitcast_convert_type(values, jnp.int32)
+    values = jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # same order as the floats
+  floor = jnp.iinfo(values.dtype).min
+  picks = []
+  for _ in range(k):
+    i = jnp.argmax(values).astype(jnp.int32)
+    picks.append(i)
+    values = values.at[i].set(floor)
+  return jnp.stack(picks) if picks else jnp.zeros((0,), jnp.int32)
+
+
+def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths: jax.Array,
+         policy: PolicyConfig) -> tuple[ExpertCache, Plan]:
+  """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H)."""
+  num_layers, num_experts = cache.slot_of.shape
+  num_slots = cache.capacity
+  t, k = ids.shape
+  q_max = max(0, min(num_slots, num_experts, t * k))
+  clock = cache.clock + 1
+  layer = jnp.asarray(layer, jnp.int32)
+  expert_range = jnp.arange(num_experts, dtype=jnp.int32)
+
+  selected = jnp.any(ids.reshape(-1, 1) == expert_range, axis=0)  # [E], deduplicated
+  slot_of_l = cache.slot_of[layer]  # [E]
+  hit = selected & (slot_of_l >= 0)
+  miss = selected & (slot_of_l < 0)
+  m = jnp.sum(miss, dtype=jnp.int32)
+  hits = jnp.sum(hit, dtype=jnp.int32)
+
+  # Slots used by this step's hits are never victims; the others are, least recent first.
+  used = jnp.zeros((num_slots,), bool).at[jnp.where(hit, slot_of_l, num_slots)].set(
+      True, mode="drop")
+  usable = jnp.arange(num_slots) < cache.limit
+  available = cache.limit - hits
+  if policy.fill_rule == "q*":
+    q = fill_count(m, bandwidths[0], bandwidths[1])
+  elif policy.fill_rule == "all":
+    q = m
+  else:
+    q = jnp.zeros((), jnp.int32)
+  q = jnp.minimum(q, available) if q_max else jnp.zeros((), jnp.int32)
+
+  # LRFU values (log domain) as of this clock: log(score) + (clock - stamp)·log(decay)/L, the
+  # clock advancing L times per token step; never selected: a finite floor (-inf masks).
+  log_decay_tick = jnp.log(jnp.float32(policy.decay)) / num_layers
+
+  def log_value(score, stamp):
+    return jnp.where(score > 0, jnp.log(jnp.maximum(score, 1e-30)) +
+                     (clock - stamp).astype(jnp.float32) * log_decay_tick, _NEVER)
+
+  lrfu = policy.replacement == "lrfu"  # the other policies never read or write the scores
+  prev_value = log_value(cache.expert_score[layer], cache.expert_stamp[layer]) if lrfu else None
+
+  if q_max:
+    if lrfu:
+      # Highest-valued misses first; lowest-valued slots (empty first) are the victims.
+      fill_cand = top_indices(jnp.where(miss, prev_value, -jnp.inf), q_max)
+      flat_owner = jnp.maximum(cache.owner, 0)
+      slot_value = jnp.where(cache.owner >= 0, log_value(
+          cache.expert_score.reshape(-1)[flat_owner], cache.expert_stamp.reshape(-1)[flat_owner]),
+          -jnp.inf)
+      victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
+                                     jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
+    else:
+      prev_stamp = cache.expert_stamp[layer]
+      # Most recently routed misses first; ties toward the lower index.
+      fill_cand = top_indices(jnp.where(miss, prev_stamp, jnp.iinfo(jnp.int32).min), q_max)
+      victim = top_indices(
+          jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
+    active = jnp.arange(q_max) < q
+    fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
+    fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
+    # Evict the victims' owners, then install the fills.
+    flat_slot_of = cache.slot_of.reshape(-1)
+    evicted = jnp.where(active, cache.owner[victim], -1)
+    out_of_range = flat_slot_of.shape[0]
+    flat_slot_of = flat_slot_of.at[jnp.where(evicted >= 0, evicted, out_of_range)].set(
+        -1, mode="drop")
+    new_owner_flat = layer * num_experts + fill_expert
+    flat_slot_of = flat_slot_of.at[jnp.where(active, new_owner_flat, out_of_range)].set(
+        fill_slot, mode="drop")
+    slot_of = flat_slot_of.reshape(num_layers, num_experts)
+    owner = cache.owner.at[jnp.where(active, fill_slot, num_slots)].set(
+        new_owner_flat, mode="drop")
+    stamped = used.at[jnp.where(active, fill_slot, num_slots)].set(True, mode="drop")
+    slot_stamp = jnp.where(stamped, clock, cache.slot_stamp)
+  else:
+    fill_expert = fill_slot = jnp.zeros((0,), jnp.int32)
+    slot_of, owner, slot_stamp = cache.slot_of, cache.owner, cache.slot_stamp
+
+  expert_stamp = cache.expert_stamp.at[layer].set(
+      jnp.where(selected, clock, cache.expert_stamp[layer]))
+  expert_count = cache.expert_count.at[layer].add(selected.astype(jnp.int32))
+  expert_score = cache.expert_score
+  if lrfu:
+    expert_score = expert_score.at[layer].set(jnp.where(
+        selected, jnp.exp(jnp.logaddexp(prev_value, 0.0)), expert_score[layer]))
+  new_slot_of_l = slot_of[layer]
+  route_slot = jnp.where(ids >= 0, new_slot_of_l[jnp.maximum(ids, 0)], -1)
+  new_cache = cache.replace(slot_of=slot_of, owner=owner, slot_stamp=slot_stamp,
+                            expert_stamp=expert_stamp, expert_count=expert_count,
+                            expert_score=expert_score, clock=clock)
+  return new_cache, Plan(route_slot=route_slot.astype(jnp.int32), fill_expert=fill_expert,
+                         fill_slot=fill_slot, hits=hits, fills=q, host=m - q)

@@ -1,0 +1,184 @@
+"""``python -m ftjax.decode``: generate a completion and print a one-line summary.
+
+With no flags it runs the embedded default model on a default prompt. ``run_decode`` is the
+library behind it (load, tokenize, stream, summarise); the flags are defined only when the
+module runs as a program (``cli``), so importing it defines none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import TextIO
+
+from absl import app, flags, logging
+
+from ftjax.assets import DEFAULT_MODEL_DIR
+from ftjax.cache import POLICIES
+from ftjax.kernels import KernelsUnavailable
+from ftjax.research.traces import Trace
+from ftjax.runtime.engine import Engine, GenerateResult
+from ftjax.runtime.model import load
+from ftjax.runtime.sampling import check_sampling_args
+from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
+
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+@dataclasses.dataclass
+class DecodeResult:
+  prompt: str
+  text: str
+  generation: GenerateResult
+  model_path: str
+  tokenizer: str
+  kernels: str = ""  # the host-work path that ran, e.g. "ffi_bf16 (avx2, 2 threads)"
+  stats: dict | None = None
+
+  def summary(self) -> str:
+    g = self.generation
+    return (f"prompt tokens: {g.prompt_tokens}, new tokens: {len(g.tokens)}, "
+            f"prefill: {g.prefill_tok_s:.1f} tok/s, decode: {g.decode_tok_s:.1f} tok/s "
+            f"(compile {g.compile_s:.1f} s, not included), kernels: {self.kernels}")
+
+
+def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_new_tokens: int = 64,
+               greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
+               max_seq_len: int | None = None, kernels: str = "auto", show_stats: bool = False,
+               trace_out: str | None = None, decode_chunk: int = 8, out: TextIO = sys.stdout,
+               log: TextIO = sys.stderr, **cache_options) -> DecodeResult:
+  """Generates a completion of ``prompt``, streaming text to ``out``; returns the result.
+
+  ``cache_options`` are the expert-cache options of ``ftjax.runtime.engine.RuntimeOptions``
+  (cache_slots, cache_fraction, cache_bytes, policy, bandwidths, profile). ``trace_out``
+  saves the routing trace of the run (``ftjax.traces.Trace``). ``decode_chunk``: decode
+  steps per device program (text streams once per chunk)."""
+  path = model or DEFAULT_MODEL_DIR
+  loaded = load(path)
+  if model is None:
+    source = loaded.source or {}
+    kind = ("random-initialised and untrained: its output is noise"
+            if not source.get("trained", True) else
+            f"trained: a small MoE trained on the {source.get('corpus', 'unknown data')}, see "
+            "ftjax/tiny/README.md")
+    log.write(f"ftjax: using the embedded default model ({kind}); pass --model=DIR for a real "
+              "one\n")
+  tokenizer = load_tokenizer(loaded.path, loaded.config.vocab_size)
+  ids = tokenizer.encode(prompt)
+  engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels,
+                  record_routing=trace_out is not None, decode_chunk=decode_chunk,
+                  **cache_options)
+  check_sampling_args(greedy, temperature, top_p)
+  engine.check_context(len(ids), max_new_tokens)  # fail before printing anything
+  stream = StreamDecoder(tokenizer)
+  out.write(prompt)
+  out.flush()
+
+  def on_token(tok: int) -> None:
+    out.write(stream.push(tok))
+    out.flush()
+
+  result = engine.generate_timed(ids, max_new_tokens, greedy, temperature=temperature,
+                                 top_p=top_p, seed=seed, stop_tokens=loaded.config.eos_token_ids,
+                                 on_token=on_token)
+  out.write(stream.flush() + "\n")
+  out.flush()
+  decoded = DecodeResult(prompt=prompt, text=tokenizer.decode(result.tokens),
+                         generation=result, model_path=loaded.path or path,
+                         tokenizer=tokenizer.name, kernels=engine.kernels_path)
+  log.write(decoded.summary() + "\n")
+  if show_stats:
+    log.write(format_stats(engine.stats()))
+  if trace_out is not None:
+    trace = Trace.from_engine(engine)
+    log.write(f"routing trace ({trace.num_steps} tokens x {trace.num_layers} layers) written to "
+              f"{trace.save(trace_out)}\n")
+  decoded.stats = engine.stats()
+  return decoded
+
+
+def format_stats(stats: dict) -> str:
+  """A short table of the expert cache's statistics."""
+  if stats.get("cache") is None and "policy" not in stats:
+    return "expert cache: none (every routed expert ran from the host pool)\n"
+  bw = stats["bandwidths_gb_s"]
+  lines = [f"expert cache: policy {stats['policy']}, {stats['slots']} slots "
+           f"(buffer {stats['capacity']}, {stats['slot_bytes'] / 2**20:.2f} MiB each), "
+           f"bandwidths {'n/a' if bw is None else f'B_P {bw[0]:.1f} B_H {bw[1]:.1f} GB/s'} from "
+           f"{stats['bandwidth_source']}, {stats['steps']} steps, "
+           f"{stats['compiles']} compiled programs",
+           "layer   hits  fills   host  miss rate"]
+  per = stats["per_layer"]
+  for i, rate in enumerate(per["miss_rate"]):
+    lines.append(f"{i:5d} {per['hits'][i]:6d} {per['fills'][i]:6d} {per['host'][i]:6d}"
+                 f"  {rate:9.3f}")
+  b = stats["bytes"]
+  lines.append(f"total miss rate {stats['miss_rate']:.3f}; bytes filled {b['fill'] / 1e6:.1f} MB, "
+               f"run on host {b['host'] / 1e6:.1f} MB, read from slots {b['device'] / 1e6:.1f} MB")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)  # keep JAX's backend probing out of the output
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; pass the prompt with --prompt")
+  cache = {}
+  for name, flag in (("cache_slots", _CACHE_SLOTS), ("cache_fraction", _CACHE_FRACTION),
+                     ("cache_bytes", _CACHE_BYTES), ("profile", _PROFILE)):
+    if flag.value is not None:
+      cache[name] = flag.value
+  if _BANDWIDTHS.value is not None:
+    try:
+      cache["bandwidths"] = tuple(float(b) for b in _BANDWIDTHS.value)
+    except ValueError:
+      raise app.UsageError(f"--bandwidths must be two numbers B_P,B_H in GB/s, got "
+                           f"{','.join(_BANDWIDTHS.value)}") from None
+  if cache:
+    cache["policy"] = _POLICY.value
+  try:
+    run_decode(_MODEL.value, _PROMPT.value, max_new_tokens=_MAX_NEW.value, greedy=_GREEDY.value,
+               temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value,
+               max_seq_len=_MAX_SEQ.value, kernels=_KERNELS.value, show_stats=_STATS.value,
+               trace_out=_TRACE_OUT.value, decode_chunk=_CHUNK.value, **cache)
+  except (ValueError, FileNotFoundError, KernelsUnavailable) as e:
+    raise SystemExit(f"ftjax.decode: error: {e}") from None
+
+
+def cli() -> None:
+  """Defines the flags and runs ``main`` (``python -m ftjax.decode``)."""
+  global _MODEL, _PROMPT, _MAX_NEW, _TEMPERATURE, _TOP_P, _SEED, _GREEDY, _MAX_SEQ
+  global _CACHE_SLOTS, _CACHE_FRACTION, _CACHE_BYTES, _POLICY, _PROFILE, _BANDWIDTHS, _STATS
+  global _TRACE_OUT, _KERNELS, _CHUNK
+  _MODEL = flags.DEFINE_string(
+      "model", None, "FTW directory, or a Hugging Face checkpoint directory (converted once into "
+      "$FTJAX_CACHE_DIR, default ~/.cache/ftjax). Default: the embedded default model.")
+  _PROMPT = flags.DEFINE_string("prompt", DEFAULT_PROMPT, "text to complete")
+  _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate", lower_bound=0)
+  _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "sampling temperature (> 0)")
+  _TOP_P = flags.DEFINE_float("top_p", 0.95, "nucleus sampling mass, in (0, 1]")
+  _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
+  _GREEDY = flags.DEFINE_boolean("greedy", False, "argmax decoding (ignores temperature, top_p)")
+  _MAX_SEQ = flags.DEFINE_integer("max_seq_len", None, "context limit; default the model's",
+                                  lower_bound=1)
+  _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", None, "expert cache slots", lower_bound=0)
+  _CACHE_FRACTION = flags.DEFINE_float("cache_fraction", None,
+                                       "expert cache size as a fraction of all L·E experts",
+                                       lower_bound=0, upper_bound=1)
+  _CACHE_BYTES = flags.DEFINE_integer("cache_bytes", None, "expert cache size in bytes",
+                                      lower_bound=0)
+  _POLICY = flags.DEFINE_enum("policy", "freetoken", list(POLICIES), "expert cache policy")
+  _PROFILE = flags.DEFINE_string("profile", None,
+                                 "bandwidth profile JSON (python -m ftjax.profile)")
+  _BANDWIDTHS = flags.DEFINE_list("bandwidths", None, "B_P,B_H in GB/s (instead of --profile)")
+  _STATS = flags.DEFINE_boolean("stats", False, "print the expert cache statistics at the end")
+  _TRACE_OUT = flags.DEFINE_string("trace_out", None, "write the routing trace (.npz) here")
+  _KERNELS = flags.DEFINE_enum("kernels", "auto", ["auto", "xla", "ffi", "ffi_bf16"],
+                                "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: "
+                                "faster prefill), xla; auto picks ffi_bf16 for bf16 models on CPU")
+  _CHUNK = flags.DEFINE_integer("decode_chunk", 8, "decode steps per device program (text streams "
+                                "once per chunk)", lower_bound=1)
+  app.run(main)
+
+
+if __name__ == "__main__":
+  cli()

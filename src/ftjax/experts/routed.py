@@ -1,0 +1,99 @@
+"""The routed-expert math, in one place below both ``ftjax.model`` and ``ftjax.cache``.
+
+The bank is one array ``[L, E, P]`` (see ``ftjax.formats.ftw``): block ``bank[l, e]`` holds
+``gate [F, D]`` at element 0, ``up [F, D]`` at ``F·D`` and ``down [D, F]`` at ``2·F·D``;
+the tail up to ``P`` is alignment padding. ``routed_experts`` computes the weighted sum of
+the routed experts of one layer of such a bank (the cache runs it on its slot buffer too, as
+a one-layer bank of slots). ``BankExperts`` is the reference routed-experts function of the
+model protocol (``ftjax.model.moe.RoutedExperts``): every routed expert read from the host
+bank, no device cache. Two implementations compute the same sum:
+
+* ``xla``: plain jnp. Few routes (decode): gather the routed blocks. Many routes (prefill):
+  scan over experts with per-token combine weights, so memory stays ``O(T·F)``.
+* ``ffi``: the host kernel ``ftjax_expert_ffn`` (CPU backend only); ``ffi_bf16`` rounds the
+  activations to bfloat16 for bfloat16 banks (faster grouped prefill, ~1e-2 relative error).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ftjax.kernels import expert_ffn
+
+KERNELS = ("xla", "ffi", "ffi_bf16")  # the host-work implementations a step can run with
+
+
+def split_block(block: jax.Array, ffn_dim: int, width: int):
+  """[..., P] -> gate [..., F, D], up [..., F, D], down [..., D, F]."""
+  fd = ffn_dim * width
+  lead = block.shape[:-1]
+  gate = block[..., :fd].reshape(*lead, ffn_dim, width)
+  up = block[..., fd:2 * fd].reshape(*lead, ffn_dim, width)
+  down = block[..., 2 * fd:3 * fd].reshape(*lead, width, ffn_dim)
+  return gate, up, down
+
+
+def _routed_gather(x, ids, weights, bank_ep, ffn_dim):
+  """Few routes: gather each routed block. x [T, D], ids/weights [T, K]."""
+  width = x.shape[-1]
+  valid = ids >= 0
+  blocks = bank_ep[jnp.where(valid, ids, 0)]  # [T, K, P]
+  gate, up, down = split_block(blocks, ffn_dim, width)
+  gate, up, down = (w.astype(jnp.float32) for w in (gate, up, down))
+  h = jax.nn.silu(jnp.einsum("TD,TKFD->TKF", x, gate)) * jnp.einsum("TD,TKFD->TKF", x, up)
+  w = jnp.where(valid, weights, 0.0)
+  return jnp.einsum("TKF,TKDF,TK->TD", h, down, w)
+
+
+def _routed_scan(x, ids, weights, bank_ep, ffn_dim):
+  """Many routes: one pass per expert over all tokens, with per-token combine weights."""
+  num_experts = bank_ep.shape[0]
+  width = x.shape[-1]
+  # combine[e, t] = sum_k weights[t, k] * (ids[t, k] == e)
+  onehot = ids[None, :, :] == jnp.arange(num_experts, dtype=ids.dtype)[:, None, None]  # [E, T, K]
+  combine = jnp.sum(jnp.where(onehot, weights[None], 0.0), axis=-1)  # [E, T]
+
+  def one_expert(y, inputs):
+    block, comb = inputs
+    gate, up, down = (w.astype(jnp.float32) for w in split_block(block, ffn_dim, width))
+    h = jax.nn.silu(jnp.einsum("TD,FD->TF", x, gate)) * jnp.einsum("TD,FD->TF", x, up)
+    return y + jnp.einsum("TF,DF,T->TD", h, down, comb), None
+
+  y, _ = jax.lax.scan(one_expert, jnp.zeros_like(x), (bank_ep, combine))
+  return y
+
+
+def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.Array,
+                   layer: int, *, ffn_dim: int, impl: str = "xla") -> jax.Array:
+  """``sum_k weights[t,k] · expert_{ids[t,k]}(x[t])`` over layer ``layer`` of ``bank``.
+
+  x [T, D] float32, ids [T, K] int32 (-1 = no route), weights [T, K] float32,
+  bank [L, E, P]. Returns [T, D] float32.
+  """
+  if impl in ("ffi", "ffi_bf16"):
+    return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim,
+                      bf16_activations=impl == "ffi_bf16")
+  if impl != "xla":
+    raise ValueError(f"unknown MoE implementation {impl!r}; expected 'xla', 'ffi' or 'ffi_bf16'")
+  bank_ep = bank[layer]
+  if ids.size <= bank_ep.shape[0]:
+    return _routed_gather(x, ids, weights, bank_ep, ffn_dim)
+  return _routed_scan(x, ids, weights, bank_ep, ffn_dim)
+
+
+@struct.dataclass
+class BankExperts:
+  """The reference routed-experts function: every route runs from the host bank.
+
+  Implements ``ftjax.model.moe.RoutedExperts``: ``experts(x, weights, ids, layer) ->
+  (experts, y)``; it carries no state, so it returns itself.
+  """
+  bank: jax.Array  # [L, E, P]
+  ffn_dim: int = struct.field(pytree_node=False)
+  kernels: str = struct.field(pytree_node=False, default="xla")
+
+  def __call__(self, x, weights, ids, layer: int) -> tuple["BankExperts", jax.Array]:
+    return self, routed_experts(x, ids, weights, self.bank, layer, ffn_dim=self.ffn_dim,
+                                impl=self.kernels)

@@ -1,0 +1,237 @@
+"""Hugging Face safetensors checkpoint -> FTW, streamed tensor by tensor.
+
+Accepts one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``, and
+both expert layouts found in the wild: per-expert keys (``mlp.experts.{e}.gate_proj.weight``,
+Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``) and fused 3-D tensors
+(``mlp.experts.gate_up_proj`` [E, 2F, D] with gate rows first, ``mlp.experts.down_proj``
+[E, D, F]). Peak memory is about one dense tensor in the output dtype plus one mapped source
+tensor, not the checkpoint (measured by benchmarks/convert_memory.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from ftjax.formats import ftw
+from ftjax.formats.safetensors import SafetensorsFile
+from ftjax.model.config import ModelConfig
+from ftjax.model.transformer import abstract_params
+from ftjax.utils.progress import Progress
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json",
+                   "chat_template.jinja")
+
+
+class ConversionError(ValueError):
+  pass
+
+
+def _shard_paths(hf_dir: str) -> list[str]:
+  index = os.path.join(hf_dir, "model.safetensors.index.json")
+  single = os.path.join(hf_dir, "model.safetensors")
+  if os.path.isfile(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+    paths = [os.path.join(hf_dir, name) for name in files]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+      raise ConversionError(f"shards listed in {index} are missing: {', '.join(missing)}")
+    return paths
+  if os.path.isfile(single):
+    return [single]
+  found = sorted(p for p in os.listdir(hf_dir) if p.endswith(".safetensors"))
+  if found:
+    return [os.path.join(hf_dir, p) for p in found]
+  raise ConversionError(
+      f"no safetensors weights in {hf_dir} (expected model.safetensors or "
+      "model.safetensors.index.json); .bin / .pth checkpoints are not supported: re-save them "
+      "with save_pretrained(safe_serialization=True)")
+
+
+def fingerprint(hf_dir: str | os.PathLike) -> str:
+  """Identifies a checkpoint cheaply: config.json plus every shard's name, size and header."""
+  hf_dir = os.fspath(hf_dir)
+  h = hashlib.sha256()
+  with open(os.path.join(hf_dir, "config.json"), "rb") as f:
+    h.update(f.read())
+  for path in _shard_paths(hf_dir):
+    st = SafetensorsFile(path)
+    h.update(os.path.basename(path).encode())
+    h.update(str(os.path.getsize(path)).encode())
+    h.update(st.header_bytes)
+  return "sha256:" + h.hexdigest()
+
+
+# Dense tensors: HF name (after the leading "model.") -> (ftjax parameter path, reshape).
+_LAYER = r"layers\.(\d+)\."
+_DENSE_RULES: list[tuple[str, str]] = [
+    (r"embed_tokens\.weight", "embed_vd"),
+    (r"norm\.weight", "final_norm.scale"),
+    (r"lm_head\.weight", "w_lm_vd"),
+    (_LAYER + r"input_layernorm\.weight", "layers.{0}.attn_norm.scale"),
+    (_LAYER + r"post_attention_layernorm\.weight", "layers.{0}.mlp_norm.scale"),
+    (_LAYER + r"self_attn\.q_proj\.weight", "layers.{0}.attn.w_q_had"),
+    (_LAYER + r"self_attn\.k_proj\.weight", "layers.{0}.attn.w_k_gad"),
+    (_LAYER + r"self_attn\.v_proj\.weight", "layers.{0}.attn.w_v_gad"),
+    (_LAYER + r"self_attn\.o_proj\.weight", "layers.{0}.attn.w_o_dha"),
+    (_LAYER + r"self_attn\.q_proj\.bias", "layers.{0}.attn.b_q_ha"),
+    (_LAYER + r"self_attn\.k_proj\.bias", "layers.{0}.attn.b_k_ga"),
+    (_LAYER + r"self_attn\.v_proj\.bias", "layers.{0}.attn.b_v_ga"),
+    (_LAYER + r"self_attn\.o_proj\.bias", "layers.{0}.attn.b_o_d"),
+    (_LAYER + r"self_attn\.q_norm\.weight", "layers.{0}.attn.q_norm.scale"),
+    (_LAYER + r"self_attn\.k_norm\.weight", "layers.{0}.attn.k_norm.scale"),
+    (_LAYER + r"(?:mlp|block_sparse_moe)\.gate\.weight", "layers.{0}.moe.w_router_ed"),
+    (_LAYER + r"mlp\.shared_expert\.gate_proj\.weight", "layers.{0}.moe.shared.w_gate_id"),
+    (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "layers.{0}.moe.shared.w_up_id"),
+    (_LAYER + r"mlp\.shared_expert\.down_proj\.weight", "layers.{0}.moe.shared.w_down_di"),
+    (_LAYER + r"mlp\.shared_expert_gate\.weight", "layers.{0}.moe.w_shared_gate_d"),
+]
+_DENSE_RULES_RE = [(re.compile(p + "$"), target) for p, target in _DENSE_RULES]
+
+_EXPERT_PART_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+                      "w1": "gate", "w3": "up", "w2": "down"}
+_PER_EXPERT_RE = re.compile(
+    _LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
+    r"\.weight$")
+_FUSED_RE = re.compile(_LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_IGNORED_RE = re.compile(r"(.*rotary_emb\.inv_freq)$")
+
+
+def _strip(name: str) -> str:
+  return name[len("model."):] if name.startswith("model.") else name
+
+
+def expected_dense_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """ftjax parameter path -> shape, from the model definition itself."""
+  return {name: tuple(v.shape) for name, v in abstract_params(config).items()}
+
+
+def _tensor_plan(st: SafetensorsFile, name: str) -> Iterator[tuple[str, Any]]:
+  """Yields ("dense", path, array) or ("expert", (layer, expert, part), array) items."""
+  short = _strip(name)
+  m = _PER_EXPERT_RE.match(short)
+  if m:
+    yield "expert", (int(m[1]), int(m[2]), _EXPERT_PART_NAMES[m[3]]), st.get(name)
+    return
+  m = _FUSED_RE.match(short)
+  if m:
+    layer, kind = int(m[1]), m[2]
+    fused = st.get(name)  # [E, 2F, D] or [E, D, F], still a memmap view
+    if fused.ndim != 3:
+      raise ConversionError(f"fused expert tensor {name} should be 3-D, has shape {fused.shape}")
+    for e in range(fused.shape[0]):
+      if kind == "gate_up_proj":
+        half = fused.shape[1] // 2
+        yield "expert", (layer, e, "gate"), fused[e, :half]
+        yield "expert", (layer, e, "up"), fused[e, half:]
+      else:
+        yield "expert", (layer, e, "down"), fused[e]
+    return
+  for pattern, target in _DENSE_RULES_RE:
+    m = pattern.match(short)
+    if m:
+      yield "dense", target.format(*m.groups()), st.get(name)
+      return
+  if _IGNORED_RE.match(short):
+    return
+  raise ConversionError(
+      f"unexpected tensor {name} in {st.path}: ftjax does not know where it belongs for this "
+      "architecture (is the model_type in config.json right?)")
+
+
+def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16",
+               *, overwrite: bool = False, show_progress: bool = True) -> str:
+  """Converts a Hugging Face MoE checkpoint directory to an FTW directory; returns its path.
+
+  Writes into a temporary directory next to ``out_dir`` and renames it at the end, so an
+  interrupted conversion never leaves a half-written model and never touches other files.
+  """
+  hf_dir, out_dir = os.fspath(hf_dir), os.path.abspath(os.fspath(out_dir))
+  if not os.path.isdir(hf_dir):
+    raise FileNotFoundError(f"--hf_dir {hf_dir} is not a directory")
+  ftw.storage_dtype(dtype)  # validates the name
+  config = ModelConfig.from_hf_dir(hf_dir)
+  if os.path.exists(out_dir):
+    if not (overwrite and ftw.is_ftw_dir(out_dir)):
+      raise FileExistsError(
+          f"--out {out_dir} already exists; choose a new directory"
+          + (" or pass overwrite=True (--overwrite) to replace this FTW model"
+             if ftw.is_ftw_dir(out_dir) else " (it is not an FTW model, so ftjax never replaces it)"))
+  shards = [SafetensorsFile(p) for p in _shard_paths(hf_dir)]
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    hf_config = json.load(f)
+  source = {"kind": "huggingface-safetensors", "fingerprint": fingerprint(hf_dir),
+            "path": os.path.abspath(hf_dir), "hf_config": hf_config}
+  shapes = expected_dense_shapes(config)
+
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp_dir = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".partial-", dir=parent)
+  try:
+    writer = ftw.FTWWriter(tmp_dir, config, dtype, source)
+    total_bytes = sum(st.nbytes(n) for st in shards for n in st.keys())
+    bar = Progress(total_bytes, desc="convert", unit="B", enabled=show_progress)
+    for st in shards:
+      for name in st.keys():
+        for kind, where, array in _tensor_plan(st, name):
+          if kind == "expert":
+            writer.add_expert_part(*where, array)
+          elif where == "w_lm_vd" and config.tie_word_embeddings:
+            pass  # a tied checkpoint may still store a copy of the embedding as lm_head
+          else:
+            if where not in shapes:
+              raise ConversionError(
+                  f"tensor {name} maps to {where}, which this {config.model_type} config does not "
+                  "have (check config.json: biases, shared experts, tie_word_embeddings)")
+            if int(np.prod(array.shape)) != int(np.prod(shapes[where])):
+              raise ftw.FTWConfigMismatchError(
+                  f"tensor {name} has shape {tuple(array.shape)}, which does not match the "
+                  f"{shapes[where]} implied by config.json")
+            writer.add_tensor(where, array.reshape(shapes[where]))
+          bar.update(array.nbytes)
+    bar.close()
+    missing = sorted(set(shapes) - set(writer.tensors))
+    if missing:
+      raise ConversionError(f"the checkpoint is missing tensors {missing[:5]}"
+                            + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    writer.close()
+    for name in TOKENIZER_FILES:
+      src = os.path.join(hf_dir, name)
+      if os.path.isfile(src):
+        shutil.copy2(src, os.path.join(tmp_dir, name))
+    if os.path.exists(out_dir):
+      shutil.rmtree(out_dir)  # only reached for an FTW directory with overwrite=True
+    os.replace(tmp_dir, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    raise
+  return out_dir
+
+
+def cached_conversion(hf_dir: str | os.PathLike, *, dtype: str = "bfloat16",
+                      cache_root: str | None = None,
+                      log: Callable[[str], None] = print) -> str:
+  """FTW directory for a Hugging Face checkpoint, converted once into a cache directory.
+
+  The cache entry is keyed by the checkpoint's fingerprint, so an edited checkpoint is
+  converted again instead of serving stale weights.
+  """
+  cache_root = cache_root or os.environ.get(
+      "FTJAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ftjax"))
+  fp = fingerprint(hf_dir)
+  out = os.path.join(cache_root, f"{fp.split(':')[1][:24]}-{dtype}")
+  if ftw.is_ftw_dir(out):
+    with open(os.path.join(out, ftw.INDEX_NAME)) as f:
+      if json.load(f).get("source", {}).get("fingerprint") == fp:
+        return out
+  log(f"converting {hf_dir} to FTW ({dtype}) in {out} (once)")
+  return convert_hf(hf_dir, out, dtype=dtype, overwrite=True)

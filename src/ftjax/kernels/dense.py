@@ -1,0 +1,97 @@
+"""Host dense matmul y = x @ w.T: the XLA FFI op `ftjax_dense` (C++ in xla_ffi/dense.cc).
+
+For the big dense weights on the CPU backend (q/k/v/o projections, routers, shared experts,
+lm_head), where XLA:CPU's bf16 matrix-vector products reach only a few GB/s. Weights are
+[out, in] = [O, C] as everywhere in ftjax (O output features, C contracted input features:
+the glossary's letters for a generic matrix; K and N mean top-k and cache slots). Decode (one token) streams w at memory bandwidth,
+split over N across the threads; prefill (many tokens) is a blocked GEMM. Accumulation is
+float32 and products are exact (bf16 weights widened to float32) unless bf16_activations=True
+asks for vdpbf16ps on AVX-512-BF16 CPUs (relative error ~1e-2 of max|y|).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.kernels._registration import require, shape_and_dtype
+
+_WEIGHT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+
+
+def dense(x, w, *, bf16_activations=False):
+  """y = x @ w.T on the host.
+
+  Args:
+    x: [..., C] float32; leading dimensions are flattened into T rows.
+    w: [O, C] bfloat16 or float32, [out, in] (may be traced; never closed over).
+    bf16_activations: for bf16 w on a CPU with AVX-512-BF16, round x to bf16 and multiply
+      with vdpbf16ps (twice the multiply-add rate for many rows; relative error ~1e-2 of
+      max|y|). When False (the default) the products are exact, to ~1e-5.
+
+  Returns:
+    y: [..., O] float32.
+
+  Raises:
+    ValueError: naming the argument whose shape or dtype is wrong.
+
+  Under jax.vmap with w unbatched, the batch joins the rows of one call; with w batched the
+  calls run one after the other.
+  """
+  x_shape, x_dtype = shape_and_dtype("x", x)
+  w_shape, w_dtype = shape_and_dtype("w", w)
+  if len(x_shape) < 1:
+    raise ValueError(f"x must have at least 1 dimension [..., C], got shape {x_shape}")
+  if x_dtype != np.float32:
+    raise ValueError(f"x must be float32, got {x_dtype}")
+  if len(w_shape) != 2:
+    raise ValueError(f"w must be 2-D [O, C], got shape {w_shape}")
+  if w_dtype not in _WEIGHT_DTYPES:
+    raise ValueError(f"w must be bfloat16 or float32, got {w_dtype}")
+  if w_shape[1] != x_shape[-1]:
+    raise ValueError(
+      f"w must be [O, C] with C = {x_shape[-1]} from x's last dimension, got shape {w_shape}"
+    )
+  if not isinstance(bf16_activations, (bool, np.bool_)):
+    raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
+  C = x_shape[-1]
+  T = math.prod(x_shape[:-1])
+  require("dense")
+  y_to = _batchable_call(bool(bf16_activations))(jnp.reshape(x, (T, C)), w)
+  return jnp.reshape(y_to, (*x_shape[:-1], w_shape[0]))
+
+
+def _call(x_tc, w_oc, bf16_activations):
+  call = jax.ffi.ffi_call(
+    "ftjax_dense",
+    jax.ShapeDtypeStruct((x_tc.shape[0], w_oc.shape[0]), jnp.float32),
+    vmap_method="sequential",
+  )
+  return call(x_tc, w_oc, bf16_activations=bf16_activations)
+
+
+@functools.cache
+def _batchable_call(bf16_activations):
+  """The op, with a vmap rule: with w unbatched the batch joins the token rows of one call;
+  with w batched the calls run one after the other."""
+
+  @jax.custom_batching.custom_vmap
+  def dense_2d(x_tc, w_oc):
+    return _call(x_tc, w_oc, bf16_activations)
+
+  @dense_2d.def_vmap
+  def dense_2d_vmap(axis_size, in_batched, x_btc, w_oc):
+    x_batched, w_batched = in_batched
+    if not w_batched:
+      B, T, C = x_btc.shape
+      y = dense_2d(jnp.reshape(x_btc, (B * T, C)), w_oc)
+      return jnp.reshape(y, (B, T, w_oc.shape[-2])), True
+    if not x_batched:
+      x_btc = jnp.broadcast_to(x_btc, (axis_size, *x_btc.shape))
+    return jax.lax.map(lambda xw: dense_2d(*xw), (x_btc, w_oc)), True
+
+  return dense_2d

@@ -1,0 +1,168 @@
+"""Host SwiGLU expert FFN: the XLA FFI op `ftjax_expert_ffn` (C++ in xla_ffi/expert_ffn.cc).
+
+For tokens x [T, D], routes ids [T, K] (-1 skips a route) with weights [T, K], and one
+layer of an expert bank [L, E, P]:
+
+    y[t] = sum_k weights[t, k] * down_e(silu(gate_e @ x[t]) * (up_e @ x[t])),  e = ids[t, k]
+
+Each expert block bank[layer, e] holds, row-major and contiguous, gate [F, D] at element
+offset 0, up [F, D] at F*D and down [D, F] at 2*F*D; P >= 3*F*D and the rest is padding.
+The kernel accumulates in float32 and returns float32.
+
+Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
+once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
+by expert, empty experts skipped, blocked GEMM over each expert's tokens). Products are exact
+(bf16 weights widened to float32) unless bf16_activations=True asks for vdpbf16ps on
+AVX-512-BF16 CPUs (relative error ~1e-2 of max|y|). Environment: FTJAX_ISA,
+FTJAX_NUM_THREADS, FTJAX_THREAD_POOL (see ftjax.kernels).
+
+To run experts from cache slots, pass the slot buffer as bank [1, N, P] with layer 0 and slot
+numbers as ids.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.kernels._registration import require
+from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
+
+_BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+
+
+def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False):
+  """Weighted sum of the routed SwiGLU experts of one layer, on the host.
+
+  Args:
+    x: [T, D] float32 tokens.
+    ids: [T, K] int32 expert ids in [-1, E); -1 skips the route. Values are checked by
+      the kernel at run time (they may be traced).
+    weights: [T, K] float32 route weights.
+    bank: [L, E, P] bfloat16 or float32 expert blocks (may be traced).
+    layer: int32 scalar in [0, L) (may be traced; checked here when concrete and by the
+      kernel at run time).
+    ffn_dim: F, the expert hidden width; a static Python int.
+    bf16_activations: for a bf16 bank on a CPU with AVX-512-BF16, round the activations (x
+      and the hidden h) to bf16 and multiply with vdpbf16ps: twice the multiply-add rate,
+      which the grouped (prefill) form gains from, at a relative error of ~1e-2 of max|y|.
+      When False (the default), bf16 weights are widened to float32 and the result is exact
+      to ~1e-5 like a float32 bank; the decode form runs at read bandwidth either way.
+
+  Returns:
+    y: [T, D] float32.
+
+  Raises:
+    ValueError: naming the argument whose shape, dtype or value is wrong.
+  """
+  x_shape, x_dtype = _shape_and_dtype("x", x)
+  ids_shape, ids_dtype = _shape_and_dtype("ids", ids)
+  weights_shape, weights_dtype = _shape_and_dtype("weights", weights)
+  bank_shape, bank_dtype = _shape_and_dtype("bank", bank)
+
+  if len(x_shape) != 2:
+    raise ValueError(f"x must be 2-D [T, D], got shape {x_shape}")
+  if x_dtype != np.float32:
+    raise ValueError(f"x must be float32, got {x_dtype}")
+  T, D = x_shape
+
+  if len(ids_shape) != 2 or ids_shape[0] != T:
+    raise ValueError(f"ids must be [T, K] with T = {T} from x, got shape {ids_shape}")
+  if ids_dtype != np.int32:
+    raise ValueError(f"ids must be int32, got {ids_dtype}")
+
+  if weights_shape != ids_shape:
+    raise ValueError(f"weights must be [T, K] = {ids_shape} like ids, got shape {weights_shape}")
+  if weights_dtype != np.float32:
+    raise ValueError(f"weights must be float32, got {weights_dtype}")
+
+  if len(bank_shape) != 3:
+    raise ValueError(f"bank must be 3-D [L, E, P], got shape {bank_shape}")
+  if bank_dtype not in _BANK_DTYPES:
+    raise ValueError(f"bank must be bfloat16 or float32, got {bank_dtype}")
+  L, _, P = bank_shape
+
+  if isinstance(ffn_dim, (bool, np.bool_)) or not isinstance(ffn_dim, (int, np.integer)):
+    raise ValueError(f"ffn_dim must be a Python int, got {ffn_dim!r}")
+  if ffn_dim <= 0:
+    raise ValueError(f"ffn_dim must be positive, got {ffn_dim}")
+  if P < 3 * ffn_dim * D:
+    raise ValueError(
+      f"bank's last dimension P = {P} is smaller than 3 * ffn_dim * D = 3 * {ffn_dim} * {D}"
+    )
+
+  _check_layer(layer, L)
+  if not isinstance(bf16_activations, (bool, np.bool_)):
+    raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
+
+  require("expert_ffn")
+  call = _batchable_call(int(ffn_dim), bool(bf16_activations))
+  return call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32))
+
+
+def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations):
+  call = jax.ffi.ffi_call(
+    "ftjax_expert_ffn",
+    jax.ShapeDtypeStruct(x.shape, jnp.float32),
+    vmap_method="sequential",
+  )
+  return call(
+    x, ids, weights, bank, layer, ffn_dim=np.int64(ffn_dim), bf16_activations=bf16_activations
+  )
+
+
+@functools.cache
+def _batchable_call(ffn_dim, bf16_activations):
+  """The op for one F, with a vmap rule: tokens are independent, so a batch over x, ids and
+  weights with bank and layer unbatched becomes one call over B * T tokens; anything else runs
+  one call per batch element."""
+
+  @jax.custom_batching.custom_vmap
+  def expert_ffn_call(x, ids, weights, bank, layer):
+    return _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations)
+
+  @expert_ffn_call.def_vmap
+  def expert_ffn_vmap(axis_size, in_batched, *args):
+    if not in_batched[3] and not in_batched[4]:
+      x, ids, weights = (
+        a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+        for a, batched in zip(args[:3], in_batched[:3])
+      )
+      B, T, D = x.shape
+      y = expert_ffn_call(
+        jnp.reshape(x, (B * T, D)),
+        jnp.reshape(ids, (B * T, -1)),
+        jnp.reshape(weights, (B * T, -1)),
+        args[3],
+        args[4],
+      )
+      return jnp.reshape(y, (B, T, D)), True
+    batched = tuple(a for a, b in zip(args, in_batched) if b)
+
+    def one(batched_slice):
+      it = iter(batched_slice)
+      return expert_ffn_call(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+    return jax.lax.map(one, batched), True
+
+  return expert_ffn_call
+
+
+def _check_layer(layer, num_layers):
+  """Checks that `layer` is an integer scalar, and in [0, L) when its value is known."""
+  if isinstance(layer, (bool, np.bool_)):
+    raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+  if isinstance(layer, (int, np.integer)):
+    value = int(layer)
+  else:
+    shape, dtype = _shape_and_dtype("layer", layer)
+    if shape != () or not np.issubdtype(dtype, np.integer):
+      raise ValueError(f"layer must be an integer scalar, got shape {shape} dtype {dtype}")
+    if not isinstance(layer, np.ndarray):
+      return  # a jax value, possibly traced: the kernel checks it at run time
+    value = int(layer)
+  if not 0 <= value < num_layers:
+    raise ValueError(f"layer = {value} is outside [0, L) with L = {num_layers}")

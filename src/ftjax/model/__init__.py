@@ -1,0 +1,37 @@
+"""Flax (nnx) model definitions for the MoE families ftjax serves.
+
+Axis-letter glossary, used in every einsum string, weight name and shape comment of the
+package:
+
+  B batch              T query length        S key/value length
+  D model width        F expert hidden width I dense / shared-expert MLP width
+  E experts            K top-k               N cache slots
+  L layers             H query heads         G key/value heads
+  R query heads per key/value head (H = G·R) A attention head width
+  V vocabulary         P elements of one padded expert block in the bank
+  O output features, C contracted input features (of a generic matrix ``[O, C]``, as in
+    ``linear`` and the host GEMV/GEMM; K and N stay top-k and slots)
+
+Weights are named by their axes in storage order: ``w_q_had`` is ``[H, A, D]``.
+
+The model owns the per-layer decode state (``DecodeState``) and receives its routed experts as
+an argument (``RoutedExperts``, ``ftjax.model.moe``); it imports ``ftjax.kernels`` for dense
+ops only, and never the cache or the runtime.
+"""
+
+from ftjax.model.config import ModelConfig, SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from ftjax.model.moe import RoutedExperts
+from ftjax.model.transformer import (DecodeState, KVCache, Transformer, abstract_params,
+                                     init_state)
+
+__all__ = [
+    "ModelConfig",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "DecodeState",
+    "KVCache",
+    "RoutedExperts",
+    "Transformer",
+    "abstract_params",
+    "init_state",
+]

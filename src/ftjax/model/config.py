@@ -1,0 +1,275 @@
+"""Model configuration: one small frozen dataclass read from a Hugging Face ``config.json``.
+
+Families differ only by named options (``qk_norm``, ``router``, ``qkv_bias``, ...); layers
+read those options and never branch on ``model_type``. Both key styles found in the wild
+are accepted: hub checkpoints (``num_experts``, ``rope_theta``, ``rope_scaling``,
+``torch_dtype``) and files written by current transformers (``num_local_experts``,
+``rope_parameters``, ``dtype``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Literal
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+# Mixer kinds a layer can have. Only the attention kinds are implemented so far; the
+# linear-attention kind (Gated DeltaNet) is named here so a config can say it and get a
+# clear error instead of a wrong model.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+PLANNED_LAYER_TYPES = ("linear_attention",)
+
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_group"]
+QKNorm = Literal["per_head", "full"] | None
+
+
+class UnsupportedModelError(ValueError):
+  """The checkpoint's architecture or one of its options is not supported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and options of one MoE decoder. All MoE layers share one expert shape."""
+
+  model_type: str
+  vocab_size: int
+  hidden_size: int  # D
+  num_layers: int  # L
+  num_heads: int  # H
+  num_kv_heads: int  # G
+  head_dim: int  # A
+  num_experts: int  # E
+  top_k: int  # K
+  moe_intermediate_size: int  # F
+  rms_norm_eps: float
+  rope_theta: float
+  max_position_embeddings: int
+  layer_types: tuple[str, ...]
+  sliding_window: int | None = None
+  qk_norm: QKNorm = None
+  qkv_bias: bool = False
+  o_bias: bool = False
+  clip_qkv: float | None = None
+  router: RouterKind = "softmax_topk"
+  norm_topk_prob: bool = False
+  router_groups: int = 1  # sigmoid_group: experts are split into this many groups
+  router_topk_groups: int = 1  # sigmoid_group: experts are chosen within this many groups
+  routed_scaling_factor: float = 1.0  # sigmoid_group: scales the routed weights
+  attn_sinks: bool = False  # a learned per-head logit joins each softmax (gpt-oss)
+  shared_expert_intermediate_size: int = 0  # I; 0 = no shared expert
+  shared_expert_gate: bool = False  # sigmoid(x · w) scales the shared expert
+  tie_word_embeddings: bool = False
+  source_dtype: str = "float32"
+  eos_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if len(self.layer_types) != self.num_layers:
+      raise UnsupportedModelError(
+          f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}")
+    for kind in self.layer_types:
+      if kind in PLANNED_LAYER_TYPES:
+        raise UnsupportedModelError(
+            f"layer type {kind!r} (Gated DeltaNet) is not implemented yet; supported layer types: "
+            f"{', '.join(LAYER_TYPES)}")
+      if kind not in LAYER_TYPES:
+        raise UnsupportedModelError(
+            f"unknown layer type {kind!r}; supported layer types: {', '.join(LAYER_TYPES)}")
+    if "sliding_attention" in self.layer_types and not self.sliding_window:
+      raise UnsupportedModelError("a sliding_attention layer needs sliding_window > 0")
+    if self.num_heads % self.num_kv_heads:
+      raise UnsupportedModelError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if not 0 < self.top_k <= self.num_experts:
+      raise UnsupportedModelError(
+          f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+    if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group"):
+      raise UnsupportedModelError(
+          f"unknown router {self.router!r}; supported: softmax_topk, topk_softmax, sigmoid_group")
+    if self.router == "sigmoid_group":
+      g, kg = self.router_groups, self.router_topk_groups
+      if g < 1 or self.num_experts % g or self.num_experts // g < 2 or not 1 <= kg <= g:
+        raise UnsupportedModelError(
+            f"sigmoid_group routing needs num_experts ({self.num_experts}) split into "
+            f"router_groups ({g}) groups of at least 2 and 1 <= router_topk_groups ({kg}) <= "
+            "router_groups")
+    if self.qk_norm not in (None, "per_head", "full"):
+      raise UnsupportedModelError(f"qk_norm must be None, 'per_head' or 'full', got {self.qk_norm!r}")
+
+  # -- Derived shapes -----------------------------------------------------------------------
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_layers  # every layer is an MoE layer (checked in from_hf_config)
+
+  @property
+  def expert_block_elems(self) -> int:
+    """Elements of one expert: gate [F, D], up [F, D], down [D, F]."""
+    return 3 * self.moe_intermediate_size * self.hidden_size
+
+  # -- Serialisation ------------------------------------------------------------------------
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise UnsupportedModelError(
+          f"unknown model config fields {unknown}; this file was written by a newer ftjax")
+    d = dict(d)
+    for key in ("layer_types", "eos_token_ids"):
+      if key in d:
+        d[key] = tuple(d[key])
+    return cls(**d)
+
+  @classmethod
+  def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
+    return from_hf_config(hf)
+
+  @classmethod
+  def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+      raise FileNotFoundError(
+          f"{config_path} not found: --model must be an ftjax (FTW) directory or a Hugging Face "
+          "checkpoint directory containing config.json")
+    with open(config_path) as f:
+      return from_hf_config(json.load(f))
+
+
+# Per-family defaults where hub configs may omit a key; the values are those of the
+# transformers configuration classes.
+_DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "mixtral": 1e6, "olmoe": 10000.0}
+_DEFAULT_EPS = {"qwen3_moe": 1e-6, "qwen2_moe": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5}
+
+
+def _rope_theta(hf: dict[str, Any], model_type: str) -> float:
+  """Reads RoPE from either ``rope_parameters`` (new) or ``rope_theta``/``rope_scaling`` (hub)."""
+  params = hf.get("rope_parameters")
+  if params:
+    # Per-layer-type nesting ({"full_attention": {...}}) appears in some new configs.
+    if "rope_theta" not in params and "rope_type" not in params and len(params) > 0:
+      inner = list(params.values())
+      if all(isinstance(v, dict) for v in inner) and all(v == inner[0] for v in inner):
+        params = inner[0]
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA[model_type]))
+  else:
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    theta = hf.get("rope_theta", _DEFAULT_ROPE_THETA[model_type])
+  if rope_type != "default":
+    raise UnsupportedModelError(
+        f"rope type {rope_type!r} is not supported yet (supported: 'default'); "
+        "remove rope scaling from config.json only if you stay within the original context")
+  return float(theta)
+
+
+def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+  eos = hf.get("eos_token_id")
+  if eos is None:
+    return ()
+  return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+class _Required(dict):
+  """config.json as a dict whose missing keys are a clear error, not a bare KeyError."""
+
+  def __missing__(self, key):
+    raise UnsupportedModelError(
+        f"config.json of this {self.get('model_type')} checkpoint lacks the required key {key!r}")
+
+
+def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
+  """Builds a ModelConfig from a Hugging Face config dict of a supported MoE family."""
+  hf = _Required(hf)
+  model_type = hf.get("model_type")
+  layer_types = (hf.get("text_config") or hf).get("layer_types") or []
+  for kind in PLANNED_LAYER_TYPES:
+    if kind in layer_types:
+      raise UnsupportedModelError(
+          f"{model_type} has {kind!r} layers (Gated DeltaNet), which are not implemented yet; "
+          "ftjax.research.cost.ModelShape.from_hf_config can still model its decode cost")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise UnsupportedModelError(
+        f"unsupported model_type {model_type!r}; ftjax supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu / SwiGLU experts)")
+  mlp_only = hf.get("mlp_only_layers") or []
+  sparse_step = hf.get("decoder_sparse_step", 1) or 1
+  if mlp_only or sparse_step != 1:
+    raise UnsupportedModelError(
+        "dense MLP layers between MoE layers (mlp_only_layers / decoder_sparse_step != 1) are not "
+        "supported yet")
+
+  num_layers = int(hf["num_hidden_layers"])
+  num_heads = int(hf["num_attention_heads"])
+  hidden = int(hf["hidden_size"])
+  num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+  if num_experts is None:
+    raise UnsupportedModelError("config.json has neither num_experts nor num_local_experts")
+
+  # Families: shared fields first, then the named options that tell them apart.
+  options: dict[str, Any] = {}
+  sliding_window = None
+  layer_types = ["full_attention"] * num_layers
+  if model_type == "qwen3_moe":
+    bias = bool(hf.get("attention_bias", False))
+    options.update(qk_norm="per_head", qkv_bias=bias, o_bias=bias,
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    ffn = hf["moe_intermediate_size"]
+    if hf.get("use_sliding_window", False):
+      sliding_window = hf.get("sliding_window")
+      layer_types = ["sliding_attention"] * num_layers
+  elif model_type == "qwen2_moe":
+    shared = int(hf.get("shared_expert_intermediate_size", 0) or 0)
+    options.update(qkv_bias=bool(hf.get("qkv_bias", True)),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+    ffn = hf["moe_intermediate_size"]
+    if hf.get("layer_types"):
+      layer_types = list(hf["layer_types"])
+      sliding_window = hf.get("sliding_window")
+    elif hf.get("use_sliding_window", False):
+      raise UnsupportedModelError(
+          "qwen2_moe with use_sliding_window=true but no layer_types: transformers versions disagree "
+          "on which layers slide; add an explicit layer_types list to config.json")
+  elif model_type == "mixtral":
+    options.update(norm_topk_prob=True)  # Mixtral always renormalises the top-k weights
+    ffn = hf["intermediate_size"]
+    if hf.get("sliding_window"):
+      sliding_window = hf["sliding_window"]
+      layer_types = ["sliding_attention"] * num_layers
+  else:  # olmoe
+    bias = bool(hf.get("attention_bias", False))
+    options.update(qk_norm="full", qkv_bias=bias, o_bias=bias, clip_qkv=hf.get("clip_qkv"),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    ffn = hf["intermediate_size"]
+
+  return ModelConfig(
+      model_type=model_type,
+      vocab_size=int(hf["vocab_size"]),
+      hidden_size=hidden,
+      num_layers=num_layers,
+      num_heads=num_heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+      head_dim=int(hf.get("head_dim") or hidden // num_heads),
+      num_experts=int(num_experts),
+      top_k=int(hf["num_experts_per_tok"]),
+      moe_intermediate_size=int(ffn),
+      rms_norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_EPS[model_type])),
+      rope_theta=_rope_theta(hf, model_type),
+      max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+      layer_types=tuple(layer_types),
+      sliding_window=int(sliding_window) if sliding_window else None,
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      source_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+      eos_token_ids=_eos_ids(hf),
+      **options,
+  )

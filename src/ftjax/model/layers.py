@@ -1,0 +1,250 @@
+"""Flax nnx layers: RMSNorm, rotary embedding, attention with a KV cache, SwiGLU MLP, MoE.
+
+Layers receive the options they need, never the whole config; ``kernels`` (one of
+``ftjax.experts.KERNELS``: "xla", "ffi", "ffi_bf16") is such an option, passed to every call
+that does dense host work. Activations are float32; weights are cast to float32 where they are
+used (the params may be bfloat16). The MoE layer's routed experts come from the function it is
+given (``ftjax.model.moe.RoutedExperts``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import struct
+
+from ftjax.kernels import dense
+from ftjax.model.moe import RoutedExperts
+from ftjax.model.router import route
+
+_INIT_STD = 0.02
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype):
+  return nnx.Param((_INIT_STD * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+def _f32(p: nnx.Param) -> jax.Array:
+  return p[...].astype(jnp.float32)
+
+
+def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Array:
+  """``x [..., *in] -> [..., *out]`` for a weight stored ``[*out, *in]`` (``out_axes`` leading
+  output axes, like torch's Linear), as the matrix ``[O, C]`` (O outputs, C contracted
+  inputs). ``kernels="ffi"`` runs ftjax's host GEMV/GEMM kernel (bfloat16 weights are read
+  as stored and widened exactly), ``"ffi_bf16"`` the same kernel with activations rounded to
+  bfloat16 (``vdpbf16ps``: faster prefill, ~1e-2 relative error), ``"xla"`` a float32 einsum."""
+  w = w[...]
+  out_shape, in_shape = w.shape[:out_axes], w.shape[out_axes:]
+  n_in = int(np.prod(in_shape))
+  x2 = x.reshape(*x.shape[:x.ndim - len(in_shape)], n_in)
+  w2 = w.reshape(int(np.prod(out_shape)), n_in)
+  if kernels in ("ffi", "ffi_bf16"):
+    y = dense(x2.astype(jnp.float32), w2, bf16_activations=kernels == "ffi_bf16")
+  elif kernels == "xla":
+    y = jnp.einsum("...C,OC->...O", x2, w2.astype(jnp.float32))
+  else:
+    raise ValueError(f"kernels must be 'xla', 'ffi' or 'ffi_bf16', got {kernels!r}")
+  return y.reshape(*x2.shape[:-1], *out_shape)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return _f32(self.scale) * (x * jax.lax.rsqrt(var + self.eps))
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, rotate-half convention. x [B, T, H, A], positions [B, T]."""
+  width = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (np.arange(0, width, 2, dtype=np.float32) / width))  # [A/2]
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, A/2]
+  angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, A]
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+
+
+@struct.dataclass
+class KVCache:
+  """Keys and values of one attention layer, ``[B, S, G, A]`` each."""
+  k: jax.Array
+  v: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32):
+    shape = (batch, max_len, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with optional q/k norm, qkv/o bias, clipping, a sliding window
+  and attention sinks (a learned per-head logit that takes probability mass but no value).
+
+  ``qk_norm``: ``"per_head"`` normalises each head over A (Qwen3), ``"full"`` normalises the
+  whole projection over H·A (OLMoE), None for no norm.
+  """
+
+  def __init__(self, *, width: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               rope_theta: float, eps: float, qk_norm: str | None, qkv_bias: bool, o_bias: bool,
+               clip_qkv: float | None, window: int | None, rngs: nnx.Rngs, sinks: bool = False,
+               dtype=jnp.float32):
+    h, g, a, d = num_heads, num_kv_heads, head_dim, width
+    self.w_q_had = _normal(rngs, (h, a, d), dtype)
+    self.w_k_gad = _normal(rngs, (g, a, d), dtype)
+    self.w_v_gad = _normal(rngs, (g, a, d), dtype)
+    self.w_o_dha = _normal(rngs, (d, h, a), dtype)
+    if qkv_bias:
+      self.b_q_ha = nnx.Param(jnp.zeros((h, a), dtype))
+      self.b_k_ga = nnx.Param(jnp.zeros((g, a), dtype))
+      self.b_v_ga = nnx.Param(jnp.zeros((g, a), dtype))
+    if o_bias:
+      self.b_o_d = nnx.Param(jnp.zeros((d,), dtype))
+    if qk_norm == "per_head":
+      self.q_norm = RMSNorm(a, eps, dtype=dtype)
+      self.k_norm = RMSNorm(a, eps, dtype=dtype)
+    elif qk_norm == "full":
+      self.q_norm = RMSNorm(h * a, eps, dtype=dtype)
+      self.k_norm = RMSNorm(g * a, eps, dtype=dtype)
+    if sinks:
+      self.sinks_h = nnx.Param(jnp.zeros((h,), dtype))
+    self.sinks = sinks
+    self.qk_norm = qk_norm
+    self.qkv_bias = qkv_bias
+    self.o_bias = o_bias
+    self.clip_qkv = clip_qkv
+    self.window = window
+    self.rope_theta = rope_theta
+
+  def _project(self, x, kernels):
+    q = linear(x, self.w_q_had, 2, kernels=kernels)  # [B, T, H, A]
+    k = linear(x, self.w_k_gad, 2, kernels=kernels)  # [B, T, G, A]
+    v = linear(x, self.w_v_gad, 2, kernels=kernels)
+    if self.qkv_bias:
+      q, k, v = q + _f32(self.b_q_ha), k + _f32(self.b_k_ga), v + _f32(self.b_v_ga)
+    if self.qk_norm == "per_head":
+      q, k = self.q_norm(q), self.k_norm(k)
+    elif self.qk_norm == "full":
+      q = self.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape)
+      k = self.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape)
+    if self.clip_qkv is not None:
+      c = self.clip_qkv
+      q, k, v = jnp.clip(q, -c, c), jnp.clip(k, -c, c), jnp.clip(v, -c, c)
+    return q, k, v
+
+  def __call__(self, x: jax.Array, cache: KVCache, length: jax.Array, positions: jax.Array,
+               *, kernels: str = "xla", fresh: bool = False) -> tuple[KVCache, jax.Array]:
+    """x [B, T, D]; writes the T new keys/values at cache rows [length, length + T).
+
+    ``fresh`` (static) promises ``length == 0``: the queries then attend to this chunk's
+    keys only, not to the whole (empty) cache, which saves most of a long prefill's work.
+    """
+    _, t, _ = x.shape
+    q, k, v = self._project(x, kernels)
+    q = rope(q, positions, self.rope_theta)
+    k = rope(k, positions, self.rope_theta)
+    start = (0, length, 0, 0)
+    cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
+                    v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start))
+    keys, values = (k, v) if fresh else (cache.k, cache.v)  # [B, S, G, A]
+    s = keys.shape[1]
+    g, a = keys.shape[2], keys.shape[3]
+    q = q.reshape(*q.shape[:2], g, -1, a)  # [B, T, G, R, A]
+    scores = jnp.einsum("BTGRA,BSGA->BGRTS", q, keys.astype(jnp.float32)) * (a ** -0.5)
+    q_idx = length + jnp.arange(t)  # cache row of each query
+    kv_idx = jnp.arange(s)
+    allowed = kv_idx[None, :] <= q_idx[:, None]  # [T, S]
+    if self.window is not None:
+      allowed &= kv_idx[None, :] > q_idx[:, None] - self.window
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    if self.sinks:
+      sink = _f32(self.sinks_h).reshape(g, -1)[None, :, :, None, None]  # [1, G, R, 1, 1]
+      sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+      probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+      probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, values.astype(jnp.float32))
+    out = out.reshape(*out.shape[:2], -1, a)  # [B, T, H, A]
+    y = linear(out, self.w_o_dha, 1, kernels=kernels)  # [B, T, D]
+    if self.o_bias:
+      y = y + _f32(self.b_o_d)
+    return cache, y
+
+
+class MLP(nnx.Module):
+  """Dense SwiGLU MLP (the shared expert of Qwen2-MoE)."""
+
+  def __init__(self, *, width: int, hidden: int, rngs: nnx.Rngs, dtype=jnp.float32):
+    self.w_gate_id = _normal(rngs, (hidden, width), dtype)
+    self.w_up_id = _normal(rngs, (hidden, width), dtype)
+    self.w_down_di = _normal(rngs, (width, hidden), dtype)
+
+  def __call__(self, x: jax.Array, *, kernels: str = "xla") -> jax.Array:
+    h = jax.nn.silu(linear(x, self.w_gate_id, 1, kernels=kernels))
+    h = h * linear(x, self.w_up_id, 1, kernels=kernels)
+    return linear(h, self.w_down_di, 1, kernels=kernels)
+
+
+class MoE(nnx.Module):
+  """Router plus routed experts (read from the bank) plus an optional gated shared expert.
+
+  The routed experts' weights are not parameters of this module: the routed experts come
+  from the ``RoutedExperts`` function the step is given (``ftjax.model.moe``).
+  """
+
+  def __init__(self, *, width: int, num_experts: int, top_k: int, ffn_dim: int, router: str,
+               norm_topk_prob: bool, shared_hidden: int, shared_gate: bool, rngs: nnx.Rngs,
+               router_groups: int = 1, router_topk_groups: int = 1, scaling: float = 1.0,
+               dtype=jnp.float32):
+    self.w_router_ed = _normal(rngs, (num_experts, width), dtype)
+    if router == "sigmoid_group":
+      self.b_router_e = nnx.Param(jnp.zeros((num_experts,), dtype))  # selection-only bias
+    self.router_groups, self.router_topk_groups, self.scaling = (
+        router_groups, router_topk_groups, scaling)
+    if shared_hidden:
+      self.shared = MLP(width=width, hidden=shared_hidden, rngs=rngs, dtype=dtype)
+    if shared_gate:
+      self.w_shared_gate_d = _normal(rngs, (width,), dtype)
+    self.has_shared = bool(shared_hidden)
+    self.shared_gate = shared_gate
+    self.top_k = top_k
+    self.ffn_dim = ffn_dim
+    self.router = router
+    self.norm_topk_prob = norm_topk_prob
+
+  def __call__(self, x: jax.Array, layer: int, experts: RoutedExperts, *, kernels: str = "xla",
+               valid: jax.Array | None = None, sow_router_logits: bool = False
+               ) -> tuple[RoutedExperts, jax.Array]:
+    """x [B, T, D] -> (experts, y): ``experts`` is the routed-experts function threaded
+    through the step. ``valid [B, T]`` bool marks real tokens: padding tokens get no route
+    (``ids = -1``), so they touch no expert and no cache statistic. ``sow_router_logits``
+    sows the router logits [B·T, E] as ``nnx.Intermediate`` "router_logits" (read them with
+    ``nnx.capture``; the training losses of ``ftjax.tiny.train`` do)."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, width)  # [B·T, D]
+    logits = linear(x2, self.w_router_ed, 1, kernels=kernels)  # [T, E]
+    if sow_router_logits:
+      self.sow(nnx.Intermediate, "router_logits", logits)
+    weights, ids = route(
+        logits, kind=self.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
+        bias=_f32(self.b_router_e) if self.router == "sigmoid_group" else None,
+        n_group=self.router_groups, topk_group=self.router_topk_groups, scaling=self.scaling)
+    if valid is not None:
+      keep = valid.reshape(-1, 1)
+      ids = jnp.where(keep, ids, -1)
+      weights = jnp.where(keep, weights, 0.0)
+    experts, y = experts(x2, weights, ids, layer)
+    if self.has_shared:
+      shared = self.shared(x2, kernels=kernels)
+      if self.shared_gate:
+        shared = jax.nn.sigmoid(x2 @ _f32(self.w_shared_gate_d))[:, None] * shared
+      y = y + shared
+    return experts, y.reshape(*lead, width)

@@ -1,0 +1,137 @@
+"""The decoder stack, its per-layer decode state, and its pure-functional step.
+
+``Transformer(state, tokens, positions, experts, kernels=...) -> (new_state, experts,
+logits)``: the model owns the per-layer decode state (``DecodeState``: each mixer's state plus
+the length) and gets its routed experts from ``experts`` (``ftjax.model.moe.RoutedExperts``),
+which it threads through the layers and returns. Where the routed experts' weights live, and
+the jit programs around a step, are the runtime's (``ftjax.runtime``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from ftjax.model.config import ModelConfig
+from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, _normal, linear
+from ftjax.model.moe import RoutedExperts
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything a decode step changes in the model.
+
+  ``layers[i]`` is the state of layer i's mixer (a ``KVCache`` for attention layers; linear
+  attention layers will carry conv and recurrent state here); ``length`` counts the cached
+  tokens. The engine's state (expert cache, statistics, routing record) wraps this one
+  (``ftjax.runtime.state.EngineState``).
+  """
+  layers: tuple[KVCache, ...]
+  length: jax.Array  # int32 [], rows [0, length) of every cache are filled
+
+  @property
+  def capacity(self) -> int:
+    """Tokens the state can hold (static)."""
+    return self.layers[0].k.shape[1] if self.layers else 0
+
+
+def init_state(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
+  layers = tuple(
+      KVCache.zeros(batch, max_len, config.num_kv_heads, config.head_dim, dtype)
+      for _ in config.layer_types)
+  return DecodeState(layers=layers, length=jnp.zeros((), jnp.int32))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, config: ModelConfig, layer_type: str, *, rngs: nnx.Rngs, dtype):
+    c = config
+    window = c.sliding_window if layer_type == "sliding_attention" else None
+    self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+    self.attn = Attention(
+        width=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
+        qkv_bias=c.qkv_bias, o_bias=c.o_bias, clip_qkv=c.clip_qkv, window=window, rngs=rngs,
+        sinks=c.attn_sinks, dtype=dtype)
+    self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+    self.moe = MoE(
+        width=c.hidden_size, num_experts=c.num_experts, top_k=c.top_k,
+        ffn_dim=c.moe_intermediate_size, router=c.router, norm_topk_prob=c.norm_topk_prob,
+        shared_hidden=c.shared_expert_intermediate_size, shared_gate=c.shared_expert_gate,
+        router_groups=c.router_groups, router_topk_groups=c.router_topk_groups,
+        scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
+
+  def __call__(self, x, cache, length, positions, layer, experts, *, kernels, fresh, valid,
+               sow_router_logits=False):
+    cache, h = self.attn(self.attn_norm(x), cache, length, positions, kernels=kernels,
+                         fresh=fresh)
+    x = x + h
+    experts, h = self.moe(self.mlp_norm(x), layer, experts, kernels=kernels, valid=valid,
+                          sow_router_logits=sow_router_logits)
+    return cache, experts, x + h
+
+
+class Transformer(nnx.Module):
+  """Embedding, decoder layers, final norm, lm_head (tied to the embedding when configured)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    c = config
+    self.embed_vd = _normal(rngs, (c.vocab_size, c.hidden_size), dtype)
+    self.layers = nnx.List([DecoderLayer(c, kind, rngs=rngs, dtype=dtype)
+                            for kind in c.layer_types])
+    self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+    if not c.tie_word_embeddings:
+      self.w_lm_vd = _normal(rngs, (c.vocab_size, c.hidden_size), dtype)
+    self.tie_word_embeddings = c.tie_word_embeddings
+
+  def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
+               experts: RoutedExperts, *, kernels: str = "xla", last_only: bool = False,
+               fresh: bool = False, num_valid: jax.Array | None = None,
+               sow_router_logits: bool = False
+               ) -> tuple[DecodeState, RoutedExperts, jax.Array]:
+    """tokens, positions [B, T] -> (new state, experts, logits [B, T or 1, V] float32).
+
+    ``experts`` serves every MoE layer's routed experts (``ftjax.model.moe``) and comes back
+    as the last layer left it. ``kernels`` (static) chooses the dense host work ("xla",
+    "ffi", "ffi_bf16"). ``fresh`` (static) promises an empty state (``length == 0``), as in
+    a prefill. ``num_valid`` (an int32 scalar, may be traced) says that only the first
+    ``num_valid`` tokens are real and the rest padding (a prompt padded to a length bucket):
+    padding gets no expert route, does not count in the new length, and with ``last_only``
+    the logits are those of the last real token. ``sow_router_logits`` sows each layer's
+    router logits (``nnx.capture``, training)."""
+    t = tokens.shape[1]
+    x = jnp.take(self.embed_vd[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
+    valid = None
+    if num_valid is not None:
+      valid = jnp.broadcast_to(jnp.arange(t) < num_valid, tokens.shape)  # [B, T]
+    caches = []
+    for i, layer in enumerate(self.layers):
+      cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts,
+                                kernels=kernels, fresh=fresh, valid=valid,
+                                sow_router_logits=sow_router_logits)
+      caches.append(cache)
+    if last_only:
+      if num_valid is None:
+        x = x[:, -1:]
+      else:
+        x = jax.lax.dynamic_slice_in_dim(x, jnp.maximum(num_valid - 1, 0), 1, axis=1)
+    x = self.final_norm(x)
+    w_lm = self.embed_vd if self.tie_word_embeddings else self.w_lm_vd
+    logits = linear(x, w_lm, 1, kernels=kernels)  # [B, T, V]
+    added = t if num_valid is None else num_valid
+    new_state = state.replace(layers=tuple(caches), length=state.length + added)
+    return new_state, experts, logits
+
+
+def param_name(path: tuple) -> str:
+  """The FTW name of a parameter path: ``("layers", 0, "attn", "w_q_had")`` -> ``layers.0.attn.w_q_had``."""
+  return ".".join(str(p) for p in path)
+
+
+def abstract_params(config: ModelConfig, dtype=jnp.float32) -> dict[str, jax.ShapeDtypeStruct]:
+  """Parameter name (``layers.0.attn.w_q_had``) -> abstract array, without allocating."""
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+  _, state = nnx.split(abstract)
+  return {param_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}

@@ -1,0 +1,443 @@
+"""Decode cost model: the modeled time of decode steps from their per-layer cache counts.
+
+A hardware profile (``HardwareProfile``: bandwidths and fixed costs of one machine) and a
+model's shapes (``ModelShape``: expert and dense bytes) turn the counts that the engine
+records per step and layer (``Engine.stats()["per_step"]``: distinct experts hit, filled and
+run on the host) or that a trace replay produces into seconds. Pure numpy: it runs anywhere,
+for any model and machine, without weights or an accelerator.
+
+One MoE layer-step (``layer_step_time``), with S the bytes of one expert, 1 GB = 1e9 bytes::
+
+  t = max(fills·S / B_P + (hits + fills)·S / device_bw,     # device queue: fills, then compute
+          host_runs·S / B_H)                                # host kernel, overlapping it
+      + dense_bytes_per_layer / device_bw                    # attention/mixer, router, shared
+      + layer_overhead_s                                     # launches, sync, small ops
+
+One decode step (``step_times``) is the sum over the MoE layers plus
+``head_bytes / device_bw + step_overhead_s``; ``modeled_tok_s`` is 1 / mean step time.
+
+Assumptions (the FreeToken model, DESIGN section 2): decode at batch 1 is memory-bound, so
+every term is bytes over a bandwidth; a fill and the device compute of the layer share one
+device queue (the layer's slot experts run after their fills land), while the host kernel
+runs the CPU set at the same time, so the two paths overlap and the slower one counts.
+Not modelled: contention between a DMA and the host kernel for host memory bandwidth (the
+q* rule's B_res = B_H - B_P; use a profile measured with both paths running if it matters),
+the KV cache and recurrent-state reads (they grow with the context or are small at short
+context), and compute-bound work (prefill).
+
+On a CPU-only machine the "device" is the host itself: slot compute, fills and the host
+kernel share the same cores and memory bus and run one after the other, and ``device_bw`` is
+the host's read bandwidth. Such profiles set ``paths_overlap: false`` (the two paths are
+added; ``python -m ftjax.profile --hardware_out`` writes it). ``benchmarks/cost_model.py``
+measures the model against the engine there: modeled / measured step time 0.96-1.03 on a
+2-core VM with the paths added, 0.86-1.01 if they were assumed to overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+import yaml
+
+from ftjax.model.config import ModelConfig, _Required
+
+GB = 1e9  # bandwidths are in GB/s of 1e9 bytes, as vendors and the paper quote them
+
+# Bytes per parameter of the dtypes found in checkpoints' config.json.
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+# -- Hardware -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  """One machine's numbers for the cost model (``configs/hardware/*.yaml``).
+
+  name: a short label (plots and tables).
+  b_p: GB/s of host-to-device copies, i.e. cache fills (B_P).
+  b_h: GB/s of expert weights read by the host expert kernel at batch 1 (B_H).
+  device_bw: GB/s the device reads its memory at (slot experts, dense weights, lm_head).
+  layer_overhead_s: seconds of fixed cost per MoE layer-step: kernel launches, attention
+    and router math for one token, the host/device synchronisation of the split.
+  step_overhead_s: seconds of fixed cost per decoded token: embedding, sampling, the host
+    loop.
+  device_memory_gb: GB (1e9 bytes) of device memory, for sizing the cache.
+  source: where the numbers come from (measured, paper, vendor spec, assumed).
+  paths_overlap: optional, default true: the device path (fills, then slot compute) and the
+    host kernel run at the same time, so a layer-step costs the slower one (a GPU machine).
+    False adds them (a CPU-only machine, where one set of cores runs both: measured by
+    ``benchmarks/cost_model.py``); ``python -m ftjax.profile --hardware_out`` writes false.
+
+  Bandwidths and memory must be positive; overheads may be zero (none) but not negative.
+  """
+  name: str
+  b_p: float
+  b_h: float
+  device_bw: float
+  layer_overhead_s: float
+  step_overhead_s: float
+  device_memory_gb: float
+  source: str
+  paths_overlap: bool = True
+
+  _POSITIVE = ("b_p", "b_h", "device_bw", "device_memory_gb")
+  _NON_NEGATIVE = ("layer_overhead_s", "step_overhead_s")
+
+  def __post_init__(self):
+    for key in ("name", "source"):
+      value = getattr(self, key)
+      if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"hardware profile key {key!r} must be a non-empty string, got "
+                         f"{value!r}")
+    if not isinstance(self.paths_overlap, bool):
+      raise ValueError(f"hardware profile key 'paths_overlap' must be true or false, got "
+                       f"{self.paths_overlap!r}")
+    for key in self._POSITIVE + self._NON_NEGATIVE:
+      value = getattr(self, key)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"hardware profile key {key!r} must be a number, got {value!r}")
+      if key in self._POSITIVE and value <= 0:
+        raise ValueError(f"hardware profile key {key!r} must be positive, got {value!r}")
+      if value < 0:
+        raise ValueError(f"hardware profile key {key!r} must be >= 0, got {value!r}")
+      object.__setattr__(self, key, float(value))
+
+  @classmethod
+  def keys(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any], where: str = "hardware profile") -> "HardwareProfile":
+    """Validates ``d``; errors name ``where`` (the file), the key and the fix."""
+    if not isinstance(d, dict):
+      raise ValueError(f"{where}: expected a mapping of {', '.join(cls.keys())}, got "
+                       f"{type(d).__name__}")
+    unknown = sorted(set(d) - set(cls.keys()))
+    if unknown:
+      raise ValueError(f"{where}: unknown key(s) {unknown}: remove them or fix their spelling; "
+                       f"the keys are {', '.join(cls.keys())}")
+    missing = [k for k in cls.keys() if k not in d and k != "paths_overlap"]
+    if missing:
+      raise ValueError(f"{where}: missing key(s) {missing}: add them (see "
+                       "configs/hardware/README.md for their units)")
+    try:
+      return cls(**d)
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}: fix the value (see configs/hardware/README.md)") from None
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "HardwareProfile":
+    """Reads a YAML hardware profile (``configs/hardware/*.yaml``)."""
+    d = _read_config(path, "YAML", yaml.safe_load, yaml.YAMLError,
+                     f"hardware profile {path} not found: pick one in configs/hardware/ or write "
+                     "this machine's with `python -m ftjax.profile --hardware_out=PATH`")
+    return cls.from_dict(d, where=str(path))
+
+  def save(self, path: str | os.PathLike) -> str:
+    """Writes the profile as YAML (the format ``load`` reads)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+      yaml.safe_dump(self.to_dict(), f, sort_keys=False, width=100)
+    return str(path)
+
+
+def _read_config(path: str | os.PathLike, fmt: str, parse, syntax_error: type[Exception],
+                 not_found: str) -> Any:
+  """Parses a config file; a missing file or bad syntax is an error that names the file."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(not_found)
+  with open(path) as f:
+    try:
+      return parse(f)
+    except syntax_error as e:
+      raise ValueError(f"{path}: not valid {fmt} ({e}): fix the syntax") from None
+
+
+# -- Model shapes ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """The bytes a decode step of one model reads, per part (no weights needed).
+
+  num_layers: MoE layers L. num_experts: routed experts per layer E. top_k: K.
+  hidden: D. expert_ffn: F, the width of one routed expert.
+  bytes_per_param: 2 for bfloat16.
+  dense_bytes_per_layer: bytes of a layer's non-expert weights read per decoded token
+    (attention or linear-attention mixer, router, shared expert, norms), the mean over the
+    layers when they differ (hybrid models).
+  head_bytes: bytes read once per token outside the layers: the embedding row, the final
+    norm and the lm_head.
+  """
+  name: str
+  num_layers: int
+  num_experts: int
+  top_k: int
+  hidden: int
+  expert_ffn: int
+  bytes_per_param: int
+  dense_bytes_per_layer: float
+  head_bytes: float
+
+  def __post_init__(self):
+    for key in ("num_layers", "num_experts", "top_k", "hidden", "expert_ffn", "bytes_per_param"):
+      if int(getattr(self, key)) <= 0:
+        raise ValueError(f"model shape {self.name!r}: {key} must be positive, got "
+                         f"{getattr(self, key)}")
+    if self.top_k > self.num_experts:
+      raise ValueError(f"model shape {self.name!r}: top_k={self.top_k} exceeds num_experts="
+                       f"{self.num_experts}")
+    if self.dense_bytes_per_layer < 0 or self.head_bytes < 0:
+      raise ValueError(f"model shape {self.name!r}: dense_bytes_per_layer and head_bytes must be "
+                       ">= 0")
+
+  @property
+  def expert_bytes(self) -> int:
+    """Bytes of one routed expert: gate [F, D], up [F, D], down [D, F]."""
+    return 3 * self.hidden * self.expert_ffn * self.bytes_per_param
+
+  @property
+  def total_experts(self) -> int:
+    return self.num_layers * self.num_experts
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_config(cls, config, name: str | None = None,
+                  bytes_per_param: int | None = None) -> "ModelShape":
+    """From ftjax's ``ModelConfig`` (attention-only models, the ones ftjax runs).
+
+    ``bytes_per_param`` defaults to the checkpoint dtype's (``config.source_dtype``).
+    """
+    c = config
+    nbytes = bytes_per_param or _dtype_bytes(c.source_dtype, name or c.model_type)
+    attention = _attention_params(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                  qkv_bias=c.qkv_bias, o_bias=c.o_bias, qk_norm=c.qk_norm,
+                                  sinks=c.attn_sinks)
+    moe = _moe_block_params(c.hidden_size, c.num_experts, c.shared_expert_intermediate_size,
+                            c.shared_expert_gate)
+    return cls(name=name or c.model_type, num_layers=c.num_moe_layers, num_experts=c.num_experts,
+               top_k=c.top_k, hidden=c.hidden_size, expert_ffn=c.moe_intermediate_size,
+               bytes_per_param=nbytes, dense_bytes_per_layer=float((attention + moe) * nbytes),
+               head_bytes=float(_head_params(c.hidden_size, c.vocab_size) * nbytes))
+
+  @classmethod
+  def from_hf_config(cls, hf: dict[str, Any], name: str | None = None,
+                     bytes_per_param: int | None = None) -> "ModelShape":
+    """From a Hugging Face ``config.json`` dict, including models ftjax cannot run yet.
+
+    Composite (vision-language) configs are read from their ``text_config``. Models whose
+    layers are all attention go through ``ModelConfig.from_hf_config`` (one parser for the
+    families ftjax runs). Hybrid models with ``linear_attention`` layers (Gated DeltaNet:
+    Qwen3-Next, Qwen3.5/3.6) are computed from the dict here, since ModelConfig refuses
+    them; see ``_gated_deltanet_params`` for the mixer's formula.
+    """
+    text = hf.get("text_config") or hf
+    model_type = text.get("model_type") or hf.get("model_type")
+    name = name or hf.get("_name_or_path") or model_type
+    layer_types = _hybrid_layer_types(text, model_type)
+    if layer_types is None:
+      return cls.from_config(ModelConfig.from_hf_config(text), name=name,
+                             bytes_per_param=bytes_per_param)
+    return _hybrid_shape(cls, text, hf, layer_types, name, bytes_per_param)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike, bytes_per_param: int | None = None) -> "ModelShape":
+    """Reads a ``config.json``-style file (``configs/models/*.json``); named by its file."""
+    hf = _read_config(path, "JSON", json.load, json.JSONDecodeError,
+                      f"model config {path} not found: pick one in configs/models/ or give a "
+                      "checkpoint's config.json")
+    name = os.path.splitext(os.path.basename(path))[0]
+    try:
+      return cls.from_hf_config(hf, name=name, bytes_per_param=bytes_per_param)
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"{path}: cannot compute the model's shapes: {e}") from None
+
+
+def _dtype_bytes(dtype: str | None, name: str) -> int:
+  if dtype is None:
+    return 2  # checkpoints without a dtype key are served in bfloat16
+  if dtype not in _DTYPE_BYTES:
+    raise ValueError(f"{name}: unknown dtype {dtype!r} (known: {', '.join(_DTYPE_BYTES)}); pass "
+                     "bytes_per_param= explicitly")
+  return _DTYPE_BYTES[dtype]
+
+
+def _attention_params(d: int, heads: int, kv_heads: int, head_dim: int, *, q_gate: bool = False,
+                      qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
+                      sinks: bool = False) -> int:
+  """Parameters of one attention block: q (doubled by an output gate), k, v, o and their
+  biases, q/k norms, attention sinks."""
+  q, kv = heads * head_dim * (2 if q_gate else 1), kv_heads * head_dim
+  n = d * (q + 2 * kv) + heads * head_dim * d
+  if qkv_bias:
+    n += q + 2 * kv
+  if o_bias:
+    n += d
+  if qk_norm == "per_head":
+    n += 2 * head_dim
+  elif qk_norm == "full":
+    n += heads * head_dim + kv
+  return n + (heads if sinks else 0)
+
+
+def _moe_block_params(d: int, num_experts: int, shared_ffn: int, shared_gate: bool) -> int:
+  """Non-routed parameters of one MoE layer besides its mixer: router [E, D], shared expert
+  (SwiGLU of width I, plus its sigmoid gate [1, D]) and the layer's two RMSNorms."""
+  n = num_experts * d + 2 * d
+  if shared_ffn:
+    n += 3 * d * shared_ffn + (d if shared_gate else 0)
+  return n
+
+
+def _head_params(d: int, vocab: int) -> int:
+  """Embedding row, final norm and lm_head, read once per token (a tied lm_head is read too)."""
+  return d + d + vocab * d
+
+
+# Hybrid families whose config may omit layer_types (transformers then derives them from
+# full_attention_interval) and whose full-attention layers have a sigmoid output gate.
+_HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _hybrid_layer_types(text: dict[str, Any], model_type: str | None) -> list[str] | None:
+  """The layer types of a hybrid model, or None for an attention-only one."""
+  layer_types = text.get("layer_types")
+  if layer_types is None and model_type in _HYBRID_MODEL_TYPES:
+    interval = int(text.get("full_attention_interval", 4))
+    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                   for i in range(int(text["num_hidden_layers"]))]
+  if layer_types is None or "linear_attention" not in layer_types:
+    return None
+  return list(layer_types)
+
+
+def _gated_deltanet_params(text: dict[str, Any]) -> int:
+  """Parameters of one Gated DeltaNet mixer (Qwen3-Next / Qwen3.5 ``linear_attn``).
+
+  With key_dim = linear_num_key_heads · linear_key_head_dim, value_dim = linear_num_value_heads
+  · linear_value_head_dim, Hv = linear_num_value_heads and conv_dim = 2·key_dim + value_dim:
+
+    D·(2·key_dim + value_dim)      in_proj_qkv   (Qwen3-Next fuses qkv and z as in_proj_qkvz,
+    + D·value_dim                  in_proj_z      and b and a as in_proj_ba: same count)
+    + 2·D·Hv                       in_proj_b, in_proj_a
+    + conv_dim·linear_conv_kernel_dim   depthwise causal conv1d, no bias
+    + value_dim·D                  out_proj
+    + 2·Hv + linear_value_head_dim dt_bias, A_log, the gated RMSNorm
+
+  Qwen3.5-35B-A3B (D 2048, 16 key / 32 value heads of 128, kernel 4): 33,718,464 parameters,
+  67.4 MB in bfloat16. The recurrent state ([Hv, 128, 128] float32, 2.1 MB per layer) is
+  read and written every token but is state, not weights, and is not counted.
+  """
+  d = int(text["hidden_size"])
+  hv = int(text["linear_num_value_heads"])
+  key_dim = int(text["linear_num_key_heads"]) * int(text["linear_key_head_dim"])
+  value_dim = hv * int(text["linear_value_head_dim"])
+  conv_dim = 2 * key_dim + value_dim
+  return (d * (conv_dim + value_dim + 2 * hv) + conv_dim * int(text["linear_conv_kernel_dim"])
+          + value_dim * d + 2 * hv + int(text["linear_value_head_dim"]))
+
+
+def _hybrid_shape(cls, text: dict[str, Any], hf: dict[str, Any], layer_types: list[str],
+                  name: str, bytes_per_param: int | None) -> ModelShape:
+  text = _Required(text)
+  num_layers = int(text["num_hidden_layers"])
+  if len(layer_types) != num_layers:
+    raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
+                     f"{num_layers}")
+  if text.get("mlp_only_layers") or (text.get("decoder_sparse_step", 1) or 1) != 1:
+    raise ValueError("dense MLP layers between MoE layers (mlp_only_layers / decoder_sparse_step "
+                     "!= 1) are not modelled yet")
+  d = int(text["hidden_size"])
+  heads = int(text["num_attention_heads"])
+  head_dim = int(text.get("head_dim") or d // heads)
+  bias = bool(text.get("attention_bias", False))
+  attention = _attention_params(
+      d, heads, int(text.get("num_key_value_heads") or heads), head_dim,
+      q_gate=bool(text.get("attn_output_gate", True)), qkv_bias=bias, o_bias=bias,
+      qk_norm="per_head")
+  mixers = {"full_attention": attention, "linear_attention": _gated_deltanet_params(text)}
+  unknown = sorted(set(layer_types) - set(mixers))
+  if unknown:
+    raise ValueError(f"unknown layer types {unknown}; modelled: {', '.join(mixers)}")
+  num_experts = int(text.get("num_experts", text.get("num_local_experts", 0)))
+  shared = int(text.get("shared_expert_intermediate_size", 0) or 0)
+  mean_mixer = sum(mixers[t] for t in layer_types) / num_layers
+  nbytes = bytes_per_param or _dtype_bytes(
+      text.get("dtype") or text.get("torch_dtype") or hf.get("dtype") or hf.get("torch_dtype"),
+      name)
+  return cls(name=name, num_layers=num_layers, num_experts=num_experts,
+             top_k=int(text["num_experts_per_tok"]), hidden=d,
+             expert_ffn=int(text["moe_intermediate_size"]), bytes_per_param=nbytes,
+             dense_bytes_per_layer=float(
+                 (mean_mixer + _moe_block_params(d, num_experts, shared, shared > 0)) * nbytes),
+             head_bytes=float(_head_params(d, int(text["vocab_size"])) * nbytes))
+
+
+# -- The model ------------------------------------------------------------------------------
+
+
+def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -> np.ndarray:
+  """Seconds of each MoE layer-step, elementwise over equal-shaped count arrays.
+
+  hits, fills, host_runs: distinct experts of the layer-step served from a slot, copied into
+  a slot and then served from it, and run by the host kernel from the pool (e.g. [steps,
+  layers], as ``Engine.stats()["per_step"]`` or a trace replay gives them).
+
+    max(fills·S/B_P + (hits + fills)·S/device_bw, host_runs·S/B_H)
+      + dense_bytes_per_layer/device_bw + layer_overhead_s
+
+  (the sum of the two paths instead of their max when ``hw.paths_overlap`` is false)
+
+  with S = ``shape.expert_bytes`` and bandwidths in bytes/s. A fill and the device compute
+  are serial on one device queue (the filled experts are computed after they land); the host
+  kernel runs its experts at the same time, so the slower of the two paths counts (the
+  FreeToken model). On a CPU-only machine the "device" is the host: the two paths then share
+  the same cores and do not really overlap (see the module docstring).
+  """
+  hits, fills, host_runs = _counts(hits, fills, host_runs)
+  s = shape.expert_bytes
+  device = fills * s / (hw.b_p * GB) + (hits + fills) * s / (hw.device_bw * GB)
+  host = host_runs * s / (hw.b_h * GB)
+  experts = np.maximum(device, host) if hw.paths_overlap else device + host
+  return experts + shape.dense_bytes_per_layer / (hw.device_bw * GB) + hw.layer_overhead_s
+
+
+def step_times(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -> np.ndarray:
+  """Seconds of each decode step: counts [..., layers] -> [...] (e.g. [steps, L] -> [steps]).
+
+  The sum of ``layer_step_time`` over the last axis, which must hold all ``shape.num_layers``
+  layers, plus ``head_bytes / device_bw + step_overhead_s``.
+  """
+  hits, fills, host_runs = _counts(hits, fills, host_runs)
+  if hits.ndim == 0 or hits.shape[-1] != shape.num_layers:
+    raise ValueError(f"counts must end in the layer axis of {shape.num_layers} layers "
+                     f"({shape.name}), got shape {hits.shape}: pass [steps, layers], or model "
+                     "the trace's depth with dataclasses.replace(shape, num_layers=...)")
+  layers = layer_step_time(hw, shape, hits, fills, host_runs).sum(axis=-1)
+  return layers + shape.head_bytes / (hw.device_bw * GB) + hw.step_overhead_s
+
+
+def modeled_tok_s(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -> float:
+  """Decode tokens per second: 1 / the mean of ``step_times`` over all steps."""
+  return float(1.0 / np.mean(step_times(hw, shape, hits, fills, host_runs)))
+
+
+def _counts(hits, fills, host_runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  arrays = tuple(np.asarray(a, np.float64) for a in (hits, fills, host_runs))
+  if not arrays[0].shape == arrays[1].shape == arrays[2].shape:
+    raise ValueError(f"hits, fills and host_runs must have equal shapes, got "
+                     f"{[a.shape for a in arrays]}")
+  if any((a < 0).any() for a in arrays):
+    raise ValueError("expert counts must be >= 0")
+  return arrays

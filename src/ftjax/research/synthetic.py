@@ -1,0 +1,330 @@
+"""Synthetic routing traces, calibrated to published Qwen3-30B-A3B routing statistics.
+
+A ``RoutingModel`` describes, per MoE layer, how a router picks its ``top_k`` experts one
+token (step) after another; ``generate`` samples a ``ftjax.research.traces.Trace`` from it that the
+sweep replays like a captured one::
+
+  from ftjax.research import synthetic, sweep
+  trace = synthetic.generate(synthetic.qwen3_30b_a3b(), 2000, seed=0, prefill_steps=100)
+  sweep.replay(trace, "freetoken", cache_slots=2273, bandwidths=(52.7, 77.3)).miss_rate
+
+The process, per layer ``l`` and step ``t`` (all layers are independent):
+
+1. **Temporal reuse.** Each expert of step ``t-1`` is routed again at ``t`` with probability
+   ``reuse[l]`` (``prefill_reuse[l]`` at prefill steps), independently. The experts that are
+   not kept are not drawn again at ``t`` (unless too few experts remain), so the expected
+   share of ``top_k`` that consecutive steps have in common is exactly ``reuse[l]``.
+2. **New experts** fill the remaining routes, drawn without replacement from the mixture
+   ``(1 - working_set[l]) * popularity + working_set[l] * recent``:
+
+   * ``popularity``: a Zipf law over a fixed random order of the experts,
+     ``p(rank r) ∝ (r + 1/2) ** -skew[l]``; which expert has which rank is drawn once per
+     layer from ``layout_seed``, so traces of different seeds share their popular experts
+     (as different prompts on one model do).
+   * ``recent``: the short-term working set, each expert weighted by
+     ``sum_d working_set_decay[l] ** d`` over the earlier steps ``t - 1 - d`` that routed it
+     (those of step ``t - 1`` are excluded as above), so a recalled expert was last routed
+     a few steps ago, on the order of ``1 / (1 - decay)``.
+3. **Phase shift.** At prefill steps the popularity is
+   ``(1 - prefill_shift[l]) * popularity + prefill_shift[l] * other``, ``other`` being the same
+   Zipf law over a second random order: prompts prefer partly different experts than
+   generated text. The working set carries over from prefill into decode.
+4. **Weights**: a symmetric Dirichlet(``weight_concentration``) draw per route set, sorted
+   in descending order as a router's top-k are (so they are positive and sum to 1).
+
+``qwen3_30b_a3b()`` holds the calibrated parameters (``docs/synthetic.md`` has the targets
+and the achieved values); ``scaled`` carries a model to other shapes; ``fit_skew`` re-fits the
+popularity skew to per-layer top-share targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Sequence
+
+import numpy as np
+
+from ftjax.research import routing_stats
+from ftjax.research.traces import Trace
+
+PREFILL, DECODE = routing_stats.PREFILL, routing_stats.DECODE
+
+_PER_LAYER = ("skew", "reuse", "working_set", "working_set_decay", "prefill_reuse",
+              "prefill_shift")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingModel:
+  """Parameters of the synthetic router; per-layer values are tuples of ``num_layers`` floats
+  (a single number is broadcast to every layer).
+
+  Attributes:
+    num_layers: MoE layers L.
+    num_experts: routed experts per layer E.
+    top_k: experts routed per token and layer K (``1 <= K <= E``).
+    skew: Zipf exponent of each layer's expert popularity (>= 0; 0 is uniform).
+    reuse: probability that an expert of decode step t is routed again at t+1, in [0, 1]:
+      the expected consecutive-step overlap, as a fraction of K.
+    working_set: probability in [0, 1] that a new (not reused) expert comes from the
+      recently routed experts rather than from the popularity law.
+    working_set_decay: per-step decay in [0, 1) of an expert's weight in the working set.
+    prefill_reuse: ``reuse`` at prefill steps.
+    prefill_shift: share in [0, 1] of the prefill popularity taken from a second, independent
+      expert order (0: prefill prefers the same experts as decode).
+    weight_concentration: Dirichlet concentration (> 0) of the routing weights; small values
+      give one dominant weight, large values near-equal weights.
+    layout_seed: fixes which experts are popular (the random expert orders), independent of
+      the seed of ``generate``.
+  """
+  num_layers: int
+  num_experts: int
+  top_k: int
+  skew: tuple[float, ...]
+  reuse: tuple[float, ...]
+  working_set: tuple[float, ...]
+  working_set_decay: tuple[float, ...]
+  prefill_reuse: tuple[float, ...]
+  prefill_shift: tuple[float, ...]
+  weight_concentration: float = 1.0
+  layout_seed: int = 0
+
+  def __post_init__(self):
+    if self.num_layers < 1 or self.num_experts < 1:
+      raise ValueError(f"num_layers and num_experts must be positive, got {self.num_layers} and "
+                       f"{self.num_experts}")
+    if not 1 <= self.top_k <= self.num_experts:
+      raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+    for name in _PER_LAYER:
+      value = np.asarray(getattr(self, name), np.float64)
+      if value.ndim == 0:  # one number for every layer
+        value = np.full(self.num_layers, value)
+      if value.shape != (self.num_layers,):
+        raise ValueError(f"{name} needs one value per layer ({self.num_layers}) or a single "
+                         f"number, got shape {value.shape}: resample a profile with scaled()")
+      object.__setattr__(self, name, tuple(value.tolist()))  # a tuple of floats (hashable)
+    checks = {"skew": (0.0, np.inf, True), "reuse": (0.0, 1.0, True),
+              "working_set": (0.0, 1.0, True), "working_set_decay": (0.0, 1.0, False),
+              "prefill_reuse": (0.0, 1.0, True), "prefill_shift": (0.0, 1.0, True)}
+    for name, (low, high, closed) in checks.items():
+      values = np.asarray(getattr(self, name))
+      ok = (values >= low) & ((values <= high) if closed else (values < high))
+      if not ok.all():
+        bad = int(np.flatnonzero(~ok)[0])
+        bracket = "]" if closed else ")"
+        raise ValueError(f"{name}[{bad}] = {values[bad]} is outside [{low}, {high}{bracket}")
+    if not self.weight_concentration > 0:
+      raise ValueError(f"weight_concentration must be positive, got {self.weight_concentration}")
+
+  def popularity(self, phase: int = DECODE) -> np.ndarray:
+    """Each layer's popularity law of new experts at ``phase`` steps: [L, E], rows sum to 1."""
+    if phase not in (PREFILL, DECODE):
+      raise ValueError(f"phase must be 0 (prefill) or 1 (decode), got {phase!r}")
+    layout = np.random.default_rng(self.layout_seed)
+    orders = np.stack([layout.permutation(self.num_experts) for _ in range(2 * self.num_layers)])
+    ranks = np.empty_like(orders)
+    np.put_along_axis(ranks, orders, np.arange(self.num_experts)[None], 1)  # rank of each expert
+    skew = np.asarray(self.skew)[:, None]
+    laws = (ranks + 0.5) ** -np.concatenate([skew, skew])  # [2L, E]
+    laws /= laws.sum(1, keepdims=True)
+    decode, other = laws[:self.num_layers], laws[self.num_layers:]
+    if phase == DECODE:
+      return decode
+    shift = np.asarray(self.prefill_shift)[:, None]
+    return (1 - shift) * decode + shift * other
+
+
+def generate(model: RoutingModel, steps: int, *, seed: int, prefill_steps: int = 0) -> Trace:
+  """Samples a trace of ``prefill_steps`` prefill steps followed by ``steps`` decode steps.
+
+  Returns a ``Trace`` with ids [prefill_steps + steps, L, K] (every route present, distinct
+  experts per step-layer), weights of the same shape (positive, summing to 1 over K, in
+  descending order), phase 0 for the prefill steps and 1 after, and metadata naming the
+  generator and its parameters. Deterministic for a given ``seed`` (and model).
+  """
+  if steps < 0 or prefill_steps < 0:
+    raise ValueError(f"steps and prefill_steps must be non-negative, got {steps} and "
+                     f"{prefill_steps}")
+  layers, experts, top_k = model.num_layers, model.num_experts, model.top_k
+  total = prefill_steps + steps
+  rng = np.random.default_rng(seed)
+  laws = {phase: model.popularity(phase).astype(np.float32) for phase in (PREFILL, DECODE)}
+  reuse = {PREFILL: np.asarray(model.prefill_reuse, np.float32)[:, None],
+           DECODE: np.asarray(model.reuse, np.float32)[:, None]}
+  recall = np.asarray(model.working_set, np.float32)[:, None]
+  decay = np.asarray(model.working_set_decay, np.float32)[:, None]
+  rows = np.arange(layers)[:, None]
+  ids = np.zeros((total, layers, top_k), np.int32)
+  recent = np.zeros((layers, experts), np.float32)  # working-set weight of each expert
+  previous = np.zeros((layers, top_k), np.int64)  # the experts of the last step
+  for t in range(total):
+    phase = PREFILL if t < prefill_steps else DECODE
+    was_routed = np.zeros((layers, experts), bool)
+    if t:
+      keep = rng.random((layers, top_k), dtype=np.float32) < reuse[phase]  # [L, K]
+      was_routed[rows, previous] = True
+    else:
+      keep = np.zeros((layers, top_k), bool)
+    candidates = np.where(was_routed, np.float32(0), recent)  # [L, E]
+    mass = candidates.sum(1, keepdims=True)
+    recall_now = np.where(mass > 0, recall, np.float32(0))  # nothing to recall yet: popularity
+    mixture = (1 - recall_now) * laws[phase] + (recall_now / np.maximum(mass, 1e-30)) * candidates
+    # Exponential race: the top_k smallest noise / mixture are a draw without replacement with
+    # probabilities proportional to the mixture, in draw order.
+    keys = rng.standard_exponential((layers, experts), dtype=np.float32) / np.maximum(
+        mixture, np.float32(1e-30))
+    keys[was_routed] += np.float32(1e34)  # dropped experts only if nothing else is left
+    kept_rows, kept_cols = np.nonzero(keep)
+    keys[kept_rows, previous[kept_rows, kept_cols]] = np.inf  # kept experts are routed already
+    best = np.argpartition(keys, top_k - 1, axis=1)[:, :top_k]  # [L, K] unordered
+    best = np.take_along_axis(best, np.argsort(np.take_along_axis(keys, best, 1), 1), 1)
+    fresh_index = np.cumsum(~keep, axis=1) - 1  # the n-th new route takes the n-th draw
+    current = np.where(keep, previous, np.take_along_axis(best, np.maximum(fresh_index, 0), 1))
+    ids[t] = current
+    recent *= decay
+    recent[rows, current] += np.float32(1)
+    previous = current
+  weights = rng.gamma(model.weight_concentration, size=(total, layers, top_k))
+  weights = -np.sort(-weights, axis=-1)
+  weights /= weights.sum(-1, keepdims=True)
+  weights = np.maximum(weights, np.finfo(np.float32).tiny)  # positive after float32 rounding
+  phases = (np.arange(total) >= prefill_steps).astype(np.uint8)
+  metadata = {"source": "ftjax.research.synthetic", "seed": int(seed), "prefill_steps": int(prefill_steps),
+              "routing_model": dataclasses.asdict(model)}
+  return Trace.from_arrays(ids, weights, experts, phase=phases, metadata=metadata)
+
+
+def fit_skew(model: RoutingModel, shares: Sequence[float], *, top_n: int | None = None,
+             steps: int = 3000, iterations: int = 8, seed: int = 0) -> RoutingModel:
+  """Re-fits ``model.skew`` so that each layer's ``top_n`` most-selected experts take
+  ``shares[l]`` of its decode selections (``top_n`` defaults to an eighth of the experts).
+
+  The realised share depends on the skew and on the reuse and working-set dynamics, so it is
+  matched by simulation: ``iterations`` rounds of generating ``steps`` decode steps (seed
+  ``seed + round``) and moving each layer's exponent in proportion to its error. The result
+  is deterministic; the error left is the sampling noise of ``steps`` (about ±0.01 at 3000).
+  """
+  shares = np.asarray(shares, np.float64).reshape(-1)
+  if shares.shape != (model.num_layers,):
+    raise ValueError(f"shares needs one value per layer ({model.num_layers}), got {shares.shape}")
+  top_n = max(1, model.num_experts // 8) if top_n is None else top_n
+  uniform = min(1.0, top_n / model.num_experts)
+  if not ((shares >= uniform) & (shares <= 1)).all():
+    raise ValueError(f"shares must be in [{uniform:.3f} (uniform popularity), 1], got "
+                     f"{shares.min():.3f}..{shares.max():.3f}")
+  skew = np.asarray(model.skew)
+  for i in range(iterations):
+    trial = dataclasses.replace(model, skew=tuple(skew))
+    achieved = routing_stats.top_share(generate(trial, steps, seed=seed + i), top_n)
+    gain = 2.5 if i < iterations // 2 else 1.5  # d(skew)/d(share) is about 3 near the targets
+    skew = np.maximum(skew + gain * (shares - achieved), 0.0)
+  error = np.abs(shares - achieved)
+  if error.max() > 0.05:
+    layer = int(error.argmax())
+    warnings.warn(
+        f"fit_skew: layer {layer} reaches a top-{top_n} share of {achieved[layer]:.3f}, not "
+        f"{shares[layer]:.3f}. An expert dropped after a step is not drawn at the next, so "
+        f"it is routed at most 1 / (2 - reuse) of the steps and the top {top_n} experts take "
+        f"at most {top_n} / ({model.top_k} * (2 - reuse)) of the routes: lower the target or "
+        f"the reuse, or raise iterations if the error was still falling", stacklevel=2)
+  return dataclasses.replace(model, skew=tuple(np.round(skew, 4).tolist()))
+
+
+def _by_depth(values: Sequence[float], num_layers: int) -> tuple[float, ...]:
+  """Resamples a per-layer profile to ``num_layers`` layers by relative depth (linear)."""
+  values = np.asarray(values, np.float64)
+  source = np.linspace(0.0, 1.0, len(values)) if len(values) > 1 else np.zeros(1)
+  return tuple(np.interp(np.linspace(0.0, 1.0, num_layers), source, values).tolist())
+
+
+def qwen3_overlap_profile(num_layers: int = 48) -> np.ndarray:
+  """The per-layer decode overlap profile of Qwen3-30B-A3B assumed here: [num_layers].
+
+  Published anchors (48 layers): 8% at layer 0, about 60% at layer 7, about 21% at layer
+  47, 42.7% on average. Between them: a square-root rise ``0.08 + 0.52 * sqrt(l / 7)`` to
+  layer 7, then a concave fall ``0.21 + 0.39 * (1 - x ** 1.365)`` with ``x = (l - 7) / 40``,
+  whose exponent makes the mean 42.7%. Other depths are resampled by relative depth.
+  """
+  layer = np.arange(48)
+  rise = 0.08 + 0.52 * np.sqrt(np.minimum(layer, 7) / 7)
+  fall = 0.21 + 0.39 * (1 - np.clip((layer - 7) / 40, 0, 1) ** 1.365)
+  profile = np.where(layer <= 7, rise, fall)
+  return profile if num_layers == 48 else np.asarray(_by_depth(profile, num_layers))
+
+
+def qwen3_top_share_profile(num_layers: int = 48) -> np.ndarray:
+  """The per-layer share of selections of the top eighth of experts (16 of 128) assumed for
+  Qwen3-30B-A3B: [num_layers].
+
+  Published: 41-66% depending on the layer, per-layer values not given. Assumed here:
+  popularity is as concentrated as routing is persistent, i.e. the share maps the overlap
+  profile linearly onto [0.415, 0.655] (layer 0 the flattest, layer 7 the most skewed,
+  layer 47 at 0.475), inside the published range with a margin for sampling noise.
+  """
+  overlap = qwen3_overlap_profile(num_layers)
+  return 0.415 + 0.24 * (overlap - 0.08) / 0.52
+
+
+# fit_skew(..., qwen3_top_share_profile(), steps=6000) from skew 1.0 with the other parameters
+# of qwen3_30b_a3b(); see docs/synthetic.md.
+_QWEN3_SKEW = (
+    0.841, 1.092, 1.205, 1.311, 1.390, 1.468, 1.538, 1.616, 1.596, 1.587, 1.605, 1.579,
+    1.555, 1.552, 1.529, 1.532, 1.523, 1.513, 1.468, 1.468, 1.453, 1.438, 1.432, 1.407,
+    1.394, 1.383, 1.364, 1.338, 1.326, 1.315, 1.288, 1.287, 1.256, 1.243, 1.220, 1.210,
+    1.189, 1.173, 1.161, 1.141, 1.133, 1.096, 1.097, 1.069, 1.063, 1.040, 1.027, 1.011,
+)
+
+
+def qwen3_30b_a3b(**overrides) -> RoutingModel:
+  """Qwen3-30B-A3B routing (48 layers, 128 experts, top-8), calibrated to published statistics.
+
+  Decode targets: consecutive tokens share 42.7% of their experts on average (per layer
+  ``qwen3_overlap_profile``); a per-layer LRU of 8 / 16 / 32 / 64 experts hits 42.4 / 64.7 /
+  81.0 / 91.8% (mean over layers); the top 16 experts take 41-66% of a layer's selections
+  (per layer ``qwen3_top_share_profile``). ``reuse`` is the overlap profile, ``skew`` is
+  fitted to the share profile, and one ``working_set`` (0.1) and ``working_set_decay`` (0.9:
+  recalled experts were routed some 10 steps ago) for all layers were chosen among trial
+  points to match the LRU curve. The prefill parameters are not calibrated (no published
+  prefill statistics): prefill reuses like decode and takes 30% of its popularity from a
+  different expert order.
+
+  ``overrides`` replace fields (``layout_seed=1``, ``prefill_shift=0.5``, ...).
+  """
+  overlap = tuple(np.round(qwen3_overlap_profile(), 4).tolist())
+  model = RoutingModel(num_layers=48, num_experts=128, top_k=8, skew=_QWEN3_SKEW, reuse=overlap,
+                       working_set=0.1, working_set_decay=0.9, prefill_reuse=overlap,
+                       prefill_shift=0.3)
+  return dataclasses.replace(model, **overrides)
+
+
+def scaled(model: RoutingModel, *, num_layers: int | None = None, num_experts: int | None = None,
+           top_k: int | None = None, refit: bool = True, steps: int = 2000,
+           seed: int = 0) -> RoutingModel:
+  """The routing of ``model`` carried over to another shape, keeping its relative statistics.
+
+  * Layers: every per-layer profile is resampled by relative depth (layer ``l`` of ``L``
+    sits at ``l / (L - 1)``), linearly; a change of depth alone changes nothing else.
+  * ``top_k``: ``reuse`` is a per-expert probability, so consecutive steps keep sharing the
+    same fraction of their ``top_k``; the working set is in steps and carries over as is.
+  * Experts (or ``top_k``): the same Zipf exponent puts a different share on the top eighth
+    of the experts once E or K change, so with ``refit`` (default) ``skew`` is re-fitted
+    (``fit_skew``, ``steps`` decode steps per round) until each layer's top E/8 experts take
+    the share they take in ``model`` (measured on ``steps`` steps of it): popularity is
+    preserved in fractions of the experts. This takes a few seconds.
+
+  Not preserved: LRU hit rates at a fixed fraction of the experts, which depend on how many
+  steps of routing that fraction holds (E/K): at fixed K they rise with E.
+  """
+  num_layers = model.num_layers if num_layers is None else num_layers
+  num_experts = model.num_experts if num_experts is None else num_experts
+  top_k = model.top_k if top_k is None else top_k
+  resampled = {name: _by_depth(getattr(model, name), num_layers) for name in _PER_LAYER}
+  target = dataclasses.replace(model, num_layers=num_layers, num_experts=num_experts,
+                               top_k=top_k, **resampled)
+  if not refit or (num_experts, top_k) == (model.num_experts, model.top_k):
+    return target
+  shares = routing_stats.top_share(generate(model, steps, seed=seed),
+                                   max(1, model.num_experts // 8))
+  uniform = min(1.0, max(1, num_experts // 8) / num_experts)  # the least share fit_skew takes
+  shares = np.maximum(_by_depth(shares, num_layers), uniform)
+  return fit_skew(target, shares, steps=steps, iterations=6, seed=seed)

@@ -1,0 +1,547 @@
+"""The engine: a request is one prefill program plus a decode loop on the device.
+
+Without an expert cache every routed expert is computed from the host expert bank (the
+reference execution); with one, each layer-step is planned by the cache policy and split
+between slots and the bank (``ftjax.cache``). The decode loop runs ``chunk`` tokens per
+program (``ftjax.runtime.programs``): sampling, stop checks, cache statistics and the routing
+record all stay on the device, and the host reads them once per chunk to stream the text.
+Programs are compiled ahead of time per bucketed shape, shared by the engines of the process,
+and their compile time is reported separately, so throughput numbers measure execution only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax import kernels as host_kernels
+from ftjax.cache import ExpertCache, PolicyConfig, get_policy
+from ftjax.cache.policy import initial_cache
+from ftjax.experts import KERNELS
+from ftjax.model import DecodeState, init_state
+from ftjax.runtime import programs
+from ftjax.runtime.model import Model
+from ftjax.runtime.profile import ExpertShape, load_profile
+from ftjax.runtime.programs import Runner
+from ftjax.runtime.sampling import Sampling
+from ftjax.runtime.state import EngineState
+
+_STATE_BUCKET = 256  # KV capacity is rounded up to this, so nearby lengths share a compile
+_STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
+
+
+class ContextLengthError(ValueError):
+  pass
+
+
+def prompt_bucket(length: int) -> int:
+  """Prefill length for a prompt of ``length`` tokens: a power of two from 16 up to 512, then
+  a multiple of 512, so prompts of nearby lengths share one compiled prefill."""
+  if length <= 512:
+    return max(16, 1 << (length - 1).bit_length())
+  return -(-length // 512) * 512
+
+
+def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
+  """The kernels a step runs with and a description of that path for the summary line.
+
+  ``auto`` is ftjax's C++ kernels on the CPU backend (``ffi_bf16`` for bfloat16 banks,
+  ``ffi`` otherwise) and XLA elsewhere. When the compiled module is missing or unusable,
+  ``auto`` and ``ffi*`` raise ``ftjax.kernels.KernelsUnavailable`` with the cause and the
+  fix: never a silent fall back to XLA:CPU, which is 10-20x slower there."""
+  backend = jax.default_backend()
+  impl = requested
+  if requested == "auto":
+    if backend != "cpu":
+      return "xla", f"xla ({backend}; ftjax's GPU kernels are not built yet)"
+    host_kernels.require("kernels='auto' on the CPU backend")
+    impl = "ffi_bf16" if np.dtype(bank_dtype) == np.dtype(jnp.bfloat16) else "ffi"
+  elif requested in ("ffi", "ffi_bf16"):
+    if backend != "cpu":
+      raise ValueError(f"kernels={requested!r} needs the CPU backend; the GPU kernels are not "
+                       "built yet")
+    host_kernels.require(f"kernels={requested!r}")
+  if impl == "xla":
+    return impl, f"xla ({backend}, requested)" if requested == "xla" else f"xla ({backend})"
+  info = host_kernels.cpu_info()
+  return impl, f"{impl} ({info['isa']}, {info['threads']} threads)"
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+  """Runtime choices, separate from the model config.
+
+  max_seq_len: context limit (prompt + new tokens); default the model's
+    ``max_position_embeddings``.
+  kernels: how host-side work runs: "ffi" (ftjax's C++ kernels, CPU backend; bfloat16
+    weights widened exactly to float32), "ffi_bf16" (the same, with activations rounded to
+    bfloat16 for bfloat16 weights: about 1.8x faster prefill, ~1e-2 relative error, as
+    llama.cpp does), "xla" (plain jnp), or "auto" (on the CPU backend with the compiled
+    module: ffi_bf16 for bfloat16 models, ffi otherwise; else xla).
+  Expert cache (at most one of the four sizes; none = no cache, every routed expert runs
+  from the host pool):
+    cache_slots: number of slots; cache_fraction: of all L·E experts; cache_bytes: a memory
+    size; device_budget_bytes: a budget shared with the KV cache, re-divided automatically
+    as the KV cache grows or shrinks (DESIGN section 5).
+  policy: a name in ``ftjax.cache.POLICIES`` or a ``PolicyConfig``.
+  bandwidths: (B_P, B_H) in GB/s, or profile: a ``python -m ftjax.profile`` JSON. Needed by
+    the freetoken policy.
+  hot_experts: routing counts [L, E] choosing the pinned set of ``static_hot``.
+  cache_capacity: a fixed slot-buffer size (default: the power-of-two bucket of the slot
+    count). Sizes up to it then share one compiled step: sweeps over cache sizes compile once.
+  record_routing: keep every step's router output (``engine.routing_record()``;
+    ``ftjax.traces.Trace.from_engine(engine)``).
+  decode_chunk: decode steps per decode program (N): the host reads the new tokens, the
+    cache counts and the routing record once per chunk, so text streams every N tokens.
+  """
+  max_seq_len: int | None = None
+  kernels: str = "auto"
+  cache_slots: int | None = None
+  cache_fraction: float | None = None
+  cache_bytes: int | None = None
+  device_budget_bytes: int | None = None
+  policy: Any = "freetoken"
+  bandwidths: tuple[float, float] | None = None
+  profile: str | None = None
+  hot_experts: Any = None
+  cache_capacity: int | None = None
+  record_routing: bool = False
+  decode_chunk: int = 8
+
+  def __post_init__(self):
+    if self.kernels != "auto" and self.kernels not in KERNELS:
+      raise ValueError(f"kernels must be 'auto', 'xla', 'ffi' or 'ffi_bf16', got "
+                       f"{self.kernels!r}")
+    if not isinstance(self.decode_chunk, int) or self.decode_chunk < 1:
+      raise ValueError(f"decode_chunk must be a positive int, got {self.decode_chunk!r}")
+    if self.max_seq_len is not None and self.max_seq_len < 1:
+      raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+    sizes = {k: getattr(self, k) for k in ("cache_slots", "cache_fraction", "cache_bytes",
+                                           "device_budget_bytes") if getattr(self, k) is not None}
+    if len(sizes) > 1:
+      raise ValueError(f"give at most one cache size, got {', '.join(sizes)}")
+    for key, value in sizes.items():
+      if value < 0 or (key == "cache_fraction" and value > 1):
+        raise ValueError(f"{key} must be {'in [0, 1]' if key == 'cache_fraction' else '>= 0'}, "
+                         f"got {value}")
+    get_policy(self.policy)  # validates the name
+    if self.bandwidths is not None and self.profile is not None:
+      raise ValueError("give bandwidths or profile, not both")
+    if self.bandwidths is not None:
+      if len(self.bandwidths) != 2 or min(self.bandwidths) <= 0:
+        raise ValueError(f"bandwidths must be two positive GB/s numbers (B_P, B_H), got "
+                         f"{self.bandwidths}")
+
+  @property
+  def caching(self) -> bool:
+    return any(getattr(self, k) is not None for k in ("cache_slots", "cache_fraction",
+                                                      "cache_bytes", "device_budget_bytes"))
+
+
+def slot_bucket(num_slots: int) -> int:
+  """Buffer capacity for ``num_slots``: the next power of two, so that resizes within a
+  bucket reuse the compiled step (one compile per bucket)."""
+  return 0 if num_slots == 0 else 1 << (num_slots - 1).bit_length()
+
+
+def slots_for_budget(budget_bytes: int, kv_bytes: int, slot_bytes: int) -> int:
+  """N = floor((budget - KV) / slot): e.g. 8 GB budget, 0.5 GB slots: KV 3 GB -> 10 slots,
+  KV 4 GB -> 8, KV 2 GB -> 12 (the paper's example)."""
+  return max(0, (budget_bytes - kv_bytes) // slot_bytes)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  tokens: list[int]  # new tokens only
+  prompt_tokens: int
+  prefill_s: float
+  decode_s: float
+  compile_s: float
+  programs: int = 0  # programs executed for the request (prefill + decode chunks)
+
+  @property
+  def prefill_tok_s(self) -> float:
+    return self.prompt_tokens / self.prefill_s if self.prefill_s else float("nan")
+
+  @property
+  def decode_tok_s(self) -> float:
+    # The first new token comes from the prefill; the others from decode steps.
+    steps = max(len(self.tokens) - 1, 0)
+    return steps / self.decode_s if self.decode_s else float("nan")
+
+
+class Engine:
+  """``Engine(model, **runtime_options)``; see ``RuntimeOptions`` for the options.
+
+  The engine owns the expert cache: it persists across requests, rides (donated) in the
+  ``EngineState`` of every program, and is resized only between programs. One sequence
+  runs at a time. ``engine.cache`` is the current ``ExpertCache`` (None without one),
+  ``engine.compile_count`` the programs this engine had to compile, ``engine.kernels_path``
+  the host-work path that runs (``"ffi_bf16 (avx2, 2 threads)"``).
+  """
+
+  def __init__(self, model: Model, **runtime_options):
+    self.model = model
+    self.options = opts = RuntimeOptions(**runtime_options)
+    self.kernels, self.kernels_path = resolve_kernels(opts.kernels, model.bank.dtype)
+    self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
+    self.compile_count = 0
+    self.compile_s = 0.0
+    self.policy = get_policy(opts.policy) if opts.caching else None
+    self.bandwidths, self.bandwidth_source = self._bandwidths()
+    c = model.config
+    self.runner = Runner.shared(
+        graphdef=model.graphdef, signature=_signature(model), num_layers=c.num_moe_layers,
+        top_k=c.top_k, ffn_dim=c.moe_intermediate_size, kernels=self.kernels,
+        policy=self.policy.program() if self.policy is not None else None,
+        record_routing=opts.record_routing, chunk=opts.decode_chunk)
+    self._cache: ExpertCache | None = None
+    self._steps: list[dict[str, Any]] = []
+    self._routing: list[tuple[np.ndarray, np.ndarray, str]] = []  # ids, weights [L, t, K]
+    if opts.caching:
+      self._cache = self._initial_cache(self._requested_slots(kv_bytes=0))
+
+  # -- Expert cache ---------------------------------------------------------------------------
+
+  @property
+  def cache(self) -> ExpertCache | None:
+    """The expert cache as of the last program (None when the engine has none)."""
+    return self._cache
+
+  @property
+  def slot_bytes(self) -> int:
+    return int(self.model.bank.shape[2]) * self.model.bank.dtype.itemsize
+
+  @property
+  def total_experts(self) -> int:
+    c = self.model.config
+    return c.num_moe_layers * c.num_experts
+
+  def _requested_slots(self, kv_bytes: int) -> int:
+    o = self.options
+    if o.cache_slots is not None:
+      n = o.cache_slots
+    elif o.cache_fraction is not None:
+      n = int(o.cache_fraction * self.total_experts)
+    elif o.cache_bytes is not None:
+      n = o.cache_bytes // self.slot_bytes
+    else:
+      n = slots_for_budget(o.device_budget_bytes, kv_bytes, self.slot_bytes)
+    return min(n, self.total_experts)  # more slots than experts would never be used
+
+  def _bandwidths(self) -> tuple[np.ndarray | None, str]:
+    o = self.options
+    if o.bandwidths is not None:
+      return np.asarray(o.bandwidths, np.float32), "given (B_P, B_H)"
+    if o.profile is not None:
+      c = self.model.config
+      prof = load_profile(o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size,
+                                                 str(self.model.dtype), c.top_k))
+      # Measured concurrently: B_P while the host kernel runs, and the host kernel's residual
+      # bandwidth B_res while a fill runs, so B_H = B_P + B_res (DESIGN section 2).
+      conc = prof["concurrent"]
+      return (np.asarray([conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"]], np.float32),
+              f"profile {o.profile} (concurrent)")
+    if self.policy is not None and self.policy.fill_rule == "q*":
+      raise ValueError(f"the {self.policy} policy needs bandwidths: pass bandwidths=(B_P, "
+                       "B_H) in GB/s or profile=PATH (write one with `python -m ftjax.profile`)")
+    return None, "none (not needed by this policy)"
+
+  def _capacity(self, num_slots: int) -> int:
+    fixed = self.options.cache_capacity
+    if fixed is None:
+      return slot_bucket(num_slots)
+    if num_slots > fixed:
+      raise ValueError(f"{num_slots} slots exceed cache_capacity={fixed}")
+    return fixed
+
+  def _initial_cache(self, num_slots: int) -> ExpertCache:
+    return initial_cache(self.policy, self.model.bank, num_slots, self._capacity(num_slots),
+                         hot_experts=self.options.hot_experts)
+
+  def resize_cache(self, slots: int | None = None, bytes: int | None = None) -> int:  # noqa: A002
+    """Resizes the expert cache between programs; keeps the most recently used slots. The
+    host pool is not reloaded and nothing restarts. Returns the new slot count."""
+    if self._cache is None:
+      raise ValueError("this engine has no expert cache: create it with cache_slots=, "
+                       "cache_fraction=, cache_bytes= or device_budget_bytes=")
+    if (slots is None) == (bytes is None):
+      raise ValueError("give exactly one of slots= or bytes=")
+    n = slots if slots is not None else bytes // self.slot_bytes
+    if n < 0:
+      raise ValueError(f"the cache size must be >= 0, got {n} slots")
+    n = min(n, self.total_experts)
+    if self.policy.preload != "none":
+      self._cache = self._initial_cache(n)  # the preloaded set is recomputed for the new size
+    else:
+      self._cache = self._cache.resized(n, self._capacity(n))
+    return n
+
+  def routing_counts(self) -> np.ndarray:
+    """How often the router selected each (layer, expert) so far: [L, E]."""
+    if self._cache is None:
+      raise ValueError("routing counts are kept by the expert cache; this engine has none")
+    return np.asarray(self._cache.expert_count)
+
+  def stats(self) -> dict[str, Any]:
+    """Per step and layer (hits, fills, host-run experts) and cumulative per layer.
+
+    Decode steps run ``decode_chunk`` to a program: a decode step's ``seconds`` is its
+    chunk's wall time divided by the chunk's steps."""
+    if self._cache is None:
+      return {"cache": None, "compiles": self.compile_count}
+    layers = self.model.config.num_moe_layers
+    total = {k: np.zeros(layers, np.int64) for k in ("hits", "fills", "host")}
+    for step in self._steps:
+      for k in total:
+        total[k] += step[k]
+    misses = total["fills"] + total["host"]
+    selected = total["hits"] + misses
+    eb = self.model.config.expert_block_elems * self.model.bank.dtype.itemsize
+    return {
+        "policy": str(self.policy), "slots": int(self._cache.limit),
+        "capacity": self._cache.capacity, "slot_bytes": self.slot_bytes,
+        "bandwidths_gb_s": None if self.bandwidths is None else self.bandwidths.tolist(),
+        "bandwidth_source": self.bandwidth_source, "steps": len(self._steps),
+        "per_step": self._steps,
+        "per_layer": {**{k: v.tolist() for k, v in total.items()}, "misses": misses.tolist(),
+                      "miss_rate": np.where(selected > 0, misses / np.maximum(selected, 1),
+                                            0.0).tolist()},
+        "miss_rate": float(misses.sum() / max(selected.sum(), 1)),
+        "bytes": {"fill": int(total["fills"].sum() * eb), "host": int(total["host"].sum() * eb),
+                  "device": int((total["hits"] + total["fills"]).sum() * eb)},
+        "compiles": self.compile_count,
+    }
+
+  def routing_record(self) -> dict[str, np.ndarray]:
+    """Every routed token so far (needs record_routing=True): ``ids`` and ``weights``
+    [steps, L, K] (one step per token, -1 = no route) and ``phase`` [steps] (1 = decode).
+    ``ftjax.traces.Trace.from_engine(engine)`` makes a trace of it."""
+    if not self.options.record_routing:
+      raise ValueError("create the engine with record_routing=True to capture routing traces")
+    c = self.model.config
+    if not self._routing:
+      empty = np.zeros((0, c.num_moe_layers, c.top_k))
+      return {"ids": empty.astype(np.int32), "weights": empty.astype(np.float32),
+              "phase": np.zeros((0,), np.uint8)}
+    return {"ids": np.concatenate([r[0].transpose(1, 0, 2) for r in self._routing]),
+            "weights": np.concatenate([r[1].transpose(1, 0, 2) for r in self._routing]),
+            "phase": np.concatenate([np.full(r[0].shape[1], r[2] == "decode", np.uint8)
+                                     for r in self._routing])}
+
+  # -- Programs ------------------------------------------------------------------------------
+
+  def _compiled(self, key: tuple, program, *args, **static):
+    def counted(seconds):
+      self.compile_count += 1
+      self.compile_s += seconds
+    return self.runner.compiled(key, program, *args, on_compile=counted, **static)
+
+  def _engine_state(self, decode: DecodeState) -> EngineState:
+    if self._cache is None:
+      return EngineState(decode=decode)
+    bandwidths = self.bandwidths if self.bandwidths is not None else [1.0, 1.0]
+    return EngineState(decode=decode, cache=self._cache,
+                       bandwidths=jnp.asarray(bandwidths, jnp.float32))
+
+  def _keep(self, state: EngineState) -> DecodeState:
+    if self._cache is not None:
+      self._cache = state.cache
+    return state.decode
+
+  def _record(self, record, tokens: int, seconds: float, phase: str, steps: int | None = None):
+    """Host copies of a program's per-step record (one read per program)."""
+    stats, routing = jax.device_get((record.stats, record.routing))
+    if steps is None:  # one forward
+      if stats is not None:
+        self._steps.append({"tokens": tokens, "hits": stats.hits, "fills": stats.fills,
+                            "host": stats.host, "seconds": seconds})
+      if routing is not None:
+        self._routing.append((routing.ids[:, :tokens], routing.weights[:, :tokens], phase))
+      return
+    for i in range(steps):
+      if stats is not None:
+        self._steps.append({"tokens": 1, "hits": stats.hits[i], "fills": stats.fills[i],
+                            "host": stats.host[i], "seconds": seconds / steps})
+      if routing is not None:
+        self._routing.append((routing.ids[i], routing.weights[i], phase))
+
+  def step(self, state: DecodeState, tokens: jax.Array, positions: jax.Array, *,
+           last_only: bool = False, fresh: bool = False) -> tuple[DecodeState, jax.Array]:
+    """One forward: tokens/positions [B, T] -> (new state, logits). Donates state.
+
+    The per-token reference path (teacher forcing, tests); ``generate`` runs the device
+    loop instead. ``fresh=True`` is for the first step of a new state (a prefill): attention
+    then covers only the new tokens. With an expert cache, the engine's current cache
+    (resized since, perhaps) rides along and comes back updated."""
+    if fresh and int(state.length) != 0:
+      raise ValueError(f"fresh=True needs an empty state, but it holds {int(state.length)} tokens")
+    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+    est = self._engine_state(state)
+    key = ("step", tokens.shape, state.capacity, self._slot_capacity(), last_only, fresh)
+    fn = self._compiled(key, programs.step_program, self.model.params, self.model.bank, est,
+                        tokens, positions, last_only=last_only, fresh=fresh)
+    t0 = time.perf_counter()
+    est, logits, record = fn(self.model.params, self.model.bank, est, tokens, positions)
+    decode = self._keep(est)
+    if record.stats is not None or record.routing is not None:
+      jax.block_until_ready(logits)
+      self._record(record, int(tokens.size), time.perf_counter() - t0,
+                   "prefill" if tokens.shape[1] > 1 else "decode")
+    return decode, logits
+
+  def _slot_capacity(self) -> int:
+    return -1 if self._cache is None else self._cache.capacity
+
+  def new_state(self, batch: int, capacity: int) -> DecodeState:
+    """An empty decode state for ``capacity`` tokens (rounded up to a bucket of 256, at most
+    the context limit). With a device budget, the cache is re-divided for its KV size."""
+    capacity = min(-(-capacity // _STATE_BUCKET) * _STATE_BUCKET, self.max_seq_len)
+    return self._new_state(batch, capacity)
+
+  def _new_state(self, batch: int, capacity: int) -> DecodeState:
+    if self._cache is not None and self.options.device_budget_bytes is not None:
+      c = self.model.config
+      kv_bytes = 2 * c.num_layers * batch * capacity * c.num_kv_heads * c.head_dim * 4
+      n = self._requested_slots(kv_bytes)
+      if n != int(self._cache.limit):
+        self.resize_cache(slots=n)
+    return init_state(self.model.config, batch, capacity)
+
+  def check_context(self, prompt_len: int, new: int) -> None:
+    if prompt_len < 1:
+      raise ValueError("the prompt is empty: give at least one token")
+    if prompt_len + new > self.max_seq_len:
+      raise ContextLengthError(
+          f"prompt ({prompt_len} tokens) + max_new_tokens ({new}) = {prompt_len + new} exceeds the "
+          f"context of {self.max_seq_len} tokens: shorten the prompt or lower max_new_tokens")
+
+  def _check_ids(self, ids: np.ndarray) -> None:
+    vocab = self.model.config.vocab_size
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+      raise ValueError(f"token ids must be in [0, {vocab}); got min {ids.min()}, max {ids.max()}")
+
+  # -- Public API ----------------------------------------------------------------------------
+
+  def forward_logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Teacher-forced logits over the whole sequence: [T] -> [T, V] (or [B, T] -> [B, T, V])."""
+    ids = np.asarray(token_ids, np.int32)
+    batched = ids.ndim == 2
+    ids2 = ids if batched else ids[None]
+    self._check_ids(ids2)
+    self.check_context(ids2.shape[1], 0)
+    state = self.new_state(ids2.shape[0], ids2.shape[1])
+    positions = np.broadcast_to(np.arange(ids2.shape[1], dtype=np.int32), ids2.shape)
+    _, logits = self.step(state, jnp.asarray(ids2), jnp.asarray(positions), fresh=True)
+    out = np.asarray(logits, np.float32)
+    return out if batched else out[0]
+
+  def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
+               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+               stop_tokens: Sequence[int] = (), on_token: Callable[[int], None] | None = None
+               ) -> list[int]:
+    """New tokens after ``token_ids`` (a prefill program, then the decode loop)."""
+    return self.generate_timed(token_ids, max_new_tokens, greedy, temperature=temperature,
+                               top_p=top_p, seed=seed, stop_tokens=stop_tokens,
+                               on_token=on_token).tokens
+
+  def generate_timed(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True,
+                     *, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                     stop_tokens: Sequence[int] = (),
+                     on_token: Callable[[int], None] | None = None) -> GenerateResult:
+    """``generate`` with timings: prefill and decode seconds (compiles excluded and reported
+    apart), and the number of programs the request executed."""
+    sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
+    if max_new_tokens < 0:
+      raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    self._check_ids(ids)
+    self.check_context(len(ids), max_new_tokens)
+    stops = np.asarray(list(stop_tokens), np.int32).reshape(-1)
+    stop_ids = np.full(max(_STOP_BUCKET, -(-len(stops) // _STOP_BUCKET) * _STOP_BUCKET), -1,
+                       np.int32)
+    stop_ids[:len(stops)] = stops
+    stop_ids = jnp.asarray(stop_ids)
+    bucket = prompt_bucket(len(ids))
+    capacity = max(bucket, min(-(-(len(ids) + max_new_tokens) // _STATE_BUCKET) * _STATE_BUCKET,
+                               self.max_seq_len))
+    state = self._engine_state(self._new_state(1, capacity))
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :len(ids)] = ids
+    tokens = jnp.asarray(tokens)
+    num_valid, max_new = jnp.asarray(len(ids), jnp.int32), jnp.asarray(max_new_tokens, jnp.int32)
+    params, bank = self.model.params, self.model.bank
+    compile_before = self.compile_s
+    sizes = (capacity, self._slot_capacity(), len(stop_ids), sampling.greedy, sampling.nucleus)
+    prefill = self._compiled(("prefill", bucket, *sizes), programs.prefill_program, params, bank,
+                             state, tokens, num_valid, max_new, stop_ids, sampling)
+    decode = None
+    if max_new_tokens > 1:
+      loop0 = programs.Loop(token=jnp.zeros((), jnp.int32), count=jnp.ones((), jnp.int32),
+                            max_new=max_new, done=jnp.zeros((), bool))
+      decode = self._compiled(("decode", *sizes), programs.decode_program, params, bank, state,
+                              loop0, stop_ids, sampling)
+
+    out: list[int] = []
+
+    def emit(new_tokens) -> None:
+      for tok in new_tokens:
+        out.append(int(tok))
+        if on_token is not None:
+          on_token(int(tok))
+
+    t0 = time.perf_counter()
+    state, loop, record = prefill(params, bank, state, tokens, num_valid, max_new, stop_ids,
+                                  sampling)
+    first, done = jax.device_get((loop.token, loop.done))
+    prefill_s = time.perf_counter() - t0
+    executed = 1
+    self._record(record, len(ids), prefill_s, "prefill")
+    if max_new_tokens > 0:
+      emit([first])
+    t0 = time.perf_counter()
+    chunk = self.options.decode_chunk
+    if not done:
+      # Each chunk is dispatched before the previous one is read, unless the previous one
+      # surely ends the request (max_new_tokens reached), so the device never waits for the
+      # host; a stop token can leave one dispatched chunk that runs no step.
+      pending = decode(params, bank, state, loop, stop_ids, sampling)
+      executed += 1
+      dispatched = 1
+      while True:
+        state, loop = pending[0], pending[1]
+        ahead = None
+        if 1 + dispatched * chunk < max_new_tokens:
+          ahead = decode(params, bank, state, loop, stop_ids, sampling)
+          executed += 1
+          dispatched += 1
+        t1 = time.perf_counter()
+        new, steps, done, record = jax.device_get((pending[2], pending[3], pending[1].done,
+                                                   pending[4]))
+        self._record(record, 1, time.perf_counter() - t1, "decode", steps=int(steps))
+        emit(new[:int(steps)])
+        if ahead is None:
+          break
+        pending = ahead
+        if done:
+          state, loop = pending[0], pending[1]  # the extra chunk ran no step
+          break
+    jax.block_until_ready(state)
+    decode_s = time.perf_counter() - t0
+    self._keep(state)
+    return GenerateResult(tokens=out, prompt_tokens=len(ids), prefill_s=prefill_s,
+                          decode_s=decode_s, compile_s=self.compile_s - compile_before,
+                          programs=executed)
+
+
+def _signature(model: Model) -> tuple:
+  """The shapes and dtypes of a model's arrays (equal graphdefs of other dtypes must not
+  share compiled programs)."""
+  leaves = jax.tree.leaves(model.params)
+  return (tuple(model.bank.shape), str(model.bank.dtype),
+          tuple((tuple(x.shape), str(x.dtype)) for x in leaves))

@@ -1,0 +1,127 @@
+"""A loaded model: config, nnx graph definition, dense parameters and the expert bank."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ftjax.formats import ftw
+from ftjax.model.config import ModelConfig
+from ftjax.formats.hf import cached_conversion
+from ftjax.model.transformer import Transformer, param_name
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+  """What ``ftjax.load`` returns. ``bank`` is the host expert pool ``[L, E, P]``."""
+  config: ModelConfig
+  graphdef: nnx.GraphDef
+  params: nnx.State
+  bank: jax.Array
+  path: str | None = None
+  source: dict[str, Any] | None = None
+  storage: ftw.FTWFile | None = None  # the memory-mapped FTW file the arrays view
+
+  @property
+  def dtype(self) -> np.dtype:
+    return np.dtype(self.bank.dtype)
+
+
+def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.float32,
+              **fields) -> Model:
+  """Builds a Model from parameter arrays keyed by name, checking names and shapes."""
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+  graphdef, state = nnx.split(abstract)
+  flat = nnx.to_flat_state(state)
+  expected = {param_name(p) for p, _ in flat}
+  extra, missing = sorted(set(arrays) - expected), sorted(expected - set(arrays))
+  if extra or missing:
+    raise ftw.FTWConfigMismatchError(
+        f"parameters do not match the model config: missing {missing[:5]}, unexpected {extra[:5]}")
+  leaves = []
+  for p, var in flat:
+    name = param_name(p)
+    value = arrays[name]
+    if tuple(value.shape) != tuple(var.get_value().shape):
+      raise ftw.FTWConfigMismatchError(
+          f"parameter {name} has shape {tuple(value.shape)} but the model config implies "
+          f"{tuple(var.get_value().shape)}")
+    leaves.append((p, var.replace(value=value)))
+  params = nnx.from_flat_state(leaves)
+  return Model(config=config, graphdef=graphdef, params=params, bank=bank, **fields)
+
+
+def load(path: str | os.PathLike, *, verify: bool = True, populate: bool = False) -> Model:
+  """Loads an FTW directory, or a Hugging Face checkpoint directory (converted once, cached).
+
+  On the CPU backend the dense tensors and the expert bank are zero-copy views of the
+  memory-mapped files. ``verify`` checks every CRC-32 (which also reads every page);
+  ``populate`` faults every page in without checking, for timing with resident weights.
+  """
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
+  if not ftw.is_ftw_dir(path):
+    if os.path.isfile(os.path.join(path, "config.json")):
+      path = cached_conversion(path)
+    else:
+      raise FileNotFoundError(
+          f"{path} is neither an FTW directory (no {ftw.INDEX_NAME}) nor a Hugging Face "
+          "checkpoint (no config.json)")
+  f = ftw.FTWFile.open(path, verify=verify)
+  if populate:
+    f.populate()
+  arrays = {name: jax.device_put(f.tensor(name)) for name in f.tensor_names()}
+  bank = jax.device_put(f.expert_bank())
+  return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"), storage=f)
+
+
+def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") -> Model:
+  """A deterministic random-initialised model (tests, the untrained default model)."""
+  np_dtype = ftw.storage_dtype(dtype)
+  model = Transformer(config, rngs=nnx.Rngs(seed), dtype=jnp.dtype(np_dtype))
+  graphdef, params = nnx.split(model)
+  c = config
+  bank_shape = (c.num_moe_layers, c.num_experts,
+                ftw.align(c.expert_block_elems * np_dtype.itemsize) // np_dtype.itemsize)
+  key = jax.random.fold_in(jax.random.key(seed), 1)
+  bank = 0.02 * jax.random.normal(key, bank_shape, jnp.float32)
+  bank = bank.at[..., c.expert_block_elems:].set(0.0).astype(np_dtype)  # zero padding
+  return Model(config=config, graphdef=graphdef, params=params, bank=bank)
+
+
+def leaf(model: Model, name: str) -> jax.Array:
+  """One parameter array by its FTW name (``layers.0.attn.w_q_had``)."""
+  for p, v in nnx.to_flat_state(model.params):
+    if param_name(p) == name:
+      return v.get_value()
+  raise KeyError(name)
+
+
+def named_params(model: Model) -> dict[str, np.ndarray]:
+  return {param_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(model.params)}
+
+
+def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
+         source: dict[str, Any] | None = None) -> str:
+  """Writes a Model as an FTW directory (used for the default model and round-trip tests)."""
+  dtype = dtype or str(model.dtype)
+  writer = ftw.FTWWriter(out_dir, model.config, dtype, source or model.source or {})
+  for name, value in named_params(model).items():
+    writer.add_tensor(name, value)
+  bank = np.asarray(model.bank)
+  starts = ftw.expert_part_starts(model.config)
+  for layer in range(bank.shape[0]):
+    for expert in range(bank.shape[1]):
+      block = bank[layer, expert]
+      for part, shape in ftw.expert_part_shapes(model.config).items():
+        start = starts[part]
+        n = shape[0] * shape[1]
+        writer.add_expert_part(layer, expert, part, block[start:start + n].reshape(shape))
+  return writer.close()

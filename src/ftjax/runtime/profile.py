@@ -1,0 +1,196 @@
+"""Bandwidth profile of this machine (DESIGN section 7), the numbers the q* rule runs on.
+
+Measured, each as the median over alternating rounds (memory bandwidth on small machines
+swings by up to 2x over seconds, so single numbers are not trusted):
+
+* ``read_gb_s``: host read bandwidth, the ceiling (``ftjax_read_probe`` over a buffer much
+  larger than the last-level cache, with the kernels' own threads);
+* ``b_h_gb_s`` (B_H): the host expert kernel at batch 1 for the model's expert shape, with
+  ``top_k`` experts per call rotating over a bank larger than the caches: expert bytes read
+  per second;
+* ``b_p_gb_s`` (B_P): the slot fill (``ftjax_slot_fill``) copying ``top_k`` experts per call
+  from the host pool into cache slots: expert bytes moved per second. On the CPU backend the
+  "device" cache is host memory too, so this is a memcpy; on a GPU host it is the
+  host-to-device transfer;
+* ``concurrent``: B_H and B_P again while both run at the same time (two threads), which is
+  how decode uses them (DESIGN section 2 prefers this pair).
+
+The JSON profile is keyed by host, device and expert shape; ``load_profile`` checks the key.
+
+Turning a measurement into the cost model's hardware profile (with overheads calibrated from a
+short decode) is research tooling: ``ftjax.research.calibrate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import socket
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.formats import ftw
+from ftjax.kernels import expert_ffn, read_probe, slot_fill
+from ftjax.utils.progress import Progress
+
+PROFILE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShape:
+  hidden: int  # D
+  ffn: int  # F
+  dtype: str  # storage dtype of the bank
+  top_k: int = 8
+
+  @property
+  def block_elems(self) -> int:
+    return 3 * self.ffn * self.hidden
+
+  @property
+  def expert_bytes(self) -> int:
+    return self.block_elems * ftw.storage_dtype(self.dtype).itemsize
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
+
+
+def _profile_key(shape: ExpertShape) -> dict[str, Any]:
+  device = jax.devices()[0]
+  return {"host": socket.gethostname(), "cpu": _cpu_model(), "platform": device.platform,
+          "device": device.device_kind, "expert_shape": dataclasses.asdict(shape)}
+
+
+def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0) -> jax.Array:
+  """A [1, E, P] bank of random weights, at least ``min_bytes`` (far beyond the caches)."""
+  dtype = ftw.storage_dtype(shape.dtype)
+  block = ftw.align(shape.block_elems * dtype.itemsize) // dtype.itemsize
+  experts = max(shape.top_k * 4, -(-min_bytes // (block * dtype.itemsize)))
+  rng = np.random.default_rng(seed)
+  pool = (0.02 * rng.standard_normal(1 << 22, np.float32)).astype(dtype)
+  bank = np.resize(pool, experts * block).reshape(1, experts, block)  # writes every page
+  return jax.device_put(bank)
+
+
+def _median_rate(fn: Callable[[], Any], nbytes: int, calls: int) -> float:
+  """Bytes per second of ``calls`` back-to-back calls of fn (each blocks until ready)."""
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    fn()
+  return nbytes * calls / (time.perf_counter() - t0)
+
+
+def _workloads(bank: jax.Array, shape: ExpertShape):
+  """Returns (read_fn, expert_fn, fill_fn) closures over rotating expert sets."""
+
+  num_experts = bank.shape[1]
+  k = shape.top_k
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((1, shape.hidden), np.float32))
+  weights = jnp.full((1, k), 1.0 / k, jnp.float32)
+  sets = [jnp.asarray((np.arange(k) + i * k)[None] % num_experts, jnp.int32)
+          for i in range(max(1, num_experts // k))]
+  run_expert = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn))
+  slots = jnp.zeros((2 * k, bank.shape[2]), bank.dtype)
+  fill = jax.jit(slot_fill, donate_argnums=0)
+  dst = jnp.arange(k, dtype=jnp.int32)
+  srcs = [jnp.stack([jnp.zeros(k, jnp.int32), s[0]], axis=1) for s in sets]
+  state = {"i": 0, "j": 0, "slots": slots}
+
+  def expert_once():
+    state["i"] = (state["i"] + 1) % len(sets)
+    run_expert(x, sets[state["i"]], weights, bank).block_until_ready()
+
+  def fill_once():
+    state["j"] = (state["j"] + 1) % len(srcs)
+    state["slots"] = fill(state["slots"], bank, srcs[state["j"]], dst)
+    state["slots"].block_until_ready()
+
+  def read_once():
+    read_probe(bank).block_until_ready()
+
+  return read_once, expert_once, fill_once
+
+
+def measure(bank: jax.Array, shape: ExpertShape, *, rounds: int = 5, calls: int = 40,
+            show_progress: bool = True) -> dict[str, Any]:
+  """Runs the measurements; returns the profile dict (see the module docstring)."""
+  read_once, expert_once, fill_once = _workloads(bank, shape)
+  per_call = shape.top_k * shape.expert_bytes
+  for fn in (read_once, expert_once, fill_once):  # compile and warm
+    fn()
+  rows = []
+  bar = Progress(rounds, desc="profile", enabled=show_progress)
+  for _ in range(rounds):
+    row = {"read_gb_s": _median_rate(read_once, bank.nbytes, 2) / 1e9,
+           "b_h_gb_s": _median_rate(expert_once, per_call, calls) / 1e9,
+           "b_p_gb_s": _median_rate(fill_once, per_call, calls) / 1e9}
+    row.update(_concurrent(expert_once, fill_once, per_call, calls))
+    rows.append(row)
+    bar.update()
+  bar.close()
+  med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+  return {
+      "version": PROFILE_VERSION, **_profile_key(shape),
+      "read_gb_s": med["read_gb_s"], "b_h_gb_s": med["b_h_gb_s"], "b_p_gb_s": med["b_p_gb_s"],
+      "concurrent": {"b_h_gb_s": med["concurrent_b_h_gb_s"],
+                     "b_p_gb_s": med["concurrent_b_p_gb_s"]},
+      "rounds": rows, "bank_bytes": int(bank.nbytes),
+      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+  }
+
+
+def _concurrent(expert_once, fill_once, per_call: int, calls: int) -> dict[str, float]:
+  """B_H and B_P while both run: two threads, each timing its own calls."""
+  out: dict[str, float] = {}
+  start = threading.Barrier(2)
+
+  def run(name, fn):
+    start.wait()
+    out[name] = _median_rate(fn, per_call, calls) / 1e9
+
+  threads = [threading.Thread(target=run, args=("concurrent_b_p_gb_s", fill_once))]
+  threads[0].start()
+  run("concurrent_b_h_gb_s", expert_once)
+  threads[0].join()
+  return out
+
+
+def save_profile(profile: dict[str, Any], path: str) -> str:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(profile, f, indent=1)
+  return path
+
+
+def load_profile(path: str, shape: ExpertShape | None = None) -> dict[str, Any]:
+  """Reads a profile; with ``shape``, checks it was measured for that expert shape here."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"bandwidth profile {path} not found: write one with "
+                            "`python -m ftjax.profile --out=PATH`")
+  with open(path) as f:
+    profile = json.load(f)
+  if profile.get("version", 0) > PROFILE_VERSION:
+    raise ValueError(f"{path} is a newer profile format ({profile.get('version')}); upgrade ftjax")
+  if shape is not None:
+    want = _profile_key(shape)
+    for key in ("host", "platform", "expert_shape"):
+      if profile.get(key) != want[key]:
+        raise ValueError(f"profile {path} was measured for {key}={profile.get(key)!r}, not "
+                         f"{want[key]!r}: run `python -m ftjax.profile` on this machine and model")
+  return profile

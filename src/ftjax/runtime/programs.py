@@ -1,0 +1,207 @@
+"""The engine's compiled programs, held by a frozen, hashable ``Runner``.
+
+A request runs as two kinds of program:
+
+* ``prefill``: the prompt, padded to a length bucket (padding gets no expert route and does
+  not count in the length), then the first new token sampled on the device;
+* ``decode``: a ``lax.while_loop`` of up to ``Runner.chunk`` decode steps, each a forward
+  pass plus sampling, stopped on the device by a stop token or ``max_new_tokens``. Its
+  outputs are the chunk's tokens and, per step, the cache counts (and the routing record when
+  recording): the host reads them once per chunk, so text still streams.
+
+``step`` is one forward over given tokens (teacher forcing, tests, the per-token reference
+loop). Every program takes the ``EngineState`` donated, so the KV cache and the expert cache
+are updated in place.
+
+A ``Runner`` holds what a program depends on besides the shapes of its arguments: the model
+structure, the kernels, the policy's program, routing recording and the chunk length. Its
+compiled executables are kept in a table keyed by the program and a few bucketed sizes, all
+ints the engine already knows (no per-token key building); equal runners share one table
+(``Runner.shared``), so engines of one model share their compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from ftjax.cache import CachedExperts, PolicyConfig, StepStats
+from ftjax.experts import BankExperts
+from ftjax.runtime.sampling import Sampling, sample
+from ftjax.runtime.state import EngineState, RecordingExperts, RoutingRecord
+
+
+@struct.dataclass
+class Loop:
+  """The decode loop's carry between chunks (on the device)."""
+  token: jax.Array  # int32 []: the last sampled token, fed to the next step
+  count: jax.Array  # int32 []: new tokens so far
+  max_new: jax.Array  # int32 []: max_new_tokens
+  done: jax.Array  # bool []: a stop token was sampled or max_new reached
+
+
+@struct.dataclass
+class StepRecord:
+  """What each step of a program did: cache counts [steps, L] (None without a cache) and
+  the router's output [steps, L, tokens, K] (None unless recording)."""
+  stats: StepStats | None
+  routing: RoutingRecord | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+  """What the compiled programs depend on besides argument shapes (hashable, static)."""
+  graphdef: nnx.GraphDef
+  signature: tuple  # shapes and dtypes of the bank and the parameters
+  num_layers: int  # MoE layers L
+  top_k: int
+  ffn_dim: int
+  kernels: str  # "xla", "ffi", "ffi_bf16"
+  policy: PolicyConfig | None  # the policy's program part; None = no cache
+  record_routing: bool = False
+  chunk: int = 8  # decode steps per decode program
+  _compiled: dict = dataclasses.field(default_factory=dict, compare=False, hash=False,
+                                      repr=False)
+  _lock: Any = dataclasses.field(default_factory=threading.Lock, compare=False, hash=False,
+                                 repr=False)
+
+  @classmethod
+  def shared(cls, **fields) -> "Runner":
+    """The process-wide runner equal to ``Runner(**fields)``, with its compiled programs."""
+    runner = cls(**fields)
+    return _RUNNERS.setdefault(runner, runner)
+
+  # -- Tracing ---------------------------------------------------------------------------------
+
+  def forward(self, params, bank, state: EngineState, tokens, positions, *, last_only: bool,
+              fresh: bool, num_valid=None) -> tuple[EngineState, jax.Array, StepRecord]:
+    """One forward pass of the model over ``tokens [B, T]`` (traced inside a program)."""
+    model = nnx.merge(self.graphdef, params)
+    if self.policy is None:
+      experts = BankExperts(bank=bank, ffn_dim=self.ffn_dim, kernels=self.kernels)
+    else:
+      experts = CachedExperts(bank=bank, cache=state.cache, bandwidths=state.bandwidths,
+                              stats=StepStats.zeros(self.num_layers), ffn_dim=self.ffn_dim,
+                              policy=self.policy, kernels=self.kernels)
+    if self.record_routing:
+      experts = RecordingExperts(experts, RoutingRecord.empty(self.num_layers, tokens.size,
+                                                              self.top_k))
+    decode, experts, logits = model(state.decode, tokens, positions, experts,
+                                    kernels=self.kernels, last_only=last_only, fresh=fresh,
+                                    num_valid=num_valid)
+    routing = None
+    if self.record_routing:
+      routing, experts = experts.routing, experts.inner
+    stats = None
+    if self.policy is not None:
+      state = state.replace(cache=experts.cache)
+      stats = experts.stats
+    return state.replace(decode=decode), logits, StepRecord(stats=stats, routing=routing)
+
+  # -- Compiled programs -----------------------------------------------------------------------
+
+  def compiled(self, key: tuple, program: Callable, *args, on_compile=None,
+               **static) -> Callable:
+    """The executable of ``program`` for ``key`` (the program's name and bucketed sizes),
+    compiled ahead of time from ``args`` (and its static keyword options) on first use.
+    ``on_compile(seconds)`` is told of a compile."""
+    fn = self._compiled.get(key)
+    if fn is None:
+      with self._lock:
+        fn = self._compiled.get(key)
+        if fn is None:
+          t0 = time.perf_counter()
+          fn = program.lower(self, *args, **static).compile()
+          self._compiled[key] = fn
+          if on_compile is not None:
+            on_compile(time.perf_counter() - t0)
+    return fn
+
+  @property
+  def num_compiled(self) -> int:
+    return len(self._compiled)
+
+
+_RUNNERS: dict[Runner, Runner] = {}
+
+
+def clear_compiled() -> None:
+  """Forgets every compiled program (tests that count compiles start from here)."""
+  _RUNNERS.clear()
+
+
+# Programs: pure functions of (runner, arrays); ``runner`` is static, ``state`` donated.
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("last_only", "fresh"),
+                   donate_argnames=("state",))
+def step_program(runner: Runner, params, bank, state: EngineState, tokens, positions, *,
+                 last_only: bool = False, fresh: bool = False):
+  """One forward over ``tokens [B, T]`` -> (state, logits, record)."""
+  return runner.forward(params, bank, state, tokens, positions, last_only=last_only,
+                        fresh=fresh)
+
+
+def _stopped(token, count, max_new, stop_ids):
+  return jnp.any(token == stop_ids) | (count >= max_new)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+def prefill_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid,
+                    max_new, stop_ids, sampling: Sampling):
+  """The prompt ``tokens [1, bucket]`` (the first ``num_valid`` real) into a fresh state,
+  then the first new token. Returns (state, loop, record)."""
+  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  state, logits, record = runner.forward(params, bank, state, tokens, positions,
+                                         last_only=True, fresh=True, num_valid=num_valid)
+  token = sample(logits[0, -1], sampling, jnp.zeros((), jnp.int32))
+  count = jnp.ones((), jnp.int32)
+  loop = Loop(token=token, count=count, max_new=max_new,
+              done=_stopped(token, count, max_new, stop_ids))
+  return state, loop, record
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+def decode_program(runner: Runner, params, bank, state: EngineState, loop: Loop, stop_ids,
+                   sampling: Sampling):
+  """Up to ``runner.chunk`` decode steps, stopping on the device.
+
+  Returns (state, loop, tokens [chunk] int32 (-1 past the last step), steps int32 [],
+  record with a leading [chunk] axis)."""
+  n = runner.chunk
+  layers = runner.num_layers
+  stats = (StepStats(*(jnp.zeros((n, layers), jnp.int32) for _ in range(3)))
+           if runner.policy is not None else None)
+  routing = (RoutingRecord(ids=jnp.full((n, layers, 1, runner.top_k), -1, jnp.int32),
+                           weights=jnp.zeros((n, layers, 1, runner.top_k), jnp.float32))
+             if runner.record_routing else None)
+  out = jnp.full((n,), -1, jnp.int32)
+
+  def cond(carry):
+    i, _, loop, _, _ = carry
+    return (i < n) & ~loop.done
+
+  def body(carry):
+    i, state, loop, out, record = carry
+    tokens = loop.token.reshape(1, 1)
+    positions = state.decode.length.reshape(1, 1)
+    state, logits, step = runner.forward(params, bank, state, tokens, positions,
+                                         last_only=True, fresh=False)
+    token = sample(logits[0, -1], sampling, loop.count)
+    count = loop.count + 1
+    loop = loop.replace(token=token, count=count,
+                        done=_stopped(token, count, loop.max_new, stop_ids))
+    record = jax.tree.map(lambda whole, one: whole.at[i].set(one), record, step)
+    return i + 1, state, loop, out.at[i].set(token), record
+
+  steps, state, loop, out, record = jax.lax.while_loop(
+      cond, body, (jnp.zeros((), jnp.int32), state, loop, out, StepRecord(stats, routing)))
+  return state, loop, out, steps, record

@@ -1,0 +1,56 @@
+"""Next-token choice on the device: greedy, or temperature with nucleus (top-p), in JAX.
+
+Runs inside the decode loop's program, so no logits row ever goes to the host. Sampling is
+deterministic for a seed: token ``i`` of a request draws with ``fold_in(key(seed), i)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+def check_sampling_args(greedy: bool, temperature: float, top_p: float) -> None:
+  if not greedy and not temperature > 0:
+    raise ValueError(f"--temperature must be > 0 when sampling (got {temperature}); "
+                     "use --greedy for deterministic argmax decoding")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"--top_p must be in (0, 1] (got {top_p})")
+
+
+@struct.dataclass
+class Sampling:
+  """How a request picks tokens. ``greedy`` and whether top-p applies are static (they change
+  the program); the temperature, the top-p mass and the key are data (no recompile)."""
+  temperature: jax.Array  # float32 []
+  top_p: jax.Array  # float32 []
+  key: jax.Array  # a jax.random key (the request's seed)
+  greedy: bool = struct.field(pytree_node=False, default=True)
+  nucleus: bool = struct.field(pytree_node=False, default=False)  # top_p < 1
+
+  @classmethod
+  def make(cls, *, greedy: bool, temperature: float = 1.0, top_p: float = 1.0,
+           seed: int = 0) -> "Sampling":
+    check_sampling_args(greedy, temperature, top_p)
+    return cls(temperature=jnp.asarray(temperature, jnp.float32),
+               top_p=jnp.asarray(top_p, jnp.float32), key=jax.random.key(seed),
+               greedy=bool(greedy), nucleus=(not greedy) and top_p < 1.0)
+
+
+def sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
+  """logits [V] float32 -> token id (int32 []); ``index`` is the token's number in the
+  request (0 for the first new token), which picks its random draw."""
+  if sampling.greedy:
+    return jnp.argmax(logits).astype(jnp.int32)
+  z = logits.astype(jnp.float32) / sampling.temperature
+  if sampling.nucleus:
+    # Keep the smallest set of most probable tokens whose mass reaches top_p.
+    probs = jax.nn.softmax(z)
+    order = jnp.argsort(-probs, stable=True)
+    sorted_p = probs[order]
+    keep_sorted = jnp.cumsum(sorted_p) - sorted_p < sampling.top_p
+    keep = jnp.zeros(z.shape, bool).at[order].set(keep_sorted)
+    z = jnp.where(keep, z, -jnp.inf)
+  key = jax.random.fold_in(sampling.key, index)
+  return jax.random.categorical(key, z).astype(jnp.int32)
