@@ -9,6 +9,8 @@ the jit programs around a step, are the runtime's (``ftjax.runtime``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,7 +39,10 @@ class DecodeState:
     return self.layers[0].k.shape[1] if self.layers else 0
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def init_state(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
+  """An empty decode state for ``batch`` rows of ``max_len`` tokens, allocated on the device
+  (jitted: no host-to-device transfer)."""
   layers = tuple(
       KVCache.zeros(batch, max_len, config.num_kv_heads, config.head_dim, dtype)
       for _ in config.layer_types)
@@ -126,7 +131,8 @@ class Transformer(nnx.Module):
 
 
 def param_name(path: tuple) -> str:
-  """The FTW name of a parameter path: ``("layers", 0, "attn", "w_q_had")`` -> ``layers.0.attn.w_q_had``."""
+  """The FTW name of a parameter path: ``("layers", 0, "attn", "w_q_had")`` ->
+  ``layers.0.attn.w_q_had``."""
   return ".".join(str(p) for p in path)
 
 

@@ -345,9 +345,9 @@ class Engine:
   def _engine_state(self, decode: DecodeState) -> EngineState:
     if self._cache is None:
       return EngineState(decode=decode)
-    bandwidths = self.bandwidths if self.bandwidths is not None else [1.0, 1.0]
+    bandwidths = self.bandwidths if self.bandwidths is not None else np.ones(2, np.float32)
     return EngineState(decode=decode, cache=self._cache,
-                       bandwidths=jnp.asarray(bandwidths, jnp.float32))
+                       bandwidths=jax.device_put(np.asarray(bandwidths, np.float32)))
 
   def _keep(self, state: EngineState) -> DecodeState:
     if self._cache is not None:
@@ -466,15 +466,16 @@ class Engine:
     stop_ids = np.full(max(_STOP_BUCKET, -(-len(stops) // _STOP_BUCKET) * _STOP_BUCKET), -1,
                        np.int32)
     stop_ids[:len(stops)] = stops
-    stop_ids = jnp.asarray(stop_ids)
     bucket = prompt_bucket(len(ids))
     capacity = max(bucket, min(-(-(len(ids) + max_new_tokens) // _STATE_BUCKET) * _STATE_BUCKET,
                                self.max_seq_len))
-    state = self._engine_state(self._new_state(1, capacity))
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :len(ids)] = ids
-    tokens = jnp.asarray(tokens)
-    num_valid, max_new = jnp.asarray(len(ids), jnp.int32), jnp.asarray(max_new_tokens, jnp.int32)
+    # The request's inputs go to the device in one explicit transfer; between programs
+    # nothing else does (the loop state stays there).
+    tokens, num_valid, max_new, stop_ids, sampling = jax.device_put(
+        (tokens, np.int32(len(ids)), np.int32(max_new_tokens), stop_ids, sampling))
+    state = self._engine_state(self._new_state(1, capacity))
     params, bank = self.model.params, self.model.bank
     compile_before = self.compile_s
     sizes = (capacity, self._slot_capacity(), len(stop_ids), sampling.greedy, sampling.nucleus)
@@ -482,10 +483,11 @@ class Engine:
                              state, tokens, num_valid, max_new, stop_ids, sampling)
     decode = None
     if max_new_tokens > 1:
-      loop0 = programs.Loop(token=jnp.zeros((), jnp.int32), count=jnp.ones((), jnp.int32),
-                            max_new=max_new, done=jnp.zeros((), bool))
+      scalar = jax.ShapeDtypeStruct((), jnp.int32)
+      loop_spec = programs.Loop(token=scalar, count=scalar, max_new=scalar,
+                                done=jax.ShapeDtypeStruct((), jnp.bool_))
       decode = self._compiled(("decode", *sizes), programs.decode_program, params, bank, state,
-                              loop0, stop_ids, sampling)
+                              loop_spec, stop_ids, sampling)
 
     out: list[int] = []
 

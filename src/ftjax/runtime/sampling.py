@@ -1,13 +1,15 @@
 """Next-token choice on the device: greedy, or temperature with nucleus (top-p), in JAX.
 
 Runs inside the decode loop's program, so no logits row ever goes to the host. Sampling is
-deterministic for a seed: token ``i`` of a request draws with ``fold_in(key(seed), i)``.
+deterministic for a seed: token ``i`` of a request draws with ``fold_in(key(seed), i)``,
+whatever the chunk length.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -22,10 +24,11 @@ def check_sampling_args(greedy: bool, temperature: float, top_p: float) -> None:
 @struct.dataclass
 class Sampling:
   """How a request picks tokens. ``greedy`` and whether top-p applies are static (they change
-  the program); the temperature, the top-p mass and the key are data (no recompile)."""
+  the program); the temperature, the top-p mass and the seed are data (no recompile). ``make``
+  builds it on the host (numpy leaves); the engine moves it to the device explicitly."""
   temperature: jax.Array  # float32 []
   top_p: jax.Array  # float32 []
-  key: jax.Array  # a jax.random key (the request's seed)
+  seed: jax.Array  # uint32 []
   greedy: bool = struct.field(pytree_node=False, default=True)
   nucleus: bool = struct.field(pytree_node=False, default=False)  # top_p < 1
 
@@ -33,9 +36,10 @@ class Sampling:
   def make(cls, *, greedy: bool, temperature: float = 1.0, top_p: float = 1.0,
            seed: int = 0) -> "Sampling":
     check_sampling_args(greedy, temperature, top_p)
-    return cls(temperature=jnp.asarray(temperature, jnp.float32),
-               top_p=jnp.asarray(top_p, jnp.float32), key=jax.random.key(seed),
-               greedy=bool(greedy), nucleus=(not greedy) and top_p < 1.0)
+    if not 0 <= seed < 2**32:
+      raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    return cls(temperature=np.float32(temperature), top_p=np.float32(top_p),
+               seed=np.uint32(seed), greedy=bool(greedy), nucleus=(not greedy) and top_p < 1.0)
 
 
 def sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
@@ -52,5 +56,5 @@ def sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array
     keep_sorted = jnp.cumsum(sorted_p) - sorted_p < sampling.top_p
     keep = jnp.zeros(z.shape, bool).at[order].set(keep_sorted)
     z = jnp.where(keep, z, -jnp.inf)
-  key = jax.random.fold_in(sampling.key, index)
+  key = jax.random.fold_in(jax.random.key(sampling.seed), index)
   return jax.random.categorical(key, z).astype(jnp.int32)

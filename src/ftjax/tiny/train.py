@@ -37,6 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ftjax.experts import BankExperts
 from ftjax.model.config import ModelConfig
 from ftjax.model.transformer import init_state
 from ftjax.runtime import model as model_lib
@@ -170,8 +171,9 @@ def loss_fn(params, bank, graphdef, config: ModelConfig, tokens, balance_coef: f
   b, t = inputs.shape
   state = init_state(config, b, t)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  (_, logits), intermediates = nnx.capture(model, nnx.Intermediate)(
-      state, inputs, positions, bank, kernels="xla", fresh=True, sow_router_logits=True)
+  experts = BankExperts(bank=bank, ffn_dim=config.moe_intermediate_size, kernels="xla")
+  (_, _, logits), intermediates = nnx.capture(model, nnx.Intermediate)(
+      state, inputs, positions, experts, kernels="xla", fresh=True, sow_router_logits=True)
   logp = jax.nn.log_softmax(logits, axis=-1)
   ce = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
   balance = jnp.zeros((), jnp.float32)

@@ -1,0 +1,255 @@
+"""The decode loop on the device: the same tokens as a per-token reference loop for every
+policy and cache size, deterministic sampling, bounded host round trips, no retrace within a
+bucket, and no silent fallback when the compiled kernels are missing."""
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ftjax
+from ftjax.cache import POLICIES
+from ftjax.runtime import model as model_lib
+from ftjax.runtime import programs
+from ftjax.runtime.engine import prompt_bucket
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2]
+NEW = 11
+CHUNK = 3  # small, so that a request crosses several chunk boundaries
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny_config):
+  model = model_lib.random_model(tiny_config, seed=5)
+  params = jax.tree.map(lambda x: x * 8.0, model.params)  # sharp routing, distinct logits
+  return dataclasses.replace(model, params=params, bank=model.bank * 8.0)
+
+
+def _options(model, policy, slots):
+  if policy is None:
+    return {}
+  total = model.config.num_moe_layers * model.config.num_experts
+  hot = np.arange(total)[::-1].reshape(model.config.num_moe_layers, -1)
+  return dict(cache_slots=slots, policy=policy, bandwidths=(12.0, 24.0), hot_experts=hot)
+
+
+def _reference_loop(engine, prompt, new):
+  """Greedy decoding one ``engine.step`` per token, argmax on the host."""
+  state = engine.new_state(1, len(prompt) + new)
+  state, logits = engine.step(state, jnp.asarray([prompt], jnp.int32),
+                              jnp.arange(len(prompt), dtype=jnp.int32)[None], last_only=True,
+                              fresh=True)
+  out = []
+  for i in range(new):
+    out.append(int(np.asarray(logits[0, -1]).argmax()))
+    if i == new - 1:
+      break
+    state, logits = engine.step(state, jnp.asarray([[out[-1]]], jnp.int32),
+                                jnp.asarray([[len(prompt) + i]], jnp.int32), last_only=True)
+  return out
+
+
+_CASES = [(None, 0)] + [(p, f) for p in POLICIES for f in ("0", "1/3", "1")]
+
+
+@pytest.mark.parametrize("policy,size", _CASES, ids=[f"{p}-{s}" for p, s in _CASES])
+def test_greedy_device_loop_equals_per_token_loop(sharp_model, policy, size):
+  c = sharp_model.config
+  total = c.num_moe_layers * c.num_experts
+  slots = {"0": 0, "1/3": total // 3, "1": total}.get(size, 0)
+  opts = _options(sharp_model, policy, slots)
+  device = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK, **opts)
+  reference = ftjax.Engine(sharp_model, kernels="ffi", **opts)
+  got = device.generate(PROMPT, NEW)
+  want = _reference_loop(reference, PROMPT, NEW)
+  assert got == want
+  assert len(set(got)) > 1  # not a degenerate model
+  if policy is not None:
+    # The cache went through the same plans: same contents, same per-step counts.
+    np.testing.assert_array_equal(np.asarray(device.cache.owner), np.asarray(reference.cache.owner))
+    np.testing.assert_array_equal(np.asarray(device.cache.slots), np.asarray(reference.cache.slots))
+    a, b = device.stats(), reference.stats()
+    assert a["steps"] == b["steps"] == NEW
+    for key in ("hits", "fills", "host"):
+      np.testing.assert_array_equal([s[key] for s in a["per_step"]],
+                                    [s[key] for s in b["per_step"]])
+
+
+def test_xla_kernels_device_loop_equals_per_token_loop(sharp_model):
+  opts = _options(sharp_model, "freetoken", 5)
+  got = ftjax.Engine(sharp_model, kernels="xla", decode_chunk=CHUNK, **opts).generate(PROMPT, NEW)
+  assert got == _reference_loop(ftjax.Engine(sharp_model, kernels="xla", **opts), PROMPT, NEW)
+
+
+def test_stop_token_and_max_new_tokens_end_on_the_device(sharp_model):
+  engine = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK)
+  free = engine.generate(PROMPT, NEW)
+  stop = free[4]
+  stopped = engine.generate(PROMPT, NEW, stop_tokens=(stop,))
+  assert stopped == free[:free.index(stop) + 1]
+  for n in (0, 1, 2, CHUNK, CHUNK + 1, 2 * CHUNK + 1):
+    assert engine.generate(PROMPT, n) == free[:n]
+
+
+def test_sampling_is_deterministic_per_seed(sharp_model):
+  model = dataclasses.replace(sharp_model, params=jax.tree.map(lambda x: x / 8.0,
+                                                                  sharp_model.params))
+  engine = ftjax.Engine(model, kernels="ffi", decode_chunk=CHUNK)
+  kw = dict(greedy=False, temperature=1.5, top_p=0.95)
+  a = engine.generate(PROMPT, 16, seed=11, **kw)
+  assert a == engine.generate(PROMPT, 16, seed=11, **kw)
+  assert a != engine.generate(PROMPT, 16, seed=12, **kw)
+  # The chunk length changes when the host reads, not what is drawn.
+  assert a == ftjax.Engine(model, kernels="ffi", decode_chunk=5).generate(PROMPT, 16, seed=11,
+                                                                            **kw)
+
+
+def test_tiny_top_p_keeps_only_the_most_likely_token(sharp_model):
+  engine = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK)
+  greedy = engine.generate(PROMPT, NEW)
+  for seed in range(3):
+    assert engine.generate(PROMPT, NEW, greedy=False, temperature=2.0, top_p=1e-6,
+                           seed=seed) == greedy
+
+
+def test_sampled_tokens_follow_the_distribution(sharp_model):
+  """One sampled token per seed: frequencies match softmax(logits / temperature) (a float64
+  numpy reference), and tokens outside the top-p nucleus never appear."""
+  model = dataclasses.replace(sharp_model, params=jax.tree.map(lambda x: x / 4.0,
+                                                                  sharp_model.params))
+  engine = ftjax.Engine(model, kernels="ffi")
+  logits = engine.forward_logits(PROMPT)[-1].astype(np.float64)
+  temperature, top_p = 1.3, 0.8
+  p = np.exp((logits - logits.max()) / temperature)
+  p /= p.sum()
+  order = np.argsort(-p, kind="stable")
+  nucleus = set(order[np.cumsum(p[order]) - p[order] < top_p].tolist())
+  draws = 300
+  counts = np.zeros(len(p))
+  for seed in range(draws):
+    counts[engine.generate(PROMPT, 1, greedy=False, temperature=temperature, top_p=top_p,
+                           seed=seed)[0]] += 1
+  assert set(np.nonzero(counts)[0].tolist()) <= nucleus
+  q = np.where(np.isin(np.arange(len(p)), list(nucleus)), p, 0.0)
+  q /= q.sum()
+  # Every token's count within 5 standard deviations of its binomial expectation.
+  sd = np.sqrt(draws * q * (1 - q)) + 1.0
+  assert np.all(np.abs(counts - draws * q) <= 5 * sd)
+
+
+@pytest.mark.parametrize("policy", [None, "freetoken"])
+def test_host_round_trips_are_bounded(sharp_model, policy):
+  engine = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK,
+                        **_options(sharp_model, policy, 5), record_routing=True)
+  engine.generate(PROMPT, NEW)  # compiles
+  executed = []
+
+  def counting(fn):
+    def run(*args):
+      executed.append(1)
+      return fn(*args)
+    return run
+
+  runner = engine.runner
+  saved = dict(runner._compiled)
+  try:
+    for key, fn in saved.items():
+      runner._compiled[key] = counting(fn)
+    for new in (1, 2, CHUNK + 1, NEW, 3 * CHUNK + 1):
+      executed.clear()
+      with jax.transfer_guard("disallow"):  # no implicit transfer between the programs
+        result = engine.generate_timed(PROMPT, new)
+      assert len(result.tokens) == new
+      assert len(executed) == result.programs
+      assert result.programs <= 1 + math.ceil(new / CHUNK) + 1
+  finally:
+    runner._compiled.update(saved)
+  # The routing record and the stats came back once per chunk, complete.
+  record = engine.routing_record()
+  assert record["ids"].shape[0] == record["phase"].shape[0]
+  assert int(record["phase"].sum()) == sum(n - 1 for n in (NEW, 1, 2, CHUNK + 1, NEW,
+                                                           3 * CHUNK + 1))
+
+
+def test_requests_within_a_bucket_do_not_recompile(sharp_model):
+  programs.clear_compiled()  # earlier tests compiled these programs already
+  engine = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK,
+                        **_options(sharp_model, "freetoken", 5))
+  engine.generate([1, 2, 3], 5)
+  first = engine.compile_count
+  assert first == 2  # one prefill, one decode program
+  # Other prompt lengths in the same bucket, other lengths, stop lists and sampling values.
+  assert prompt_bucket(3) == prompt_bucket(11)
+  engine.generate([7] * 11, 9, stop_tokens=(5,))
+  engine.generate([4, 5], 1, greedy=True)
+  assert engine.compile_count == first
+  engine.generate([4, 5, 6], 6, greedy=False, temperature=0.7, top_p=0.9, seed=1)
+  sampled = engine.compile_count
+  assert sampled == first + 2  # sampling is another program, once
+  engine.generate([9] * 13, 4, greedy=False, temperature=1.7, top_p=0.5, seed=2)
+  assert engine.compile_count == sampled
+  # A second engine of the same model and options shares the compiled programs.
+  other = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK,
+                       **_options(sharp_model, "freetoken", 5))
+  other.generate([1, 2], 3)
+  assert other.compile_count == 0
+
+
+def test_prompt_buckets():
+  assert [prompt_bucket(n) for n in (1, 16, 17, 100, 512, 513, 1500)] == [
+      16, 16, 32, 128, 512, 1024, 1536]
+
+
+_NO_FFI = textwrap.dedent("""
+    import sys
+    sys.modules["ftjax._ffi"] = None  # the compiled module cannot be imported
+    import ftjax, ftjax.kernels
+    from ftjax.model.config import ModelConfig
+    from ftjax.runtime import model as model_lib
+from ftjax.runtime import programs
+    assert not ftjax.kernels.available()
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
+                         moe_intermediate_size=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                         max_position_embeddings=64, layer_types=("full_attention",),
+                         qk_norm="per_head", norm_topk_prob=True)
+    model = model_lib.random_model(config, seed=0)
+    for kernels in ("auto", "ffi", "ffi_bf16"):
+      try:
+        ftjax.Engine(model, kernels=kernels)
+      except ftjax.kernels.KernelsUnavailable as e:
+        print("refused", kernels, "|", e)
+      else:
+        print("ran", kernels)
+    engine = ftjax.Engine(model, kernels="xla")
+    print("xla path:", engine.kernels_path, engine.generate([1, 2, 3], 2))
+""")
+
+
+def test_missing_kernel_module_is_reported_never_a_silent_fallback():
+  run = subprocess.run([sys.executable, "-c", _NO_FFI], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)), timeout=300)
+  assert run.returncode == 0, run.stderr
+  lines = run.stdout.splitlines()
+  for kernels in ("auto", "ffi", "ffi_bf16"):
+    line = next(l for l in lines if l.split()[1] == kernels)
+    assert line.startswith("refused"), line
+    assert "ftjax._ffi" in line and "pip install --no-build-isolation" in line
+    assert "kernels='xla'" in line  # the way to run the slow path knowingly
+  assert any(l.startswith("xla path: xla (cpu, requested)") for l in lines)
+
+
+def test_decode_cli_without_the_kernel_module_fails_with_the_fix():
+  code = ("import sys; sys.modules['ftjax._ffi'] = None; sys.argv = ['ftjax.decode']; "
+          "from ftjax.decode import cli; cli()")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)), timeout=300)
+  assert run.returncode != 0
+  assert "ftjax.decode: error:" in run.stderr and "pip install --no-build-isolation" in run.stderr
