@@ -15,8 +15,9 @@ generated once into ``--model_dir``). Each of ``--rounds`` alternating rounds:
    freetoken and lru_fill at each cache fraction, and static_hot pinning the experts that
    served half of a warm-up decode's routes of the same prompt), each on a fresh engine
    with an empty (or, for static_hot, pinned) cache, and feeds the engine's own per-step
-   counts (hits, fills, host runs per layer) to ``ftjax.research.cost.step_times``. The modeled mean step time is compared with the measured wall
-   time per decoded token (1 / decode tok/s).
+   counts (hits, fills, host runs per layer) to ``ftjax.research.cost.step_times``. The
+   modeled mean step time is compared with the measured wall time per decoded token
+   (1 / decode tok/s).
 
 Reported per setting: the ratio modeled / measured (median over rounds) with the profile as
 ``ftjax.profile`` writes it for a CPU-only machine (``paths_overlap: false``: the device path

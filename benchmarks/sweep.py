@@ -109,7 +109,8 @@ def main():
 
   t0 = time.perf_counter()
   captured = capture_default_trace(args.capture_tokens,
-                                   os.path.join(REPO, "src", "ftjax", "assets", "default_trace.npz"))
+                                   os.path.join(REPO, "src", "ftjax", "assets",
+                                                "default_trace.npz"))
   capture_s = time.perf_counter() - t0
   ctraces = {"default-model": captured}
   cshapes = {"default-model": sweep.trace_shape(captured, None)}

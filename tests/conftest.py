@@ -128,13 +128,14 @@ def tiny_config():
 
 
 @pytest.fixture
-def count_traces(monkeypatch):
-  """A list that grows by one each time the model is traced; starts with empty JAX caches
-  and no executables compiled by other tests."""
+def fresh_programs(monkeypatch):
+  """Starts with no compiled programs (``engine.compile_count`` then counts every program a
+  test's engines need) and empty JAX caches; returns a list that grows by one each time the
+  model is traced."""
   import jax  # noqa: PLC0415
 
   from ftjax.model import transformer  # noqa: PLC0415
-  from ftjax.runtime import engine as engine_lib  # noqa: PLC0415
+  from ftjax.runtime import programs  # noqa: PLC0415
   traces = []
   original = transformer.Transformer.__call__
 
@@ -143,6 +144,6 @@ def count_traces(monkeypatch):
     return original(self, *args, **kwargs)
 
   monkeypatch.setattr(transformer.Transformer, "__call__", counting)
-  monkeypatch.setattr(engine_lib, "_COMPILED", {})
+  programs.clear_compiled()
   jax.clear_caches()
   return traces

@@ -1,5 +1,5 @@
-"""The decode cost model (ftjax.research.cost): hand-worked arithmetic, shapes of real models checked
-against parameter counts, hardware profile files and their errors."""
+"""The decode cost model (ftjax.research.cost): hand-worked arithmetic, shapes of real models
+checked against parameter counts, hardware profile files and their errors."""
 
 import dataclasses
 import glob

@@ -89,7 +89,7 @@ def test_every_policy_and_size_matches_the_dense_reference(family_model, referen
                           cache_capacity=_sizes(family_model.config)[-1])
     got = _run(engine, prompts)
     _assert_same_as_reference(ref, got)
-    check_invariants(engine._experts)
+    check_invariants(engine.cache)
     st = engine.stats()
     assert st["steps"] == STEPS + 1 and st["slots"] == slots
     if slots == 0 or policy in ("cpu_only", "static_hot", "static_layers"):
@@ -98,7 +98,7 @@ def test_every_policy_and_size_matches_the_dense_reference(family_model, referen
       assert st["miss_rate"] == 1.0
 
 
-def test_resizes_in_the_middle_of_generation(family_model, references):
+def test_resizes_in_the_middle_of_generation(family_model, references, fresh_programs):
   prompts, ref = references[3]
   total = family_model.config.num_layers * family_model.config.num_experts
   engine = ftjax.Engine(family_model, kernels="xla", cache_slots=4, policy="freetoken",
@@ -112,13 +112,13 @@ def test_resizes_in_the_middle_of_generation(family_model, references):
   state, logits = engine.step(state, ids, pos, last_only=True)
   for i in range(STEPS):
     if i % 5 == 4:
-      before = engine._experts
+      before = engine.cache
       kept = np.asarray(before.owner)[np.argsort(-np.asarray(before.slot_stamp), kind="stable")]
       n = engine.resize_cache(slots=next(sizes))
-      check_invariants(engine._experts)
+      check_invariants(engine.cache)
       # Shrinking keeps the most recently used experts.
       expect = [o for o in kept[:n] if o >= 0]
-      assert sorted(o for o in np.asarray(engine._experts.owner) if o >= 0) == sorted(expect)
+      assert sorted(o for o in np.asarray(engine.cache.owner) if o >= 0) == sorted(expect)
     tok = ref_tokens[i]
     state, logits = engine.step(state, jnp.asarray(tok)[:, None],
                                 jnp.full((3, 1), PROMPT + i, jnp.int32), last_only=True)
@@ -127,7 +127,7 @@ def test_resizes_in_the_middle_of_generation(family_model, references):
   # One prefill compile, then one decode compile per bucket, not per size (3 shares 4's,
   # 7 shares 8's).
   buckets = {slot_bucket(n) for n in [4, *resizes]}
-  assert len(engine._compiled) == 1 + len(buckets) < 1 + len(resizes) + 1
+  assert engine.compile_count == 1 + len(buckets) < 1 + len(resizes) + 1
 
 
 def test_slot_buckets_and_the_paper_budget_example():
@@ -160,7 +160,7 @@ def test_bad_cache_options_are_clear_errors(family_model):
     ftjax.Engine(family_model, cache_slots=2, policy="freetoken")
   with pytest.raises(ValueError, match="unknown cache policy"):
     ftjax.Engine(family_model, cache_slots=2, policy="mru")
-  with pytest.raises(ValueError, match="static_hot needs a routing profile"):
+  with pytest.raises(ValueError, match="static_hot policy pins the hottest experts of a routing profile"):
     ftjax.Engine(family_model, cache_slots=2, policy="static_hot")
   with pytest.raises(ValueError, match="cache_fraction"):
     ftjax.Engine(family_model, cache_fraction=1.5)
@@ -168,13 +168,19 @@ def test_bad_cache_options_are_clear_errors(family_model):
     ftjax.Engine(family_model).resize_cache(slots=3)
 
 
-def test_cached_decode_does_not_retrace(family_model, count_traces):
-  traces = count_traces
+def test_cached_decode_does_not_retrace(family_model, fresh_programs):
+  traces = fresh_programs
   engine = ftjax.Engine(family_model, kernels="xla", cache_slots=5, policy="freetoken",
                         bandwidths=(10.0, 30.0))
   engine.generate([1, 2, 3], 8)
-  assert len(traces) == 2  # prefill and decode
-  engine.generate([7, 8, 9], 8, greedy=False, temperature=1.0, seed=4)
+  assert engine.compile_count == 2 and len(traces) == 2  # prefill and decode
+  engine.generate([7, 8, 9], 8)
   engine.resize_cache(slots=6)  # same bucket (8): no new program
   engine.generate([4, 5, 6], 8)
-  assert len(traces) == 2
+  assert engine.compile_count == 2 and len(traces) == 2
+  # Sampling instead of greedy is static (a prefill and a decode program of its own); the
+  # temperature, the seed and a resize within the bucket are not.
+  engine.generate([7, 8, 9], 8, greedy=False, temperature=1.0, seed=4)
+  engine.resize_cache(slots=7)
+  engine.generate([4, 5, 6], 8, greedy=False, temperature=0.5, seed=5)
+  assert engine.compile_count == 4 and len(traces) == 4

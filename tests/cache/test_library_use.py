@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ftjax.cache import ExpertCache, PolicyConfig
-from ftjax.cache.moe import offloaded_moe
+from ftjax.cache import ExpertCache, get_policy, offloaded_moe
 from ftjax.cache.state import check_invariants
 
 L, E, K, D, F, T = 3, 6, 2, 8, 5, 2
@@ -46,7 +45,7 @@ def _reference(x, router, bank):
 def test_foreign_model_under_jit_and_scan(policy, slots):
   router, bank = _weights()
   bank_j, router_j = jnp.asarray(bank), jnp.asarray(router)
-  cfg = PolicyConfig(policy)
+  cfg = get_policy(policy)
 
   @jax.jit
   def model_step(cache, x):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ftjax.cache import POLICIES, ExpertCache, PolicyConfig, fill_count, plan
+from ftjax.cache import POLICIES, ExpertCache, fill_count, get_policy, plan
 from ftjax.cache import policy as policy_lib
 from ftjax.cache.state import check_invariants
 
@@ -45,7 +45,7 @@ def _cache(slots, layers=2, experts=8, block=4):
 
 
 def _step(cache, layer, ids, policy="lru_fill", bw=BW):
-  return plan(cache, layer, jnp.asarray(ids, jnp.int32), bw, PolicyConfig(policy))
+  return plan(cache, layer, jnp.asarray(ids, jnp.int32), bw, get_policy(policy))
 
 
 def test_fills_take_lru_slots_and_most_recent_misses_first():
@@ -110,7 +110,7 @@ routing = st.lists(st.lists(st.integers(-1, 7), min_size=6, max_size=6), min_siz
 
 
 @settings(max_examples=40, deadline=None)
-@given(stream=routing, slots=st.integers(0, 10), policy=st.sampled_from(POLICIES),
+@given(stream=routing, slots=st.integers(0, 10), policy=st.sampled_from(list(POLICIES)),
        b_p=st.floats(1.0, 100.0), b_h=st.floats(1.0, 100.0))
 def test_invariants_hold_on_random_streams(stream, slots, policy, b_p, b_h):
   step = jax.jit(plan, static_argnames="policy")
@@ -120,7 +120,7 @@ def test_invariants_hold_on_random_streams(stream, slots, policy, b_p, b_h):
     layer = i % 2
     ids = jnp.asarray(row, jnp.int32).reshape(3, 2)
     before = cache
-    cache, p = step(cache, layer, ids, bw, policy=PolicyConfig(policy))
+    cache, p = step(cache, layer, ids, bw, policy=get_policy(policy))
     check_invariants(cache, before)
     selected = {e for e in row if e >= 0}
     hits = {e for e in selected if int(before.slot_of[layer, e]) >= 0}
@@ -139,8 +139,8 @@ def test_invariants_hold_on_random_streams(stream, slots, policy, b_p, b_h):
     if filled:
       unused = [s for s in range(slots) if s not in
                 {int(before.slot_of[layer, e]) for e in hits}]
-      if PolicyConfig(policy).replacement == "lrfu":
-        rank = {s: _lrfu_log_value(before, s, PolicyConfig(policy).decay) for s in unused}
+      if get_policy(policy).replacement == "lrfu":
+        rank = {s: _lrfu_log_value(before, s, get_policy(policy).decay) for s in unused}
         want = sorted(rank.values())[:len(filled)]
         np.testing.assert_allclose(sorted(rank[s] for s in filled), want, rtol=1e-5)
       else:
@@ -170,7 +170,7 @@ def test_lru_fill_with_enough_slots_ends_with_no_misses_on_a_repeated_stream(str
     misses = 0
     for i, row in enumerate(stream):
       cache, p = step(cache, i % 2, jnp.asarray(row, jnp.int32).reshape(2, 2), BW,
-                      policy=PolicyConfig("lru_fill"))
+                      policy=get_policy("lru_fill"))
       misses += int(p.misses)
   assert misses == 0
 
@@ -180,7 +180,7 @@ def test_no_retrace_per_step():
 
   def counted(cache, layer, ids, bw):
     traces.append(1)
-    return plan(cache, layer, ids, bw, PolicyConfig("freetoken"))
+    return plan(cache, layer, ids, bw, get_policy("freetoken"))
 
   step = jax.jit(counted)
   cache = _cache(4)
@@ -194,7 +194,7 @@ def test_plan_runs_inside_lax_scan():
   stream = jnp.asarray(np.random.default_rng(1).integers(0, 8, (12, 1, 2)), jnp.int32)
 
   def body(cache, ids):
-    cache, p = plan(cache, 0, ids, BW, PolicyConfig("freetoken"))
+    cache, p = plan(cache, 0, ids, BW, get_policy("freetoken"))
     return cache, p.hits
 
   cache, hits = jax.lax.scan(body, _cache(3), stream)
@@ -239,4 +239,4 @@ def test_lrfu_keeps_the_frequently_routed_expert_where_lru_evicts_it():
 
 def test_lrfu_decay_must_be_a_fraction():
   with pytest.raises(ValueError, match="decay"):
-    PolicyConfig("freetoken_lrfu", decay=1.0)
+    get_policy("freetoken_lrfu", decay=1.0)

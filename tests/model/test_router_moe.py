@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ftjax.model import moe
+from ftjax.experts import routed_experts
 from ftjax.model.router import route
 
 # One place for tolerances, by weight dtype (relative to max |reference|).
@@ -101,7 +101,7 @@ def test_routed_experts_match_numpy(case, dtype, impl):
   ids = np.array(c["ids"], np.int32) if "ids" in c else np.stack(
       [rng.choice(experts, c["k"], replace=False) for _ in range(c["t"])]).astype(np.int32)
   weights = rng.uniform(0.1, 1, size=ids.shape).astype(np.float32)
-  fn = jax.jit(lambda *a: moe.routed_experts(*a, 1, ffn_dim=f, impl=impl))
+  fn = jax.jit(lambda *a: routed_experts(*a, 1, ffn_dim=f, impl=impl))
   got = fn(x, ids, weights, bank)
   ref = ref_routed(x, ids, weights, bank, 1, f)
   assert_close(got, ref, dtype)

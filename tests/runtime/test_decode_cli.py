@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 
 import ftjax
 from ftjax.formats import ftw
-from ftjax.runtime.decode import run_decode
+from ftjax.decode import run_decode
 from ftjax.runtime.tokenizer import load_tokenizer
 from ftjax.assets import DEFAULT_MODEL_DIR
 from ftjax.tiny import train
@@ -35,6 +36,8 @@ def test_no_flags_runs_the_embedded_default_model(tmp_path):
   summary = proc.stderr.strip().splitlines()[-1]
   n = len(_tokens("def fibonacci(n):"))
   assert summary.startswith(f"prompt tokens: {n}, new tokens: 8, prefill:") and "decode:" in summary
+  # The bfloat16 default model runs on the C++ kernels with bf16 activations, and says so.
+  assert re.search(r", kernels: ffi_bf16 \(\w+, \d+ threads?\)$", summary), summary
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -8,7 +8,7 @@ import pytest
 import ftjax
 from ftjax.runtime import model as model_lib
 from ftjax.runtime.engine import ContextLengthError
-from ftjax.runtime.sampling import sample
+from ftjax.runtime.sampling import Sampling, sample
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +53,18 @@ def test_batch_rows_equal_single_rows(model):
     np.testing.assert_allclose(batched[b], engine.forward_logits(ids[b]), rtol=0, atol=1e-5)
 
 
-def test_second_call_with_new_data_does_not_retrace(model, count_traces):
-  traces = count_traces
+def test_second_call_with_new_data_does_not_retrace(model, fresh_programs):
+  traces = fresh_programs
   engine = ftjax.Engine(model, kernels="xla")
   engine.generate([1, 2, 3, 4], 6)
-  first = len(traces)
-  assert first == 2  # one prefill shape, one decode shape
-  out = engine.generate([9, 8, 7, 6], 6, greedy=False, temperature=0.7, seed=3)
-  assert len(traces) == first and len(out) == 6
+  assert engine.compile_count == 2 and len(traces) == 2  # one prefill, one decode program
+  out = engine.generate([9, 8, 7, 6], 6)
+  assert engine.compile_count == 2 and len(traces) == 2 and len(out) == 6
+  # Greedy or sampled is static (it changes the program); temperature and seed are data.
+  engine.generate([9, 8, 7, 6], 6, greedy=False, temperature=0.7, seed=3)
+  assert engine.compile_count == 4 and len(traces) == 4
+  out = engine.generate([3, 1, 4, 1], 6, greedy=False, temperature=1.3, seed=5)
+  assert engine.compile_count == 4 and len(traces) == 4 and len(out) == 6
 
 
 def test_generation_is_deterministic_per_seed(model):
@@ -97,11 +101,13 @@ def test_context_and_input_errors(model):
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-  logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
-  rng = np.random.default_rng(0)
-  draws = {sample(logits, rng, greedy=False, temperature=1.0, top_p=0.7) for _ in range(300)}
+  logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05], jnp.float32))
+  draw = jax.jit(sample)
+  nucleus = Sampling.make(greedy=False, temperature=1.0, top_p=0.7, seed=0)
+  draws = {int(draw(logits, nucleus, jnp.int32(i))) for i in range(300)}
   assert draws == {0, 1}  # 0.5 < 0.7 needs the second token; never the third
-  draws = {sample(logits, rng, greedy=False, temperature=1.0, top_p=0.4) for _ in range(50)}
+  narrow = Sampling.make(greedy=False, temperature=1.0, top_p=0.4, seed=0)
+  draws = {int(draw(logits, narrow, jnp.int32(i))) for i in range(50)}
   assert draws == {0}
 
 

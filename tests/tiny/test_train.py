@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ftjax
-from ftjax.runtime.decode import run_decode
+from ftjax.decode import run_decode
 from ftjax.tiny import train
 
 

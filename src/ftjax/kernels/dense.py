@@ -3,8 +3,8 @@
 For the big dense weights on the CPU backend (q/k/v/o projections, routers, shared experts,
 lm_head), where XLA:CPU's bf16 matrix-vector products reach only a few GB/s. Weights are
 [out, in] = [O, C] as everywhere in ftjax (O output features, C contracted input features:
-the glossary's letters for a generic matrix; K and N mean top-k and cache slots). Decode (one token) streams w at memory bandwidth,
-split over N across the threads; prefill (many tokens) is a blocked GEMM. Accumulation is
+the glossary's letters for a generic matrix; K and N mean top-k and cache slots). Decode (one
+token) streams w at memory bandwidth, split over O across the threads; prefill (many tokens) is a blocked GEMM. Accumulation is
 float32 and products are exact (bf16 weights widened to float32) unless bf16_activations=True
 asks for vdpbf16ps on AVX-512-BF16 CPUs (relative error ~1e-2 of max|y|).
 """

@@ -5,7 +5,7 @@ Library::
   result = ftjax.research.sweep.replay(trace, "freetoken", cache_slots=64, bandwidths=(12.0, 24.0))
   result.miss_rate, result.per_layer_miss_rate, result.fills, result.host_runs
   ftjax.research.sweep.belady_misses(trace, cache_slots=64)   # the offline lower bound
-  rows = ftjax.research.sweep.sweep(traces, policies, fractions, hardware, shapes)   # what the CLI runs
+  rows = ftjax.research.sweep.sweep(traces, policies, fractions, hardware, shapes)  # the CLI's
 
 CLI (``docs/sweep.md``)::
 

@@ -189,8 +189,8 @@ def generate(model: RoutingModel, steps: int, *, seed: int, prefill_steps: int =
   weights /= weights.sum(-1, keepdims=True)
   weights = np.maximum(weights, np.finfo(np.float32).tiny)  # positive after float32 rounding
   phases = (np.arange(total) >= prefill_steps).astype(np.uint8)
-  metadata = {"source": "ftjax.research.synthetic", "seed": int(seed), "prefill_steps": int(prefill_steps),
-              "routing_model": dataclasses.asdict(model)}
+  metadata = {"source": "ftjax.research.synthetic", "seed": int(seed),
+              "prefill_steps": int(prefill_steps), "routing_model": dataclasses.asdict(model)}
   return Trace.from_arrays(ids, weights, experts, phase=phases, metadata=metadata)
 
 
