@@ -4,7 +4,7 @@
 #   PYTHON_BIN_PATH=/path/to/venv/bin/python bazel build -c opt //xla_ffi:all
 #   PYTHON_BIN_PATH=/path/to/venv/bin/python bazel/run_kernel_tests.sh [pytest options]
 #
-# Copies the ftjax package from this checkout into a temporary directory, puts
+# Copies the ftjax package (src/ftjax) from this checkout into a temporary directory, puts
 # bazel-bin/xla_ffi/_ffi<suffix>.so into it, and runs pytest with that copy first on the path.
 # The environment needs ftjax's test dependencies (pytest, hypothesis, ...).
 set -eu
@@ -17,7 +17,7 @@ if [ -z "$module" ]; then
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cp -R "$root/ftjax" "$work/ftjax"
+cp -R "$root/src/ftjax" "$work/ftjax"
 rm -f "$work"/ftjax/_ffi*.so
 cp "$module" "$work/ftjax/"
 cd "$work"
