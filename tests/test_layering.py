@@ -25,7 +25,7 @@ ALLOWED = {
     "utils": set(),
     "assets": set(),
     "kernels": {"utils"},
-    "experts": {"kernels"},
+    "experts": {"kernels", "utils"},
     "model": {"kernels", "utils"},
     "formats": {"model", "utils"},
     "cache": {"experts", "kernels", "utils"},

@@ -27,6 +27,7 @@ from ftjax.cache.policy import Plan, PolicyConfig, plan
 from ftjax.cache.state import ExpertCache
 from ftjax.experts import routed_experts
 from ftjax.kernels import slot_fill
+from ftjax.utils.arrays import take
 
 
 @struct.dataclass
@@ -57,7 +58,7 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
   if impl in ("ffi", "ffi_bf16"):
     src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
     return slot_fill(slots, bank, src, fill_slot)
-  blocks = bank[layer][jnp.maximum(fill_expert, 0)]  # [Q, P]
+  blocks = take(bank[layer], jnp.maximum(fill_expert, 0))  # [Q, P]
   return slots.at[jnp.where(fill_slot >= 0, fill_slot, slots.shape[0])].set(blocks, mode="drop")
 
 

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ftjax.utils.arrays import take
+
 
 @struct.dataclass
 class ExpertCache:
@@ -93,7 +95,7 @@ class ExpertCache:
     if n == 0:
       return cache
     idx = jnp.asarray(flat_ids, jnp.int32)
-    slots = cache.slots.at[:n].set(bank.reshape(layers * experts, -1)[idx])
+    slots = cache.slots.at[:n].set(take(bank.reshape(layers * experts, -1), idx))
     slot_of = cache.slot_of.reshape(-1).at[idx].set(jnp.arange(n, dtype=jnp.int32))
     return cache.replace(slots=slots, slot_of=slot_of.reshape(layers, experts),
                          owner=cache.owner.at[:n].set(idx),
@@ -111,7 +113,7 @@ class ExpertCache:
     owner = jnp.full((capacity,), -1, jnp.int32).at[:keep].set(self.owner[order])
     stamp = jnp.full((capacity,), -1, jnp.int32).at[:keep].set(self.slot_stamp[order])
     slots = jnp.zeros((capacity, self.slots.shape[1]), self.slots.dtype)
-    slots = slots.at[:keep].set(self.slots[order])
+    slots = slots.at[:keep].set(take(self.slots, order))
     flat = jnp.full((self.slot_of.size,), -1, jnp.int32)
     valid = owner >= 0
     flat = flat.at[jnp.where(valid, owner, flat.shape[0])].set(

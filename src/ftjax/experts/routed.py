@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ftjax.kernels import expert_ffn
+from ftjax.utils.arrays import take
 
 KERNELS = ("xla", "ffi", "ffi_bf16")  # the host-work implementations a step can run with
 
@@ -39,7 +40,7 @@ def _routed_gather(x, ids, weights, bank_ep, ffn_dim):
   """Few routes: gather each routed block. x [T, D], ids/weights [T, K]."""
   width = x.shape[-1]
   valid = ids >= 0
-  blocks = bank_ep[jnp.where(valid, ids, 0)]  # [T, K, P]
+  blocks = take(bank_ep, jnp.where(valid, ids, 0))  # [T, K, P]
   gate, up, down = split_block(blocks, ffn_dim, width)
   gate, up, down = (w.astype(jnp.float32) for w in (gate, up, down))
   h = jax.nn.silu(jnp.einsum("TD,TKFD->TKF", x, gate)) * jnp.einsum("TD,TKFD->TKF", x, up)

@@ -19,6 +19,7 @@ from flax import struct
 from ftjax.model.config import ModelConfig
 from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, _normal, linear
 from ftjax.model.moe import RoutedExperts
+from ftjax.utils.arrays import take
 
 
 @struct.dataclass
@@ -107,7 +108,7 @@ class Transformer(nnx.Module):
     the logits are those of the last real token. ``sow_router_logits`` sows each layer's
     router logits (``nnx.capture``, training)."""
     t = tokens.shape[1]
-    x = jnp.take(self.embed_vd[...], tokens, axis=0).astype(jnp.float32)  # [B, T, D]
+    x = take(self.embed_vd[...], tokens).astype(jnp.float32)  # [B, T, D]
     valid = None
     if num_valid is not None:
       valid = jnp.broadcast_to(jnp.arange(t) < num_valid, tokens.shape)  # [B, T]
