@@ -1,4 +1,9 @@
-"""Shared test helpers: tiny random-initialised Hugging Face checkpoints built offline."""
+"""Shared test helpers: tiny random-initialised Hugging Face checkpoints built offline.
+
+The suite's tolerances and its float64 MoE reference are modules next to this file
+(``tolerances.py``, ``reference.py``); tests import them by name (``pythonpath`` in
+pyproject.toml puts this folder on the path).
+"""
 
 from __future__ import annotations
 

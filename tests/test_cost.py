@@ -12,6 +12,8 @@ import pytest
 from ftjax.research import cost
 from ftjax.research.cost import HardwareProfile, ModelShape
 
+import tolerances
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 HARDWARE_FILES = sorted(glob.glob(os.path.join(CONFIGS, "hardware", "*.yaml")))
 MODEL_FILES = sorted(glob.glob(os.path.join(CONFIGS, "models", "*.json")))
@@ -37,36 +39,38 @@ def test_layer_step_device_path_slower():
   #   -> 0.39 ms; host: 1 · 3e6 / 20e9 = 0.15 ms; max = 0.39 ms.
   # + dense 50e6 / 100e9 = 0.5 ms + overhead 1 ms = 1.89 ms.
   t = cost.layer_step_time(HW, SHAPE, 2, 1, 1)
-  np.testing.assert_allclose(t, 1.89e-3, rtol=1e-12)
+  np.testing.assert_allclose(t, 1.89e-3, rtol=tolerances.F64)
 
 
 def test_layer_step_host_path_slower():
   # device: 1 hit · 3e6 / 100e9 = 0.03 ms; host: 4 · 3e6 / 20e9 = 0.6 ms; max = 0.6 ms.
   # + 0.5 ms dense + 1 ms overhead = 2.1 ms.
   t = cost.layer_step_time(HW, SHAPE, 1, 0, 4)
-  np.testing.assert_allclose(t, 2.1e-3, rtol=1e-12)
+  np.testing.assert_allclose(t, 2.1e-3, rtol=tolerances.F64)
 
 
 def test_layer_step_fills_and_compute_are_serial_host_overlaps():
   # 2 fills: 0.6 ms of copies + 0.06 ms of compute = 0.66 ms on the device queue; 4 host
   # runs (0.6 ms) hide under it; adding the host runs changes nothing, one more fill does.
   base = cost.layer_step_time(HW, SHAPE, 0, 2, 0)
-  np.testing.assert_allclose(base, 0.66e-3 + 1.5e-3, rtol=1e-12)
-  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 2, 4), base, rtol=1e-12)
-  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 3, 4) - base, 0.33e-3, rtol=1e-9)
+  np.testing.assert_allclose(base, 0.66e-3 + 1.5e-3, rtol=tolerances.F64)
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 2, 4), base, rtol=tolerances.F64)
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 3, 4) - base, 0.33e-3,
+                             rtol=tolerances.F64_DIFFERENCE)
 
 
 def test_layer_step_without_overlap_adds_the_paths():
   # The case of test_layer_step_device_path_slower on a CPU-only profile: 0.39 ms device
   # + 0.15 ms host = 0.54 ms, + 1.5 ms = 2.04 ms.
   serial = dataclasses.replace(HW, paths_overlap=False)
-  np.testing.assert_allclose(cost.layer_step_time(serial, SHAPE, 2, 1, 1), 2.04e-3, rtol=1e-12)
+  np.testing.assert_allclose(cost.layer_step_time(serial, SHAPE, 2, 1, 1), 2.04e-3,
+                             rtol=tolerances.F64)
   with pytest.raises(ValueError, match="paths_overlap"):
     dataclasses.replace(HW, paths_overlap="no")
 
 
 def test_layer_step_with_nothing_routed_is_dense_plus_overhead():
-  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 0, 0), 1.5e-3, rtol=1e-12)
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 0, 0, 0), 1.5e-3, rtol=tolerances.F64)
 
 
 def test_step_times_and_tok_s():
@@ -78,9 +82,9 @@ def test_step_times_and_tok_s():
   fills = np.array([[1, 0], [0, 0]])
   host = np.array([[1, 4], [0, 0]])
   np.testing.assert_allclose(cost.step_times(HW, SHAPE, hits, fills, host), [6.99e-3, 6.48e-3],
-                             rtol=1e-12)
+                             rtol=tolerances.F64)
   assert cost.modeled_tok_s(HW, SHAPE, hits, fills, host) == pytest.approx(1 / 6.735e-3,
-                                                                            rel=1e-12)
+                                                                            rel=tolerances.F64)
 
 
 def test_vectorised_equals_scalar_calls():
@@ -92,7 +96,7 @@ def test_vectorised_equals_scalar_calls():
     assert got[idx] == cost.layer_step_time(HW, SHAPE, hits[idx], fills[idx], host[idx])
   steps = cost.step_times(HW, SHAPE, hits, fills, host)
   assert steps.shape == (5, 7)
-  np.testing.assert_allclose(steps, got.sum(-1) + 1e-3 + 2e-3, rtol=1e-12)
+  np.testing.assert_allclose(steps, got.sum(-1) + 1e-3 + 2e-3, rtol=tolerances.F64)
 
 
 def test_count_shapes_and_layer_axis_are_checked():

@@ -14,6 +14,8 @@ import pytest
 from ftjax.research import cost, sweep, synthetic
 from ftjax.cache import POLICIES
 
+import tolerances
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = synthetic.RoutingModel(num_layers=4, num_experts=16, top_k=2, skew=0.8, reuse=0.4,
                                working_set=0.1, working_set_decay=0.9, prefill_reuse=0.4,
@@ -75,7 +77,7 @@ def test_belady_never_exceeds_any_policy(rows):
     bound = next(r for r in rows if r.policy == "belady" and r.cache_fraction == frac)
     others = [r for r in rows if r.policy != "belady" and r.cache_fraction == frac]
     assert len(others) == len(POLICIES) * 3
-    assert all(bound.miss_rate <= r.miss_rate + 1e-12 for r in others)
+    assert all(bound.miss_rate <= r.miss_rate + tolerances.F64 for r in others)
   empty = [r for r in rows if r.cache_fraction == 0.0 and r.policy != "belady"]
   assert all(r.miss_rate == 1.0 and r.hits_per_step == 0 for r in empty)
 

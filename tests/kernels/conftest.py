@@ -1,13 +1,14 @@
-"""Shared by the kernel tests: the one tolerance helper, and the ISA fixture.
+"""Shared by the kernel tests: the tolerance check by compute dtype, and the ISA fixture.
 
-The tolerances, in one place (STYLE.md section 8): max |y - ref| <= limit * max |ref|, with the
-reference in float64 computed from the same (bf16-rounded) weights widened exactly. The limit is
-by the dtype the products are computed in:
-- float32: 1e-5. float32 weights, or bf16 weights widened to float32 (exact products): what is
-  left is float32 accumulation.
-- bfloat16: 1e-2. bf16 weights with bf16_activations=True on an AVX-512-BF16 CPU: the kernels
-  round the activations (x, and the expert's hidden h) to bf16 and multiply with vdpbf16ps;
-  each rounding is up to 2^-9 relative.
+The tolerances are the suite's (``tests/tolerances.py``): max |y - ref| <= limit * max |ref|,
+with the reference in float64 computed from the same (bf16-rounded) weights widened exactly
+(``tests/reference.py`` for the experts). The limit is by the dtype the products are computed
+in:
+- float32: ``F32``. float32 weights, or bf16 weights widened to float32 (exact products): what
+  is left is float32 accumulation.
+- bfloat16: ``BF16_ACTIVATIONS``. bf16 weights with bf16_activations=True on an AVX-512-BF16
+  CPU: the kernels round the activations (x, and the expert's hidden h) to bf16 and multiply
+  with vdpbf16ps; each rounding is up to 2^-9 relative.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import pytest
 
 from ftjax.kernels import cpu_info
 
+import tolerances
+
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
 
-RELATIVE_LIMIT = {F32: 1e-5, BF16: 1e-2}
+RELATIVE_LIMIT = {F32: tolerances.F32, BF16: tolerances.BF16_ACTIVATIONS}
 
 ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
 
@@ -33,17 +36,10 @@ def compute_dtype(weight_dtype, bf16_activations=False):
 
 
 def check_close(y, ref, weight_dtype, bf16_activations=False):
-  """Asserts max |y - ref| <= RELATIVE_LIMIT[compute dtype] * max |ref| (y float32)."""
+  """Asserts y is float32 and max |y - ref| <= RELATIVE_LIMIT[compute dtype] * max |ref|."""
   y = np.asarray(y)
   assert y.dtype == np.float32
-  assert y.shape == ref.shape, (y.shape, ref.shape)
-  scale = np.max(np.abs(ref))
-  assert scale > 0, "a test that expects zeros should compare exactly"
-  error = np.max(np.abs(y.astype(np.float64) - ref))
-  limit = RELATIVE_LIMIT[compute_dtype(weight_dtype, bf16_activations)]
-  assert error <= limit * scale, (
-    f"max |y - ref| = {error:.3g} exceeds {limit:g} * max |ref| = {scale:.3g}"
-  )
+  tolerances.assert_close(y, ref, RELATIVE_LIMIT[compute_dtype(weight_dtype, bf16_activations)])
 
 
 @pytest.fixture

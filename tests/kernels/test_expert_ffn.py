@@ -1,4 +1,4 @@
-"""ftjax_expert_ffn (xla_ffi/expert_ffn.cc) against a float64 loop-over-routes reference."""
+"""ftjax_expert_ffn (xla_ffi/expert_ffn.cc) against the float64 reference (reference.py)."""
 
 import dataclasses
 import functools
@@ -10,32 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ftjax.kernels import cpu_info, expert_ffn
+from ftjax.kernels import expert_ffn
+
+import reference
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
 BANK_DTYPES = [F32, BF16]
-
-
-def reference_expert_ffn(x, ids, weights, bank, layer, ffn_dim):
-  """float64, one expert at a time (all of its routes at once), straight from the definition."""
-  x_td = np.asarray(x, np.float64)
-  ids_tk = np.asarray(ids)
-  weights_tk = np.asarray(weights, np.float64)
-  bank_ep = np.asarray(bank[layer]).astype(np.float64)  # bf16 -> float64 is exact
-  T, D = x_td.shape
-  F = ffn_dim
-  y_td = np.zeros((T, D))
-  for e in np.unique(ids_tk[ids_tk >= 0]):
-    tokens, routes = np.nonzero(ids_tk == e)
-    block = bank_ep[e]
-    gate_fd = block[: F * D].reshape(F, D)
-    up_fd = block[F * D : 2 * F * D].reshape(F, D)
-    down_df = block[2 * F * D : 3 * F * D].reshape(D, F)
-    gate_rf = x_td[tokens] @ gate_fd.T
-    hidden_rf = gate_rf / (1.0 + np.exp(-gate_rf)) * (x_td[tokens] @ up_fd.T)
-    np.add.at(y_td, tokens, weights_tk[tokens, routes][:, None] * (hidden_rf @ down_df.T))
-  return y_td
 
 
 def make_bank(rng, *, L, E, F, D, dtype, pad=0, layers_in_use=None):
@@ -135,7 +116,7 @@ def test_matches_reference(case_name, bank_dtype, bf16_activations, isa, assert_
   y = expert_ffn(
     x, ids, weights, bank, case.layer, ffn_dim=case.F, bf16_activations=bf16_activations
   )
-  ref = reference_expert_ffn(x, ids, weights, bank, case.layer, case.F)
+  ref = reference.routed_experts(x, ids, weights, bank, case.layer, case.F)
   assert_close(y, ref, bank_dtype, bf16_activations)
 
 
@@ -153,7 +134,7 @@ def test_grouped_route_counts_around_the_tiles(bank_dtype, bf16_activations, isa
   weights = rng.random((T, 1)).astype(np.float32)
   bank = make_bank(rng, L=1, E=E, F=F, D=D, dtype=bank_dtype)
   y = expert_ffn(x, ids, weights, bank, 0, ffn_dim=F, bf16_activations=bf16_activations)
-  ref = reference_expert_ffn(x, ids, weights, bank, 0, F)
+  ref = reference.routed_experts(x, ids, weights, bank, 0, F)
   assert_close(y, ref, bank_dtype, bf16_activations)
 
 
@@ -176,7 +157,7 @@ def test_under_jit_with_traced_bank_and_layer(bank_dtype, assert_close):
   x, ids, weights, bank = make_inputs(case, bank_dtype, "jit")
   jitted = jax.jit(functools.partial(expert_ffn, ffn_dim=case.F))
   y = jitted(x, ids, weights, jnp.asarray(bank), jnp.int32(case.layer))
-  ref = reference_expert_ffn(x, ids, weights, bank, case.layer, case.F)
+  ref = reference.routed_experts(x, ids, weights, bank, case.layer, case.F)
   assert_close(y, ref, bank_dtype)
 
 
@@ -193,7 +174,7 @@ def test_second_jitted_call_with_new_data_does_not_retrace(assert_close):
   for call, layer in enumerate([case.layer, case.L - 1]):
     x, ids, weights, bank = make_inputs(dataclasses.replace(case, layer=layer), BF16, call)
     y = step(x, ids, weights, bank, jnp.int32(layer), ffn_dim=case.F)
-    ref = reference_expert_ffn(x, ids, weights, bank, layer, case.F)
+    ref = reference.routed_experts(x, ids, weights, bank, layer, case.F)
     assert_close(y, ref, BF16)
   assert traces == 1
 
@@ -212,7 +193,7 @@ def test_vmap_over_a_leading_batch_axis(bank_dtype, assert_close):
   jaxpr = str(jax.make_jaxpr(batched)(x_btd, ids_btk, weights_btk, bank, case.layer))
   assert jaxpr.count("ftjax_expert_ffn") == 1 and "while" not in jaxpr, jaxpr
   for b in range(B):
-    ref = reference_expert_ffn(x_btd[b], ids_btk[b], weights_btk[b], bank, case.layer, case.F)
+    ref = reference.routed_experts(x_btd[b], ids_btk[b], weights_btk[b], bank, case.layer, case.F)
     assert_close(y_btd[b], ref, bank_dtype)
 
 
@@ -226,7 +207,7 @@ def test_vmap_over_layer_under_jit(assert_close):
   )
   y_ltd = per_layer(x, ids, weights, bank, layers)
   for i, layer in enumerate(np.asarray(layers)):
-    ref = reference_expert_ffn(x, ids, weights, bank, layer, case.F)
+    ref = reference.routed_experts(x, ids, weights, bank, layer, case.F)
     assert_close(y_ltd[i], ref, BF16)
 
 

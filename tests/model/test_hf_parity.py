@@ -6,6 +6,8 @@ import torch
 
 import ftjax
 
+import tolerances
+
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 SEQ = 24
 NEW = 16
@@ -35,8 +37,7 @@ def test_logits_match_transformers(converted, family, kernels):
     ref = hf_model(torch.tensor(ids[None])).logits[0].numpy()
   got = ftjax.Engine(model, kernels=kernels).forward_logits(ids)
   assert got.shape == ref.shape == (SEQ, model.config.vocab_size)
-  err = np.max(np.abs(got - ref))
-  assert err <= 1e-4 * max(1.0, np.max(np.abs(ref))), f"{family}: max |logits - ref| = {err}"
+  tolerances.assert_close(got, ref, tolerances.HF_PARITY, floor=1.0, what=family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,5 +1,6 @@
 """Layers against float64 numpy references: attention (GQA, window, sinks, cache offset),
-the sigmoid-group router; and a model using both keeps cached decode equal to full forward."""
+the sigmoid-group router (``reference.route``); and a model using both keeps cached decode
+equal to full forward."""
 
 import dataclasses
 
@@ -13,6 +14,9 @@ import ftjax
 from ftjax.model.layers import Attention, KVCache
 from ftjax.model.router import route
 from ftjax.runtime import model as model_lib
+
+import reference
+import tolerances
 
 
 def _rope_ref(x, pos, theta):
@@ -66,28 +70,7 @@ def test_attention_matches_numpy(window, sinks):
     cache, y = attn(jnp.asarray(x[None, lo:hi]), cache, jnp.int32(lo),
                     jnp.arange(lo, hi, dtype=jnp.int32)[None])
     outs.append(np.asarray(y[0]))
-  np.testing.assert_allclose(np.concatenate(outs), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
-
-
-def _sigmoid_group_ref(logits, bias, k, n_group, topk_group, norm, scaling):
-  ids, weights = [], []
-  for row in logits.astype(np.float64):
-    s = 1 / (1 + np.exp(-row))
-    b = s + bias
-    groups = b.reshape(n_group, -1)
-    gscore = np.sort(groups, axis=-1)[:, -2:].sum(-1)
-    best = np.argsort(-gscore, kind="stable")[:topk_group]
-    masked = np.full_like(b, -np.inf)
-    per = len(b) // n_group
-    for grp in best:
-      masked[grp * per:(grp + 1) * per] = b[grp * per:(grp + 1) * per]
-    chosen = np.argsort(-masked, kind="stable")[:k]
-    w = s[chosen]
-    if norm:
-      w = w / w.sum()
-    ids.append(chosen)
-    weights.append(w * scaling)
-  return np.array(weights), np.array(ids)
+  tolerances.assert_close(np.concatenate(outs), ref, tolerances.F32)
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -97,9 +80,10 @@ def test_sigmoid_group_router_matches_numpy(norm):
   bias = rng.normal(size=16).astype(np.float32) * 0.5
   w, ids = route(jnp.asarray(logits), kind="sigmoid_group", top_k=3, norm_topk_prob=norm,
                  bias=jnp.asarray(bias), n_group=4, topk_group=2, scaling=2.5)
-  rw, rids = _sigmoid_group_ref(logits, bias, 3, 4, 2, norm, 2.5)
+  rw, rids = reference.route(logits, kind="sigmoid_group", top_k=3, norm_topk_prob=norm,
+                             bias=bias, n_group=4, topk_group=2, scaling=2.5)
   np.testing.assert_array_equal(np.asarray(ids), rids)
-  np.testing.assert_allclose(np.asarray(w), rw, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(w), rw, rtol=tolerances.F32_ROUNDING)
   assert set(np.asarray(ids).reshape(-1) // 4).__len__() <= 4
 
 

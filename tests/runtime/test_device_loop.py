@@ -213,7 +213,6 @@ _NO_FFI = textwrap.dedent("""
     import ftjax, ftjax.kernels
     from ftjax.model.config import ModelConfig
     from ftjax.runtime import model as model_lib
-from ftjax.runtime import programs
     assert not ftjax.kernels.available()
     config = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=1,
                          num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, top_k=2,

@@ -13,6 +13,8 @@ from ftjax.runtime import model as model_lib
 from ftjax.research import calibrate
 from ftjax.runtime import profile as profile_lib
 
+import tolerances
+
 
 @pytest.fixture(scope="module")
 def small_profile():
@@ -43,8 +45,9 @@ def test_engine_reads_the_concurrent_pair(small_profile, tmp_path, tiny_config):
   path = profile_lib.save_profile(matching, str(tmp_path / "q.json"))
   engine = ftjax.Engine(model, cache_slots=2, profile=path)
   conc = prof["concurrent"]
-  np.testing.assert_allclose(engine.bandwidths, [conc["b_p_gb_s"],
-                                                 conc["b_p_gb_s"] + conc["b_h_gb_s"]], rtol=1e-6)
+  np.testing.assert_allclose(engine.bandwidths,
+                             [conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"]],
+                             rtol=tolerances.F32_ROUNDING)
   assert "concurrent" in engine.stats()["bandwidth_source"]
   with pytest.raises(FileNotFoundError, match="python -m ftjax.profile"):
     ftjax.Engine(model, cache_slots=2, profile=str(tmp_path / "missing.json"))
@@ -90,6 +93,9 @@ def test_cli_writes_a_hardware_profile(tmp_path):
   hw = HardwareProfile.load(hw_out)
   prof = json.loads(out.read_text())
   assert hw.name == "mine" and hw.b_p == prof["b_p_gb_s"] and hw.device_bw == prof["read_gb_s"]
-  assert hw.layer_overhead_s > 0  # a real decode step costs more than its bytes here
+  # The calibrated overhead (clamped at 0): at this tiny shape the device loop's step is
+  # within the noise of its modeled bytes, so its sign is not asserted here (the arithmetic
+  # is, in test_overheads_are_the_measured_time_the_bytes_do_not_explain).
+  assert hw.layer_overhead_s >= 0 and hw.step_overhead_s >= 0
   assert "calibrated from 2 cpu_only decode steps of a random 2-layer model" in hw.source
   assert f"wrote {hw_out}" in proc.stdout

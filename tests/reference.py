@@ -1,0 +1,96 @@
+"""The float64 numpy reference of the MoE, for every test (STYLE.md section 8).
+
+Straight from the definitions, in loops, with no shortcut shared with the code under test:
+
+* ``route``: router logits -> (weights, ids) for each router kind of ``ftjax.model.router``;
+* ``routed_experts``: the weighted sum of the routed SwiGLU experts of one bank layer, one
+  expert at a time (all of its routes at once);
+* ``moe_layer``: both, for one MoE layer without a shared expert.
+
+The bank is ``[L, E, P]``: block ``bank[l, e]`` holds ``gate [F, D]`` at element 0, ``up
+[F, D]`` at ``F·D`` and ``down [D, F]`` at ``2·F·D``; the tail up to ``P`` is padding.
+Inputs are widened to float64 exactly (bfloat16 and float32 values are float64 values), so a
+reference built from the same rounded weights differs from a fast path only by the fast
+path's arithmetic (``tolerances.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def split_block(block, ffn_dim: int, width: int):
+  """One expert block [P] -> gate [F, D], up [F, D], down [D, F], float64."""
+  block = np.asarray(block).astype(np.float64)
+  fd = ffn_dim * width
+  return (block[:fd].reshape(ffn_dim, width), block[fd:2 * fd].reshape(ffn_dim, width),
+          block[2 * fd:3 * fd].reshape(width, ffn_dim))
+
+
+def routed_experts(x, ids, weights, bank, layer: int, ffn_dim: int) -> np.ndarray:
+  """``y[t] = sum_k weights[t, k] · expert_{ids[t, k]}(x[t])`` over layer ``layer`` of
+  ``bank``, with ``expert(x) = down · (silu(gate · x) * (up · x))``; ids -1 = no route.
+
+  x [T, D], ids and weights [T, K]. Returns [T, D] float64."""
+  x_td = np.asarray(x, np.float64)
+  ids_tk = np.asarray(ids)
+  weights_tk = np.asarray(weights, np.float64)
+  bank_ep = np.asarray(bank[layer])
+  width = x_td.shape[1]
+  y_td = np.zeros(x_td.shape)
+  for e in np.unique(ids_tk[ids_tk >= 0]):
+    tokens, routes = np.nonzero(ids_tk == e)
+    gate_fd, up_fd, down_df = split_block(bank_ep[e], ffn_dim, width)
+    gate_rf = x_td[tokens] @ gate_fd.T
+    hidden_rf = gate_rf / (1.0 + np.exp(-gate_rf)) * (x_td[tokens] @ up_fd.T)
+    np.add.at(y_td, tokens, weights_tk[tokens, routes][:, None] * (hidden_rf @ down_df.T))
+  return y_td
+
+
+def _softmax(z):
+  e = np.exp(z - z.max())
+  return e / e.sum()
+
+
+def route(logits, *, kind: str, top_k: int, norm_topk_prob: bool, bias=None, n_group: int = 1,
+          topk_group: int = 1, scaling: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+  """logits [T, E] -> (weights [T, K] float64, ids [T, K] int64), token by token; ties go to
+  the lower expert id. The kinds and options are ``ftjax.model.router.route``'s."""
+  logits = np.asarray(logits, np.float64)
+  num_experts = logits.shape[-1]
+  bias = np.zeros(num_experts) if bias is None else np.asarray(bias, np.float64)
+  ids = np.zeros((logits.shape[0], top_k), np.int64)
+  weights = np.zeros((logits.shape[0], top_k))
+  for t, row in enumerate(logits):
+    if kind == "softmax_topk":
+      p = _softmax(row)
+      order = np.argsort(-p, kind="stable")[:top_k]
+      w = p[order]
+    elif kind == "topk_softmax":
+      order = np.argsort(-row, kind="stable")[:top_k]
+      w = _softmax(row[order])
+    elif kind == "sigmoid_group":
+      scores = 1 / (1 + np.exp(-row))
+      biased = scores + bias
+      per = num_experts // n_group
+      group_score = np.sort(biased.reshape(n_group, per), axis=-1)[:, -2:].sum(-1)
+      masked = np.full(num_experts, -np.inf)
+      for group in np.argsort(-group_score, kind="stable")[:topk_group]:
+        masked[group * per:(group + 1) * per] = biased[group * per:(group + 1) * per]
+      order = np.argsort(-masked, kind="stable")[:top_k]
+      w = scores[order]
+    else:
+      raise ValueError(f"unknown router kind {kind!r}")
+    if norm_topk_prob and kind != "topk_softmax":
+      w = w / w.sum()
+    ids[t], weights[t] = order, w * (scaling if kind == "sigmoid_group" else 1.0)
+  return weights, ids
+
+
+def moe_layer(x, router_ed, bank, layer: int, ffn_dim: int, *, top_k: int,
+              kind: str = "softmax_topk", norm_topk_prob: bool = False) -> np.ndarray:
+  """The routed experts of one MoE layer: x [T, D], router weights [E, D] -> [T, D] float64."""
+  x = np.asarray(x, np.float64)
+  weights, ids = route(x @ np.asarray(router_ed, np.float64).T, kind=kind, top_k=top_k,
+                       norm_topk_prob=norm_topk_prob)
+  return routed_experts(x, ids, weights, bank, layer, ffn_dim)
