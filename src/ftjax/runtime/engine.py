@@ -500,6 +500,7 @@ class Engine:
     t0 = time.perf_counter()
     state, loop, record = prefill(params, bank, state, tokens, num_valid, max_new, stop_ids,
                                   sampling)
+    self._keep(state)  # the engine always holds the newest cache, even if a read fails
     first, done = jax.device_get((loop.token, loop.done))
     prefill_s = time.perf_counter() - t0
     executed = 1
@@ -515,27 +516,29 @@ class Engine:
       pending = decode(params, bank, state, loop, stop_ids, sampling)
       executed += 1
       dispatched = 1
+      last_read = t0
       while True:
         state, loop = pending[0], pending[1]
         ahead = None
         if 1 + dispatched * chunk < max_new_tokens:
           ahead = decode(params, bank, state, loop, stop_ids, sampling)
+          state = ahead[0]
           executed += 1
           dispatched += 1
-        t1 = time.perf_counter()
+        self._keep(state)
         new, steps, done, record = jax.device_get((pending[2], pending[3], pending[1].done,
                                                    pending[4]))
-        self._record(record, 1, time.perf_counter() - t1, "decode", steps=int(steps))
+        now = time.perf_counter()  # a chunk's time: from the previous read to this one
+        self._record(record, 1, now - last_read, "decode", steps=int(steps))
+        last_read = now
         emit(new[:int(steps)])
         if ahead is None:
           break
         pending = ahead
         if done:
-          state, loop = pending[0], pending[1]  # the extra chunk ran no step
-          break
+          break  # the chunk dispatched ahead runs no step; its state is the newest
     jax.block_until_ready(state)
     decode_s = time.perf_counter() - t0
-    self._keep(state)
     return GenerateResult(tokens=out, prompt_tokens=len(ids), prefill_s=prefill_s,
                           decode_s=decode_s, compile_s=self.compile_s - compile_before,
                           programs=executed)
