@@ -5,7 +5,8 @@ Straight from the definitions, in loops, with no shortcut shared with the code u
 * ``route``: router logits -> (weights, ids) for each router kind of ``ftjax.model.router``;
 * ``routed_experts``: the weighted sum of the routed SwiGLU experts of one bank layer, one
   expert at a time (all of its routes at once);
-* ``moe_layer``: both, for one MoE layer without a shared expert.
+* ``moe_layer``: both, for one MoE layer without a shared expert;
+* ``attention``: grouped-query attention of T queries against a KV cache, one query at a time.
 
 The bank is ``[L, E, P]``: block ``bank[l, e]`` holds ``gate [F, D]`` at element 0, ``up
 [F, D]`` at ``F·D`` and ``down [D, F]`` at ``2·F·D``; the tail up to ``P`` is padding.
@@ -94,3 +95,29 @@ def moe_layer(x, router_ed, bank, layer: int, ffn_dim: int, *, top_k: int,
   weights, ids = route(x @ np.asarray(router_ed, np.float64).T, kind=kind, top_k=top_k,
                        norm_topk_prob=norm_topk_prob)
   return routed_experts(x, ids, weights, bank, layer, ffn_dim)
+
+
+def attention(q, k, v, length: int, *, scale: float, window: int | None = None,
+              sinks=None) -> np.ndarray:
+  """Queries q [B, T, H, A] against the cache k, v [B, S, G, A]: query t sits at row
+  ``length - T + t`` and attends rows ``s <= row`` (and ``s > row - window``); query head h
+  uses kv head ``h // (H // G)``; ``sinks`` [H] join each softmax's denominator only.
+
+  Returns [B, T, H, A] float64."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  batch, queries, heads, _ = q.shape
+  group = heads // k.shape[2]
+  out = np.zeros(q.shape)
+  for b in range(batch):
+    for t in range(queries):
+      row = length - queries + t
+      first = 0 if window is None else max(0, row - window + 1)
+      for h in range(heads):
+        keys, values = k[b, first:row + 1, h // group], v[b, first:row + 1, h // group]
+        logits = scale * (keys @ q[b, t, h])
+        if sinks is not None:
+          logits = np.append(logits, float(sinks[h]))
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        out[b, t, h] = p[:len(values)] @ values
+  return out

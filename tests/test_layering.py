@@ -1,6 +1,7 @@
 """The package's layering, read from its sources with ``ast``: imports run one way.
 
-  runtime -> model, runtime -> cache -> experts -> kernels, model -> kernels (dense ops only),
+  runtime -> model, runtime -> cache -> experts -> kernels, model -> kernels (dense ops only:
+  GEMV/GEMM and attention),
   research -> runtime (and below), and nothing below imports what is above it.
 
 A subpackage may import only the subpackages listed for it in ``ALLOWED``; the modules at the
@@ -36,9 +37,10 @@ ALLOWED = {
 }
 # Compiled extension modules (no .py source) and the layer they belong to.
 EXTENSIONS = {"ftjax._ffi": "kernels"}
-# What the model may take from the kernels: dense ops (the routed experts come as an argument).
-MODEL_KERNELS = {"ftjax.kernels", "ftjax.kernels.dense"}
-MODEL_KERNEL_NAMES = {"dense"}
+# What the model may take from the kernels: its dense ops (GEMV/GEMM, attention), never the
+# expert kernels (the routed experts come as an argument).
+MODEL_KERNELS = {"ftjax.kernels", "ftjax.kernels.dense", "ftjax.kernels.attention"}
+MODEL_KERNEL_NAMES = {"dense", "attention"}
 
 
 def read_package(root: str) -> dict[str, str]:

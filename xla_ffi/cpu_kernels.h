@@ -1,8 +1,9 @@
 // The SIMD building blocks of ftjax's host ops, one table per instruction set.
 //
-// Every op (expert_ffn.cc, dense.cc, read_probe.cc) is written once, in portable C++, on top of
-// the few primitives below. Each instruction set has its own translation unit, compiled with its
-// own flags chosen by the file-name suffix in CMakeLists.txt (and the Bazel BUILD):
+// Every op (expert_ffn.cc, dense.cc, attention.cc, read_probe.cc) is written once, in portable
+// C++, on top of the few primitives below. Each instruction set has its own translation unit,
+// compiled with its own flags chosen by the file-name suffix in CMakeLists.txt (and the Bazel
+// BUILD):
 //
 //   cpu_kernels_scalar.cc       baseline flags (any x86-64 or aarch64)
 //   cpu_kernels_avx2.cc         -mavx2 -mfma -mf16c
@@ -81,6 +82,25 @@ struct PackedDotProblem {
   int64_t c_stride;  // >= 16 * groups
 };
 
+// A weighted sum of rows, added to accumulators (attention: probabilities times values):
+//
+//   acc[j * acc_stride + i] += sum_{s < rows} weight[j * weight_stride + s] * v[s * v_stride + i]
+//
+// for j < n, i < width, in float32. Each row of v is read once for all n weight vectors; the
+// kernels take 4 rows at a time (each accumulator is loaded and stored once per 4 rows) and skip
+// groups of 4 zero weights.
+struct RowSumProblem {
+  const float* weight;
+  int64_t weight_stride;  // elements from one weight vector to the next
+  int64_t n;
+  const float* v;
+  int64_t v_stride;  // elements from one row of v to the next
+  int64_t rows;
+  int64_t width;
+  float* acc;
+  int64_t acc_stride;  // elements from one accumulator vector to the next
+};
+
 using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
 using DotF32F32Fn = void (*)(const DotProblem<float, float>&);
 
@@ -105,6 +125,8 @@ struct KernelTable {
   void (*round_to_bf16)(const float* in, Bf16Bits* out, int64_t n);
   // h[i] = silu(gate[i]) * up[i] with silu(g) = g / (1 + exp(-g)).
   void (*silu_mul)(const float* gate, const float* up, float* h, int64_t n);
+  // Weighted sums of rows into accumulators (RowSumProblem).
+  void (*weighted_row_sum)(const RowSumProblem& p);
   // XOR of the n_words little-endian 32-bit words at `data` (no alignment needed).
   uint32_t (*xor_words)(const void* data, int64_t n_words);
   // Runs `iterations` rounds of a register-only multiply-add loop at the ISA's widest

@@ -133,6 +133,8 @@ void SiluMulAvx2(const float* gate, const float* up, float* h, int64_t n) {
   for (; i < n; ++i) h[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+void WeightedRowSumAvx2(const RowSumProblem& p) { cpu_kernels_impl::WeightedRowSumLoop(p); }
+
 uint32_t XorWordsAvx2(const void* data, int64_t n_words) {
   const unsigned char* bytes = static_cast<const unsigned char*>(data);
   __m256i x0 = _mm256_setzero_si256(), x1 = x0, x2 = x0, x3 = x0;
@@ -176,6 +178,7 @@ const KernelTable kAvx2Table = {
     /*dot_f32_f32=*/DotF32F32Avx2,
     /*round_to_bf16=*/RoundToBf16Avx2,
     /*silu_mul=*/SiluMulAvx2,
+    /*weighted_row_sum=*/WeightedRowSumAvx2,
     /*xor_words=*/XorWordsAvx2,
     /*peak_loop=*/PeakLoopFma256,
     /*peak_flops_per_iteration=*/kPeakChains * 8 * 2,

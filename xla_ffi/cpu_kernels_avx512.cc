@@ -26,6 +26,7 @@ const KernelTable kAvx512Table = {
     /*dot_f32_f32=*/DotF32F32Avx512,
     /*round_to_bf16=*/RoundToBf16Avx512,
     /*silu_mul=*/SiluMulAvx512,
+    /*weighted_row_sum=*/WeightedRowSumAvx512,
     /*xor_words=*/XorWordsAvx512,
     /*peak_loop=*/PeakLoopFma512,
     /*peak_flops_per_iteration=*/kPeakChains512 * 16 * 2,

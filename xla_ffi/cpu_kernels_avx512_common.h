@@ -284,6 +284,10 @@ inline void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t 
   }
 }
 
+inline void WeightedRowSumAvx512(const RowSumProblem& p) {
+  cpu_kernels_impl::WeightedRowSumLoop(p);
+}
+
 inline uint32_t XorWordsAvx512(const void* data, int64_t n_words) {
   const unsigned char* bytes = static_cast<const unsigned char*>(data);
   __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0;

@@ -156,6 +156,7 @@ const KernelTable kAvx512Bf16Table = {
     /*dot_f32_f32=*/DotF32F32Avx512,
     /*round_to_bf16=*/RoundToBf16Avx512Bf16,
     /*silu_mul=*/SiluMulAvx512,
+    /*weighted_row_sum=*/WeightedRowSumAvx512,
     /*xor_words=*/XorWordsAvx512,
     /*peak_loop=*/PeakLoopBf16,
     /*peak_flops_per_iteration=*/kPeakChainsBf16 * 32 * 2,

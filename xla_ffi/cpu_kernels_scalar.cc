@@ -69,6 +69,8 @@ void SiluMul(const float* gate, const float* up, float* h, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+void WeightedRowSum(const RowSumProblem& p) { cpu_kernels_impl::WeightedRowSumLoop(p); }
+
 uint32_t XorWords(const void* data, int64_t n_words) {
   const unsigned char* bytes = static_cast<const unsigned char*>(data);
   uint64_t wide = 0;  // two words at a time
@@ -111,6 +113,7 @@ const KernelTable kScalarTable = {
     /*dot_f32_f32=*/DotF32F32,
     /*round_to_bf16=*/RoundToBf16,
     /*silu_mul=*/SiluMul,
+    /*weighted_row_sum=*/WeightedRowSum,
     /*xor_words=*/XorWords,
     /*peak_loop=*/PeakLoop,
     /*peak_flops_per_iteration=*/2 * kPeakChains,

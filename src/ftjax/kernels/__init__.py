@@ -8,6 +8,8 @@ Ops:
   expert_ffn(x, ids, weights, bank, layer, *, ffn_dim)  routed SwiGLU experts (decode and
                                                          grouped prefill forms)
   dense(x, w)                                            y = x @ w.T, w [N, K] bf16/f32
+  attention(q, k, v, length, *, scale, window, sinks)    decode attention over a KV cache,
+                                                         read in place
   read_probe(buf)                                        host read-bandwidth probe
   peak_probe(*, tasks, iterations)                       host multiply-add peak probe
   cpu_info()                                             ISA and threads in use
@@ -27,6 +29,7 @@ Environment (read by the C++ kernels):
 """
 
 from ftjax.kernels._registration import KernelsUnavailable, available, load_error, require
+from ftjax.kernels.attention import attention
 from ftjax.kernels.cpu_info import cpu_info
 from ftjax.kernels.dense import dense
 from ftjax.kernels.expert_ffn import expert_ffn
@@ -34,5 +37,5 @@ from ftjax.kernels.peak_probe import peak_probe
 from ftjax.kernels.read_probe import read_probe
 from ftjax.kernels.slot_fill import slot_fill
 
-__all__ = ["KernelsUnavailable", "available", "load_error", "require", "cpu_info", "dense",
-           "expert_ffn", "peak_probe", "read_probe", "slot_fill"]
+__all__ = ["KernelsUnavailable", "available", "load_error", "require", "attention", "cpu_info",
+           "dense", "expert_ffn", "peak_probe", "read_probe", "slot_fill"]

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from flax import struct
 
-from ftjax.kernels import dense
+from ftjax.kernels import attention, dense
 from ftjax.model.moe import RoutedExperts
 from ftjax.model.router import route
 
@@ -123,6 +123,7 @@ class Attention(nnx.Module):
     self.clip_qkv = clip_qkv
     self.window = window
     self.rope_theta = rope_theta
+    self.head_dim = a
 
   def _project(self, x, kernels):
     q = linear(x, self.w_q_had, 2, kernels=kernels)  # [B, T, H, A]
@@ -146,6 +147,8 @@ class Attention(nnx.Module):
 
     ``fresh`` (static) promises ``length == 0``: the queries then attend to this chunk's
     keys only, not to the whole (empty) cache, which saves most of a long prefill's work.
+    Otherwise, with the FFI kernels, the host attention op reads the cache in place (in the
+    decode loop, XLA's einsums would copy and transpose the whole cache at every step).
     """
     _, t, _ = x.shape
     q, k, v = self._project(x, kernels)
@@ -154,6 +157,11 @@ class Attention(nnx.Module):
     start = (0, length, 0, 0)
     cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
                     v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start))
+    if not fresh and kernels in ("ffi", "ffi_bf16"):
+      sinks = _f32(self.sinks_h) if self.sinks else None
+      out = attention(q, cache.k, cache.v, length + t,
+                      scale=self.head_dim ** -0.5, window=self.window, sinks=sinks)
+      return cache, self._output(out, kernels)
     keys, values = (k, v) if fresh else (cache.k, cache.v)  # [B, S, G, A]
     s = keys.shape[1]
     g, a = keys.shape[2], keys.shape[3]
@@ -172,11 +180,14 @@ class Attention(nnx.Module):
     else:
       probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, values.astype(jnp.float32))
-    out = out.reshape(*out.shape[:2], -1, a)  # [B, T, H, A]
-    y = linear(out, self.w_o_dha, 1, kernels=kernels)  # [B, T, D]
+    return cache, self._output(out.reshape(*out.shape[:2], -1, a), kernels)
+
+  def _output(self, out: jax.Array, kernels: str) -> jax.Array:
+    """[B, T, H, A] -> [B, T, D]: the output projection (and bias)."""
+    y = linear(out, self.w_o_dha, 1, kernels=kernels)
     if self.o_bias:
       y = y + _f32(self.b_o_d)
-    return cache, y
+    return y
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,105 @@
+"""Host decode attention over a KV cache: the XLA FFI op `ftjax_attention` (xla_ffi/attention.cc).
+
+    out[b, t, h] = softmax_s(scale · q[b, t, h] · k[b, s, h // R] [, sinks[h]]) · v[b, s, h // R]
+
+for queries q [B, T, H, A] against the cache k, v [B, S, G, A] (R = H / G query heads per kv
+head). The cache already holds this step's keys: query t sits at row ``length - T + t`` and
+attends the rows up to its own (causal), with a sliding ``window`` only the last ``window`` of
+them; rows from ``length`` on are never read. ``sinks`` [H] are learned logits that join each
+head's softmax denominator but carry no value.
+
+Why an op: inside the decode loop (a ``lax.while_loop``) XLA:CPU's einsum attention over the
+loop-carried cache copies and transposes all of K and V at every step. This op reads the cache
+in place in its own layout, so a cache updated by ``dynamic_update_slice`` of a donated buffer
+is neither copied nor transposed. Each K and V row is read once for all R heads of its group and
+all T queries; accumulation is float32 with an online softmax. Meant for decode and short query
+chunks: long chunks (prefill) work, but read the cache again for every 256 / H positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.kernels._registration import require, shape_and_dtype
+
+
+def attention(q, k, v, length, *, scale, window=None, sinks=None):
+  """Attention of T queries per sequence against the first ``length`` rows of a KV cache.
+
+  Args:
+    q: [B, T, H, A] float32 queries (rotary embedding applied, not scaled).
+    k: [B, S, G, A] float32 key cache, G dividing H; query head h uses kv head h // (H / G).
+    v: [B, S, G, A] float32 value cache.
+    length: int32 scalar (array or Python int; may be traced): the number of valid cache rows,
+      this step's T included, in [T, S]. A concrete value is checked here, a traced one by the
+      kernel at run time.
+    scale: the factor of the scores q · k (usually A ** -0.5); a Python number.
+    window: None, or a positive int w: query row i attends only rows s > i - w.
+    sinks: None, or [H] float32 per-head sink logits.
+
+  Returns:
+    out: [B, T, H, A] float32.
+
+  Raises:
+    ValueError: naming the argument whose shape, dtype or value is wrong.
+
+  Under jax.vmap the calls run one after the other.
+  """
+  q_shape, q_dtype = shape_and_dtype("q", q)
+  k_shape, k_dtype = shape_and_dtype("k", k)
+  v_shape, v_dtype = shape_and_dtype("v", v)
+  if len(q_shape) != 4 or q_dtype != np.float32:
+    raise ValueError(f"q must be float32 [B, T, H, A], got {q_dtype} of shape {q_shape}")
+  B, T, H, A = q_shape
+  if len(k_shape) != 4 or k_dtype != np.float32 or k_shape[0] != B or k_shape[3] != A:
+    raise ValueError(f"k must be float32 [B, S, G, A] with B = {B} and A = {A} from q, got "
+                     f"{k_dtype} of shape {k_shape}")
+  S, G = k_shape[1], k_shape[2]
+  if G == 0 or H % G != 0:
+    raise ValueError(f"k's kv heads G = {G} must divide q's heads H = {H}")
+  if v_shape != k_shape or v_dtype != np.float32:
+    raise ValueError(f"v must be float32 with k's shape {k_shape}, got {v_dtype} of shape "
+                     f"{v_shape}")
+  length = _checked_length(length, T, S)
+  if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+    raise ValueError(f"scale must be a Python or numpy number, got {scale!r}")
+  if window is not None and (isinstance(window, (bool, np.bool_))
+                             or not isinstance(window, (int, np.integer)) or window < 1):
+    raise ValueError(f"window must be None or a positive int, got {window!r}")
+  if sinks is None:
+    sinks_h = jnp.zeros((0,), jnp.float32)
+  else:
+    sinks_shape, sinks_dtype = shape_and_dtype("sinks", sinks)
+    if sinks_shape != (H,) or sinks_dtype != np.float32:
+      raise ValueError(f"sinks must be float32 [H] with H = {H} from q, got {sinks_dtype} of "
+                       f"shape {sinks_shape}")
+    sinks_h = sinks
+  require("attention")
+  call = jax.ffi.ffi_call(
+    "ftjax_attention",
+    jax.ShapeDtypeStruct(q_shape, jnp.float32),
+    vmap_method="sequential",
+  )
+  return call(q, k, v, length, sinks_h, scale=np.float32(scale),
+              window=np.int64(0 if window is None else window), use_sinks=sinks is not None)
+
+
+def _checked_length(length, T, S):
+  """length as an int32 scalar; its range checked when it is known at trace time."""
+  if isinstance(length, (bool, np.bool_)):
+    raise ValueError(f"length must be an int32 scalar, got {length!r}")
+  if isinstance(length, (int, np.integer)):
+    value = int(length)
+    if not T <= value <= S:
+      raise ValueError(f"length must be in [T, S] = [{T}, {S}], got {value}")
+    return np.int32(value)
+  shape, dtype = shape_and_dtype("length", length)
+  if shape != () or dtype != np.int32:
+    raise ValueError(f"length must be an int32 scalar, got {dtype} of shape {shape}")
+  if not isinstance(length, jax.core.Tracer):
+    value = int(length)
+    if not T <= value <= S:
+      raise ValueError(f"length must be in [T, S] = [{T}, {S}], got {value}")
+  return length
