@@ -15,8 +15,8 @@ package:
 Weights are named by their axes in storage order: ``w_q_had`` is ``[H, A, D]``.
 
 The model owns the per-layer decode state (``DecodeState``) and receives its routed experts as
-an argument (``RoutedExperts``, ``ftjax.model.moe``); it imports ``ftjax.kernels`` for dense
-ops only, and never the cache or the runtime.
+an argument (``RoutedExperts``, ``ftjax.model.moe``); it imports ``ftjax.kernels`` for its
+dense ops only (GEMV/GEMM, attention), never the expert kernels, the cache or the runtime.
 """
 
 from ftjax.model.config import ModelConfig, SUPPORTED_MODEL_TYPES, UnsupportedModelError
