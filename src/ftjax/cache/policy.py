@@ -35,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from ftjax.cache.state import ExpertCache

@@ -105,7 +105,7 @@ class RuntimeOptions:
   cache_fraction: float | None = None
   cache_bytes: int | None = None
   device_budget_bytes: int | None = None
-  policy: Any = "freetoken"
+  policy: str | PolicyConfig = "freetoken"
   bandwidths: tuple[float, float] | None = None
   profile: str | None = None
   hot_experts: Any = None

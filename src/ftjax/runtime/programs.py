@@ -125,10 +125,6 @@ class Runner:
             on_compile(time.perf_counter() - t0)
     return fn
 
-  @property
-  def num_compiled(self) -> int:
-    return len(self._compiled)
-
 
 _RUNNERS: dict[Runner, Runner] = {}
 
