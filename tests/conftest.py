@@ -79,7 +79,8 @@ def fuse_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Per-expert keys -> fused mlp.experts.gate_up_proj [E, 2F, D] and down_proj [E, D, F]."""
   import re  # noqa: PLC0415
   out, per_layer = {}, {}
-  pat = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+  pat = re.compile(r"(model\.(?:language_model\.)?layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts"
+                   r"\.(\d+)\.(\w+)\.weight")
   for name, value in tensors.items():
     m = pat.fullmatch(name)
     if m:
@@ -119,6 +120,65 @@ def hf_checkpoints(tmp_path_factory):
     model = build_hf_model(family)
     path = save_hf_checkpoint(model, str(tmp_path_factory.mktemp(family)), **layout)
     out[family] = (model, path)
+  return out
+
+
+# Hybrid families (Gated DeltaNet + gated attention): three linear layers, then one full
+# attention layer. head_dim 16 with partial_rotary_factor 0.25 rotates 4 of 16 dims; 2 key
+# heads serve 4 value heads; value and key head widths differ.
+HYBRID_COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                     linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                     linear_num_key_heads=2, linear_num_value_heads=4,
+                     max_position_embeddings=512, initializer_range=0.15,
+                     tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                     pad_token_id=None)
+# name -> (transformers classes, composite config?, layout): every on-disk layout the
+# converter reads, each family in the style its checkpoints ship.
+HYBRID_CHECKPOINTS = {
+    "qwen3_next": ("Qwen3Next", False, dict()),  # per-expert tensors, fused in_proj_qkvz/ba
+    "qwen3_5_moe": ("Qwen3_5Moe", True, dict(fused=True)),  # composite config, fused experts
+    "qwen3_5_moe_text": ("Qwen3_5Moe", False, dict(fused=True, shards=2)),  # text-only config
+}
+
+
+def build_hybrid_model(name: str, seed: int = 0):
+  """A random float32 transformers hybrid model; every norm and gate gets noise."""
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+  prefix, composite, _ = HYBRID_CHECKPOINTS[name]
+  torch.manual_seed(seed)
+  text = getattr(transformers, prefix + ("TextConfig" if prefix == "Qwen3_5Moe" else "Config"))(
+      **HYBRID_COMMON)
+  if composite:
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=text.to_dict(),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                           out_hidden_size=32))
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+  else:
+    model = getattr(transformers, prefix + "ForCausalLM")(text)
+  model = model.eval().to(torch.float32)
+  model.config._attn_implementation = "eager"
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      if "visual" in pname:
+        continue
+      if "linear_attn.norm" in pname:  # the gated norm: scale w, init 1
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      elif "norm" in pname:  # zero-centred norms: scale 1 + w, init 0
+        p.copy_(0.2 * torch.randn_like(p))
+  return model
+
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoints(tmp_path_factory):
+  """name -> (torch model, checkpoint dir) for every entry of HYBRID_CHECKPOINTS."""
+  out = {}
+  for name, (_, _, layout) in HYBRID_CHECKPOINTS.items():
+    model = build_hybrid_model(name)
+    out[name] = (model, save_hf_checkpoint(model, str(tmp_path_factory.mktemp(name)), **layout))
   return out
 
 

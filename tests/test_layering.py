@@ -33,7 +33,7 @@ ALLOWED = {
     "runtime": {"model", "cache", "experts", "kernels", "formats", "utils", "assets"},
     "research": {"runtime", "model", "cache", "experts", "kernels", "formats", "utils",
                  "assets"},
-    "tiny": {"runtime", "model", "experts", "formats", "utils", "assets"},
+    "tiny": {"research", "runtime", "model", "experts", "formats", "utils", "assets"},
 }
 # Compiled extension modules (no .py source) and the layer they belong to.
 EXTENSIONS = {"ftjax._ffi": "kernels"}

@@ -10,9 +10,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 # Shipped shape configs of models ftjax cannot run yet, and the error that says why. They
 # are there for the cost model (tests/test_cost.py loads them as ModelShape).
-NOT_RUNNABLE = {
-    "qwen3.5-35b-a3b.json": "'linear_attention' layers",
-}
+NOT_RUNNABLE: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIG_DIR, "**", "*.json"),
@@ -78,8 +76,48 @@ def test_files_written_by_transformers_parse(hf_checkpoints):
 
 def test_unsupported_model_type_names_the_supported_ones():
   cfg = _load("qwen3-30b-a3b.json") | {"model_type": "deepseek_v3"}
-  with pytest.raises(UnsupportedModelError, match="qwen3_moe, qwen2_moe, mixtral, olmoe"):
+  with pytest.raises(UnsupportedModelError,
+                     match="qwen3_moe, qwen2_moe, mixtral, olmoe, qwen3_next, qwen3_5_moe"):
     from_hf_config(cfg)
+
+
+def test_qwen35_composite_config(capsys):
+  c = from_hf_config(_load("qwen3.5-35b-a3b.json"))
+  assert c.model_type == "qwen3_5_moe" and c.num_layers == 40
+  assert c.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+  assert (c.num_experts, c.top_k, c.moe_intermediate_size, c.vocab_size) == (256, 8, 512, 248320)
+  assert c.shared_expert_intermediate_size == 512 and c.shared_expert_gate
+  assert c.rotary_dim == 64 and c.rope_theta == 1e7 and c.attn_output_gate
+  assert c.norm_zero_centred and c.norm_topk_prob and c.qk_norm == "per_head"
+  assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+          c.linear_value_head_dim, c.linear_conv_kernel) == (16, 32, 128, 128, 4)
+  assert c.source_dtype == "bfloat16" and c.eos_token_ids == (248044,)
+  err = capsys.readouterr().err
+  # One line each: the vision tower is skipped, the MTP head ignored.
+  assert "vision tower is skipped" in err and "multi-token-prediction (MTP) head is ignored" in err
+  text = from_hf_config(_load("qwen3.5-35b-a3b.json")["text_config"])  # the text-only style
+  assert text == c
+
+
+def test_qwen3_next_derives_layer_types():
+  text = dict(_load("qwen3.5-35b-a3b.json")["text_config"], model_type="qwen3_next")
+  del text["layer_types"]
+  text["num_hidden_layers"] = 8
+  c = from_hf_config(text)
+  assert c.layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 2
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                          "mrope_section": [24, 20, 20]}}, "mrope_section"),
+    ({"attn_output_gate": False}, "attn_output_gate"),
+    ({"linear_num_value_heads": 24, "linear_num_key_heads": 16}, "not a multiple"),
+    ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel"),
+])
+def test_hybrid_unsupported_variants_name_the_field(change, message):
+  text = _load("qwen3.5-35b-a3b.json")["text_config"] | change
+  with pytest.raises(UnsupportedModelError, match=message):
+    from_hf_config(text)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -93,16 +131,16 @@ def test_unsupported_options_are_clear_errors(change, message):
     from_hf_config(_load("qwen3-30b-a3b.json") | change)
 
 
-def test_linear_attention_layers_are_refused_whatever_the_model_type():
+def test_linear_attention_layers_are_refused_outside_the_hybrid_families():
   text = _load("qwen3.5-35b-a3b.json")["text_config"] | {"model_type": "qwen3_moe"}
   with pytest.raises(UnsupportedModelError, match="Gated DeltaNet"):
     from_hf_config(text)  # without the check this built a wrong all-attention model
 
 
-def test_linear_attention_layers_are_named_unfinished():
+def test_linear_attention_layers_need_their_shapes():
   c = from_hf_config(_load("qwen3-30b-a3b.json")).to_dict()
   c["layer_types"] = ["linear_attention", *c["layer_types"][1:]]
-  with pytest.raises(UnsupportedModelError, match="not implemented yet"):
+  with pytest.raises(UnsupportedModelError, match="linear_num_key_heads"):
     ModelConfig.from_dict(c)
 
 

@@ -6,6 +6,13 @@ Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``) and fused 3-D tensors
 (``mlp.experts.gate_up_proj`` [E, 2F, D] with gate rows first, ``mlp.experts.down_proj``
 [E, D, F]). Peak memory is about one dense tensor in the output dtype plus one mapped source
 tensor, not the checkpoint (measured by benchmarks/convert_memory.py).
+
+Hybrid families: composite (vision + language) checkpoints keep the text model under
+``model.language_model.``; the vision tower (``model.visual.``) and multi-token-prediction
+head (``mtp.``) are skipped. Gated DeltaNet projections come split (Qwen3.5:
+``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) or fused per key-head group
+(Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``), which is split here into the same
+parameters. A gated attention's ``q_proj`` holds, per head, the query then its output gate.
 """
 
 from __future__ import annotations
@@ -94,6 +101,15 @@ _DENSE_RULES: list[tuple[str, str]] = [
     (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "layers.{0}.moe.shared.w_up_id"),
     (_LAYER + r"mlp\.shared_expert\.down_proj\.weight", "layers.{0}.moe.shared.w_down_di"),
     (_LAYER + r"mlp\.shared_expert_gate\.weight", "layers.{0}.moe.w_shared_gate_d"),
+    (_LAYER + r"linear_attn\.in_proj_qkv\.weight", "layers.{0}.linear_attn.w_qkv_xd"),
+    (_LAYER + r"linear_attn\.in_proj_z\.weight", "layers.{0}.linear_attn.w_z_myd"),
+    (_LAYER + r"linear_attn\.in_proj_b\.weight", "layers.{0}.linear_attn.w_b_md"),
+    (_LAYER + r"linear_attn\.in_proj_a\.weight", "layers.{0}.linear_attn.w_a_md"),
+    (_LAYER + r"linear_attn\.conv1d\.weight", "layers.{0}.linear_attn.conv_xw"),
+    (_LAYER + r"linear_attn\.dt_bias", "layers.{0}.linear_attn.dt_bias_m"),
+    (_LAYER + r"linear_attn\.A_log", "layers.{0}.linear_attn.a_log_m"),
+    (_LAYER + r"linear_attn\.norm\.weight", "layers.{0}.linear_attn.norm.scale"),
+    (_LAYER + r"linear_attn\.out_proj\.weight", "layers.{0}.linear_attn.w_out_dmy"),
 ]
 _DENSE_RULES_RE = [(re.compile(p + "$"), target) for p, target in _DENSE_RULES]
 
@@ -103,11 +119,37 @@ _PER_EXPERT_RE = re.compile(
     _LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
     r"\.weight$")
 _FUSED_RE = re.compile(_LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
-_IGNORED_RE = re.compile(r"(.*rotary_emb\.inv_freq)$")
+_IGNORED_RE = re.compile(r"(.*rotary_emb\.inv_freq|visual\..*|mtp\..*)$")
+_QKVZ_RE = re.compile(_LAYER + r"linear_attn\.in_proj_(qkvz|ba)\.weight$")
+_GATED_Q_RE = re.compile(_LAYER + r"self_attn\.q_proj\.weight$")
 
 
 def _strip(name: str) -> str:
-  return name[len("model."):] if name.startswith("model.") else name
+  for prefix in ("model.language_model.", "model."):
+    if name.startswith(prefix):
+      return name[len(prefix):]
+  return name
+
+
+def _split_grouped(config: ModelConfig, layer: int, kind: str, w: np.ndarray):
+  """Qwen3-Next's fused projections -> the split parameters. Rows come per key head: ``qkvz``
+  [J·(2U + 2R·Y), D] holds q (U rows), k (U), v (R·Y), z (R·Y) for each of the J key heads
+  (R = M/J value heads per key head); ``ba`` [J·2R, D] holds b (R), then a (R)."""
+  j, u, y = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+  r = config.linear_num_value_heads // j
+  d = w.shape[-1]
+  prefix = f"layers.{layer}.linear_attn."
+  if kind == "qkvz":
+    parts = np.asarray(w).reshape(j, 2 * u + 2 * r * y, d)
+    q, k = parts[:, :u], parts[:, u:2 * u]
+    v, z = parts[:, 2 * u:2 * u + r * y], parts[:, 2 * u + r * y:]
+    qkv = np.concatenate([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)])
+    yield "dense", prefix + "w_qkv_xd", qkv
+    yield "dense", prefix + "w_z_myd", z.reshape(-1, d)
+  else:
+    parts = np.asarray(w).reshape(j, 2 * r, d)
+    yield "dense", prefix + "w_b_md", parts[:, :r].reshape(-1, d)
+    yield "dense", prefix + "w_a_md", parts[:, r:].reshape(-1, d)
 
 
 def expected_dense_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -115,9 +157,28 @@ def expected_dense_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   return {name: tuple(v.shape) for name, v in abstract_params(config).items()}
 
 
-def _tensor_plan(st: SafetensorsFile, name: str) -> Iterator[tuple[str, Any]]:
+def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig
+                 ) -> Iterator[tuple[str, Any]]:
   """Yields ("dense", path, array) or ("expert", (layer, expert, part), array) items."""
   short = _strip(name)
+  if _IGNORED_RE.match(short):
+    return
+  m = _QKVZ_RE.match(short)
+  if m:
+    yield from _split_grouped(config, int(m[1]), m[2], st.get(name))
+    return
+  m = _GATED_Q_RE.match(short)
+  if m and config.attn_output_gate:
+    h, a = config.num_heads, config.head_dim
+    w = st.get(name)
+    if w.shape[0] != 2 * h * a:
+      raise ftw.FTWConfigMismatchError(
+          f"tensor {name} has shape {tuple(w.shape)}; a gated attention's q_proj needs "
+          f"2·num_attention_heads·head_dim = {2 * h * a} rows (query and gate per head)")
+    per_head = w.reshape(h, 2, a, w.shape[-1])
+    yield "dense", f"layers.{m[1]}.attn.w_q_had", per_head[:, 0]
+    yield "dense", f"layers.{m[1]}.attn.w_gate_had", per_head[:, 1]
+    return
   m = _PER_EXPERT_RE.match(short)
   if m:
     yield "expert", (int(m[1]), int(m[2]), _EXPERT_PART_NAMES[m[3]]), st.get(name)
@@ -141,8 +202,6 @@ def _tensor_plan(st: SafetensorsFile, name: str) -> Iterator[tuple[str, Any]]:
     if m:
       yield "dense", target.format(*m.groups()), st.get(name)
       return
-  if _IGNORED_RE.match(short):
-    return
   raise ConversionError(
       f"unexpected tensor {name} in {st.path}: ftjax does not know where it belongs for this "
       "architecture (is the model_type in config.json right?)")
@@ -182,7 +241,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
     bar = Progress(total_bytes, desc="convert", unit="B", enabled=show_progress)
     for st in shards:
       for name in st.keys():
-        for kind, where, array in _tensor_plan(st, name):
+        for kind, where, array in _tensor_plan(st, name, config):
           if kind == "expert":
             writer.add_expert_part(*where, array)
           elif where == "w_lm_vd" and config.tie_word_embeddings:

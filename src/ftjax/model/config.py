@@ -12,15 +12,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Literal
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next",
+                         "qwen3_5_moe")
+# Hybrid families: Gated DeltaNet ("linear_attention") layers between gated full-attention
+# layers. ``qwen3_5_moe_text`` is the text-only config of ``qwen3_5_moe``.
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
-# Mixer kinds a layer can have. Only the attention kinds are implemented so far; the
-# linear-attention kind (Gated DeltaNet) is named here so a config can say it and get a
-# clear error instead of a wrong model.
-LAYER_TYPES = ("full_attention", "sliding_attention")
-PLANNED_LAYER_TYPES = ("linear_attention",)
+# Mixer kinds a layer can have: softmax attention (full or sliding window) carries a KV
+# cache, linear attention (Gated DeltaNet) a conv state and a recurrent state.
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_group"]
 QKNorm = Literal["per_head", "full"] | None
@@ -61,6 +64,16 @@ class ModelConfig:
   attn_sinks: bool = False  # a learned per-head logit joins each softmax (gpt-oss)
   shared_expert_intermediate_size: int = 0  # I; 0 = no shared expert
   shared_expert_gate: bool = False  # sigmoid(x · w) scales the shared expert
+  partial_rotary_factor: float = 1.0  # rotary on the first head_dim · factor dims of q and k
+  attn_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the output
+  norm_zero_centred: bool = False  # RMSNorm scales by (1 + w), w initialised to 0
+  # Gated DeltaNet ("linear_attention" layers): key heads Hk of Dk, value heads Hv of Dv,
+  # and the width of the causal depthwise conv over q, k and v.
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 0
   tie_word_embeddings: bool = False
   source_dtype: str = "float32"
   eos_token_ids: tuple[int, ...] = ()
@@ -70,10 +83,6 @@ class ModelConfig:
       raise UnsupportedModelError(
           f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}")
     for kind in self.layer_types:
-      if kind in PLANNED_LAYER_TYPES:
-        raise UnsupportedModelError(
-            f"layer type {kind!r} (Gated DeltaNet) is not implemented yet; supported layer types: "
-            f"{', '.join(LAYER_TYPES)}")
       if kind not in LAYER_TYPES:
         raise UnsupportedModelError(
             f"unknown layer type {kind!r}; supported layer types: {', '.join(LAYER_TYPES)}")
@@ -97,12 +106,49 @@ class ModelConfig:
             "router_groups")
     if self.qk_norm not in (None, "per_head", "full"):
       raise UnsupportedModelError(f"qk_norm must be None, 'per_head' or 'full', got {self.qk_norm!r}")
+    rotary = self.rotary_dim
+    if not (0 < rotary <= self.head_dim and rotary % 2 == 0):
+      raise UnsupportedModelError(
+          f"partial_rotary_factor={self.partial_rotary_factor} gives {rotary} rotary dims of "
+          f"head_dim={self.head_dim}; it must be an even number in [2, head_dim]")
+    if "linear_attention" in self.layer_types:
+      dims = {k: getattr(self, k) for k in (
+          "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+          "linear_value_head_dim", "linear_conv_kernel")}
+      bad = [k for k, v in dims.items() if v <= 0]
+      if bad:
+        raise UnsupportedModelError(
+            f"linear_attention layers need positive {', '.join(bad)} (config.json: "
+            "linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, "
+            "linear_value_head_dim, linear_conv_kernel_dim)")
+      if self.linear_num_value_heads % self.linear_num_key_heads:
+        raise UnsupportedModelError(
+            f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+            f"linear_num_key_heads={self.linear_num_key_heads}")
 
   # -- Derived shapes -----------------------------------------------------------------------
 
   @property
   def num_moe_layers(self) -> int:
     return self.num_layers  # every layer is an MoE layer (checked in from_hf_config)
+
+  @property
+  def rotary_dim(self) -> int:
+    """Dimensions of each q/k head that RoPE rotates (the first ones; the rest pass)."""
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
+  def linear_key_dim(self) -> int:
+    return self.linear_num_key_heads * self.linear_key_head_dim
+
+  @property
+  def linear_value_dim(self) -> int:
+    return self.linear_num_value_heads * self.linear_value_head_dim
+
+  @property
+  def linear_conv_dim(self) -> int:
+    """Channels of the causal conv: q, k (key_dim each) and v (value_dim)."""
+    return 2 * self.linear_key_dim + self.linear_value_dim
 
   @property
   def expert_block_elems(self) -> int:
@@ -144,12 +190,19 @@ class ModelConfig:
 
 # Per-family defaults where hub configs may omit a key; the values are those of the
 # transformers configuration classes.
-_DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "mixtral": 1e6, "olmoe": 10000.0}
-_DEFAULT_EPS = {"qwen3_moe": 1e-6, "qwen2_moe": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5}
+_DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "mixtral": 1e6, "olmoe": 10000.0,
+                       "qwen3_next": 10000.0, "qwen3_5_moe": 10000.0}
+_DEFAULT_EPS = {"qwen3_moe": 1e-6, "qwen2_moe": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5,
+                "qwen3_next": 1e-6, "qwen3_5_moe": 1e-6}
 
 
-def _rope_theta(hf: dict[str, Any], model_type: str) -> float:
-  """Reads RoPE from either ``rope_parameters`` (new) or ``rope_theta``/``rope_scaling`` (hub)."""
+def _notice(message: str) -> None:
+  print(f"ftjax: {message}", file=sys.stderr)
+
+
+def _rope(hf: dict[str, Any], model_type: str) -> tuple[float, float]:
+  """(theta, partial_rotary_factor) from ``rope_parameters`` (new) or ``rope_theta`` /
+  ``rope_scaling`` (hub)."""
   params = hf.get("rope_parameters")
   if params:
     # Per-layer-type nesting ({"full_attention": {...}}) appears in some new configs.
@@ -160,14 +213,29 @@ def _rope_theta(hf: dict[str, Any], model_type: str) -> float:
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA[model_type]))
   else:
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    params = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
     theta = hf.get("rope_theta", _DEFAULT_ROPE_THETA[model_type])
   if rope_type != "default":
     raise UnsupportedModelError(
         f"rope type {rope_type!r} is not supported yet (supported: 'default'); "
         "remove rope scaling from config.json only if you stay within the original context")
-  return float(theta)
+  default_partial = 0.25 if model_type in ("qwen3_next", "qwen3_5_moe") else 1.0
+  partial = float(params.get("partial_rotary_factor",
+                             hf.get("partial_rotary_factor", default_partial)))
+  section = params.get("mrope_section")
+  if section is not None:
+    # Multimodal RoPE gives each of 3 position grids (time, height, width) a section of the
+    # rotary frequencies. Text tokens have the same position on every grid, so it equals 1-D
+    # RoPE whatever the sections, provided they partition the rotary frequencies.
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    half = int(head_dim * partial) // 2
+    if len(section) != 3 or sum(int(s) for s in section) != half:
+      raise UnsupportedModelError(
+          f"rope_parameters.mrope_section={list(section)} does not split the {half} rotary "
+          "frequencies into 3 sections, so it is not the text-only multimodal RoPE that ftjax "
+          "runs as 1-D RoPE; fix the sections in config.json")
+  return float(theta), partial
 
 
 def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -185,16 +253,65 @@ class _Required(dict):
         f"config.json of this {self.get('model_type')} checkpoint lacks the required key {key!r}")
 
 
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+  """The text model's config of a checkpoint: ``text_config`` of a composite (vision +
+  language) config such as Qwen3.5/3.6's, else the config itself. Composite configs keep
+  some keys (dtype, tie_word_embeddings, eos_token_id) at the top level only."""
+  text = hf.get("text_config")
+  if not text:
+    return dict(hf)
+  merged = {k: hf[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings", "eos_token_id")
+            if k in hf}
+  merged.update(text)
+  merged["model_type"] = hf.get("model_type")
+  return merged
+
+
+def _hybrid_options(hf: dict[str, Any], num_layers: int) -> tuple[list[str], dict[str, Any]]:
+  """Layer types and options of a Qwen3-Next / Qwen3.5-MoE config."""
+  layer_types = hf.get("layer_types")
+  if not layer_types:
+    interval = int(hf.get("full_attention_interval", 4))
+    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                   for i in range(num_layers)]
+  if hf.get("attention_bias", False):
+    raise UnsupportedModelError("attention_bias=true is not supported for hybrid models")
+  if not hf.get("attn_output_gate", True):
+    raise UnsupportedModelError(
+        "attn_output_gate=false is not supported: transformers' Qwen3-Next / Qwen3.5 attention "
+        "always gates its output")
+  if hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers"):
+    _notice("the checkpoint's multi-token-prediction (MTP) head is ignored: ftjax decodes one "
+            "token per step")
+  options = dict(
+      qk_norm="per_head", norm_zero_centred=True, attn_output_gate=True,
+      shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
+      shared_expert_gate=True,
+      linear_num_key_heads=int(hf["linear_num_key_heads"]),
+      linear_num_value_heads=int(hf["linear_num_value_heads"]),
+      linear_key_head_dim=int(hf["linear_key_head_dim"]),
+      linear_value_head_dim=int(hf["linear_value_head_dim"]),
+      linear_conv_kernel=int(hf["linear_conv_kernel_dim"]))
+  return list(layer_types), options
+
+
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
   """Builds a ModelConfig from a Hugging Face config dict of a supported MoE family."""
-  hf = _Required(hf)
   model_type = hf.get("model_type")
-  layer_types = (hf.get("text_config") or hf).get("layer_types") or []
-  for kind in PLANNED_LAYER_TYPES:
-    if kind in layer_types:
-      raise UnsupportedModelError(
-          f"{model_type} has {kind!r} layers (Gated DeltaNet), which are not implemented yet; "
-          "ftjax.research.cost.ModelShape.from_hf_config can still model its decode cost")
+  if hf.get("text_config"):
+    if hf.get("vision_config"):
+      _notice(f"{model_type}: the vision tower is skipped (ftjax runs the text model; image and "
+              "video inputs are not supported)")
+    hf = text_config(hf)
+  if model_type == "qwen3_5_moe_text":
+    model_type = "qwen3_5_moe"
+  hf = _Required(hf)
+  layer_types = hf.get("layer_types") or []
+  if "linear_attention" in layer_types and model_type not in HYBRID_MODEL_TYPES:
+    raise UnsupportedModelError(
+        f"{model_type} has 'linear_attention' layers (Gated DeltaNet), which ftjax implements "
+        f"only for the hybrid families {', '.join(HYBRID_MODEL_TYPES)}; check model_type in "
+        "config.json")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise UnsupportedModelError(
         f"unsupported model_type {model_type!r}; ftjax supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -227,6 +344,14 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("use_sliding_window", False):
       sliding_window = hf.get("sliding_window")
       layer_types = ["sliding_attention"] * num_layers
+  elif model_type in ("qwen3_next", "qwen3_5_moe"):
+    layer_types, hybrid = _hybrid_options(hf, num_layers)
+    options.update(hybrid)
+    # Qwen3-Next's router renormalises the top-k weights when norm_topk_prob (default true);
+    # Qwen3.5's always does.
+    options["norm_topk_prob"] = (bool(hf.get("norm_topk_prob", True))
+                                 if model_type == "qwen3_next" else True)
+    ffn = hf["moe_intermediate_size"]
   elif model_type == "qwen2_moe":
     shared = int(hf.get("shared_expert_intermediate_size", 0) or 0)
     options.update(qkv_bias=bool(hf.get("qkv_bias", True)),
@@ -252,6 +377,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
     ffn = hf["intermediate_size"]
 
+  theta, partial = _rope(hf, model_type)
   return ModelConfig(
       model_type=model_type,
       vocab_size=int(hf["vocab_size"]),
@@ -264,7 +390,8 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
       top_k=int(hf["num_experts_per_tok"]),
       moe_intermediate_size=int(ffn),
       rms_norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_EPS[model_type])),
-      rope_theta=_rope_theta(hf, model_type),
+      rope_theta=theta,
+      partial_rotary_factor=partial,
       max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
       layer_types=tuple(layer_types),
       sliding_window=int(sliding_window) if sliding_window else None,

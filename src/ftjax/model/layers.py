@@ -51,26 +51,34 @@ def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Ar
 
 
 class RMSNorm(nnx.Module):
+  """``scale · x / rms(x)``. ``zero_centred`` stores w with scale = 1 + w (Qwen3-Next and
+  Qwen3.5 keep their norm weights that way, initialised to 0)."""
 
-  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+  def __init__(self, dim: int, eps: float, *, zero_centred: bool = False, dtype=jnp.float32):
+    self.scale = nnx.Param((jnp.zeros if zero_centred else jnp.ones)((dim,), dtype))
     self.eps = eps
+    self.zero_centred = zero_centred
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return _f32(self.scale) * (x * jax.lax.rsqrt(var + self.eps))
+    scale = _f32(self.scale) + 1.0 if self.zero_centred else _f32(self.scale)
+    return scale * (x * jax.lax.rsqrt(var + self.eps))
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, rotate-half convention. x [B, T, H, A], positions [B, T]."""
-  width = x.shape[-1]
+def rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None
+         ) -> jax.Array:
+  """Rotary embedding, rotate-half convention, on the first ``rotary_dim`` dims of each head
+  (all by default; the rest pass unchanged). x [B, T, H, A], positions [B, T]."""
+  width = x.shape[-1] if rotary_dim is None else rotary_dim
   inv_freq = 1.0 / (theta ** (np.arange(0, width, 2, dtype=np.float32) / width))  # [A/2]
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, A/2]
   angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, A]
-  x1, x2 = jnp.split(x, 2, axis=-1)
+  x_rot, x_pass = x[..., :width], x[..., width:]
+  x1, x2 = jnp.split(x_rot, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+  x_rot = x_rot * jnp.cos(angles) + rotated * jnp.sin(angles)
+  return x_rot if width == x.shape[-1] else jnp.concatenate([x_rot, x_pass], axis=-1)
 
 
 @struct.dataclass
@@ -86,19 +94,26 @@ class KVCache:
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with optional q/k norm, qkv/o bias, clipping, a sliding window
-  and attention sinks (a learned per-head logit that takes probability mass but no value).
+  """Grouped-query attention with optional q/k norm, qkv/o bias, clipping, a sliding window,
+  attention sinks (a learned per-head logit that takes probability mass but no value), partial
+  rotary embedding and a sigmoid output gate.
 
   ``qk_norm``: ``"per_head"`` normalises each head over A (Qwen3), ``"full"`` normalises the
-  whole projection over H·A (OLMoE), None for no norm.
+  whole projection over H·A (OLMoE), None for no norm. ``output_gate``: each head's output is
+  scaled by ``sigmoid(x · w_gate)`` before the output projection (Qwen3-Next, Qwen3.5).
   """
 
   def __init__(self, *, width: int, num_heads: int, num_kv_heads: int, head_dim: int,
                rope_theta: float, eps: float, qk_norm: str | None, qkv_bias: bool, o_bias: bool,
                clip_qkv: float | None, window: int | None, rngs: nnx.Rngs, sinks: bool = False,
-               dtype=jnp.float32):
+               rotary_dim: int | None = None, output_gate: bool = False,
+               zero_centred_norm: bool = False, dtype=jnp.float32):
     h, g, a, d = num_heads, num_kv_heads, head_dim, width
     self.w_q_had = _normal(rngs, (h, a, d), dtype)
+    if output_gate:
+      self.w_gate_had = _normal(rngs, (h, a, d), dtype)
+    self.output_gate = output_gate
+    self.rotary_dim = None if rotary_dim in (None, a) else rotary_dim
     self.w_k_gad = _normal(rngs, (g, a, d), dtype)
     self.w_v_gad = _normal(rngs, (g, a, d), dtype)
     self.w_o_dha = _normal(rngs, (d, h, a), dtype)
@@ -108,12 +123,13 @@ class Attention(nnx.Module):
       self.b_v_ga = nnx.Param(jnp.zeros((g, a), dtype))
     if o_bias:
       self.b_o_d = nnx.Param(jnp.zeros((d,), dtype))
+    zc = zero_centred_norm
     if qk_norm == "per_head":
-      self.q_norm = RMSNorm(a, eps, dtype=dtype)
-      self.k_norm = RMSNorm(a, eps, dtype=dtype)
+      self.q_norm = RMSNorm(a, eps, zero_centred=zc, dtype=dtype)
+      self.k_norm = RMSNorm(a, eps, zero_centred=zc, dtype=dtype)
     elif qk_norm == "full":
-      self.q_norm = RMSNorm(h * a, eps, dtype=dtype)
-      self.k_norm = RMSNorm(g * a, eps, dtype=dtype)
+      self.q_norm = RMSNorm(h * a, eps, zero_centred=zc, dtype=dtype)
+      self.k_norm = RMSNorm(g * a, eps, zero_centred=zc, dtype=dtype)
     if sinks:
       self.sinks_h = nnx.Param(jnp.zeros((h,), dtype))
     self.sinks = sinks
@@ -152,8 +168,10 @@ class Attention(nnx.Module):
     """
     _, t, _ = x.shape
     q, k, v = self._project(x, kernels)
-    q = rope(q, positions, self.rope_theta)
-    k = rope(k, positions, self.rope_theta)
+    q = rope(q, positions, self.rope_theta, self.rotary_dim)
+    k = rope(k, positions, self.rope_theta, self.rotary_dim)
+    gate = (jax.nn.sigmoid(linear(x, self.w_gate_had, 2, kernels=kernels))  # [B, T, H, A]
+            if self.output_gate else None)
     start = (0, length, 0, 0)
     cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
                     v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start))
@@ -161,7 +179,7 @@ class Attention(nnx.Module):
       sinks = _f32(self.sinks_h) if self.sinks else None
       out = attention(q, cache.k, cache.v, length + t,
                       scale=self.head_dim ** -0.5, window=self.window, sinks=sinks)
-      return cache, self._output(out, kernels)
+      return cache, self._output(out, gate, kernels)
     keys, values = (k, v) if fresh else (cache.k, cache.v)  # [B, S, G, A]
     s = keys.shape[1]
     g, a = keys.shape[2], keys.shape[3]
@@ -180,10 +198,12 @@ class Attention(nnx.Module):
     else:
       probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, values.astype(jnp.float32))
-    return cache, self._output(out.reshape(*out.shape[:2], -1, a), kernels)
+    return cache, self._output(out.reshape(*out.shape[:2], -1, a), gate, kernels)
 
-  def _output(self, out: jax.Array, kernels: str) -> jax.Array:
-    """[B, T, H, A] -> [B, T, D]: the output projection (and bias)."""
+  def _output(self, out: jax.Array, gate: jax.Array | None, kernels: str) -> jax.Array:
+    """[B, T, H, A] -> [B, T, D]: the output gate, projection and bias."""
+    if gate is not None:
+      out = out * gate
     y = linear(out, self.w_o_dha, 1, kernels=kernels)
     if self.o_bias:
       y = y + _f32(self.b_o_d)

@@ -17,6 +17,7 @@ from flax import nnx
 from flax import struct
 
 from ftjax.model.config import ModelConfig
+from ftjax.model.deltanet import GatedDeltaNet, LinearState
 from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, _normal, linear
 from ftjax.model.moe import RoutedExperts
 from ftjax.utils.arrays import take
@@ -26,27 +27,35 @@ from ftjax.utils.arrays import take
 class DecodeState:
   """Everything a decode step changes in the model.
 
-  ``layers[i]`` is the state of layer i's mixer (a ``KVCache`` for attention layers; linear
-  attention layers will carry conv and recurrent state here); ``length`` counts the cached
-  tokens. The engine's state (expert cache, statistics, routing record) wraps this one
-  (``ftjax.runtime.state.EngineState``).
+  ``layers[i]`` is the state of layer i's mixer: a ``KVCache`` for an attention layer, a
+  ``LinearState`` (conv inputs and delta-rule state, O(1) in the context length) for a Gated
+  DeltaNet layer. ``length`` counts the tokens seen. The engine's state (expert cache,
+  statistics, routing record) wraps this one (``ftjax.runtime.state.EngineState``).
   """
-  layers: tuple[KVCache, ...]
-  length: jax.Array  # int32 [], rows [0, length) of every cache are filled
+  layers: tuple[KVCache | LinearState, ...]
+  length: jax.Array  # int32 [], rows [0, length) of every KV cache are filled
 
   @property
   def capacity(self) -> int:
-    """Tokens the state can hold (static)."""
-    return self.layers[0].k.shape[1] if self.layers else 0
+    """Tokens the state can hold (static; unbounded without attention layers, reported 0)."""
+    kv = [s for s in self.layers if isinstance(s, KVCache)]
+    return kv[0].k.shape[1] if kv else 0
+
+
+def _layer_state(config: ModelConfig, kind: str, batch: int, max_len: int, dtype):
+  c = config
+  if kind == "linear_attention":
+    return LinearState.zeros(batch, c.linear_conv_kernel, c.linear_conv_dim,
+                             c.linear_num_value_heads, c.linear_key_head_dim,
+                             c.linear_value_head_dim)
+  return KVCache.zeros(batch, max_len, c.num_kv_heads, c.head_dim, dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def init_state(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeState:
   """An empty decode state for ``batch`` rows of ``max_len`` tokens, allocated on the device
   (jitted: no host-to-device transfer)."""
-  layers = tuple(
-      KVCache.zeros(batch, max_len, config.num_kv_heads, config.head_dim, dtype)
-      for _ in config.layer_types)
+  layers = tuple(_layer_state(config, kind, batch, max_len, dtype) for kind in config.layer_types)
   return DecodeState(layers=layers, length=jnp.zeros((), jnp.int32))
 
 
@@ -54,14 +63,24 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, config: ModelConfig, layer_type: str, *, rngs: nnx.Rngs, dtype):
     c = config
-    window = c.sliding_window if layer_type == "sliding_attention" else None
-    self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-    self.attn = Attention(
-        width=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
-        qkv_bias=c.qkv_bias, o_bias=c.o_bias, clip_qkv=c.clip_qkv, window=window, rngs=rngs,
-        sinks=c.attn_sinks, dtype=dtype)
-    self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+    zc = c.norm_zero_centred
+    self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc, dtype=dtype)
+    self.linear = layer_type == "linear_attention"
+    if self.linear:
+      self.linear_attn = GatedDeltaNet(
+          width=c.hidden_size, key_heads=c.linear_num_key_heads,
+          value_heads=c.linear_num_value_heads, key_dim=c.linear_key_head_dim,
+          value_dim=c.linear_value_head_dim, conv_width=c.linear_conv_kernel,
+          eps=c.rms_norm_eps, rngs=rngs, dtype=dtype)
+    else:
+      window = c.sliding_window if layer_type == "sliding_attention" else None
+      self.attn = Attention(
+          width=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+          head_dim=c.head_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
+          qkv_bias=c.qkv_bias, o_bias=c.o_bias, clip_qkv=c.clip_qkv, window=window, rngs=rngs,
+          sinks=c.attn_sinks, rotary_dim=c.rotary_dim, output_gate=c.attn_output_gate,
+          zero_centred_norm=zc, dtype=dtype)
+    self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc, dtype=dtype)
     self.moe = MoE(
         width=c.hidden_size, num_experts=c.num_experts, top_k=c.top_k,
         ffn_dim=c.moe_intermediate_size, router=c.router, norm_topk_prob=c.norm_topk_prob,
@@ -70,9 +89,13 @@ class DecoderLayer(nnx.Module):
         scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cache, length, positions, layer, experts, *, kernels, fresh, valid,
-               sow_router_logits=False):
-    cache, h = self.attn(self.attn_norm(x), cache, length, positions, kernels=kernels,
-                         fresh=fresh)
+               num_valid=None, sow_router_logits=False):
+    if self.linear:
+      cache, h = self.linear_attn(self.attn_norm(x), cache, kernels=kernels, valid=valid,
+                                  num_valid=num_valid)
+    else:
+      cache, h = self.attn(self.attn_norm(x), cache, length, positions, kernels=kernels,
+                           fresh=fresh)
     x = x + h
     experts, h = self.moe(self.mlp_norm(x), layer, experts, kernels=kernels, valid=valid,
                           sow_router_logits=sow_router_logits)
@@ -87,7 +110,8 @@ class Transformer(nnx.Module):
     self.embed_vd = _normal(rngs, (c.vocab_size, c.hidden_size), dtype)
     self.layers = nnx.List([DecoderLayer(c, kind, rngs=rngs, dtype=dtype)
                             for kind in c.layer_types])
-    self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+    self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=c.norm_zero_centred,
+                              dtype=dtype)
     if not c.tie_word_embeddings:
       self.w_lm_vd = _normal(rngs, (c.vocab_size, c.hidden_size), dtype)
     self.tie_word_embeddings = c.tie_word_embeddings
@@ -115,7 +139,7 @@ class Transformer(nnx.Module):
     caches = []
     for i, layer in enumerate(self.layers):
       cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts,
-                                kernels=kernels, fresh=fresh, valid=valid,
+                                kernels=kernels, fresh=fresh, valid=valid, num_valid=num_valid,
                                 sow_router_logits=sow_router_logits)
       caches.append(cache)
     if last_only:

@@ -1,0 +1,186 @@
+"""Gated DeltaNet: the linear-attention mixer of the hybrid families (Qwen3-Next, Qwen3.5-MoE).
+
+Glossary letters of this module (``ftjax/model/__init__.py`` has them all): J key heads, M
+value heads (each key head serves M/J consecutive value heads), U key-head width, Y value-head
+width, X conv channels (q, k and v: 2·J·U + M·Y), W conv width, Q chunk length, Z chunks.
+
+Per token t and value head, with the state ``S [U, Y]``:
+
+  S ← exp(g_t) · S                         g_t = -exp(A_log) · softplus(a_t + dt_bias) <= 0
+  S ← S + k_t ⊗ β_t (v_t - Sᵀk_t)          β_t = sigmoid(b_t); the delta rule
+  o_t = Sᵀ q_t                             q, k L2-normalised, q scaled by U^-1/2
+
+``gated_delta_recurrent`` runs that loop; ``gated_delta_chunked`` computes the same thing a
+chunk of Q tokens at a time (the WY/UT form: a unit lower-triangular solve per chunk, then
+matrix products), which is what prefill uses. A layer's decode state (``LinearState``) is the
+last W-1 conv inputs and S: O(1) per token, whatever the context length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from ftjax.model.layers import RMSNorm, _f32, _normal, linear
+
+CHUNK = 64  # Q: tokens per chunk of the chunked form (transformers' and FLA's default)
+
+
+@struct.dataclass
+class LinearState:
+  """Decode state of one Gated DeltaNet layer: ``conv [B, W-1, X]`` (the last W-1 inputs of
+  the causal conv, oldest first) and ``recurrent [B, M, U, Y]`` (the delta-rule state)."""
+  conv: jax.Array
+  recurrent: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int, conv_width: int, conv_dim: int, value_heads: int, key_dim: int,
+            value_dim: int, dtype=jnp.float32) -> "LinearState":
+    return cls(conv=jnp.zeros((batch, conv_width - 1, conv_dim), dtype),
+               recurrent=jnp.zeros((batch, value_heads, key_dim, value_dim), jnp.float32))
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """``x / sqrt(sum x² + eps)`` over the last axis (transformers' and FLA's form)."""
+  return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+def gated_delta_recurrent(q, k, v, g, beta, state):
+  """The gated delta rule token by token.
+
+  q, k [B, T, M, U] (normalised and scaled), v [B, T, M, Y], g, beta [B, T, M], state
+  [B, M, U, Y] -> (out [B, T, M, Y], new state). All float32."""
+  def step(s, inputs):
+    q_t, k_t, v_t, g_t, b_t = inputs  # [B, M, U], [B, M, U], [B, M, Y], [B, M], [B, M]
+    s = s * jnp.exp(g_t)[..., None, None]
+    predicted = jnp.einsum("BMUY,BMU->BMY", s, k_t)
+    delta = (v_t - predicted) * b_t[..., None]
+    s = s + k_t[..., :, None] * delta[..., None, :]
+    return s, jnp.einsum("BMUY,BMU->BMY", s, q_t)
+
+  xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+  state, out = jax.lax.scan(step, state, xs)
+  return jnp.moveaxis(out, 0, 1), state
+
+
+def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+  """The gated delta rule, ``chunk`` tokens at a time; same arguments and result as
+  ``gated_delta_recurrent``.
+
+  Within a chunk, with c the cumulative log-decay from the chunk start and
+  Γ[i, j] = exp(c_i - c_j) for j <= i (0 above the diagonal), the chunk's updates are
+  condensed by solving the unit lower-triangular system (I + tril(β k kᵀ ∘ Γ, -1)) X = R
+  for R = β v (giving u) and R = β k exp(c) (giving w). Then, chunk by chunk:
+
+    v' = u - w S            the part of u the incoming state does not predict
+    o  = (q exp(c)) S + (q kᵀ ∘ Γ) v'
+    S ← exp(c_last) S + (k exp(c_last - c))ᵀ v'
+
+  Tokens are padded to a multiple of ``chunk`` with β = 0 and g = 0, which leaves the state
+  untouched (so callers pad their own padding tokens the same way)."""
+  b, t, m, u = k.shape
+  y = v.shape[-1]
+  pad = (-t) % chunk
+  if pad:
+    def pad_t(a):
+      return jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+    q, k, v, g, beta = (pad_t(a) for a in (q, k, v, g, beta))
+  z = (t + pad) // chunk
+
+  def chunks(a):  # [B, Z·Q, M, ...] -> [B, M, Z, Q, ...]
+    a = a.reshape(b, z, chunk, m, *a.shape[3:])
+    return jnp.moveaxis(a, 3, 1)
+
+  q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
+  cum = jnp.cumsum(g, axis=-1)  # [B, M, Z, Q]
+  lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+  gamma = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [.., Q, Q]
+  k_beta = k * beta[..., None]
+  system = jnp.einsum("BMZIU,BMZJU->BMZIJ", k_beta, k) * gamma
+  system = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk, dtype=system.dtype)
+  rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
+  solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+  u_new, w = solved[..., :y], solved[..., y:]  # [B, M, Z, Q, Y], [B, M, Z, Q, U]
+  intra = jnp.einsum("BMZIU,BMZJU->BMZIJ", q, k) * gamma
+  q_decayed = q * jnp.exp(cum)[..., None]
+  k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+  chunk_decay = jnp.exp(cum[..., -1])  # [B, M, Z]
+
+  def step(s, inputs):  # s [B, M, U, Y]
+    u_c, w_c, q_c, k_c, intra_c, decay_c = inputs
+    v_c = u_c - jnp.einsum("BMQU,BMUY->BMQY", w_c, s)
+    out = jnp.einsum("BMQU,BMUY->BMQY", q_c, s) + jnp.einsum("BMIJ,BMJY->BMIY", intra_c, v_c)
+    s = s * decay_c[..., None, None] + jnp.einsum("BMQU,BMQY->BMUY", k_c, v_c)
+    return s, out
+
+  xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u_new, w, q_decayed, k_decayed, intra, chunk_decay))
+  state, out = jax.lax.scan(step, state, xs)  # out [Z, B, M, Q, Y]
+  out = jnp.moveaxis(out, 0, 2).reshape(b, m, z * chunk, y)[:, :, :t]
+  return jnp.moveaxis(out, 1, 2), state
+
+
+class GatedDeltaNet(nnx.Module):
+  """Qwen3-Next / Qwen3.5 ``linear_attn``: projections, causal depthwise conv (SiLU), the
+  gated delta rule, a gated RMSNorm (``norm(o) · silu(z)``) and the output projection."""
+
+  def __init__(self, *, width: int, key_heads: int, value_heads: int, key_dim: int,
+               value_dim: int, conv_width: int, eps: float, rngs: nnx.Rngs, dtype=jnp.float32):
+    d, j, m, u, y, w = width, key_heads, value_heads, key_dim, value_dim, conv_width
+    x = 2 * j * u + m * y
+    self.w_qkv_xd = _normal(rngs, (x, d), dtype)
+    self.w_z_myd = _normal(rngs, (m, y, d), dtype)
+    self.w_b_md = _normal(rngs, (m, d), dtype)
+    self.w_a_md = _normal(rngs, (m, d), dtype)
+    self.conv_xw = nnx.Param((0.3 * jax.random.normal(rngs.params(), (x, w))).astype(dtype))
+    self.dt_bias_m = nnx.Param(jnp.ones((m,), dtype))
+    self.a_log_m = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (m,), minval=1.0,
+                                                        maxval=16.0)).astype(dtype))
+    self.norm = RMSNorm(y, eps, dtype=dtype)  # plain scale (init 1), not zero-centred
+    self.w_out_dmy = _normal(rngs, (d, m, y), dtype)
+    self.key_heads, self.value_heads, self.key_dim, self.value_dim = j, m, u, y
+    self.conv_width = w
+
+  def __call__(self, x: jax.Array, state: LinearState, *, kernels: str = "xla",
+               valid: jax.Array | None = None, num_valid: jax.Array | None = None
+               ) -> tuple[LinearState, jax.Array]:
+    """x [B, T, D] -> (new state, y [B, T, D]).
+
+    ``valid [B, T]`` marks real tokens and ``num_valid`` counts them (padding comes last):
+    padding neither decays nor updates the recurrent state, and the conv state keeps the last
+    real inputs. One token runs the recurrent form, more the chunked form."""
+    bsz, t, _ = x.shape
+    j, m, u, y = self.key_heads, self.value_heads, self.key_dim, self.value_dim
+    qkv = linear(x, self.w_qkv_xd, 1, kernels=kernels)  # [B, T, X]
+    z = linear(x, self.w_z_myd, 2, kernels=kernels)  # [B, T, M, Y]
+    b = linear(x, self.w_b_md, 1, kernels=kernels)  # [B, T, M]
+    a = linear(x, self.w_a_md, 1, kernels=kernels)
+
+    # Causal depthwise conv over [the last W-1 inputs, this chunk].
+    w = self.conv_width
+    ext = jnp.concatenate([state.conv.astype(jnp.float32), qkv], axis=1)  # [B, W-1+T, X]
+    kernel = _f32(self.conv_xw)  # [X, W]
+    conv = sum(ext[:, i:i + t] * kernel[:, i] for i in range(w))
+    qkv = jax.nn.silu(conv)
+    start = t if num_valid is None else num_valid
+    new_conv = jax.lax.dynamic_slice_in_dim(ext, start, w - 1, axis=1).astype(state.conv.dtype)
+
+    q = qkv[..., :j * u].reshape(bsz, t, j, u)
+    k = qkv[..., j * u:2 * j * u].reshape(bsz, t, j, u)
+    v = qkv[..., 2 * j * u:].reshape(bsz, t, m, y)
+    q = l2_normalize(q) * (u ** -0.5)
+    k = l2_normalize(k)
+    if m != j:  # each key head serves M/J consecutive value heads
+      q, k = jnp.repeat(q, m // j, axis=2), jnp.repeat(k, m // j, axis=2)
+    beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(_f32(self.a_log_m)) * jax.nn.softplus(a + _f32(self.dt_bias_m))
+    if valid is not None:
+      beta = jnp.where(valid[..., None], beta, 0.0)
+      g = jnp.where(valid[..., None], g, 0.0)
+    rule = gated_delta_recurrent if t == 1 else gated_delta_chunked
+    out, recurrent = rule(q, k, v, g, beta, state.recurrent)
+
+    out = self.norm(out) * jax.nn.silu(z)  # [B, T, M, Y]
+    return (LinearState(conv=new_conv, recurrent=recurrent),
+            linear(out, self.w_out_dmy, 1, kernels=kernels))
