@@ -192,6 +192,33 @@ def tiny_config():
       layer_types=("full_attention",) * 2, qk_norm="per_head", norm_topk_prob=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_hybrid_config(tiny_config):
+  """tiny_config as a Qwen3.5-style hybrid: a Gated DeltaNet layer, then gated attention."""
+  import dataclasses  # noqa: PLC0415
+  return dataclasses.replace(
+      tiny_config, model_type="qwen3_5_moe", layer_types=("linear_attention", "full_attention"),
+      partial_rotary_factor=0.5, attn_output_gate=True, norm_zero_centred=True,
+      shared_expert_intermediate_size=24, shared_expert_gate=True, linear_num_key_heads=2,
+      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+      linear_conv_kernel=4)
+
+
+def scaled_params(model, factor: float):
+  """The model with every weight multiplied by ``factor`` (sharper routing and logits), except
+  the Gated DeltaNet decay parameters, which keep their values so the recurrent state neither
+  vanishes nor explodes."""
+  import dataclasses  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  def scale(path, x):
+    return x if any(k in str(path) for k in ("a_log_m", "dt_bias_m")) else x * factor
+
+  params = jax.tree_util.tree_map_with_path(scale, model.params)
+  return dataclasses.replace(model, params=params, bank=model.bank * factor)
+
+
 @pytest.fixture
 def fresh_programs(monkeypatch):
   """Starts with no compiled programs (``engine.compile_count`` then counts every program a

@@ -1,9 +1,9 @@
-"""Every policy and cache size gives the dense reference's logits and greedy tokens, on two
-model families, at batch 1 and 3, and across resizes in the middle of generation."""
+"""Every policy and cache size gives the dense reference's logits and greedy tokens, on three
+model families (one hybrid), at batch 1 and 3, and across resizes in the middle of
+generation."""
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,24 +15,26 @@ from ftjax.runtime import model as model_lib
 from ftjax.runtime.engine import slot_bucket, slots_for_budget
 
 import tolerances
+from conftest import scaled_params
 
 STEPS = 32
 PROMPT = 5
 
 
-def _family(tiny_config, name):
+def _family(tiny_config, tiny_hybrid_config, name):
   if name == "qwen3_moe":
     return tiny_config
+  if name == "qwen3_5_moe":
+    return tiny_hybrid_config
   return dataclasses.replace(tiny_config, model_type="qwen2_moe", qk_norm=None, qkv_bias=True,
                              norm_topk_prob=False, shared_expert_intermediate_size=24,
                              shared_expert_gate=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
-def family_model(request, tiny_config):
-  model = model_lib.random_model(_family(tiny_config, request.param), seed=11)
-  params = jax.tree.map(lambda x: x * 8.0, model.params)  # sharp routing, distinct logits
-  return dataclasses.replace(model, params=params, bank=model.bank * 8.0)
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "qwen3_5_moe"])
+def family_model(request, tiny_config, tiny_hybrid_config):
+  model = model_lib.random_model(_family(tiny_config, tiny_hybrid_config, request.param), seed=11)
+  return scaled_params(model, 8.0)  # sharp routing, distinct logits
 
 
 def _run(engine, prompts, tokens_per_step=None):

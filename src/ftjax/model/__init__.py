@@ -11,6 +11,8 @@ package:
   V vocabulary         P elements of one padded expert block in the bank
   O output features, C contracted input features (of a generic matrix ``[O, C]``, as in
     ``linear`` and the host GEMV/GEMM; K and N stay top-k and slots)
+  Gated DeltaNet (``deltanet.py``): J key heads, M value heads, U key-head width, Y value-head
+    width, X conv channels (2·J·U + M·Y), W conv width, Q chunk length, Z chunks
 
 Weights are named by their axes in storage order: ``w_q_had`` is ``[H, A, D]``.
 
@@ -20,6 +22,7 @@ dense ops only (GEMV/GEMM, attention), never the expert kernels, the cache or th
 """
 
 from ftjax.model.config import ModelConfig, SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from ftjax.model.deltanet import LinearState
 from ftjax.model.moe import RoutedExperts
 from ftjax.model.transformer import (DecodeState, KVCache, Transformer, abstract_params,
                                      init_state)
@@ -30,6 +33,7 @@ __all__ = [
     "UnsupportedModelError",
     "DecodeState",
     "KVCache",
+    "LinearState",
     "RoutedExperts",
     "Transformer",
     "abstract_params",

@@ -1,0 +1,124 @@
+"""Gated DeltaNet: the chunked and recurrent gated delta rule against a float64 loop, and the
+layer's decode state (conv inputs, recurrent state) across splits and padding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ftjax.model.deltanet import (GatedDeltaNet, LinearState, gated_delta_chunked,
+                                  gated_delta_recurrent, l2_normalize)
+
+import tolerances
+
+B, M, U, Y = 2, 3, 8, 5
+
+
+def _inputs(t, seed=0):
+  rng = np.random.default_rng(seed)
+  q = l2_normalize(jnp.asarray(rng.standard_normal((B, t, M, U)), jnp.float32)) * U ** -0.5
+  k = l2_normalize(jnp.asarray(rng.standard_normal((B, t, M, U)), jnp.float32))
+  v = jnp.asarray(rng.standard_normal((B, t, M, Y)), jnp.float32)
+  g = -jnp.asarray(rng.uniform(0.0, 0.5, (B, t, M)), jnp.float32)
+  beta = jnp.asarray(rng.uniform(0.0, 1.0, (B, t, M)), jnp.float32)
+  state = jnp.asarray(0.3 * rng.standard_normal((B, M, U, Y)), jnp.float32)
+  return q, k, v, g, beta, state
+
+
+def _reference(q, k, v, g, beta, state):
+  """The gated delta rule, token by token, in float64 numpy."""
+  q, k, v, g, beta, s = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, state))
+  out = np.zeros(v.shape)
+  for t in range(q.shape[1]):
+    for b in range(B):
+      for m in range(M):
+        s[b, m] *= np.exp(g[b, t, m])
+        delta = beta[b, t, m] * (v[b, t, m] - s[b, m].T @ k[b, t, m])
+        s[b, m] += np.outer(k[b, t, m], delta)
+        out[b, t, m] = s[b, m].T @ q[b, t, m]
+  return out, s
+
+
+@pytest.mark.parametrize("t", [1, 5, 63, 64, 65, 130])
+def test_recurrent_and_chunked_forms_equal_the_float64_loop(t):
+  args = _inputs(t, seed=t)
+  ref_out, ref_state = _reference(*args)
+  rec_out, rec_state = gated_delta_recurrent(*args)
+  chunk_out, chunk_state = gated_delta_chunked(*args)
+  tolerances.assert_close(rec_out, ref_out, tolerances.F32, floor=1.0, what="recurrent out")
+  tolerances.assert_close(rec_state, ref_state, tolerances.F32, floor=1.0, what="recurrent state")
+  tolerances.assert_close(chunk_out, ref_out, tolerances.F32, floor=1.0, what="chunked out")
+  tolerances.assert_close(chunk_state, ref_state, tolerances.F32, floor=1.0, what="chunked state")
+  # The issue's bound: the two float32 forms agree to 1e-5.
+  np.testing.assert_allclose(chunk_out, rec_out, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(chunk_state, rec_state, rtol=0, atol=1e-5)
+
+
+def test_chunk_sizes_agree():
+  args = _inputs(100, seed=3)
+  out64, s64 = gated_delta_chunked(*args)
+  out16, s16 = gated_delta_chunked(*args, chunk=16)
+  np.testing.assert_allclose(out16, out64, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(s16, s64, rtol=0, atol=1e-5)
+
+
+def test_zero_beta_and_decay_leave_the_state_untouched():
+  q, k, v, g, beta, state = _inputs(70, seed=4)
+  _, s = gated_delta_chunked(q, k, v, jnp.zeros_like(g), jnp.zeros_like(beta), state)
+  np.testing.assert_array_equal(s, state)
+
+
+@pytest.fixture(scope="module")
+def layer():
+  return GatedDeltaNet(width=16, key_heads=2, value_heads=4, key_dim=8, value_dim=6,
+                       conv_width=4, eps=1e-6, rngs=nnx.Rngs(0))
+
+
+def _x(t, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((2, t, 16)), jnp.float32)
+
+
+def _empty():
+  return LinearState.zeros(2, 4, 2 * 2 * 8 + 4 * 6, 4, 8, 6)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 40, 69])
+def test_state_carries_across_splits(layer, split):
+  """A prompt in two pieces (any split, shorter or longer than the conv) equals one piece;
+  decoding token by token equals both."""
+  x = _x(70)
+  whole_state, whole = layer(x, _empty())
+  s, first = layer(x[:, :split], _empty())
+  s, second = layer(x[:, split:], s)
+  tolerances.assert_close(jnp.concatenate([first, second], 1), whole, tolerances.F32, floor=1.0)
+  tolerances.assert_close(s.recurrent, whole_state.recurrent, tolerances.F32, floor=1.0)
+  np.testing.assert_array_equal(s.conv, whole_state.conv)
+  s, outs = _empty(), []
+  for t in range(12):
+    s, y = layer(x[:, t:t + 1], s)
+    outs.append(y)
+  tolerances.assert_close(jnp.concatenate(outs, 1), whole[:, :12], tolerances.F32, floor=1.0)
+
+
+def test_padding_neither_updates_nor_shifts_the_state(layer):
+  x = _x(11)
+  real = 7
+  padded = x.at[:, real:].set(100.0)  # garbage in the padding must not matter
+  valid = jnp.broadcast_to(jnp.arange(11) < real, (2, 11))
+  s_pad, y_pad = layer(padded, _empty(), valid=valid, num_valid=jnp.int32(real))
+  s_ref, y_ref = layer(x[:, :real], _empty())
+  np.testing.assert_array_equal(s_pad.conv, s_ref.conv)
+  tolerances.assert_close(s_pad.recurrent, s_ref.recurrent, tolerances.F32, floor=1.0)
+  tolerances.assert_close(y_pad[:, :real], y_ref, tolerances.F32, floor=1.0)
+
+
+def test_decode_step_is_constant_size(layer):
+  """The decode state does not grow with the context: one token's program is the same at
+  any length."""
+  s = _empty()
+  step = jax.jit(lambda s, x: layer(x, s))
+  for t in range(3):
+    s, _ = step(s, _x(1, seed=t))
+  assert step._cache_size() == 1
+  assert s.conv.shape == (2, 3, 56) and s.recurrent.shape == (2, 4, 8, 6)
