@@ -8,12 +8,13 @@ module runs as a program (``cli``), so importing it defines none.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import TextIO
 
 from absl import app, flags, logging
 
-from ftjax.assets import DEFAULT_MODEL_DIR
+from ftjax.assets import EMBEDDED_MODELS
 from ftjax.cache import POLICIES
 from ftjax.kernels import KernelsUnavailable
 from ftjax.research.traces import Trace
@@ -53,16 +54,16 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   (cache_slots, cache_fraction, cache_bytes, policy, bandwidths, profile). ``trace_out``
   saves the routing trace of the run (``ftjax.traces.Trace``). ``decode_chunk``: decode
   steps per device program (text streams once per chunk)."""
-  path = model or DEFAULT_MODEL_DIR
-  loaded = load(path)
-  if model is None:
+  model = model or "default"
+  loaded = load(model)
+  if model in EMBEDDED_MODELS and not os.path.exists(model):
     source = loaded.source or {}
     kind = ("random-initialised and untrained: its output is noise"
             if not source.get("trained", True) else
             f"trained: a small MoE trained on the {source.get('corpus', 'unknown data')}, see "
             "ftjax/tiny/README.md")
-    log.write(f"ftjax: using the embedded default model ({kind}); pass --model=DIR for a real "
-              "one\n")
+    log.write(f"ftjax: using the embedded default model {model!r} ({kind}); pass --model=DIR for a "
+              "real one\n")
   tokenizer = load_tokenizer(loaded.path, loaded.config.vocab_size)
   ids = tokenizer.encode(prompt)
   engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels,
@@ -150,8 +151,9 @@ def cli() -> None:
   global _CACHE_SLOTS, _CACHE_FRACTION, _CACHE_BYTES, _POLICY, _PROFILE, _BANDWIDTHS, _STATS
   global _TRACE_OUT, _KERNELS, _CHUNK
   _MODEL = flags.DEFINE_string(
-      "model", None, "FTW directory, or a Hugging Face checkpoint directory (converted once into "
-      "$FTJAX_CACHE_DIR, default ~/.cache/ftjax). Default: the embedded default model.")
+      "model", None, "FTW directory, a Hugging Face checkpoint directory (converted once into "
+      "$FTJAX_CACHE_DIR, default ~/.cache/ftjax), or an embedded model: 'default' (the "
+      "default when omitted) or 'default-hybrid' (Gated DeltaNet + attention).")
   _PROMPT = flags.DEFINE_string("prompt", DEFAULT_PROMPT, "text to complete")
   _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate", lower_bound=0)
   _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "sampling temperature (> 0)")

@@ -34,7 +34,7 @@ def test_no_flags_runs_the_embedded_default_model(tmp_path):
   proc = _run("--max_new_tokens=8", cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("def fibonacci(n):")
-  assert "embedded default model (trained" in proc.stderr
+  assert "embedded default model 'default' (trained" in proc.stderr
   summary = proc.stderr.strip().splitlines()[-1]
   n = len(_tokens("def fibonacci(n):"))
   assert summary.startswith(f"prompt tokens: {n}, new tokens: 8, prefill:") and "decode:" in summary
@@ -134,3 +134,10 @@ def test_trace_out_writes_a_routing_trace(tmp_path):
   assert (trace.num_layers, trace.num_experts, trace.top_k) == (c.num_layers, c.num_experts,
                                                                  c.top_k)
   assert trace.phase.tolist() == [0] * n + [1] * 5
+
+
+def test_embedded_models_load_by_name():
+  model = ftjax.load("default")
+  assert model.path == DEFAULT_MODEL_DIR and model.config.model_type == "qwen3_moe"
+  with pytest.raises(FileNotFoundError, match="embedded models: default, default-hybrid"):
+    ftjax.load("no-such-model")

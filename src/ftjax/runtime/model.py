@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ftjax.assets import EMBEDDED_MODELS
 from ftjax.formats import ftw
-from ftjax.model.config import ModelConfig
 from ftjax.formats.hf import cached_conversion
+from ftjax.model.config import ModelConfig
 from ftjax.model.transformer import Transformer, param_name
 
 
@@ -58,15 +59,25 @@ def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.fl
 
 
 def load(path: str | os.PathLike, *, verify: bool = True, populate: bool = False) -> Model:
-  """Loads an FTW directory, or a Hugging Face checkpoint directory (converted once, cached).
+  """Loads an FTW directory, a Hugging Face checkpoint directory (converted once, cached), or
+  an embedded model by name: ``"default"`` or ``"default-hybrid"``
+  (``ftjax.assets.EMBEDDED_MODELS``).
 
   On the CPU backend the dense tensors and the expert bank are zero-copy views of the
   memory-mapped files. ``verify`` checks every CRC-32 (which also reads every page);
   ``populate`` faults every page in without checking, for timing with resident weights.
   """
   path = os.fspath(path)
+  if path in EMBEDDED_MODELS and not os.path.exists(path):
+    name, path = path, EMBEDDED_MODELS[path]
+    if not ftw.is_ftw_dir(path):
+      raise FileNotFoundError(
+          f"the embedded model {name!r} is missing from this installation ({path}); reinstall "
+          "ftjax, or train it with python -m ftjax.tiny.train")
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
+    raise FileNotFoundError(
+        f"model path {path} does not exist or is not a directory (embedded models: "
+        f"{', '.join(EMBEDDED_MODELS)})")
   if not ftw.is_ftw_dir(path):
     if os.path.isfile(os.path.join(path, "config.json")):
       path = cached_conversion(path)
