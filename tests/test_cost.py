@@ -9,6 +9,8 @@ import os
 import numpy as np
 import pytest
 
+from ftjax.model import abstract_params
+from ftjax.model.config import from_hf_config
 from ftjax.research import cost
 from ftjax.research.cost import HardwareProfile, ModelShape
 
@@ -246,6 +248,26 @@ def test_hybrid_matches_transformers_parameter_count():
   want = sum(p.numel() for p in model.parameters())
   shape = ModelShape.from_hf_config(config.to_dict(), bytes_per_param=4)
   assert _total_params(shape, 96) == want
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b.json", "qwen3-30b-a3b.json"])
+def test_model_shape_equals_the_real_layer_bytes(name, tiny_hybrid_config):
+  """dense_bytes_per_layer and head_bytes against the parameters ftjax's model actually has
+  (abstract shapes: nothing allocated), layer by layer, hybrid and attention-only."""
+  configs = [tiny_hybrid_config]
+  with open(os.path.join(CONFIGS, "models", name)) as f:
+    configs.append(from_hf_config(json.load(f)))
+  for config in configs:
+    shape = ModelShape.from_config(config, bytes_per_param=2)
+    params = abstract_params(config)
+    per_layer = [sum(np.prod(v.shape) for k, v in params.items()
+                     if k.startswith(f"layers.{i}.")) for i in range(config.num_layers)]
+    assert shape.dense_bytes_per_layer == pytest.approx(2 * np.mean(per_layer), rel=1e-12)
+    head = sum(np.prod(v.shape) for k, v in params.items() if not k.startswith("layers."))
+    # head_bytes counts one embedding row and the lm_head; the model stores both tables.
+    lm = config.vocab_size * config.hidden_size
+    tied = lm if config.tie_word_embeddings else 0
+    assert shape.head_bytes == 2 * (head - lm + tied + config.hidden_size)
 
 
 def test_attention_families_match_transformers_parameter_counts(hf_checkpoints):

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from ftjax.model.config import ModelConfig, _Required
+from ftjax.model.config import ModelConfig
 
 GB = 1e9  # bandwidths are in GB/s of 1e9 bytes, as vendors and the paper quote them
 
@@ -215,41 +215,38 @@ class ModelShape:
   @classmethod
   def from_config(cls, config, name: str | None = None,
                   bytes_per_param: int | None = None) -> "ModelShape":
-    """From ftjax's ``ModelConfig`` (attention-only models, the ones ftjax runs).
+    """From ftjax's ``ModelConfig``.
 
-    ``bytes_per_param`` defaults to the checkpoint dtype's (``config.source_dtype``).
+    ``bytes_per_param`` defaults to the checkpoint dtype's (``config.source_dtype``). Hybrid
+    models (Gated DeltaNet ``linear_attention`` layers between attention layers) get the
+    mean of their layers' mixers; see ``_gated_deltanet_params`` for the linear mixer.
     """
     c = config
     nbytes = bytes_per_param or _dtype_bytes(c.source_dtype, name or c.model_type)
     attention = _attention_params(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                  qkv_bias=c.qkv_bias, o_bias=c.o_bias, qk_norm=c.qk_norm,
-                                  sinks=c.attn_sinks)
+                                  q_gate=c.attn_output_gate, qkv_bias=c.qkv_bias,
+                                  o_bias=c.o_bias, qk_norm=c.qk_norm, sinks=c.attn_sinks)
+    mixers = {"full_attention": attention, "sliding_attention": attention}
+    if "linear_attention" in c.layer_types:
+      mixers["linear_attention"] = _gated_deltanet_params(
+          c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
+          c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel)
+    mixer = sum(mixers[t] for t in c.layer_types) / c.num_layers
     moe = _moe_block_params(c.hidden_size, c.num_experts, c.shared_expert_intermediate_size,
                             c.shared_expert_gate)
     return cls(name=name or c.model_type, num_layers=c.num_moe_layers, num_experts=c.num_experts,
                top_k=c.top_k, hidden=c.hidden_size, expert_ffn=c.moe_intermediate_size,
-               bytes_per_param=nbytes, dense_bytes_per_layer=float((attention + moe) * nbytes),
+               bytes_per_param=nbytes, dense_bytes_per_layer=float((mixer + moe) * nbytes),
                head_bytes=float(_head_params(c.hidden_size, c.vocab_size) * nbytes))
 
   @classmethod
   def from_hf_config(cls, hf: dict[str, Any], name: str | None = None,
                      bytes_per_param: int | None = None) -> "ModelShape":
-    """From a Hugging Face ``config.json`` dict, including models ftjax cannot run yet.
-
-    Composite (vision-language) configs are read from their ``text_config``. Models whose
-    layers are all attention go through ``ModelConfig.from_hf_config`` (one parser for the
-    families ftjax runs). Hybrid models with ``linear_attention`` layers (Gated DeltaNet:
-    Qwen3-Next, Qwen3.5/3.6) are computed from the dict here, since ModelConfig refuses
-    them; see ``_gated_deltanet_params`` for the mixer's formula.
-    """
-    text = hf.get("text_config") or hf
-    model_type = text.get("model_type") or hf.get("model_type")
-    name = name or hf.get("_name_or_path") or model_type
-    layer_types = _hybrid_layer_types(text, model_type)
-    if layer_types is None:
-      return cls.from_config(ModelConfig.from_hf_config(text), name=name,
-                             bytes_per_param=bytes_per_param)
-    return _hybrid_shape(cls, text, hf, layer_types, name, bytes_per_param)
+    """From a Hugging Face ``config.json`` dict, through ``ModelConfig.from_hf_config`` (one
+    parser for every family, hybrid and composite vision-language configs included)."""
+    name = name or hf.get("_name_or_path") or hf.get("model_type")
+    return cls.from_config(ModelConfig.from_hf_config(hf), name=name,
+                           bytes_per_param=bytes_per_param)
 
   @classmethod
   def load(cls, path: str | os.PathLike, bytes_per_param: int | None = None) -> "ModelShape":
@@ -305,83 +302,28 @@ def _head_params(d: int, vocab: int) -> int:
   return d + d + vocab * d
 
 
-# Hybrid families whose config may omit layer_types (transformers then derives them from
-# full_attention_interval) and whose full-attention layers have a sigmoid output gate.
-_HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
-
-
-def _hybrid_layer_types(text: dict[str, Any], model_type: str | None) -> list[str] | None:
-  """The layer types of a hybrid model, or None for an attention-only one."""
-  layer_types = text.get("layer_types")
-  if layer_types is None and model_type in _HYBRID_MODEL_TYPES:
-    interval = int(text.get("full_attention_interval", 4))
-    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                   for i in range(int(text["num_hidden_layers"]))]
-  if layer_types is None or "linear_attention" not in layer_types:
-    return None
-  return list(layer_types)
-
-
-def _gated_deltanet_params(text: dict[str, Any]) -> int:
+def _gated_deltanet_params(d: int, key_heads: int, value_heads: int, key_dim: int,
+                           value_dim: int, conv_width: int) -> int:
   """Parameters of one Gated DeltaNet mixer (Qwen3-Next / Qwen3.5 ``linear_attn``).
 
-  With key_dim = linear_num_key_heads · linear_key_head_dim, value_dim = linear_num_value_heads
-  · linear_value_head_dim, Hv = linear_num_value_heads and conv_dim = 2·key_dim + value_dim:
+  With key_all = key_heads · key_dim, value_all = value_heads · value_dim, Hv = value_heads
+  and conv_dim = 2·key_all + value_all:
 
-    D·(2·key_dim + value_dim)      in_proj_qkv   (Qwen3-Next fuses qkv and z as in_proj_qkvz,
-    + D·value_dim                  in_proj_z      and b and a as in_proj_ba: same count)
+    D·(2·key_all + value_all)      in_proj_qkv   (Qwen3-Next fuses qkv and z as in_proj_qkvz,
+    + D·value_all                  in_proj_z      and b and a as in_proj_ba: same count)
     + 2·D·Hv                       in_proj_b, in_proj_a
-    + conv_dim·linear_conv_kernel_dim   depthwise causal conv1d, no bias
-    + value_dim·D                  out_proj
-    + 2·Hv + linear_value_head_dim dt_bias, A_log, the gated RMSNorm
+    + conv_dim·conv_width          depthwise causal conv1d, no bias
+    + value_all·D                  out_proj
+    + 2·Hv + value_dim             dt_bias, A_log, the gated RMSNorm
 
   Qwen3.5-35B-A3B (D 2048, 16 key / 32 value heads of 128, kernel 4): 33,718,464 parameters,
   67.4 MB in bfloat16. The recurrent state ([Hv, 128, 128] float32, 2.1 MB per layer) is
   read and written every token but is state, not weights, and is not counted.
   """
-  d = int(text["hidden_size"])
-  hv = int(text["linear_num_value_heads"])
-  key_dim = int(text["linear_num_key_heads"]) * int(text["linear_key_head_dim"])
-  value_dim = hv * int(text["linear_value_head_dim"])
-  conv_dim = 2 * key_dim + value_dim
-  return (d * (conv_dim + value_dim + 2 * hv) + conv_dim * int(text["linear_conv_kernel_dim"])
-          + value_dim * d + 2 * hv + int(text["linear_value_head_dim"]))
-
-
-def _hybrid_shape(cls, text: dict[str, Any], hf: dict[str, Any], layer_types: list[str],
-                  name: str, bytes_per_param: int | None) -> ModelShape:
-  text = _Required(text)
-  num_layers = int(text["num_hidden_layers"])
-  if len(layer_types) != num_layers:
-    raise ValueError(f"layer_types has {len(layer_types)} entries but num_hidden_layers is "
-                     f"{num_layers}")
-  if text.get("mlp_only_layers") or (text.get("decoder_sparse_step", 1) or 1) != 1:
-    raise ValueError("dense MLP layers between MoE layers (mlp_only_layers / decoder_sparse_step "
-                     "!= 1) are not modelled yet")
-  d = int(text["hidden_size"])
-  heads = int(text["num_attention_heads"])
-  head_dim = int(text.get("head_dim") or d // heads)
-  bias = bool(text.get("attention_bias", False))
-  attention = _attention_params(
-      d, heads, int(text.get("num_key_value_heads") or heads), head_dim,
-      q_gate=bool(text.get("attn_output_gate", True)), qkv_bias=bias, o_bias=bias,
-      qk_norm="per_head")
-  mixers = {"full_attention": attention, "linear_attention": _gated_deltanet_params(text)}
-  unknown = sorted(set(layer_types) - set(mixers))
-  if unknown:
-    raise ValueError(f"unknown layer types {unknown}; modelled: {', '.join(mixers)}")
-  num_experts = int(text.get("num_experts", text.get("num_local_experts", 0)))
-  shared = int(text.get("shared_expert_intermediate_size", 0) or 0)
-  mean_mixer = sum(mixers[t] for t in layer_types) / num_layers
-  nbytes = bytes_per_param or _dtype_bytes(
-      text.get("dtype") or text.get("torch_dtype") or hf.get("dtype") or hf.get("torch_dtype"),
-      name)
-  return cls(name=name, num_layers=num_layers, num_experts=num_experts,
-             top_k=int(text["num_experts_per_tok"]), hidden=d,
-             expert_ffn=int(text["moe_intermediate_size"]), bytes_per_param=nbytes,
-             dense_bytes_per_layer=float(
-                 (mean_mixer + _moe_block_params(d, num_experts, shared, shared > 0)) * nbytes),
-             head_bytes=float(_head_params(d, int(text["vocab_size"])) * nbytes))
+  key_all, value_all = key_heads * key_dim, value_heads * value_dim
+  conv_dim = 2 * key_all + value_all
+  return (d * (conv_dim + value_all + 2 * value_heads) + conv_dim * conv_width
+          + value_all * d + 2 * value_heads + value_dim)
 
 
 # -- The model ------------------------------------------------------------------------------
