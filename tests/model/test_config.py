@@ -1,3 +1,4 @@
+import dataclasses
 import glob
 import json
 import os
@@ -95,8 +96,9 @@ def test_qwen35_composite_config(capsys):
   err = capsys.readouterr().err
   # One line each: the vision tower is skipped, the MTP head ignored.
   assert "vision tower is skipped" in err and "multi-token-prediction (MTP) head is ignored" in err
+  assert c.vision_token_ids == (248056, 248057, 248053, 248054)
   text = from_hf_config(_load("qwen3.5-35b-a3b.json")["text_config"])  # the text-only style
-  assert text == c
+  assert text == dataclasses.replace(c, vision_token_ids=())
 
 
 def test_qwen3_next_derives_layer_types():

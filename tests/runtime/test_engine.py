@@ -1,5 +1,7 @@
 """Engine: cached decode equals the full forward, no retrace, batching, clear errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 
 import ftjax
 from ftjax.runtime import model as model_lib
-from ftjax.runtime.engine import ContextLengthError
+from ftjax.runtime.engine import ContextLengthError, state_bytes
 from ftjax.runtime.sampling import Sampling, sample
 
 import tolerances
@@ -74,6 +76,21 @@ def test_hybrid_prefill_then_decode_equals_full_forward(hybrid_model, kernels, p
   # And the device loop (a bucket-padded prefill, then the while loop) gives the same tokens.
   greedy = [int(np.argmax(full[-1]))]
   assert engine.generate(ids.tolist(), 1, greedy=True) == greedy
+
+
+@pytest.mark.parametrize("which", ["attention", "hybrid"])
+def test_state_bytes_are_the_decode_states_bytes(model, hybrid_model, which):
+  m = model if which == "attention" else hybrid_model
+  state = ftjax.Engine(m).new_state(2, 300)
+  real = sum(x.nbytes for x in jax.tree.leaves(state.layers))
+  assert state_bytes(m.config, 2, state.capacity) == real
+
+
+def test_vision_inputs_are_refused(hybrid_model):
+  config = dataclasses.replace(hybrid_model.config, vision_token_ids=(60, 61))
+  engine = ftjax.Engine(dataclasses.replace(hybrid_model, config=config))
+  with pytest.raises(ValueError, match=r"vision token ids \[61\].*not supported"):
+    engine.generate([1, 2, 61, 3], 2)
 
 
 def test_batch_rows_equal_single_rows(model):

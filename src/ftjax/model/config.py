@@ -77,6 +77,9 @@ class ModelConfig:
   tie_word_embeddings: bool = False
   source_dtype: str = "float32"
   eos_token_ids: tuple[int, ...] = ()
+  # Image/video placeholder ids of a vision-language checkpoint: ftjax runs its text model
+  # only, so a prompt holding one of these is refused.
+  vision_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     if len(self.layer_types) != self.num_layers:
@@ -168,7 +171,7 @@ class ModelConfig:
       raise UnsupportedModelError(
           f"unknown model config fields {unknown}; this file was written by a newer ftjax")
     d = dict(d)
-    for key in ("layer_types", "eos_token_ids"):
+    for key in ("layer_types", "eos_token_ids", "vision_token_ids"):
       if key in d:
         d[key] = tuple(d[key])
     return cls(**d)
@@ -298,6 +301,9 @@ def _hybrid_options(hf: dict[str, Any], num_layers: int) -> tuple[list[str], dic
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
   """Builds a ModelConfig from a Hugging Face config dict of a supported MoE family."""
   model_type = hf.get("model_type")
+  vision_ids = tuple(int(hf[k]) for k in ("image_token_id", "video_token_id",
+                                          "vision_start_token_id", "vision_end_token_id")
+                     if hf.get(k) is not None)
   if hf.get("text_config"):
     if hf.get("vision_config"):
       _notice(f"{model_type}: the vision tower is skipped (ftjax runs the text model; image and "
@@ -398,5 +404,6 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       source_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
       eos_token_ids=_eos_ids(hf),
+      vision_token_ids=vision_ids,
       **options,
   )

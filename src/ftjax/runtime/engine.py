@@ -149,6 +149,18 @@ def slot_bucket(num_slots: int) -> int:
   return 0 if num_slots == 0 else 1 << (num_slots - 1).bit_length()
 
 
+def state_bytes(config, batch: int, capacity: int) -> int:
+  """Bytes of a float32 decode state: KV caches of the attention layers, conv and recurrent
+  state of the Gated DeltaNet layers."""
+  c = config
+  linear = sum(t == "linear_attention" for t in c.layer_types)
+  kv = 2 * (c.num_layers - linear) * batch * capacity * c.num_kv_heads * c.head_dim
+  rec = linear * batch * (c.linear_num_value_heads * c.linear_key_head_dim
+                          * c.linear_value_head_dim
+                          + max(c.linear_conv_kernel - 1, 0) * c.linear_conv_dim)
+  return 4 * (kv + rec)
+
+
 def slots_for_budget(budget_bytes: int, kv_bytes: int, slot_bytes: int) -> int:
   """N = floor((budget - KV) / slot): e.g. 8 GB budget, 0.5 GB slots: KV 3 GB -> 10 slots,
   KV 4 GB -> 8, KV 2 GB -> 12 (the paper's example)."""
@@ -406,9 +418,7 @@ class Engine:
 
   def _new_state(self, batch: int, capacity: int) -> DecodeState:
     if self._cache is not None and self.options.device_budget_bytes is not None:
-      c = self.model.config
-      kv_bytes = 2 * c.num_layers * batch * capacity * c.num_kv_heads * c.head_dim * 4
-      n = self._requested_slots(kv_bytes)
+      n = self._requested_slots(state_bytes(self.model.config, batch, capacity))
       if n != int(self._cache.limit):
         self.resize_cache(slots=n)
     return init_state(self.model.config, batch, capacity)
@@ -425,6 +435,12 @@ class Engine:
     vocab = self.model.config.vocab_size
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
       raise ValueError(f"token ids must be in [0, {vocab}); got min {ids.min()}, max {ids.max()}")
+    vision = np.intersect1d(ids, np.asarray(self.model.config.vision_token_ids, np.int32))
+    if vision.size:
+      raise ValueError(
+          f"the prompt holds vision token ids {vision.tolist()} (image/video placeholders of "
+          f"this {self.model.config.model_type} checkpoint): ftjax runs the text model only, so "
+          "image and video inputs are not supported; remove them from the prompt")
 
   # -- Public API ----------------------------------------------------------------------------
 
