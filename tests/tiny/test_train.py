@@ -1,6 +1,8 @@
-"""The training loop of the embedded default model (CI never trains the real one): a few
-steps of the smoke configuration on a slice of the stdlib corpus lower the loss, are
-deterministic, and write a model that ftjax loads and runs with its tokenizer."""
+"""The training loop of the embedded default models (CI never trains the real ones): a few
+steps of each architecture's smoke configuration on a slice of the stdlib corpus lower the
+loss, are deterministic, measure held-out routing as the engine routes, and write a model
+that ftjax loads and runs with its tokenizer, whose chat tokens are single ids and whose chat
+template renders Qwen's format."""
 
 import io
 import json
@@ -11,54 +13,195 @@ import pytest
 
 import ftjax
 from ftjax.decode import run_decode
+from ftjax.research import routing_stats
+from ftjax.research.traces import Trace
+from ftjax.runtime.tokenizer import load_tokenizer
 from ftjax.tiny import train
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp("smoke") / "model")
+@pytest.fixture(scope="module", params=train.ARCHS)
+def smoke(request, tmp_path_factory):
+  cfg = train.SMOKE_CONFIGS[request.param]
+  out = str(tmp_path_factory.mktemp(f"smoke_{request.param}") / "model")
   log = io.StringIO()
-  result = train.train(out, train.SMOKE, seed=0, corpus_bytes=200_000, log=log, progress=False)
-  return out, result, log.getvalue()
+  result = train.train(out, cfg, seed=0, corpus_bytes=200_000, log=log, progress=False)
+  return cfg, out, result, log.getvalue()
+
+
+def test_smoke_configurations_are_the_two_architectures():
+  moe, hybrid = (train.SMOKE_CONFIGS[a].model_config() for a in ("moe", "hybrid"))
+  assert moe.model_type == "qwen3_moe" and set(moe.layer_types) == {"full_attention"}
+  assert hybrid.model_type == "qwen3_5_moe"
+  assert hybrid.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+  assert hybrid.shared_expert_gate and hybrid.attn_output_gate and hybrid.norm_zero_centred
+  # The shipped configurations, likewise (their size is the model card's).
+  real = train.CONFIGS["hybrid"].model_config()
+  assert real.layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 2
+  assert train.CONFIGS["moe"] == train.TrainConfig()
+  with pytest.raises(ValueError, match="linear attention"):
+    train.TrainConfig(arch="hybrid")  # an interval of 1 has no linear attention layer
 
 
 def test_loss_decreases_and_beats_nothing_trivial(smoke):
-  _, result, log = smoke
+  cfg, _, result, log = smoke
   history = result["history"]
-  assert len(history) == train.SMOKE.steps // train.SMOKE.heldout_every
+  assert len(history) == cfg.steps // cfg.heldout_every
   # Initial loss of a uniform predictor is ln(V); training must be well below it, and the
   # held-out loss must fall from the first evaluation to the last.
-  assert history[0]["train_loss"] < np.log(train.SMOKE.vocab_size) + 0.1
+  assert history[0]["train_loss"] < np.log(cfg.vocab_size) + 0.1
   assert history[-1]["heldout_loss"] < history[0]["heldout_loss"] - 0.2
   assert history[-1]["train_loss"] < history[0]["train_loss"] - 0.2
-  assert "held-out" in log and "unigram" in log
+  assert "held-out" in log and "unigram" in log and "expert overlap" in log
 
 
 def test_writes_a_loadable_model_with_its_tokenizer(smoke):
-  out, result, _ = smoke
+  cfg, out, result, _ = smoke
   assert sorted(os.listdir(out)) == ["dense.bin", "experts.bin", "ftw.json", "tokenizer.json",
-                                     "train_log.json"]
+                                     "tokenizer_config.json", "train_log.json"]
   model = ftjax.load(out)  # verifies the checksums
-  assert model.config == train.SMOKE.model_config()
-  assert model.source["trained"] and model.dtype == np.dtype("bfloat16")
+  assert model.config == cfg.model_config()
+  assert model.source["trained"] and model.source["arch"] == cfg.arch
+  assert model.dtype == np.dtype("bfloat16")
   with open(os.path.join(out, "train_log.json")) as f:
-    assert json.load(f)["heldout_loss"] == result["heldout_loss"]
+    log = json.load(f)
+  assert log["heldout_loss"] == result["heldout_loss"]
+  assert log["heldout_expert_overlap"] == result["heldout_expert_overlap"]
   r = run_decode(out, "def f(x):", max_new_tokens=6, greedy=True, out=io.StringIO(),
                  log=io.StringIO())
   assert r.tokenizer == "tokenizer.json" and len(r.generation.tokens) == 6
 
 
-def test_deterministic_for_a_seed(smoke, tmp_path):
-  cfg = train.SMOKE
-  short = type(cfg)(**{**cfg.__dict__, "steps": 10, "heldout_every": 10})
+def test_heldout_routing_is_the_engines(smoke):
+  """The recorded routing statistics are those of the written (bfloat16) model as the engine
+  routes the same held-out sequences (as benchmarks/default_model.py measures them)."""
+  cfg, out, result, _ = smoke
+  routing = result["heldout_routing"]
+  assert (routing["sequences"], routing["tokens"]) == (cfg.routing_sequences,
+                                                       cfg.routing_tokens)
+  assert len(routing["consecutive_overlap"]["per_layer"]) == cfg.num_layers
+  assert result["heldout_expert_overlap"] == routing["consecutive_overlap"]["mean"]
+  assert 0.0 <= result["heldout_expert_overlap"] <= 1.0
+
+  model = ftjax.load(out)
+  tok = load_tokenizer(out, cfg.vocab_size)
+  root = train.stdlib_root()
+  _, held_files = train.corpus_files(root, cfg.heldout_mod)
+  sequences = []
+  for text in train.read_texts(root, held_files, 200_000 // 4):
+    ids = tok.encode(text)
+    if len(ids) >= cfg.routing_tokens:
+      sequences.append(ids[:cfg.routing_tokens])
+  sequences = sequences[:cfg.routing_sequences]
+  engine = ftjax.Engine(model, kernels="xla", record_routing=True)
+  for seq in sequences:
+    engine.forward_logits(seq)
+  engine_stats = routing_stats.summary(Trace.from_engine(engine), phase=None)
+  # The same routes up to float rounding (a top-k near-tie may flip a route or two).
+  np.testing.assert_allclose(engine_stats["consecutive_overlap"]["per_layer"],
+                             routing["consecutive_overlap"]["per_layer"], atol=0.03)
+
+
+def test_deterministic_for_a_seed(tmp_path):
+  short = train.dataclasses.replace(train.SMOKE, steps=10, heldout_every=10)
   a = train.train(str(tmp_path / "a"), short, seed=0, corpus_bytes=200_000, log=io.StringIO(),
                   progress=False)
   b = train.train(str(tmp_path / "b"), short, seed=0, corpus_bytes=200_000, log=io.StringIO(),
                   progress=False)
   assert a["history"][-1]["heldout_loss"] == b["history"][-1]["heldout_loss"]
-  for name in ("dense.bin", "experts.bin", "tokenizer.json"):
+  assert a["heldout_routing"] == b["heldout_routing"]
+  for name in ("dense.bin", "experts.bin", "tokenizer.json", "tokenizer_config.json"):
     with open(tmp_path / "a" / name, "rb") as fa, open(tmp_path / "b" / name, "rb") as fb:
       assert fa.read() == fb.read(), name
+
+
+def test_chat_tokens_are_single_ids(smoke):
+  cfg, out, _, _ = smoke
+  ids = train.chat_token_ids(cfg.vocab_size)
+  assert list(ids) == list(train.CHAT_TOKENS)
+  assert sorted(ids.values()) == list(range(cfg.vocab_size - 8, cfg.vocab_size))
+  tok = load_tokenizer(out, cfg.vocab_size)  # ftjax's own tokenizer wrapper
+  assert tok.encode(train.EOS) == [0]
+  for token, i in ids.items():
+    assert tok.encode(token) == [i], token
+    assert tok.decode([i]) == token
+  text = "<|im_start|>user\ndef f(x):<|im_end|>\n<tool_call>{}</tool_call><think>x</think>"
+  encoded = tok.encode(text)
+  assert tok.decode(encoded) == text
+  assert [i for i in encoded if i in ids.values()] == [
+      ids[t] for t in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>",
+                       "</think>")]
+  with open(os.path.join(out, "tokenizer.json")) as f:
+    added = {t["content"]: t for t in json.load(f)["added_tokens"]}
+  assert added[train.EOS]["id"] == 0 and added[train.EOS]["special"]
+  for token, i in ids.items():  # as in Qwen's tokenizers: only the turn markers are special
+    assert added[token]["id"] == i
+    assert added[token]["special"] == (token in ("<|im_start|>", "<|im_end|>"))
+  assert cfg.model_config().eos_token_ids == (0, ids["<|im_end|>"])
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Reads a file <as text>",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}]
+CONVERSATION = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "What is in setup.py?"},
+    {"role": "assistant", "content": "Let me look.", "reasoning_content": "Read it first.",
+     "tool_calls": [{"type": "function", "function": {"name": "read_file",
+                                                      "arguments": {"path": "setup.py"}}}]},
+    {"role": "tool", "content": "import setuptools"},
+    {"role": "assistant", "content": "<think>\nShort.\n</think>\n\nIt imports setuptools."},
+    {"role": "user", "content": "Thanks."},
+]
+RENDERED = (
+    "<|im_start|>system\nYou write Python.\n\n# Tools\n\nYou may call the functions below to "
+    "answer. Their signatures are given as JSON objects, one a line, inside <tools></tools>:\n"
+    "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n</tools>\n\nTo call a "
+    "function, write its name and its arguments as a JSON object inside "
+    "<tool_call></tool_call>:\n<tool_call>\n{\"name\": <function name>, \"arguments\": "
+    "<arguments as a JSON object>}\n</tool_call><|im_end|>\n"
+    "<|im_start|>user\nWhat is in setup.py?<|im_end|>\n"
+    # Reasoning before the last user query is dropped.
+    "<|im_start|>assistant\nLet me look.\n<tool_call>\n{\"name\": \"read_file\", "
+    "\"arguments\": {\"path\": \"setup.py\"}}\n</tool_call><|im_end|>\n"
+    "<|im_start|>user\n<tool_response>\nimport setuptools\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\nIt imports setuptools.<|im_end|>\n"
+    "<|im_start|>user\nThanks.<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_chat_template_renders_qwen_turns_and_tool_calls(smoke):
+  transformers = pytest.importorskip(
+      "transformers", reason="renders the chat template as transformers does (test extra)")
+  cfg, out, _, _ = smoke
+  hf = transformers.AutoTokenizer.from_pretrained(out)
+  text = hf.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False,
+                                add_generation_prompt=True, enable_thinking=False)
+  assert text == RENDERED
+  ids = train.chat_token_ids(cfg.vocab_size)
+  encoded = load_tokenizer(out, cfg.vocab_size).encode(text)
+  assert encoded == hf(text, add_special_tokens=False)["input_ids"]
+  names = {i: t for t, i in ids.items()}
+  assert [names[i] for i in encoded if i in names] == (
+      # The system turn's instructions show the tool-call markup: ids too, as in Qwen's.
+      ["<|im_start|>"] + ["<tool_call>", "</tool_call>"] * 2 + ["<|im_end|>"]
+      + ["<|im_start|>", "<|im_end|>"]
+      + ["<|im_start|>", "<tool_call>", "</tool_call>", "<|im_end|>"]
+      + ["<|im_start|>", "<tool_response>", "</tool_response>", "<|im_end|>"]
+      + ["<|im_start|>", "<|im_end|>"] * 2 + ["<|im_start|>", "<think>", "</think>"])
+
+  # In the turns after the last user query (a tool loop), reasoning is kept; the generation
+  # prompt opens a turn in which the model thinks.
+  loop = hf.apply_chat_template(CONVERSATION[:5], tokenize=False, add_generation_prompt=False)
+  assert loop.endswith(
+      "<|im_start|>assistant\n<think>\nRead it first.\n</think>\n\nLet me look.\n<tool_call>\n"
+      "{\"name\": \"read_file\", \"arguments\": {\"path\": \"setup.py\"}}\n</tool_call>"
+      "<|im_end|>\n<|im_start|>user\n<tool_response>\nimport setuptools\n</tool_response>"
+      "<|im_end|>\n<|im_start|>assistant\n<think>\nShort.\n</think>\n\nIt imports "
+      "setuptools.<|im_end|>\n")
+  assert loop.startswith("<|im_start|>system\nYou write Python.<|im_end|>\n")
+  prompt = hf.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True)
+  assert prompt == "<|im_start|>user\nWhat is in setup.py?<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_held_out_split_is_by_file_and_disjoint():
