@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from ftjax.model.deltanet import (GatedDeltaNet, LinearState, gated_delta_chunked,
-                                  gated_delta_recurrent, l2_normalize)
+                                  gated_delta_recurrent, l2_normalize, unit_lower_inverse)
 
 import tolerances
 
@@ -122,3 +122,21 @@ def test_decode_step_is_constant_size(layer):
     s, _ = step(s, _x(1, seed=t))
   assert step._cache_size() == 1
   assert s.conv.shape == (2, 3, 56) and s.recurrent.shape == (2, 4, 8, 6)
+
+
+def test_unit_lower_inverse_and_its_gradient():
+  rng = np.random.default_rng(5)
+  strict = jnp.asarray(np.tril(0.3 * rng.standard_normal((3, 16, 16)), -1), jnp.float32)
+  eye = jnp.eye(16)
+  inv = unit_lower_inverse(strict)
+  tolerances.assert_close(inv @ (eye + strict), jnp.broadcast_to(eye, inv.shape), tolerances.F32,
+                          floor=1.0)
+  probe = jnp.asarray(rng.standard_normal((3, 16, 16)), jnp.float32)
+
+  def reference(s):  # differentiates through XLA's triangular solve
+    return jnp.sum(probe * jax.scipy.linalg.solve_triangular(
+        eye + jnp.tril(s, -1), jnp.broadcast_to(eye, s.shape), lower=True, unit_diagonal=True))
+
+  got = jax.grad(lambda s: jnp.sum(probe * unit_lower_inverse(s)))(strict)
+  tolerances.assert_close(got, jax.grad(reference)(strict), tolerances.F32, floor=1.0)
+  assert np.all(np.triu(np.asarray(got)) == 0)

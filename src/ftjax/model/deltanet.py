@@ -65,20 +65,41 @@ def gated_delta_recurrent(q, k, v, g, beta, state):
   return jnp.moveaxis(out, 0, 1), state
 
 
+@jax.custom_vjp
 def unit_lower_inverse(strict: jax.Array) -> jax.Array:
   """``(I + L)^-1`` for strictly lower-triangular ``L [..., Q, Q]``, by forward substitution
   one row at a time: row i of the inverse is e_i - Σ_{j<i} L[i, j] · (row j of the inverse).
   (XLA:CPU's batched triangular solve is several times slower than this loop of Q small
-  vector-matrix products followed by one matrix product per right-hand side.)"""
+  vector-matrix products.) Its gradient is the closed form of a matrix inverse's,
+  ``dL = -(X^T G X^T)`` on the strictly lower triangle, two matrix products instead of
+  differentiating through the loop (which made a training step ~2x slower)."""
+  return _forward_substitution(strict)
+
+
+def _forward_substitution(strict: jax.Array) -> jax.Array:
   q = strict.shape[-1]
-  neg = -strict
 
   def row(i, acc):  # rows < i of acc hold the inverse minus I; rows >= i hold -L
     r = jax.lax.dynamic_index_in_dim(acc, i, axis=-2, keepdims=False)  # [..., Q]
     r = r + jnp.einsum("...J,...JQ->...Q", r, acc)
     return jax.lax.dynamic_update_index_in_dim(acc, r, i, axis=-2)
 
-  return jax.lax.fori_loop(1, q, row, neg) + jnp.eye(q, dtype=strict.dtype)
+  return jax.lax.fori_loop(1, q, row, -strict) + jnp.eye(q, dtype=strict.dtype)
+
+
+def _inverse_fwd(strict):
+  inverse = _forward_substitution(strict)
+  return inverse, inverse
+
+
+def _inverse_bwd(inverse, g):
+  t = jnp.swapaxes(inverse, -1, -2)
+  grad = -jnp.einsum("...IJ,...JK,...KL->...IL", t, g, t)
+  q = inverse.shape[-1]
+  return (jnp.where(jnp.tril(jnp.ones((q, q), bool), -1), grad, 0.0),)
+
+
+unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
 def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
