@@ -12,7 +12,7 @@ import ftjax
 from ftjax.cache import POLICIES
 from ftjax.cache.state import check_invariants
 from ftjax.runtime import model as model_lib
-from ftjax.runtime.engine import slot_bucket, slots_for_budget
+from ftjax.runtime.engine import slot_bucket, slots_for_budget, state_bytes
 
 import tolerances
 from conftest import scaled_params
@@ -153,7 +153,14 @@ def test_device_budget_rebalances_as_the_kv_cache_grows(family_model):
   engine.generate([i % c.vocab_size for i in range(300)], 4)  # KV capacity 512: fewer slots
   large_kv = engine.stats()["slots"]
   engine.generate([1, 2, 3], 4)  # back to 256: the slots return
-  assert large_kv == small - kv_per_256 // slot < small == engine.stats()["slots"]
+  # The decode state: KV caches of the attention layers (a hybrid's linear layers hold a
+  # constant-size state instead), so N = floor((budget - state) / slot).
+  total = c.num_layers * c.num_experts  # the cache never holds more than every expert
+  assert small == min(total, (budget - state_bytes(c, 1, 256)) // slot)
+  assert large_kv == min(total, (budget - state_bytes(c, 1, 512)) // slot) < small
+  assert small == engine.stats()["slots"]
+  if "linear_attention" not in c.layer_types:
+    assert large_kv == small - kv_per_256 // slot
 
 
 def test_bad_cache_options_are_clear_errors(family_model):

@@ -56,7 +56,7 @@ def test_bad_flags_are_clear_errors(tmp_path, flag, message):
   assert proc.stdout == ""  # nothing printed before the error
 
 
-@pytest.mark.parametrize("name", ["default"])
+@pytest.mark.parametrize("name", ["default", "default-hybrid"])
 def test_shipped_models_are_their_trained_configurations(name):
   path = EMBEDDED_MODELS[name]
   f = ftw.FTWFile.open(path)  # verifies every checksum
@@ -102,10 +102,11 @@ def test_default_model_greedy_output_is_deterministic():
   assert runs[0].text == GOLDEN_TEXT
 
 
-def test_default_model_cached_decode_equals_full_forward():
-  model = ftjax.load(DEFAULT_MODEL_DIR)
+@pytest.mark.parametrize("name", ["default", "default-hybrid"])
+def test_embedded_model_cached_decode_equals_full_forward(name):
+  model = ftjax.load(name)
   engine = ftjax.Engine(model, kernels="ffi")  # exact: bf16 activations could flip near-ties
-  prompt = _tokens("import os\n\n\ndef main():")
+  prompt = load_tokenizer(model.path, 0).encode("import os\n\n\ndef main():")
   new = engine.generate(prompt, 16, greedy=True)
   full = engine.forward_logits(prompt + new)
   assert [int(t) for t in full[len(prompt) - 1:-1].argmax(-1)] == new
@@ -118,6 +119,14 @@ def test_default_model_cached_decode_equals_full_forward():
     state, logits = engine.step(state, jnp.asarray([[t]]), jnp.asarray([[len(prompt) + i]]))
     steps.append(np.asarray(logits)[0, -1])
   tolerances.assert_close(np.stack(steps), full[len(prompt) - 1:-1], tolerances.F32, floor=1.0)
+
+
+def test_decode_cli_runs_the_hybrid_model(tmp_path):
+  proc = _run("--model=default-hybrid", "--max_new_tokens=8", "--greedy",
+              "--prompt=def add(a, b):", cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith("def add(a, b):") and len(proc.stdout) > len("def add(a, b):")
+  assert "embedded default model 'default-hybrid' (trained" in proc.stderr
 
 
 def test_hf_dir_with_tokenizer_json(hf_checkpoints, tmp_path, monkeypatch):
