@@ -7,14 +7,30 @@ pyproject.toml puts this folder on the path).
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each test module, drops JAX's caches of traced and compiled programs. JAX keeps up
+  to 2048 executables per cache for reuse, and XLA:CPU maps each one's code into memory: the
+  whole suite in one process would pass ``vm.max_map_count`` (65530) and crash the next
+  compile inside LLVM. (ftjax's own tables go with their last engine.)"""
+  yield
+  jax.clear_caches()
+  gc.collect()
+
 
 # Tiny configs, one per family. Shapes are small but every option of the family is on:
 # Qwen2-MoE's gated shared expert and qkv bias, OLMoE's full-projection q/k norm and
@@ -195,7 +211,6 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def tiny_hybrid_config(tiny_config):
   """tiny_config as a Qwen3.5-style hybrid: a Gated DeltaNet layer, then gated attention."""
-  import dataclasses  # noqa: PLC0415
   return dataclasses.replace(
       tiny_config, model_type="qwen3_5_moe", layer_types=("linear_attention", "full_attention"),
       partial_rotary_factor=0.5, attn_output_gate=True, norm_zero_centred=True,
@@ -208,9 +223,6 @@ def scaled_params(model, factor: float):
   """The model with every weight multiplied by ``factor`` (sharper routing and logits), except
   the Gated DeltaNet decay parameters, which keep their values so the recurrent state neither
   vanishes nor explodes."""
-  import dataclasses  # noqa: PLC0415
-
-  import jax  # noqa: PLC0415
 
   def scale(path, x):
     return x if any(k in str(path) for k in ("a_log_m", "dt_bias_m")) else x * factor
@@ -224,8 +236,6 @@ def fresh_programs(monkeypatch):
   """Starts with no compiled programs (``engine.compile_count`` then counts every program a
   test's engines need) and empty JAX caches; returns a list that grows by one each time the
   model is traced."""
-  import jax  # noqa: PLC0415
-
   from ftjax.model import transformer  # noqa: PLC0415
   from ftjax.runtime import programs  # noqa: PLC0415
   traces = []

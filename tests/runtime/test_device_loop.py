@@ -3,11 +3,13 @@ policy and cache size, deterministic sampling, bounded host round trips, no retr
 bucket, and no silent fallback when the compiled kernels are missing."""
 
 import dataclasses
+import gc
 import math
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -157,11 +159,11 @@ def test_host_round_trips_are_bounded(sharp_model, policy):
       return fn(*args)
     return run
 
-  runner = engine.runner
-  saved = dict(runner._compiled)
+  table = engine.programs._table
+  saved = dict(table)
   try:
     for key, fn in saved.items():
-      runner._compiled[key] = counting(fn)
+      table[key] = counting(fn)
     for new in (1, 2, CHUNK + 1, NEW, 3 * CHUNK + 1):
       executed.clear()
       with jax.transfer_guard("disallow"):  # no implicit transfer between the programs
@@ -170,7 +172,7 @@ def test_host_round_trips_are_bounded(sharp_model, policy):
       assert len(executed) == result.programs
       assert result.programs <= 1 + math.ceil(new / CHUNK) + 1
   finally:
-    runner._compiled.update(saved)
+    table.update(saved)
   # The routing record and the stats came back once per chunk, complete.
   record = engine.routing_record()
   assert record["ids"].shape[0] == record["phase"].shape[0]
@@ -200,6 +202,23 @@ def test_requests_within_a_bucket_do_not_recompile(sharp_model):
                        **_options(sharp_model, "freetoken", 5))
   other.generate([1, 2], 3)
   assert other.compile_count == 0
+
+
+def test_compiled_programs_go_with_their_last_engine(sharp_model):
+  """A sweep that makes engine after engine must not keep every program it compiled: each
+  executable's code is mapped into memory, and past vm.max_map_count a compile crashes."""
+  opts = dict(kernels="ffi", decode_chunk=CHUNK, **_options(sharp_model, "lru_fill", 4))
+  engine = ftjax.Engine(sharp_model, **opts)
+  engine.generate(PROMPT, 4)
+  other = ftjax.Engine(sharp_model, **opts)
+  assert other.programs is engine.programs  # shared while both live
+  table = weakref.ref(engine.programs)
+  del engine, other
+  gc.collect()
+  assert table() is None
+  fresh = ftjax.Engine(sharp_model, **opts)
+  fresh.generate(PROMPT, 4)
+  assert fresh.compile_count == 2  # compiled again: nothing was kept
 
 
 def test_prompt_buckets():

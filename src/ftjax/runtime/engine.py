@@ -27,7 +27,7 @@ from ftjax.model import DecodeState, init_state
 from ftjax.runtime import programs
 from ftjax.runtime.model import Model
 from ftjax.runtime.profile import ExpertShape, load_profile
-from ftjax.runtime.programs import Runner
+from ftjax.runtime.programs import Programs, Runner
 from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.state import EngineState
 
@@ -207,11 +207,12 @@ class Engine:
     self.policy = get_policy(opts.policy) if opts.caching else None
     self.bandwidths, self.bandwidth_source = self._bandwidths()
     c = model.config
-    self.runner = Runner.shared(
+    self.runner = Runner(
         graphdef=model.graphdef, signature=_signature(model), num_layers=c.num_moe_layers,
         top_k=c.top_k, ffn_dim=c.moe_intermediate_size, kernels=self.kernels,
         policy=self.policy.program() if self.policy is not None else None,
         record_routing=opts.record_routing, chunk=opts.decode_chunk)
+    self.programs = Programs.shared(self.runner)
     self._cache: ExpertCache | None = None
     self._steps: list[dict[str, Any]] = []
     self._routing: list[tuple[np.ndarray, np.ndarray, str]] = []  # ids, weights [L, t, K]
@@ -352,7 +353,7 @@ class Engine:
     def counted(seconds):
       self.compile_count += 1
       self.compile_s += seconds
-    return self.runner.compiled(key, program, *args, on_compile=counted, **static)
+    return self.programs.compiled(key, program, *args, on_compile=counted, **static)
 
   def _engine_state(self, decode: DecodeState) -> EngineState:
     if self._cache is None:

@@ -15,9 +15,9 @@ are updated in place.
 
 A ``Runner`` holds what a program depends on besides the shapes of its arguments: the model
 structure, the kernels, the policy's program, routing recording and the chunk length. Its
-compiled executables are kept in a table keyed by the program and a few bucketed sizes, all
-ints the engine already knows (no per-token key building); equal runners share one table
-(``Runner.shared``), so engines of one model share their compiles.
+compiled executables are kept in a ``Programs`` table keyed by the program and a few bucketed
+sizes; live engines with equal runners share one table (``Programs.shared``), so engines of one
+model share their compiles, and a table is freed with its last engine.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable
+import weakref
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -68,16 +69,6 @@ class Runner:
   policy: PolicyConfig | None  # the policy's program part; None = no cache
   record_routing: bool = False
   chunk: int = 8  # decode steps per decode program
-  _compiled: dict = dataclasses.field(default_factory=dict, compare=False, hash=False,
-                                      repr=False)
-  _lock: Any = dataclasses.field(default_factory=threading.Lock, compare=False, hash=False,
-                                 repr=False)
-
-  @classmethod
-  def shared(cls, **fields) -> "Runner":
-    """The process-wide runner equal to ``Runner(**fields)``, with its compiled programs."""
-    runner = cls(**fields)
-    return _RUNNERS.setdefault(runner, runner)
 
   # -- Tracing ---------------------------------------------------------------------------------
 
@@ -106,32 +97,63 @@ class Runner:
       stats = experts.stats
     return state.replace(decode=decode), logits, StepRecord(stats=stats, routing=routing)
 
-  # -- Compiled programs -----------------------------------------------------------------------
+
+class Programs:
+  """The compiled executables of one ``Runner``, keyed by the program's name and bucketed
+  sizes (all ints the engine already knows: no per-token key building).
+
+  ``Programs.shared(runner)`` is the table every live engine with an equal runner uses, so
+  engines of one model share their compiles. The table lives as long as an engine holds it.
+  It is kept apart from the runner on purpose: each executable refers to its runner (a static
+  argument, inside a pytree definition the garbage collector cannot see through), so a table
+  held by the runner would never be freed. A process that makes many engines (a sweep over
+  policies and cache sizes, a test suite) then keeps every program it ever compiled, and
+  XLA:CPU maps each executable's code into memory: past ``vm.max_map_count`` (65530 by
+  default) the next compile crashes inside LLVM.
+  """
+
+  def __init__(self, runner: Runner):
+    self.runner = runner
+    self._table: dict[tuple, Callable] = {}
+    self._lock = threading.Lock()
+
+  @classmethod
+  def shared(cls, runner: Runner) -> "Programs":
+    with _SHARED_LOCK:
+      programs = _SHARED.get(runner)
+      if programs is None:
+        programs = _SHARED[runner] = cls(runner)
+      return programs
+
+  def __len__(self) -> int:
+    return len(self._table)
 
   def compiled(self, key: tuple, program: Callable, *args, on_compile=None,
                **static) -> Callable:
-    """The executable of ``program`` for ``key`` (the program's name and bucketed sizes),
-    compiled ahead of time from ``args`` (and its static keyword options) on first use.
-    ``on_compile(seconds)`` is told of a compile."""
-    fn = self._compiled.get(key)
+    """The executable of ``program`` for ``key``, compiled ahead of time from ``args`` (and
+    its static keyword options) on first use. ``on_compile(seconds)`` is told of a compile."""
+    fn = self._table.get(key)
     if fn is None:
       with self._lock:
-        fn = self._compiled.get(key)
+        fn = self._table.get(key)
         if fn is None:
           t0 = time.perf_counter()
-          fn = program.lower(self, *args, **static).compile()
-          self._compiled[key] = fn
+          fn = program.lower(self.runner, *args, **static).compile()
+          self._table[key] = fn
           if on_compile is not None:
             on_compile(time.perf_counter() - t0)
     return fn
 
 
-_RUNNERS: dict[Runner, Runner] = {}
+# Values are weak: a table goes when its last engine does.
+_SHARED: weakref.WeakValueDictionary[Runner, Programs] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
 
 
 def clear_compiled() -> None:
-  """Forgets every compiled program (tests that count compiles start from here)."""
-  _RUNNERS.clear()
+  """Forgets every shared table (tests that count compiles start from here); engines that
+  hold a table keep it."""
+  _SHARED.clear()
 
 
 # Programs: pure functions of (runner, arrays); ``runner`` is static, ``state`` donated.
