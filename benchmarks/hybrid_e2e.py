@@ -348,6 +348,11 @@ class Worker:
 
   def measure(self) -> dict:
     a = self.args
+    # llama.cpp reads its weights again before each of its runs. ftjax's weights are a mapped
+    # file, which the page cache may have evicted in the meantime (llama.cpp's 8.6 GB load
+    # pushes them out on a 24 GiB machine): fault them back in before timing, like llama.cpp's
+    # load. major_faults then counts only faults inside the timed work.
+    self.model.storage.populate()
     faults = major_faults()
     bw = read_bandwidth(self.probe)
     dec = self.engine.generate_timed(self.short, a.decode_tokens + 1, greedy=True)
