@@ -125,9 +125,6 @@ class Programs:
         programs = _SHARED[runner] = cls(runner)
       return programs
 
-  def __len__(self) -> int:
-    return len(self._table)
-
   def compiled(self, key: tuple, program: Callable, *args, on_compile=None,
                **static) -> Callable:
     """The executable of ``program`` for ``key``, compiled ahead of time from ``args`` (and
