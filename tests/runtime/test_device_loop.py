@@ -221,6 +221,32 @@ def test_compiled_programs_go_with_their_last_engine(sharp_model):
   assert fresh.compile_count == 2  # compiled again: nothing was kept
 
 
+def _memory_mappings() -> int:
+  with open("/proc/self/maps") as f:
+    return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
+def test_dropped_engines_and_cleared_jax_caches_return_their_code_mappings(sharp_model):
+  """What README tells scripts that build engine after engine: once the engines are gone and
+  jax.clear_caches() has run, the process holds no more memory mappings than before."""
+  def run(slots):
+    engine = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK,
+                          **_options(sharp_model, "lru_fill", slots))
+    engine.generate(PROMPT, 4)
+
+  run(2)
+  jax.clear_caches()
+  gc.collect()
+  before = _memory_mappings()
+  for slots in (3, 5, 7):  # other cache sizes: other programs
+    run(slots)
+  assert _memory_mappings() > before + 100  # each engine's programs mapped code
+  jax.clear_caches()
+  gc.collect()
+  assert _memory_mappings() <= before + 16
+
+
 def test_prompt_buckets():
   assert [prompt_bucket(n) for n in (1, 16, 17, 100, 512, 513, 1500)] == [
       16, 16, 32, 128, 512, 1024, 1536]
