@@ -20,7 +20,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """After each test module, drops JAX's caches of traced and compiled programs. JAX keeps up
