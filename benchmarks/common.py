@@ -18,6 +18,7 @@ def machine_info() -> dict:
   import jax  # noqa: PLC0415
 
   import ftjax  # noqa: PLC0415
+  import ftjax.kernels  # noqa: PLC0415
 
   def first(path, key):
     with open(path) as f:
@@ -39,8 +40,17 @@ def machine_info() -> dict:
       "jax": jax.__version__,
       "ftjax": f"{ftjax.__version__} at {os.path.dirname(ftjax.__file__)}",
       "numpy": np.__version__,
+      "ftjax_kernels": _kernels_info(ftjax.kernels),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
+
+
+def _kernels_info(kernels) -> dict | str:
+  """The ISA, threads and pool the host kernels run with, or why they cannot run."""
+  try:
+    return kernels.cpu_info()
+  except (ImportError, RuntimeError) as e:
+    return f"unavailable: {e}"
 
 
 def write_results(name: str, results: dict) -> str:

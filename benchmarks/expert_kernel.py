@@ -112,7 +112,7 @@ def main(argv=None):
 
   info = machine_info()
   load_before = os.getloadavg()
-  print(f"machine: {info['cpu']}, {info['logical_cpus']} CPUs, kernels {info['ftjax_kernels']}")
+  print(f"machine: {info['cpu_model']}, {info['nproc']} CPUs, kernels {info['ftjax_kernels']}")
   expert_bytes = 3 * F * D * 2
   decode_bytes = TOP_K * expert_bytes
   head_bytes = VOCAB * D * 2

@@ -22,6 +22,7 @@
 #ifndef FTJAX_XLA_FFI_CPU_KERNELS_IMPL_H_
 #define FTJAX_XLA_FFI_CPU_KERNELS_IMPL_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cpu_kernels.h"
@@ -87,15 +88,36 @@ inline void RowBlock(const DotProblem<typename Ops::Weight, typename Ops::Activa
   }
 }
 
+// Software prefetch on the one-token path: each pass of RowTimesVector's main loop asks for the
+// cache lines kPrefetchBytes ahead of what it reads, into L2 (prefetcht1). On the 2-core Xeon
+// (Sapphire Rapids class) VM the hardware prefetcher alone ran the row-by-row GEMV at 0.75 of the
+// read probe (lm_head) and the decode expert FFN at 0.85; 3 KiB ahead into L2 gave 0.92 and 0.98
+// (benchmarks/expert_kernel.py; 2 and 4 KiB within noise of 3, 1.5 KiB into L1 worse, NTA far
+// worse). With FTJAX_ISA=avx2 on that machine: 0.81 -> 1.07 and 0.84 -> 1.04 of the AVX2 read
+// probe. Prefetches stop at the end of the problem's weights, so no line past them is read.
+constexpr int64_t kPrefetchBytes = 3072;
+constexpr int64_t kCacheLine = 64;
+
 // The lane-wise partial sums of row . a (one token) over n: kSplit accumulators along i, so that
-// the multiply-add latency is hidden. Ops::Sum of the result is the dot product.
+// the multiply-add latency is hidden. Ops::Sum of the result is the dot product. Lines
+// kPrefetchBytes ahead of the reads are prefetched while they lie before `prefetch_end`.
 template <typename Ops, int kSplit>
 inline typename Ops::Acc RowTimesVector(const typename Ops::Weight* row,
-                                        const typename Ops::Activation* a, int64_t n) {
+                                        const typename Ops::Activation* a, int64_t n,
+                                        uintptr_t prefetch_end) {
+  constexpr int64_t kPassBytes = kSplit * Ops::kStep * sizeof(typename Ops::Weight);
   typename Ops::Acc acc[kSplit];
   for (int s = 0; s < kSplit; ++s) acc[s] = Ops::Zero();
   int64_t i = 0;
   for (; i + kSplit * Ops::kStep <= n; i += kSplit * Ops::kStep) {
+    if constexpr (kPassBytes >= kCacheLine) {  // not the scalar fallback's 8-byte passes
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(row + i) + kPrefetchBytes;
+      if (ahead + kPassBytes <= prefetch_end) {
+        for (int64_t b = 0; b < kPassBytes; b += kCacheLine) {
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead + b), 0, 2);
+        }
+      }
+    }
     for (int s = 0; s < kSplit; ++s) {
       acc[s] = Ops::MulAdd(acc[s], Ops::LoadWeights(row + i + s * Ops::kStep),
                            Ops::LoadActivations(a + i + s * Ops::kStep));
@@ -113,26 +135,29 @@ inline typename Ops::Acc RowTimesVector(const typename Ops::Weight* row,
 }
 
 // One token (a GEMV) is bound by reading the weights, so the rows are read one after the other: a
-// single sequential stream, which the hardware prefetcher follows at full read bandwidth. Blocks
+// single sequential stream, which the hardware prefetcher follows (helped by the software prefetch
+// above, which the Xeon VMs need to get near the read bandwidth). Blocks
 // of 4 or 8 rows read side by side (4-8 interleaved streams) measured 0.75-0.8 of it on the
 // 2-core Zen 4 VM. With 2 or more tokens the 4 x 4 register blocks below win: the row kernel
 // needs one activation load per multiply-add and runs into the load ports (measured on 16 MiB of
 // bf16 weights, one core: 2 tokens 44 vs 34 GB/s, 4 tokens 30 vs 15 GB/s).
 template <typename Ops>
 void Dot(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p) {
+  if (p.rows <= 0) return;
   if (p.tokens == 1) {
     const typename Ops::Activation* a = p.a[0];
+    const uintptr_t end = reinterpret_cast<uintptr_t>(p.w + (p.rows - 1) * p.w_stride + p.n);
     int64_t row = 0;
     for (; row + 4 <= p.rows; row += 4) {  // rows one by one, lanes summed 4 rows at a time
       const typename Ops::Weight* w = p.w + row * p.w_stride;
-      const typename Ops::Acc v0 = RowTimesVector<Ops, 4>(w, a, p.n);
-      const typename Ops::Acc v1 = RowTimesVector<Ops, 4>(w + p.w_stride, a, p.n);
-      const typename Ops::Acc v2 = RowTimesVector<Ops, 4>(w + 2 * p.w_stride, a, p.n);
-      const typename Ops::Acc v3 = RowTimesVector<Ops, 4>(w + 3 * p.w_stride, a, p.n);
+      const typename Ops::Acc v0 = RowTimesVector<Ops, 4>(w, a, p.n, end);
+      const typename Ops::Acc v1 = RowTimesVector<Ops, 4>(w + p.w_stride, a, p.n, end);
+      const typename Ops::Acc v2 = RowTimesVector<Ops, 4>(w + 2 * p.w_stride, a, p.n, end);
+      const typename Ops::Acc v3 = RowTimesVector<Ops, 4>(w + 3 * p.w_stride, a, p.n, end);
       Ops::Sum4(v0, v1, v2, v3, p.c + row);
     }
     for (; row < p.rows; ++row) {
-      p.c[row] = Ops::Sum(RowTimesVector<Ops, 4>(p.w + row * p.w_stride, a, p.n));
+      p.c[row] = Ops::Sum(RowTimesVector<Ops, 4>(p.w + row * p.w_stride, a, p.n, end));
     }
     return;
   }
