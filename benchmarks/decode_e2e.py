@@ -10,8 +10,10 @@ Two sides run the same measurements in their own worker processes, in alternatin
 Each worker loads two models once, compiles (a discarded warm-up round) and then measures
 one round per request:
 
-- the embedded default model (``kernels="auto"``): greedy decode of ``--default_tokens`` new
-  tokens after "def fibonacci(n):", ``--default_repeats`` times (median within the round);
+- the current side's embedded default model (``kernels="auto"``; the baseline runs the same
+  weights, through a view without the config fields it predates): greedy decode of
+  ``--default_tokens`` new tokens after "def fibonacci(n):", ``--default_repeats`` times
+  (median within the round);
 - a ``--layers``-layer model with Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query / 4 KV
   heads, head_dim 128, 128 experts, top-8, expert width 768, vocab 151936, bfloat16; random
   weights written by the current side into ``--model_dir`` once, 5.9 GB at 4 layers, never
@@ -140,6 +142,48 @@ def read_bandwidth(buf, repeats: int = 3) -> float:
   return buf.nbytes / min(times)
 
 
+# Model-config fields added after a174ea7, with the values that leave them unused (every
+# family but the hybrid ones). A baseline that predates a field can run a model that has it at
+# this value.
+UNUSED_NEWER_FIELDS = {
+    "attn_output_gate": False, "norm_zero_centred": False, "partial_rotary_factor": 1.0,
+    "linear_conv_kernel": 0, "linear_key_head_dim": 0, "linear_num_key_heads": 0,
+    "linear_num_value_heads": 0, "linear_value_head_dim": 0, "vision_token_ids": [],
+}
+
+
+def default_model_view(path: str) -> str:
+  """``path`` if this worker's ftjax knows every field of its model config; otherwise a view
+  of it in the working directory (the cache dir): symlinks to its files and an ``ftw.json``
+  without the fields this ftjax predates, each of which must be at its unused value."""
+  import dataclasses  # noqa: PLC0415
+
+  from ftjax.model.config import ModelConfig  # noqa: PLC0415
+  with open(os.path.join(path, "ftw.json")) as f:
+    index = json.load(f)
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  extra = sorted(set(index["model_config"]) - known)
+  if not extra:
+    return path
+  used = [k for k in extra if UNUSED_NEWER_FIELDS.get(k, object()) != index["model_config"][k]]
+  if used:
+    raise RuntimeError(f"this side's ftjax cannot run the default model in {path}: it predates "
+                       f"the config fields {used}, which that model uses; pick a later "
+                       "--baseline")
+  for k in extra:
+    del index["model_config"][k]
+  view = os.path.abspath("default-model-view")
+  shutil.rmtree(view, ignore_errors=True)
+  os.makedirs(view)
+  for name in os.listdir(path):
+    if name != "ftw.json":
+      os.symlink(os.path.join(path, name), os.path.join(view, name))
+  with open(os.path.join(view, "ftw.json"), "w") as f:
+    json.dump(index, f)
+  log(f"default model: a view of {path} without the config fields {extra} (all unused)")
+  return view
+
+
 def log(msg: str) -> None:
   print(f"[{os.environ.get('DECODE_E2E_SIDE', 'worker')}] {msg}", file=sys.stderr, flush=True)
 
@@ -157,7 +201,12 @@ class Worker:
     except ImportError:  # before engine v2
       from ftjax.tiny import DEFAULT_MODEL_DIR  # noqa: PLC0415
     self.args = args
-    self.small = ftjax.load(DEFAULT_MODEL_DIR)
+    # Both sides decode the current side's default model (the embedded one changes with
+    # retraining); a baseline that predates some of its config fields reads a view of it.
+    self.small_dir = args.default_model_dir or DEFAULT_MODEL_DIR
+    if args.default_model_dir:
+      self.small_dir = default_model_view(args.default_model_dir)
+    self.small = ftjax.load(self.small_dir)
     self.small_engine = ftjax.Engine(self.small, kernels="auto")
     tok = load_tokenizer(self.small.path, self.small.config.vocab_size)
     self.small_prompt = tok.encode(DEFAULT_PROMPT)
@@ -177,7 +226,8 @@ class Worker:
 
     import ftjax  # noqa: PLC0415
     out = {"ftjax": os.path.dirname(ftjax.__file__), "jax": jax.__version__,
-           "bytes_per_token": self.per_token, "default_prompt_tokens": len(self.small_prompt)}
+           "bytes_per_token": self.per_token, "default_prompt_tokens": len(self.small_prompt),
+           "default_model_dir": self.small_dir}
     for name, engine in (("default", self.small_engine), ("bench", self.engine)):
       out[f"{name}_kernels"] = engine.kernels
       out[f"{name}_kernels_path"] = getattr(engine, "kernels_path", None)  # engine v2 only
@@ -286,7 +336,7 @@ def build_baseline(rev: str, cache_dir: str) -> tuple[str, str]:
 class Side:
   """One worker process: ``ask(op)`` sends a request and returns its JSON answer."""
 
-  def __init__(self, name: str, pythonpath: str | None, args, cwd: str):
+  def __init__(self, name: str, pythonpath: str | None, args, cwd: str, extra=()):
     env = dict(os.environ, DECODE_E2E_SIDE=name)
     env.pop("PYTHONPATH", None)
     if pythonpath:
@@ -296,7 +346,7 @@ class Side:
            f"--kernels={args.kernels}", f"--decode_tokens={args.decode_tokens}",
            f"--prefill_tokens={args.prefill_tokens}", f"--default_tokens={args.default_tokens}",
            f"--default_repeats={args.default_repeats}",
-           f"--xla_decode_tokens={args.xla_decode_tokens}"]
+           f"--xla_decode_tokens={args.xla_decode_tokens}", *extra]
     self.name = name
     self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
@@ -366,6 +416,7 @@ def main() -> None:
   parser.add_argument("--xla_decode_tokens", type=int, default=4,
                       help="decode tokens with kernels=xla on the current side (0 to skip)")
   parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+  parser.add_argument("--default_model_dir", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
     worker_main(args)
@@ -384,7 +435,10 @@ def main() -> None:
       if name in paths:
         print(f"starting the {name} worker (loads both models, compiles)", flush=True)
         t0 = time.perf_counter()
-        sides[name] = Side(name, paths[name], args, cwd=args.cache_dir)
+        extra = ()
+        if name == "baseline":  # decodes the current side's default model
+          extra = (f"--default_model_dir={sides['current'].ask('info')['default_model_dir']}",)
+        sides[name] = Side(name, paths[name], args, cwd=args.cache_dir, extra=extra)
         print(f"  {name} ready in {time.perf_counter() - t0:.0f} s", flush=True)
     info = {name: side.ask("info") for name, side in sides.items()}
     machine = info["current"].pop("machine")
