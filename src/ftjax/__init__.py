@@ -7,12 +7,18 @@ Stable public API::
   ftjax.Engine(model, **runtime_options)
       .forward_logits(token_ids) -> np.ndarray [T, V] float32
       .generate(token_ids, max_new_tokens, greedy=True, ...) -> list[int]
+  ftjax.Session(engine, anchor_budget_bytes=..., anchor_tokens=...)   # one conversation
+      .set_context(token_ids) -> ContextResult   # reuses the common prefix (KV, anchors)
+      .generate(max_new_tokens, greedy=True, ...) -> list[int]
+      .tokens, .stats()
 """
 
 from ftjax.formats.hf import convert_hf
 from ftjax.model.config import ModelConfig
 from ftjax.runtime.engine import Engine, RuntimeOptions
 from ftjax.runtime.model import Model, load
+from ftjax.runtime.session import ContextResult, Session
 
-__all__ = ["convert_hf", "load", "Engine", "Model", "ModelConfig", "RuntimeOptions"]
+__all__ = ["convert_hf", "load", "Engine", "Model", "ModelConfig", "RuntimeOptions", "Session",
+           "ContextResult"]
 __version__ = "0.1.0"

@@ -418,11 +418,15 @@ class Engine:
     return self._new_state(batch, capacity)
 
   def _new_state(self, batch: int, capacity: int) -> DecodeState:
+    self._fit_cache_to_state(batch, capacity)
+    return init_state(self.model.config, batch, capacity)
+
+  def _fit_cache_to_state(self, batch: int, capacity: int) -> None:
+    """With a device budget, re-divides it for a decode state of ``capacity`` tokens."""
     if self._cache is not None and self.options.device_budget_bytes is not None:
       n = self._requested_slots(state_bytes(self.model.config, batch, capacity))
       if n != int(self._cache.limit):
         self.resize_cache(slots=n)
-    return init_state(self.model.config, batch, capacity)
 
   def check_context(self, prompt_len: int, new: int) -> None:
     if prompt_len < 1:

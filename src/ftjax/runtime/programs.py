@@ -1,6 +1,7 @@
 """The engine's compiled programs, held by a frozen, hashable ``Runner``.
 
-A request runs as two kinds of program:
+A request runs as two kinds of program (a session adds ``extend``, the next segment of a
+context appended to a state that already holds a prefix):
 
 * ``prefill``: the prompt, padded to a length bucket (padding gets no expert route and does
   not count in the length), then the first new token sampled on the device;
@@ -182,6 +183,18 @@ def prefill_program(runner: Runner, params, bank, state: EngineState, tokens, nu
   loop = Loop(token=token, count=count, max_new=max_new,
               done=_stopped(token, count, max_new, stop_ids))
   return state, loop, record
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid):
+  """``tokens [1, bucket]`` (the first ``num_valid`` real) appended to a state that already
+  holds ``state.decode.length`` tokens (a session's next segment of context). The state's KV
+  capacity must hold the whole bucket past that length. Returns (state, logits [V] float32
+  after the last real token, record)."""
+  positions = state.decode.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+  state, logits, record = runner.forward(params, bank, state, tokens, positions,
+                                         last_only=True, fresh=False, num_valid=num_valid)
+  return state, logits[0, -1], record
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))

@@ -13,6 +13,8 @@ class Tokenizer(Protocol):
 
   def decode(self, ids: Sequence[int]) -> str: ...
 
+  def token_id(self, token: str) -> int | None: ...
+
 
 class ByteTokenizer:
   """Token i is byte i (UTF-8); used when a model ships no tokenizer.json."""
@@ -29,6 +31,10 @@ class ByteTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+  def token_id(self, token: str) -> int | None:
+    """Bytes have no special tokens: always None."""
+    return None
+
 
 class HFTokenizer:
   name = "tokenizer.json"
@@ -42,6 +48,11 @@ class HFTokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._tok.decode(list(ids), skip_special_tokens=False)
+
+  def token_id(self, token: str) -> int | None:
+    """The id of ``token`` as one vocabulary entry (a special token such as ``<think>``), or
+    None when the vocabulary has no such entry."""
+    return self._tok.token_to_id(token)
 
 
 def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:

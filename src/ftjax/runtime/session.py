@@ -1,0 +1,417 @@
+"""Sessions: one conversation's state, reused across turns.
+
+A ``Session`` holds a context (token ids) and the model state that has read it. Each turn,
+``set_context(ids)`` makes the context exactly ``ids``: it keeps the longest common prefix of
+``ids`` with the tokens already read and prefills only the rest.
+
+- Attention layers rewind by truncation: KV rows before any position stay valid.
+- Recurrent layers (Gated DeltaNet) cannot rewind. The session restores the nearest *anchor*
+  at or before the common prefix instead: a snapshot of every recurrent layer's state (conv
+  inputs and delta-rule state). Without one there, a model with recurrent layers prefills from
+  the start.
+
+Anchors are taken at semantic boundaries, the positions of the tokenizer's special tokens that
+agent clients edit around: a turn start (``<|im_start|>``), ``<think>``, ``</think>``,
+``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>`` (configurable).
+An anchor at position ``a`` holds the state after ``tokens[:a]``, where ``tokens[a]`` is the
+boundary token: an edit starts at a boundary (a dropped ``<think>`` block begins at its
+``<think>``), so the anchor just before the edited region survives the edit.
+
+- During prefill, the rest of the context runs in segments that end at boundaries, and the
+  state is snapshotted between segments.
+- At the end of each context, where the reply starts: clients that drop the reply's thinking
+  or rewrite it edit from there.
+- During generation, the decode loop pauses when it samples a boundary token (before feeding
+  it), the state is snapshotted, and the loop goes on.
+
+Anchors live in host memory under a byte budget (``anchor_budget_bytes``). Over budget, the
+oldest anchor that is not the newest of its turn goes first, then the oldest of the rest. They
+are on by default for models with recurrent layers and unused for the others.
+
+One session drives one engine at a time; the engine's expert cache and statistics are shared
+with its other requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ftjax.model import DecodeState, KVCache, LinearState
+from ftjax.runtime import programs
+from ftjax.runtime.engine import _STATE_BUCKET, _STOP_BUCKET, Engine, prompt_bucket
+from ftjax.runtime.sampling import Sampling, sample
+from ftjax.runtime.tokenizer import load_tokenizer
+
+# Special tokens at which anchors are taken by default (Qwen's chat tokens), and the one that
+# starts a turn (anchors are grouped by turn for eviction).
+DEFAULT_ANCHOR_TOKENS = ("<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                         "<tool_response>", "</tool_response>")
+TURN_TOKEN = "<|im_start|>"
+DEFAULT_ANCHOR_BUDGET_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextResult:
+  """What ``Session.set_context`` did.
+
+  reused_tokens: tokens kept from the state (the restore point); prefilled_tokens: tokens
+  run now; anchor_position: the anchor restored (None: none was needed, or none existed);
+  last_logits: [V] float32 after the last token; seconds: wall time of the call (compiles
+  included; the engine reports them apart in ``engine.compile_s``)."""
+  reused_tokens: int
+  prefilled_tokens: int
+  anchor_position: int | None
+  last_logits: np.ndarray
+  seconds: float
+
+
+@dataclasses.dataclass
+class Anchor:
+  """The recurrent layers' state after ``position`` tokens, on the host."""
+  position: int
+  turn: int  # turn-start tokens in tokens[:position + 1]
+  serial: int  # order of taking
+  layers: dict[int, LinearState]  # layer index -> its state (numpy arrays)
+  nbytes: int
+  uses: int = 0
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+  n = min(len(a), len(b))
+  if n == 0:
+    return 0
+  diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
+  return int(diff[0]) if diff.size else n
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _grown(state: DecodeState, capacity: int) -> DecodeState:
+  """The state with every KV cache padded to ``capacity`` rows (the rows held are kept)."""
+  def grow(layer):
+    if not isinstance(layer, KVCache):
+      return layer
+    pad = [(0, 0), (0, capacity - layer.k.shape[1]), (0, 0), (0, 0)]
+    return KVCache(k=jnp.pad(layer.k, pad), v=jnp.pad(layer.v, pad))
+  return state.replace(layers=tuple(grow(layer) for layer in state.layers))
+
+
+@jax.jit
+def _sample_first(logits, sampling: Sampling):
+  return sample(logits, sampling, jnp.zeros((), jnp.int32))
+
+
+class Session:
+  """``Session(engine, anchor_budget_bytes=1 GiB, anchor_tokens=None)``.
+
+  anchor_tokens: the boundary tokens, as ids or as token strings of the model's tokenizer;
+    None takes ``DEFAULT_ANCHOR_TOKENS`` that the tokenizer has (none for a model without a
+    ``tokenizer.json``: pass ids then). Used only by models with recurrent layers.
+  anchor_budget_bytes: host memory for anchors. 0 (or less than one anchor) takes none: the
+    session still works, and a model with recurrent layers then reuses its state only when the
+    new context extends the one already read.
+  """
+
+  def __init__(self, engine: Engine, *, anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES,
+               anchor_tokens: Sequence[int | str] | None = None):
+    if not isinstance(engine, Engine):
+      raise TypeError(f"Session needs an ftjax.Engine, got {type(engine).__name__}")
+    if not isinstance(anchor_budget_bytes, (int, np.integer)) or anchor_budget_bytes < 0:
+      raise ValueError(f"anchor_budget_bytes must be an int >= 0, got {anchor_budget_bytes!r}")
+    self.engine = engine
+    config = engine.model.config
+    self._recurrent = tuple(i for i, kind in enumerate(config.layer_types)
+                            if kind == "linear_attention")
+    self.anchor_budget_bytes = int(anchor_budget_bytes)
+    tokenizer = self._tokenizer()
+    self.anchor_ids = self._anchor_ids(anchor_tokens, tokenizer)
+    turn = tokenizer.token_id(TURN_TOKEN) if tokenizer is not None else None
+    self.turn_id = turn
+    self.anchor_bytes = 4 * len(self._recurrent) * (
+        config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+        + max(config.linear_conv_kernel - 1, 0) * config.linear_conv_dim)
+    self._state: DecodeState | None = None
+    self._fed: list[int] = []  # tokens the state has read
+    self._pending: int | None = None  # a generated token not read yet
+    self._logits: np.ndarray | None = None  # after self._fed (when nothing is pending)
+    self._anchors: dict[int, Anchor] = {}
+    self._serial = 0
+    self._turns: list[dict[str, Any]] = []
+
+  # -- Configuration --------------------------------------------------------------------------
+
+  def _tokenizer(self):
+    path = self.engine.model.path
+    if path and os.path.isfile(os.path.join(path, "tokenizer.json")):
+      return load_tokenizer(path, self.engine.model.config.vocab_size)
+    return None
+
+  def _anchor_ids(self, tokens, tokenizer) -> frozenset[int]:
+    vocab = self.engine.model.config.vocab_size
+    if tokens is None:
+      if tokenizer is None:
+        return frozenset()
+      ids = (tokenizer.token_id(t) for t in DEFAULT_ANCHOR_TOKENS)
+      return frozenset(i for i in ids if i is not None)
+    out = set()
+    for t in tokens:
+      if isinstance(t, str):
+        i = tokenizer.token_id(t) if tokenizer is not None else None
+        if i is None:
+          raise ValueError(f"anchor token {t!r} is not one entry of this model's vocabulary"
+                           + ("" if tokenizer is not None else " (the model has no "
+                              "tokenizer.json): pass token ids instead"))
+        out.add(int(i))
+      elif isinstance(t, (int, np.integer)) and 0 <= t < vocab:
+        out.add(int(t))
+      else:
+        raise ValueError(f"anchor tokens must be token strings or ids in [0, {vocab}), got {t!r}")
+    return frozenset(out)
+
+  @property
+  def anchoring(self) -> bool:
+    """Whether this session takes anchors: the model has recurrent layers, there are boundary
+    tokens, and one anchor fits the budget."""
+    return bool(self._recurrent and self.anchor_ids
+                and self.anchor_bytes <= self.anchor_budget_bytes)
+
+  # -- State ----------------------------------------------------------------------------------
+
+  @property
+  def tokens(self) -> list[int]:
+    """The current context: what was set plus what was generated since."""
+    return self._fed + ([self._pending] if self._pending is not None else [])
+
+  def _ensure_capacity(self, needed: int) -> None:
+    """A state whose KV caches hold at least ``needed`` rows (whole buckets)."""
+    capacity = max(_STATE_BUCKET, -(-needed // _STATE_BUCKET) * _STATE_BUCKET)
+    if self._state is None:
+      self._state = self.engine._new_state(1, capacity)
+      return
+    held = self._state.capacity
+    if held and held < needed:
+      self.engine._fit_cache_to_state(1, capacity)
+      self._state = _grown(self._state, capacity)
+
+  def _rewind(self, position: int, anchor: Anchor | None) -> None:
+    """The state after ``self._fed[:position]``: KV caches truncated; recurrent layers from
+    ``anchor`` (or zero at position 0)."""
+    layers = list(self._state.layers)
+    for i in self._recurrent:
+      if anchor is not None:
+        layers[i] = jax.device_put(anchor.layers[i])
+      else:
+        if position != 0:
+          raise AssertionError("a recurrent state can only restart at 0 without an anchor")
+        layers[i] = jax.tree.map(jnp.zeros_like, layers[i])
+    self._state = DecodeState(layers=tuple(layers), length=jnp.asarray(position, jnp.int32))
+    del self._fed[position:]
+
+  def _restore_point(self, limit: int) -> tuple[int, Anchor | None]:
+    """The largest position <= ``limit`` the state can be put back to, and its anchor."""
+    if not self._recurrent or len(self._fed) <= limit:
+      return min(limit, len(self._fed)), None
+    usable = [a for a in self._anchors if a <= limit]
+    if not usable:
+      return 0, None
+    return max(usable), self._anchors[max(usable)]
+
+  def _snapshot(self, boundary: int | None) -> None:
+    """Takes an anchor of the current state, which has read ``self._fed``; ``boundary`` is the
+    token that comes next (None at the end of a context, where generation starts)."""
+    position = len(self._fed)
+    if position == 0 or position in self._anchors:
+      return
+    layers = {i: jax.tree.map(lambda x: np.array(x, copy=True),
+                              jax.device_get(self._state.layers[i])) for i in self._recurrent}
+    turn = 0
+    if self.turn_id is not None:
+      turn = self._fed.count(self.turn_id) + (boundary == self.turn_id)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(layers))
+    self._anchors[position] = Anchor(position=position, turn=turn, serial=self._serial,
+                                     layers=layers, nbytes=nbytes)
+    self._serial += 1
+    self._evict()
+
+  def _evict(self) -> None:
+    while sum(a.nbytes for a in self._anchors.values()) > self.anchor_budget_bytes:
+      newest = {}
+      for a in self._anchors.values():
+        if a.turn not in newest or a.serial > newest[a.turn]:
+          newest[a.turn] = a.serial
+      older = [a for a in self._anchors.values() if a.serial != newest[a.turn]]
+      victim = min(older or self._anchors.values(), key=lambda a: a.serial)
+      del self._anchors[victim.position]
+
+  def _extend(self, segment: Sequence[int]) -> jax.Array:
+    """Reads ``segment`` after the tokens already read; returns the logits after it."""
+    engine = self.engine
+    n = len(segment)
+    bucket = prompt_bucket(n)
+    length = len(self._fed)
+    self._ensure_capacity(length + bucket)
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :n] = segment
+    tokens, num_valid = jax.device_put((tokens, np.int32(n)))
+    est = engine._engine_state(self._state)
+    params, bank = engine.model.params, engine.model.bank
+    fn = engine._compiled(("extend", bucket, self._state.capacity, engine._slot_capacity()),
+                          programs.extend_program, params, bank, est, tokens, num_valid)
+    t0 = time.perf_counter()
+    est, logits, record = fn(params, bank, est, tokens, num_valid)
+    self._state = engine._keep(est)
+    if record.stats is not None or record.routing is not None:
+      jax.block_until_ready(logits)
+      engine._record(record, n, time.perf_counter() - t0, "prefill")
+    self._fed.extend(int(t) for t in segment)
+    return logits
+
+  # -- Public API -----------------------------------------------------------------------------
+
+  def set_context(self, token_ids: Sequence[int] | np.ndarray) -> ContextResult:
+    """Makes the context exactly ``token_ids`` (at least one token), reusing what it can."""
+    return self._set_context(token_ids, turn=True)
+
+  def _set_context(self, token_ids, *, turn: bool) -> ContextResult:
+    t0 = time.perf_counter()
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+      raise ValueError(f"token_ids must be a flat sequence of ints, got an array of "
+                       f"{ids.dtype} with shape {ids.shape}")
+    ids = ids.astype(np.int32)
+    self.engine._check_ids(ids)
+    self.engine.check_context(len(ids), 0)
+    new = ids.tolist()
+    if new == self._fed and self._pending is None and self._logits is not None:
+      return self._record_turn(ContextResult(
+          reused_tokens=len(new), prefilled_tokens=0, anchor_position=None,
+          last_logits=self._logits, seconds=time.perf_counter() - t0), turn)
+    common = _common_prefix(self._fed, new)
+    for position in [a for a in self._anchors if a > common]:
+      del self._anchors[position]  # their prefix changed
+    start, anchor = self._restore_point(min(common, len(new) - 1))
+    if self._state is not None and (start != len(self._fed) or anchor is not None):
+      self._rewind(start, anchor)
+    if anchor is not None:
+      anchor.uses += 1
+    self._pending, self._logits = None, None
+    ends = []
+    if self.anchoring:
+      ends = [q for q in range(start + 1, len(new)) if new[q] in self.anchor_ids
+              and q not in self._anchors]
+    if self._state is not None and self.anchoring and new[start] in self.anchor_ids:
+      self._snapshot(new[start])
+    logits = None
+    begin = start
+    for end in ends + [len(new)]:
+      logits = self._extend(new[begin:end])
+      if end < len(new):
+        self._snapshot(new[end])
+      begin = end
+    self._logits = np.asarray(logits, np.float32)
+    if self.anchoring:
+      self._snapshot(None)  # where the reply starts: clients edit it (dropped thinking)
+    return self._record_turn(ContextResult(
+        reused_tokens=start, prefilled_tokens=len(new) - start,
+        anchor_position=anchor.position if anchor is not None else None,
+        last_logits=self._logits, seconds=time.perf_counter() - t0), turn)
+
+  def _record_turn(self, result: ContextResult, turn: bool) -> ContextResult:
+    if turn:
+      self._turns.append({"context_tokens": result.reused_tokens + result.prefilled_tokens,
+                          "reused_tokens": result.reused_tokens,
+                          "prefilled_tokens": result.prefilled_tokens,
+                          "anchor_position": result.anchor_position,
+                          "seconds": result.seconds, "generated_tokens": 0})
+    return result
+
+  def generate(self, max_new_tokens: int, greedy: bool = True, *, temperature: float = 1.0,
+               top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
+               on_token: Callable[[int], None] | None = None) -> list[int]:
+    """Continues the context by up to ``max_new_tokens`` tokens (sampled as
+    ``Engine.generate`` samples them: the same tokens for the same seed) and returns them;
+    they become part of the context. Generation stops after a token of ``stop_tokens``."""
+    engine = self.engine
+    if not self.tokens:
+      raise ValueError("the session has no context: call set_context(token_ids) first")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+      raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
+    user_stops = {int(t) for t in stop_tokens}
+    if self._pending is not None:  # read the last generated token first
+      self._set_context(self.tokens, turn=False)
+    engine.check_context(len(self._fed), max_new_tokens)
+    if max_new_tokens == 0:
+      return []
+    pause = sorted(user_stops | (self.anchor_ids if self.anchoring else set()))
+    stop_ids = np.full(max(_STOP_BUCKET, -(-len(pause) // _STOP_BUCKET) * _STOP_BUCKET), -1,
+                       np.int32)
+    stop_ids[:len(pause)] = pause
+    self._ensure_capacity(len(self._fed) + max_new_tokens)
+    stop_ids, sampling_dev, max_new = jax.device_put(
+        (stop_ids, sampling, np.int32(max_new_tokens)))
+    first = int(_sample_first(jnp.asarray(self._logits), sampling_dev))
+    out: list[int] = []
+
+    def emit(tok: int) -> None:
+      out.append(tok)
+      if on_token is not None:
+        on_token(tok)
+
+    def finished(tok: int) -> bool:
+      return tok in user_stops or len(out) >= max_new_tokens
+
+    emit(first)
+    self._pending, self._logits = first, None
+    params, bank = engine.model.params, engine.model.bank
+    loop = programs.Loop(token=jnp.asarray(first, jnp.int32), count=jnp.ones((), jnp.int32),
+                         max_new=max_new, done=jnp.zeros((), jnp.bool_))
+    while not finished(self._pending):
+      if self.anchoring and self._pending in self.anchor_ids:
+        self._snapshot(self._pending)  # before the boundary token is read
+      est = engine._engine_state(self._state)
+      sizes = (self._state.capacity, engine._slot_capacity(), len(stop_ids), sampling.greedy,
+               sampling.nucleus)
+      decode = engine._compiled(("decode", *sizes), programs.decode_program, params, bank, est,
+                                loop, stop_ids, sampling_dev)
+      t0 = time.perf_counter()
+      est, loop, new, steps, record = decode(params, bank, est, loop, stop_ids, sampling_dev)
+      self._state = engine._keep(est)
+      new, steps = jax.device_get((new, steps))
+      steps = int(steps)
+      engine._record(record, 1, time.perf_counter() - t0, "decode", steps=steps)
+      for tok in new[:steps]:
+        self._fed.append(self._pending)
+        self._pending = int(tok)
+        emit(int(tok))
+      loop = loop.replace(done=jnp.zeros((), jnp.bool_))
+    if self._turns:
+      self._turns[-1]["generated_tokens"] += len(out)
+    return out
+
+  def stats(self) -> dict[str, Any]:
+    """Anchors held (positions, bytes, uses), the budget, and per turn: tokens reused,
+    prefilled and generated, the anchor restored and the seconds of ``set_context``."""
+    anchors = sorted(self._anchors.values(), key=lambda a: a.position)
+    return {
+        "context_tokens": len(self.tokens),
+        "recurrent_layers": len(self._recurrent),
+        "anchoring": self.anchoring,
+        "anchor_token_ids": sorted(self.anchor_ids),
+        "anchor_budget_bytes": self.anchor_budget_bytes,
+        "anchors": len(anchors),
+        "anchor_bytes": sum(a.nbytes for a in anchors),
+        "anchor_uses": sum(a.uses for a in anchors),
+        "anchor_list": [{"position": a.position, "turn": a.turn, "bytes": a.nbytes,
+                         "uses": a.uses} for a in anchors],
+        "turns": [dict(t) for t in self._turns],
+        "reused_tokens": sum(t["reused_tokens"] for t in self._turns),
+        "prefilled_tokens": sum(t["prefilled_tokens"] for t in self._turns),
+    }
