@@ -143,6 +143,7 @@ class Session:
     self._logits: np.ndarray | None = None  # after self._fed (when nothing is pending)
     self._anchors: dict[int, Anchor] = {}
     self._serial = 0
+    self._restores = 0  # anchors restored, over the session's life
     self._turns: list[dict[str, Any]] = []
 
   # -- Configuration --------------------------------------------------------------------------
@@ -301,6 +302,7 @@ class Session:
       self._rewind(start, anchor)
     if anchor is not None:
       anchor.uses += 1
+      self._restores += 1
     self._pending, self._logits = None, None
     ends = []
     if self.anchoring:
@@ -397,8 +399,9 @@ class Session:
     return out
 
   def stats(self) -> dict[str, Any]:
-    """Anchors held (positions, bytes, uses), the budget, and per turn: tokens reused,
-    prefilled and generated, the anchor restored and the seconds of ``set_context``."""
+    """Anchors held (positions, turns, bytes, and how often each was restored), anchors
+    restored over the session's life, the budget, and per turn: tokens reused, prefilled and
+    generated, the anchor restored and the seconds of ``set_context``."""
     anchors = sorted(self._anchors.values(), key=lambda a: a.position)
     return {
         "context_tokens": len(self.tokens),
@@ -408,7 +411,7 @@ class Session:
         "anchor_budget_bytes": self.anchor_budget_bytes,
         "anchors": len(anchors),
         "anchor_bytes": sum(a.nbytes for a in anchors),
-        "anchor_uses": sum(a.uses for a in anchors),
+        "anchor_restores": self._restores,
         "anchor_list": [{"position": a.position, "turn": a.turn, "bytes": a.nbytes,
                          "uses": a.uses} for a in anchors],
         "turns": [dict(t) for t in self._turns],
