@@ -10,15 +10,17 @@ Stable public API::
   ftjax.Session(engine, anchor_budget_bytes=..., anchor_tokens=...)   # one conversation
       .set_context(token_ids) -> ContextResult   # reuses the common prefix (KV, anchors)
       .generate(max_new_tokens, greedy=True, ...) -> list[int]
-      .tokens, .stats()
+      .tokens, .stats(), .save(directory, wait=True)
+  ftjax.Session.restore(engine, directory) -> Session
 """
 
 from ftjax.formats.hf import convert_hf
 from ftjax.model.config import ModelConfig
 from ftjax.runtime.engine import Engine, RuntimeOptions
 from ftjax.runtime.model import Model, load
+from ftjax.runtime.checkpoint import CheckpointError
 from ftjax.runtime.session import ContextResult, Session
 
 __all__ = ["convert_hf", "load", "Engine", "Model", "ModelConfig", "RuntimeOptions", "Session",
-           "ContextResult"]
+           "ContextResult", "CheckpointError"]
 __version__ = "0.1.0"

@@ -30,6 +30,11 @@ are on by default for models with recurrent layers and unused for the others.
 
 One session drives one engine at a time; the engine's expert cache and statistics are shared
 with its other requests.
+
+``session.save(directory)`` and ``Session.restore(engine, directory)`` keep a session across
+restarts with orbax (``ftjax.runtime.checkpoint``): the context, the KV rows and recurrent
+states that hold it, the anchors and the last logits. Saves are atomic, optionally
+asynchronous, and tied to the model's fingerprint.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import dataclasses
 import functools
 import os
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -45,7 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.model import DecodeState, KVCache, LinearState
-from ftjax.runtime import programs
+from ftjax.runtime import checkpoint, programs
+from ftjax.runtime.checkpoint import CheckpointError
 from ftjax.runtime.engine import _STATE_BUCKET, _STOP_BUCKET, Engine, prompt_bucket
 from ftjax.runtime.sampling import Sampling, sample
 from ftjax.runtime.tokenizer import load_tokenizer
@@ -103,6 +110,12 @@ def _grown(state: DecodeState, capacity: int) -> DecodeState:
   return state.replace(layers=tuple(grow(layer) for layer in state.layers))
 
 
+def _close_writers(writers: dict) -> None:
+  for writer in writers.values():
+    writer.wait()
+    writer.close()
+
+
 @jax.jit
 def _sample_first(logits, sampling: Sampling):
   return sample(logits, sampling, jnp.zeros((), jnp.int32))
@@ -145,6 +158,9 @@ class Session:
     self._serial = 0
     self._restores = 0  # anchors restored, over the session's life
     self._turns: list[dict[str, Any]] = []
+    self._writers: dict[str, checkpoint.Writer] = {}
+    weakref.finalize(self, _close_writers, self._writers)  # pending saves finish first
+    self._fingerprint: str | None = None
 
   # -- Configuration --------------------------------------------------------------------------
 
@@ -418,3 +434,120 @@ class Session:
         "reused_tokens": sum(t["reused_tokens"] for t in self._turns),
         "prefilled_tokens": sum(t["prefilled_tokens"] for t in self._turns),
     }
+
+  # -- Persistence ----------------------------------------------------------------------------
+
+  @property
+  def model_fingerprint(self) -> str:
+    if self._fingerprint is None:
+      self._fingerprint = checkpoint.model_fingerprint(self.engine.model)
+    return self._fingerprint
+
+  def save(self, directory: str | os.PathLike, *, wait: bool = True) -> int:
+    """Saves the session as a new step of the checkpoint directory ``directory`` (created if
+    needed); returns the step. The previous step stays restorable until this one is complete,
+    whatever happens to the process. ``wait=False`` returns once the arrays are copied to host
+    memory and writes them in the background: call ``wait_for_saves()`` before relying on the
+    files (and before the process exits)."""
+    if not self._fed:
+      raise ValueError("the session has no context to save: call set_context(token_ids) first")
+    n = len(self._fed)
+
+    def host(x):
+      return np.array(jax.device_get(x), copy=True)
+
+    layers = {}
+    for i, layer in enumerate(self._state.layers):
+      if isinstance(layer, KVCache):
+        layers[str(i)] = {"k": host(layer.k[:, :n]), "v": host(layer.v[:, :n])}
+      else:
+        layers[str(i)] = {"conv": host(layer.conv), "recurrent": host(layer.recurrent)}
+    arrays: dict[str, Any] = {"layers": layers}
+    if self._logits is not None:
+      arrays["logits"] = np.array(self._logits, copy=True)
+    if self._anchors:
+      arrays["anchors"] = {str(a.position): {str(i): {"conv": s.conv, "recurrent": s.recurrent}
+                                             for i, s in a.layers.items()}
+                           for a in self._anchors.values()}
+    c = self.engine.model.config
+    meta = {
+        "model_fingerprint": self.model_fingerprint, "model_type": c.model_type,
+        "tokens": list(self._fed), "pending": self._pending,
+        "anchors": [{"position": a.position, "turn": a.turn, "serial": a.serial,
+                     "uses": a.uses} for a in self._anchors.values()],
+        "serial": self._serial, "restores": self._restores, "turns": self._turns,
+    }
+    path = os.path.abspath(os.fspath(directory))
+    writer = self._writers.get(path)
+    if writer is None:
+      writer = self._writers[path] = checkpoint.Writer(path, asynchronous=True)
+    step = writer.save(arrays, meta)
+    if wait:
+      writer.wait()
+    return step
+
+  def wait_for_saves(self) -> None:
+    """Blocks until every save of this session is committed."""
+    for writer in self._writers.values():
+      writer.wait()
+
+  @classmethod
+  def restore(cls, engine: Engine, directory: str | os.PathLike, **options) -> "Session":
+    """The session saved in ``directory`` (its newest complete step), on ``engine``, which must
+    run the model it was saved from. ``options`` are the constructor's (anchor budget and
+    tokens); anchors over the budget are evicted as usual."""
+    arrays, meta, step = checkpoint.read(directory)
+    session = cls(engine, **options)
+    where = f"{os.path.abspath(os.fspath(directory))} (step {step})"
+    if meta.get("model_fingerprint") != session.model_fingerprint:
+      raise CheckpointError(
+          f"the session checkpoint {where} was saved from another model ({meta.get('model_type')}"
+          f", fingerprint {meta.get('model_fingerprint')}); this engine runs "
+          f"{engine.model.config.model_type}, fingerprint {session.model_fingerprint}: restore it "
+          "into an engine of the model it was saved from")
+    session._load(arrays, meta, where)
+    return session
+
+  def _load(self, arrays: dict, meta: dict, where: str) -> None:
+    fed = [int(t) for t in meta["tokens"]]
+    self.engine._check_ids(np.asarray(fed, np.int32))
+    n = len(fed)
+    self._ensure_capacity(n)
+    layers = []
+    for i, layer in enumerate(self._state.layers):
+      saved = arrays["layers"].get(str(i), {})
+      if isinstance(layer, KVCache):
+        shape = (layer.k.shape[0], n, *layer.k.shape[2:])
+        if tuple(np.shape(saved.get("k"))) != shape or tuple(np.shape(saved.get("v"))) != shape:
+          raise CheckpointError(f"the session checkpoint {where} has KV rows of layer {i} that do "
+                                f"not fit the model (expected {shape})")
+        layers.append(KVCache(k=layer.k.at[:, :n].set(saved["k"]),
+                              v=layer.v.at[:, :n].set(saved["v"])))
+      else:
+        layers.append(jax.device_put(self._linear_state(saved, layer, f"layer {i}", where)))
+    self._state = DecodeState(layers=tuple(layers), length=jnp.asarray(n, jnp.int32))
+    self._fed = fed
+    self._pending = None if meta["pending"] is None else int(meta["pending"])
+    self._logits = np.asarray(arrays["logits"], np.float32) if "logits" in arrays else None
+    template = {i: self._state.layers[i] for i in self._recurrent}
+    for info in sorted(meta["anchors"], key=lambda a: a["serial"]):
+      saved = arrays["anchors"][str(info["position"])]
+      states = {i: self._linear_state(saved.get(str(i), {}), template[i],
+                                      f"anchor {info['position']}", where)
+                for i in self._recurrent}
+      self._anchors[info["position"]] = Anchor(
+          position=info["position"], turn=info["turn"], serial=info["serial"], layers=states,
+          nbytes=sum(x.nbytes for x in jax.tree.leaves(states)), uses=info["uses"])
+    self._serial, self._restores = meta["serial"], meta["restores"]
+    self._turns = [dict(t) for t in meta["turns"]]
+    self._evict()
+
+  @staticmethod
+  def _linear_state(saved: dict, like: LinearState, what: str, where: str) -> LinearState:
+    """The saved state of one recurrent layer (numpy), checked against ``like``'s shapes."""
+    for key in ("conv", "recurrent"):
+      if tuple(np.shape(saved.get(key))) != tuple(getattr(like, key).shape):
+        raise CheckpointError(f"the session checkpoint {where} has a {key} state of {what} that "
+                              f"does not fit the model (expected {getattr(like, key).shape})")
+    return LinearState(conv=np.array(saved["conv"], like.conv.dtype),
+                       recurrent=np.array(saved["recurrent"], like.recurrent.dtype))
