@@ -98,7 +98,7 @@ def read(directory: str) -> tuple[dict, dict[str, Any], int]:
   path = os.path.abspath(os.fspath(directory))
   if not os.path.isdir(path):
     raise FileNotFoundError(f"no session checkpoint at {path}: the directory does not exist")
-  manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
+  manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
   try:
     step = manager.latest_step()
     if step is None:

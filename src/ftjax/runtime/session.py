@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import time
 import weakref
@@ -161,6 +162,7 @@ class Session:
     self._writers: dict[str, checkpoint.Writer] = {}
     weakref.finalize(self, _close_writers, self._writers)  # pending saves finish first
     self._fingerprint: str | None = None
+    self.metadata: dict | None = None  # what the last save or restore carried
 
   # -- Configuration --------------------------------------------------------------------------
 
@@ -443,9 +445,11 @@ class Session:
       self._fingerprint = checkpoint.model_fingerprint(self.engine.model)
     return self._fingerprint
 
-  def save(self, directory: str | os.PathLike, *, wait: bool = True) -> int:
+  def save(self, directory: str | os.PathLike, *, wait: bool = True,
+           metadata: dict | None = None) -> int:
     """Saves the session as a new step of the checkpoint directory ``directory`` (created if
-    needed); returns the step. The previous step stays restorable until this one is complete,
+    needed); returns the step. ``metadata`` (JSON-serialisable; a chat's messages, say) is
+    saved with it and comes back as ``restored.metadata``. The previous step stays restorable until this one is complete,
     whatever happens to the process. ``wait=False`` returns once the arrays are copied to host
     memory and writes them in the background: call ``wait_for_saves()`` before relying on the
     files (and before the process exits)."""
@@ -476,7 +480,13 @@ class Session:
         "anchors": [{"position": a.position, "turn": a.turn, "serial": a.serial,
                      "uses": a.uses} for a in self._anchors.values()],
         "serial": self._serial, "restores": self._restores, "turns": self._turns,
+        "metadata": metadata,
     }
+    try:
+      json.dumps(metadata)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"metadata must be JSON-serialisable: {e}") from None
+    self.metadata = metadata
     path = os.path.abspath(os.fspath(directory))
     writer = self._writers.get(path)
     if writer is None:
@@ -540,6 +550,7 @@ class Session:
           nbytes=sum(x.nbytes for x in jax.tree.leaves(states)), uses=info["uses"])
     self._serial, self._restores = meta["serial"], meta["restores"]
     self._turns = [dict(t) for t in meta["turns"]]
+    self.metadata = meta.get("metadata")
     self._evict()
 
   @staticmethod

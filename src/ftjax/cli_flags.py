@@ -1,0 +1,74 @@
+"""Flags shared by the programs that run an engine (``ftjax.decode``, ``ftjax.chat``).
+
+Each program calls ``define_engine_flags()`` and ``define_sampling_flags()`` from its ``cli()``
+(so importing a program defines no flags), then ``engine_options(holders)`` for the keyword
+arguments of ``ftjax.Engine``.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from ftjax.cache import POLICIES
+
+MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted once into "
+              "$FTJAX_CACHE_DIR, default ~/.cache/ftjax), or an embedded model: 'default' (the "
+              "default when omitted) or 'default-hybrid' (Gated DeltaNet + attention).")
+
+
+def define_engine_flags() -> dict[str, flags.FlagHolder]:
+  """--model, --max_seq_len, --kernels, --decode_chunk and the expert-cache flags."""
+  return {
+      "model": flags.DEFINE_string("model", None, MODEL_HELP),
+      "max_seq_len": flags.DEFINE_integer("max_seq_len", None,
+                                          "context limit; default the model's", lower_bound=1),
+      "kernels": flags.DEFINE_enum(
+          "kernels", "auto", ["auto", "xla", "ffi", "ffi_bf16"],
+          "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: faster prefill), "
+          "xla; auto picks ffi_bf16 for bf16 models on CPU"),
+      "decode_chunk": flags.DEFINE_integer(
+          "decode_chunk", 8, "decode steps per device program (text streams once per chunk)",
+          lower_bound=1),
+      "cache_slots": flags.DEFINE_integer("cache_slots", None, "expert cache slots",
+                                          lower_bound=0),
+      "cache_fraction": flags.DEFINE_float(
+          "cache_fraction", None, "expert cache size as a fraction of all L·E experts",
+          lower_bound=0, upper_bound=1),
+      "cache_bytes": flags.DEFINE_integer("cache_bytes", None, "expert cache size in bytes",
+                                          lower_bound=0),
+      "policy": flags.DEFINE_enum("policy", "freetoken", list(POLICIES), "expert cache policy"),
+      "profile": flags.DEFINE_string("profile", None,
+                                     "bandwidth profile JSON (python -m ftjax.profile)"),
+      "bandwidths": flags.DEFINE_list("bandwidths", None,
+                                      "B_P,B_H in GB/s (instead of --profile)"),
+  }
+
+
+def define_sampling_flags(*, max_new_tokens: int, greedy: bool) -> dict[str, flags.FlagHolder]:
+  """--max_new_tokens, --temperature, --top_p, --seed, --greedy."""
+  return {
+      "max_new_tokens": flags.DEFINE_integer("max_new_tokens", max_new_tokens,
+                                             "tokens to generate", lower_bound=0),
+      "temperature": flags.DEFINE_float("temperature", 0.8, "sampling temperature (> 0)"),
+      "top_p": flags.DEFINE_float("top_p", 0.95, "nucleus sampling mass, in (0, 1]"),
+      "seed": flags.DEFINE_integer("seed", 0, "sampling seed"),
+      "greedy": flags.DEFINE_boolean("greedy", greedy,
+                                     "argmax decoding (ignores temperature, top_p)"),
+  }
+
+
+def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
+  """The expert-cache keyword arguments of ``ftjax.Engine`` given on the command line."""
+  cache = {}
+  for name in ("cache_slots", "cache_fraction", "cache_bytes", "profile"):
+    if holders[name].value is not None:
+      cache[name] = holders[name].value
+  if holders["bandwidths"].value is not None:
+    try:
+      cache["bandwidths"] = tuple(float(b) for b in holders["bandwidths"].value)
+    except ValueError:
+      raise app.UsageError(f"--bandwidths must be two numbers B_P,B_H in GB/s, got "
+                           f"{','.join(holders['bandwidths'].value)}") from None
+  if cache:
+    cache["policy"] = holders["policy"].value
+  return cache
