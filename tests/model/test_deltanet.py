@@ -140,3 +140,39 @@ def test_unit_lower_inverse_and_its_gradient():
   got = jax.grad(lambda s: jnp.sum(probe * unit_lower_inverse(s)))(strict)
   tolerances.assert_close(got, jax.grad(reference)(strict), tolerances.F32, floor=1.0)
   assert np.all(np.triu(np.asarray(got)) == 0)
+
+
+@pytest.mark.parametrize("t", [5, 64, 130])
+def test_snapshots_equal_the_float64_loop_after_each_prefix(t):
+  """The chunked form's states after p tokens (any p in [0, T], chunk boundaries included)
+  equal the float64 loop run on the first p tokens."""
+  q, k, v, g, beta, state = _inputs(t, seed=3)
+  positions = sorted({0, 1, t // 2, t - 1, t} | ({63, 64, 65} if t > 65 else set()))
+  out, final, snaps = gated_delta_chunked(q, k, v, g, beta, state,
+                                          snapshot_at=jnp.asarray(positions))
+  ref_out, ref_final = gated_delta_chunked(q, k, v, g, beta, state)
+  np.testing.assert_array_equal(out, ref_out)  # snapshots change nothing else
+  np.testing.assert_array_equal(final, ref_final)
+  assert snaps.shape == (len(positions), B, M, U, Y)
+  for i, p in enumerate(positions):
+    _, ref = _reference(q[:, :p], k[:, :p], v[:, :p], g[:, :p], beta[:, :p], state)
+    tolerances.assert_close(snaps[i], ref, tolerances.F32, floor=1.0, what=f"T={t} p={p}")
+
+
+def test_layer_snapshots_equal_splitting_there(layer):
+  """The layer's snapshots (conv inputs and delta state) equal the state of a prompt split at
+  each position, also with padding after the real tokens."""
+  x = _x(70, seed=4)
+  positions = jnp.asarray([3, 20, 64, 69])
+  valid = jnp.broadcast_to(jnp.arange(80) < 70, (2, 80))
+  padded = jnp.concatenate([x, jnp.full((2, 10, 16), 50.0)], axis=1)
+  state, y, snaps = layer(padded, _empty(), valid=valid, num_valid=jnp.int32(70),
+                          snapshot_at=positions)
+  ref_state, ref_y = layer(x, _empty())
+  tolerances.assert_close(y[:, :70], ref_y, tolerances.F32, floor=1.0)
+  np.testing.assert_array_equal(state.conv, ref_state.conv)
+  for i, p in enumerate(np.asarray(positions)):
+    split, _ = layer(x[:, :p], _empty())
+    np.testing.assert_array_equal(snaps.conv[i], split.conv)
+    tolerances.assert_close(snaps.recurrent[i], split.recurrent, tolerances.F32, floor=1.0,
+                            what=f"p={p}")

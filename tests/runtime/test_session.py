@@ -69,13 +69,17 @@ def _check_continuation(engine, session, ids, what):
   return got
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe_text", "qwen3_moe"])
-def test_every_edit_is_exact_and_reuses_what_is_valid(models, name):
+@pytest.mark.parametrize("name,mode", [("qwen3_next", "inside"), ("qwen3_next", "split"),
+                                       ("qwen3_5_moe_text", "inside"),
+                                       ("qwen3_5_moe_text", "split"), ("qwen3_moe", "inside")])
+def test_every_edit_is_exact_and_reuses_what_is_valid(models, name, mode):
+  """Both ways of taking anchors in a prefill (from the chunked form's intermediate states,
+  or by splitting the prefill at boundaries) give the same reuse and exact logits."""
   model = models[name]
   hybrid = "linear_attention" in model.config.layer_types
   engine = ftjax.Engine(model, kernels="ffi")
   c = Chat(model.config.vocab_size)
-  session = ftjax.Session(engine, anchor_tokens=c.boundaries)
+  session = ftjax.Session(engine, anchor_tokens=c.boundaries, anchor_prefill=mode)
   assert session.anchoring == hybrid
 
   system = [c.TURN, 1, 2] + c.text(10) + [c.END]
@@ -262,6 +266,8 @@ def test_bad_input_gets_clear_errors(models):
     ftjax.Session(model)
   with pytest.raises(ValueError, match="anchor_budget_bytes"):
     ftjax.Session(engine, anchor_budget_bytes=-1)
+  with pytest.raises(ValueError, match="anchor_prefill must be 'inside' or 'split'"):
+    ftjax.Session(engine, anchor_prefill="chunks")
   with pytest.raises(ValueError, match="no tokenizer.json"):
     ftjax.Session(engine, anchor_tokens=["<think>"])
   with pytest.raises(ValueError, match=r"anchor tokens must be .* ids in \[0, 96\)"):

@@ -102,9 +102,10 @@ def _inverse_bwd(inverse, g):
 unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
-def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, snapshot_at=None):
   """The gated delta rule, ``chunk`` tokens at a time; same arguments and result as
-  ``gated_delta_recurrent``.
+  ``gated_delta_recurrent``. With ``snapshot_at`` (int32 [A] positions in [0, T]), also the
+  state after each position's first tokens, [A, B, M, U, Y] (see below).
 
   Within a chunk, with c the cumulative log-decay from the chunk start and
   Γ[i, j] = exp(c_i - c_j) for j <= i (0 above the diagonal), the chunk's updates are
@@ -117,7 +118,14 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     S ← exp(c_last) S + (k exp(c_last - c))ᵀ v'
 
   Tokens are padded to a multiple of ``chunk`` with β = 0 and g = 0, which leaves the state
-  untouched (so callers pad their own padding tokens the same way)."""
+  untouched (so callers pad their own padding tokens the same way).
+
+  A snapshot after p tokens, in chunk z = p // Q at offset r = p - z·Q, comes from that chunk's
+  incoming state S_z and its v' (both kept from the scan), at no extra pass over the tokens:
+
+    S_p = exp(c_{r-1}) S_z + Σ_{j<r} exp(c_{r-1} - c_j) k_j ⊗ v'_j      (c_{-1} = 0)
+
+  (p = T on a chunk boundary is the last chunk with r = Q.)"""
   b, t, m, u = k.shape
   y = v.shape[-1]
   pad = (-t) % chunk
@@ -146,17 +154,36 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
   k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
   chunk_decay = jnp.exp(cum[..., -1])  # [B, M, Z]
 
+  keep = snapshot_at is not None
+
   def step(s, inputs):  # s [B, M, U, Y]
     u_c, w_c, q_c, k_c, intra_c, decay_c = inputs
     v_c = u_c - jnp.einsum("BMQU,BMUY->BMQY", w_c, s)
     out = jnp.einsum("BMQU,BMUY->BMQY", q_c, s) + jnp.einsum("BMIJ,BMJY->BMIY", intra_c, v_c)
-    s = s * decay_c[..., None, None] + jnp.einsum("BMQU,BMQY->BMUY", k_c, v_c)
-    return s, out
+    new = s * decay_c[..., None, None] + jnp.einsum("BMQU,BMQY->BMUY", k_c, v_c)
+    return new, ((out, s, v_c) if keep else out)
 
   xs = tuple(jnp.moveaxis(a, 2, 0) for a in (u_new, w, q_decayed, k_decayed, intra, chunk_decay))
-  state, out = jax.lax.scan(step, state, xs)  # out [Z, B, M, Q, Y]
-  out = jnp.moveaxis(out, 0, 2).reshape(b, m, z * chunk, y)[:, :, :t]
-  return jnp.moveaxis(out, 1, 2), state
+  state, ys = jax.lax.scan(step, state, xs)  # out [Z, B, M, Q, Y]
+  out = ys[0] if keep else ys
+  out = jnp.moveaxis(jnp.moveaxis(out, 0, 2).reshape(b, m, z * chunk, y)[:, :, :t], 1, 2)
+  if not keep:
+    return out, state
+  starts, v_prime = ys[1], ys[2]  # [Z, B, M, U, Y], [Z, B, M, Q, Y]
+
+  def snapshot(p):
+    zi = jnp.minimum(p // chunk, z - 1)
+    r = p - zi * chunk  # tokens of chunk zi read, in [0, Q]
+    cum_z = jax.lax.dynamic_index_in_dim(cum, zi, axis=2, keepdims=False)  # [B, M, Q]
+    last = jnp.where(r > 0, jax.lax.dynamic_index_in_dim(cum_z, jnp.maximum(r - 1, 0), axis=2,
+                                                         keepdims=False), 0.0)  # [B, M]
+    j = jnp.arange(chunk)
+    weight = jnp.where(j < r, jnp.exp(jnp.where(j < r, last[..., None] - cum_z, 0.0)), 0.0)
+    k_z = jax.lax.dynamic_index_in_dim(k, zi, axis=2, keepdims=False)  # [B, M, Q, U]
+    return (jnp.exp(last)[..., None, None] * starts[zi]
+            + jnp.einsum("BMJU,BMJY->BMUY", k_z * weight[..., None], v_prime[zi]))
+
+  return out, state, jax.vmap(snapshot)(jnp.asarray(snapshot_at, jnp.int32))
 
 
 class GatedDeltaNet(nnx.Module):
@@ -181,13 +208,16 @@ class GatedDeltaNet(nnx.Module):
     self.conv_width = w
 
   def __call__(self, x: jax.Array, state: LinearState, *, kernels: str = "xla",
-               valid: jax.Array | None = None, num_valid: jax.Array | None = None
-               ) -> tuple[LinearState, jax.Array]:
+               valid: jax.Array | None = None, num_valid: jax.Array | None = None,
+               snapshot_at: jax.Array | None = None):
     """x [B, T, D] -> (new state, y [B, T, D]).
 
     ``valid [B, T]`` marks real tokens and ``num_valid`` counts them (padding comes last):
     padding neither decays nor updates the recurrent state, and the conv state keeps the last
-    real inputs. One token runs the recurrent form, more the chunked form."""
+    real inputs. One token runs the recurrent form, more the chunked form. With
+    ``snapshot_at`` (int32 [A] positions in [0, T]) a third result holds the state after each
+    position's first tokens (a ``LinearState`` with a leading [A] axis), from the chunked
+    form's own intermediates (the anchors of ``ftjax.Session``)."""
     bsz, t, _ = x.shape
     j, m, u, y = self.key_heads, self.value_heads, self.key_dim, self.value_dim
     qkv = linear(x, self.w_qkv_xd, 1, kernels=kernels)  # [B, T, X]
@@ -203,6 +233,10 @@ class GatedDeltaNet(nnx.Module):
     qkv = jax.nn.silu(conv)
     start = t if num_valid is None else num_valid
     new_conv = jax.lax.dynamic_slice_in_dim(ext, start, w - 1, axis=1).astype(state.conv.dtype)
+    snap_conv = None
+    if snapshot_at is not None:  # the W-1 inputs before each position
+      snap_conv = jax.vmap(lambda p: jax.lax.dynamic_slice_in_dim(ext, p, w - 1, axis=1))(
+          jnp.asarray(snapshot_at, jnp.int32)).astype(state.conv.dtype)
 
     q = qkv[..., :j * u].reshape(bsz, t, j, u)
     k = qkv[..., j * u:2 * j * u].reshape(bsz, t, j, u)
@@ -216,9 +250,16 @@ class GatedDeltaNet(nnx.Module):
     if valid is not None:
       beta = jnp.where(valid[..., None], beta, 0.0)
       g = jnp.where(valid[..., None], g, 0.0)
-    rule = gated_delta_recurrent if t == 1 else gated_delta_chunked
-    out, recurrent = rule(q, k, v, g, beta, state.recurrent)
+    snaps = None
+    if snapshot_at is not None:
+      out, recurrent, snap_rec = gated_delta_chunked(q, k, v, g, beta, state.recurrent,
+                                                     snapshot_at=snapshot_at)
+      snaps = LinearState(conv=snap_conv, recurrent=snap_rec)
+    else:
+      rule = gated_delta_recurrent if t == 1 else gated_delta_chunked
+      out, recurrent = rule(q, k, v, g, beta, state.recurrent)
 
     out = self.norm(out) * jax.nn.silu(z)  # [B, T, M, Y]
-    return (LinearState(conv=new_conv, recurrent=recurrent),
-            linear(out, self.w_out_dmy, 1, kernels=kernels))
+    new_state = LinearState(conv=new_conv, recurrent=recurrent)
+    y = linear(out, self.w_out_dmy, 1, kernels=kernels)
+    return (new_state, y) if snapshot_at is None else (new_state, y, snaps)

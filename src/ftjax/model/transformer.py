@@ -89,8 +89,12 @@ class DecoderLayer(nnx.Module):
         scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cache, length, positions, layer, experts, *, kernels, fresh, valid,
-               num_valid=None, sow_router_logits=False):
-    if self.linear:
+               num_valid=None, sow_router_logits=False, snapshot_at=None):
+    snaps = None
+    if self.linear and snapshot_at is not None:
+      cache, h, snaps = self.linear_attn(self.attn_norm(x), cache, kernels=kernels, valid=valid,
+                                         num_valid=num_valid, snapshot_at=snapshot_at)
+    elif self.linear:
       cache, h = self.linear_attn(self.attn_norm(x), cache, kernels=kernels, valid=valid,
                                   num_valid=num_valid)
     else:
@@ -99,6 +103,8 @@ class DecoderLayer(nnx.Module):
     x = x + h
     experts, h = self.moe(self.mlp_norm(x), layer, experts, kernels=kernels, valid=valid,
                           sow_router_logits=sow_router_logits)
+    if snapshot_at is not None:
+      return cache, experts, x + h, snaps
     return cache, experts, x + h
 
 
@@ -119,8 +125,7 @@ class Transformer(nnx.Module):
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
                experts: RoutedExperts, *, kernels: str = "xla", last_only: bool = False,
                fresh: bool = False, num_valid: jax.Array | None = None,
-               sow_router_logits: bool = False
-               ) -> tuple[DecodeState, RoutedExperts, jax.Array]:
+               sow_router_logits: bool = False, snapshot_at: jax.Array | None = None):
     """tokens, positions [B, T] -> (new state, experts, logits [B, T or 1, V] float32).
 
     ``experts`` serves every MoE layer's routed experts (``ftjax.model.moe``) and comes back
@@ -130,18 +135,23 @@ class Transformer(nnx.Module):
     ``num_valid`` tokens are real and the rest padding (a prompt padded to a length bucket):
     padding gets no expert route, does not count in the new length, and with ``last_only``
     the logits are those of the last real token. ``sow_router_logits`` sows each layer's
-    router logits (``nnx.capture``, training)."""
+    router logits (``nnx.capture``, training). ``snapshot_at`` (int32 [A] positions in
+    [0, T]) adds a fourth result: per layer, the recurrent state after each position's first
+    tokens (a ``LinearState`` with a leading [A] axis; None for attention layers)."""
     t = tokens.shape[1]
     x = take(self.embed_vd[...], tokens).astype(jnp.float32)  # [B, T, D]
     valid = None
     if num_valid is not None:
       valid = jnp.broadcast_to(jnp.arange(t) < num_valid, tokens.shape)  # [B, T]
-    caches = []
+    caches, snapshots = [], []
     for i, layer in enumerate(self.layers):
-      cache, experts, x = layer(x, state.layers[i], state.length, positions, i, experts,
-                                kernels=kernels, fresh=fresh, valid=valid, num_valid=num_valid,
-                                sow_router_logits=sow_router_logits)
+      outs = layer(x, state.layers[i], state.length, positions, i, experts, kernels=kernels,
+                   fresh=fresh, valid=valid, num_valid=num_valid,
+                   sow_router_logits=sow_router_logits, snapshot_at=snapshot_at)
+      cache, experts, x = outs[:3]
       caches.append(cache)
+      if snapshot_at is not None:
+        snapshots.append(outs[3])
     if last_only:
       if num_valid is None:
         x = x[:, -1:]
@@ -152,6 +162,8 @@ class Transformer(nnx.Module):
     logits = linear(x, w_lm, 1, kernels=kernels)  # [B, T, V]
     added = t if num_valid is None else num_valid
     new_state = state.replace(layers=tuple(caches), length=state.length + added)
+    if snapshot_at is not None:
+      return new_state, experts, logits, tuple(snapshots)
     return new_state, experts, logits
 
 

@@ -74,8 +74,10 @@ class Runner:
   # -- Tracing ---------------------------------------------------------------------------------
 
   def forward(self, params, bank, state: EngineState, tokens, positions, *, last_only: bool,
-              fresh: bool, num_valid=None) -> tuple[EngineState, jax.Array, StepRecord]:
-    """One forward pass of the model over ``tokens [B, T]`` (traced inside a program)."""
+              fresh: bool, num_valid=None, snapshot_at=None):
+    """One forward pass of the model over ``tokens [B, T]`` (traced inside a program):
+    (state, logits, record), and with ``snapshot_at`` the recurrent layers' snapshots too
+    (``Transformer.__call__``)."""
     model = nnx.merge(self.graphdef, params)
     if self.policy is None:
       experts = BankExperts(bank=bank, ffn_dim=self.ffn_dim, kernels=self.kernels)
@@ -86,9 +88,9 @@ class Runner:
     if self.record_routing:
       experts = RecordingExperts(experts, RoutingRecord.empty(self.num_layers, tokens.size,
                                                               self.top_k))
-    decode, experts, logits = model(state.decode, tokens, positions, experts,
-                                    kernels=self.kernels, last_only=last_only, fresh=fresh,
-                                    num_valid=num_valid)
+    outs = model(state.decode, tokens, positions, experts, kernels=self.kernels,
+                 last_only=last_only, fresh=fresh, num_valid=num_valid, snapshot_at=snapshot_at)
+    decode, experts, logits = outs[:3]
     routing = None
     if self.record_routing:
       routing, experts = experts.routing, experts.inner
@@ -96,7 +98,8 @@ class Runner:
     if self.policy is not None:
       state = state.replace(cache=experts.cache)
       stats = experts.stats
-    return state.replace(decode=decode), logits, StepRecord(stats=stats, routing=routing)
+    result = (state.replace(decode=decode), logits, StepRecord(stats=stats, routing=routing))
+    return result if snapshot_at is None else (*result, outs[3])
 
 
 class Programs:
@@ -186,15 +189,21 @@ def prefill_program(runner: Runner, params, bank, state: EngineState, tokens, nu
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
-def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid):
+def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid,
+                   snapshot_at=None):
   """``tokens [1, bucket]`` (the first ``num_valid`` real) appended to a state that already
   holds ``state.decode.length`` tokens (a session's next segment of context). The state's KV
   capacity must hold the whole bucket past that length. Returns (state, logits [V] float32
-  after the last real token, record)."""
+  after the last real token, record), and with ``snapshot_at`` (int32 [A] positions in the
+  segment) the recurrent layers' states after that many of its tokens (per layer, a
+  ``LinearState`` with a leading [A] axis, None for attention layers)."""
   positions = state.decode.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  state, logits, record = runner.forward(params, bank, state, tokens, positions,
-                                         last_only=True, fresh=False, num_valid=num_valid)
-  return state, logits[0, -1], record
+  outs = runner.forward(params, bank, state, tokens, positions, last_only=True, fresh=False,
+                        num_valid=num_valid, snapshot_at=snapshot_at)
+  state, logits, record = outs[:3]
+  if snapshot_at is None:
+    return state, logits[0, -1], record
+  return state, logits[0, -1], record, outs[3]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))

@@ -17,8 +17,9 @@ An anchor at position ``a`` holds the state after ``tokens[:a]``, where ``tokens
 boundary token: an edit starts at a boundary (a dropped ``<think>`` block begins at its
 ``<think>``), so the anchor just before the edited region survives the edit.
 
-- During prefill, the rest of the context runs in segments that end at boundaries, and the
-  state is snapshotted between segments.
+- During prefill: by default the rest of the context runs as one program, and the anchors
+  come from the chunked gated delta rule's intermediate states (``anchor_prefill="inside"``);
+  ``"split"`` runs segments that end at the boundaries and copies the state between them.
 - At the end of each context, where the reply starts: clients that drop the reply's thinking
   or rewrite it edit from there.
 - During generation, the decode loop pauses when it samples a boundary token (before feeding
@@ -131,15 +132,23 @@ class Session:
   anchor_budget_bytes: host memory for anchors. 0 (or less than one anchor) takes none: the
     session still works, and a model with recurrent layers then reuses its state only when the
     new context extends the one already read.
+  anchor_prefill: how anchors are taken inside a prefill. "inside" (default): one program
+    for the whole rest of the context, the anchors computed from the chunked form's
+    intermediate states; "split": the context runs in segments that end at the boundaries,
+    and the state is copied between them.
   """
 
   def __init__(self, engine: Engine, *, anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES,
-               anchor_tokens: Sequence[int | str] | None = None):
+               anchor_tokens: Sequence[int | str] | None = None,
+               anchor_prefill: str = "inside"):
     if not isinstance(engine, Engine):
       raise TypeError(f"Session needs an ftjax.Engine, got {type(engine).__name__}")
     if not isinstance(anchor_budget_bytes, (int, np.integer)) or anchor_budget_bytes < 0:
       raise ValueError(f"anchor_budget_bytes must be an int >= 0, got {anchor_budget_bytes!r}")
+    if anchor_prefill not in ("inside", "split"):
+      raise ValueError(f"anchor_prefill must be 'inside' or 'split', got {anchor_prefill!r}")
     self.engine = engine
+    self.anchor_prefill = anchor_prefill
     config = engine.model.config
     self._recurrent = tuple(i for i, kind in enumerate(config.layer_types)
                             if kind == "linear_attention")
@@ -250,9 +259,14 @@ class Session:
       return
     layers = {i: jax.tree.map(lambda x: np.array(x, copy=True),
                               jax.device_get(self._state.layers[i])) for i in self._recurrent}
+    self._store(position, layers, self._fed, boundary)
+
+  def _store(self, position: int, layers: dict[int, LinearState], tokens: Sequence[int],
+             boundary: int | None) -> None:
+    """Keeps ``layers`` (numpy) as the anchor after ``tokens[:position]``."""
     turn = 0
     if self.turn_id is not None:
-      turn = self._fed.count(self.turn_id) + (boundary == self.turn_id)
+      turn = list(tokens[:position]).count(self.turn_id) + (boundary == self.turn_id)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(layers))
     self._anchors[position] = Anchor(position=position, turn=turn, serial=self._serial,
                                      layers=layers, nbytes=nbytes)
@@ -269,8 +283,10 @@ class Session:
       victim = min(older or self._anchors.values(), key=lambda a: a.serial)
       del self._anchors[victim.position]
 
-  def _extend(self, segment: Sequence[int]) -> jax.Array:
-    """Reads ``segment`` after the tokens already read; returns the logits after it."""
+  def _extend(self, segment: Sequence[int], anchors_at: Sequence[int] = ()) -> jax.Array:
+    """Reads ``segment`` after the tokens already read; returns the logits after it. Anchors
+    are taken inside it at the positions ``anchors_at`` (counted in the context; the token at
+    each is a boundary)."""
     engine = self.engine
     n = len(segment)
     bucket = prompt_bucket(n)
@@ -279,17 +295,30 @@ class Session:
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :n] = segment
     tokens, num_valid = jax.device_put((tokens, np.int32(n)))
+    args = [tokens, num_valid]
+    if anchors_at:
+      slots = max(4, 1 << (len(anchors_at) - 1).bit_length())  # few compiles
+      at = np.zeros(slots, np.int32)
+      at[:len(anchors_at)] = [p - length for p in anchors_at]
+      args.append(jax.device_put(at))
     est = engine._engine_state(self._state)
     params, bank = engine.model.params, engine.model.bank
-    fn = engine._compiled(("extend", bucket, self._state.capacity, engine._slot_capacity()),
-                          programs.extend_program, params, bank, est, tokens, num_valid)
+    key = ("extend", bucket, self._state.capacity, engine._slot_capacity(),
+           len(args[2]) if anchors_at else 0)
+    fn = engine._compiled(key, programs.extend_program, params, bank, est, *args)
     t0 = time.perf_counter()
-    est, logits, record = fn(params, bank, est, tokens, num_valid)
+    est, logits, record, *snaps = fn(params, bank, est, *args)
     self._state = engine._keep(est)
     if record.stats is not None or record.routing is not None:
       jax.block_until_ready(logits)
       engine._record(record, n, time.perf_counter() - t0, "prefill")
     self._fed.extend(int(t) for t in segment)
+    if anchors_at:
+      host = jax.device_get({i: snaps[0][i] for i in self._recurrent})
+      for j, position in enumerate(anchors_at):
+        layers = {i: jax.tree.map(lambda x: np.array(x[j], copy=True), host[i])
+                  for i in self._recurrent}
+        self._store(position, layers, self._fed, self._fed[position])
     return logits
 
   # -- Public API -----------------------------------------------------------------------------
@@ -328,13 +357,15 @@ class Session:
               and q not in self._anchors]
     if self._state is not None and self.anchoring and new[start] in self.anchor_ids:
       self._snapshot(new[start])
-    logits = None
-    begin = start
-    for end in ends + [len(new)]:
-      logits = self._extend(new[begin:end])
-      if end < len(new):
-        self._snapshot(new[end])
-      begin = end
+    if self.anchor_prefill == "inside":
+      logits = self._extend(new[start:], ends)
+    else:
+      begin = start
+      for end in ends + [len(new)]:
+        logits = self._extend(new[begin:end])
+        if end < len(new):
+          self._snapshot(new[end])
+        begin = end
     self._logits = np.asarray(logits, np.float32)
     if self.anchoring:
       self._snapshot(None)  # where the reply starts: clients edit it (dropped thinking)
