@@ -136,7 +136,8 @@ def kv_bytes(model, tokens: int) -> int:
 
 def run_mode(engine, mode: str, requests: list[list[int]], anchor_ids) -> list[dict]:
   def new_session():
-    options = {"anchor_tokens": anchor_ids}
+    # The big model's stand-in tokenizer may predate the chat tokens: name them explicitly.
+    options = {"anchor_tokens": anchor_ids, "turn_token": anchor_ids[0]}
     if mode == "anchors_split":
       options["anchor_prefill"] = "split"
     if mode == "prefix":

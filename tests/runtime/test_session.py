@@ -206,9 +206,9 @@ def test_eviction_keeps_the_newest_anchor_of_each_turn(models):
   engine = ftjax.Engine(model, kernels="ffi")
   c = Chat(model.config.vocab_size, seed=4)
   probe = ftjax.Session(engine, anchor_tokens=c.boundaries)
-  session = ftjax.Session(engine, anchor_tokens=c.boundaries,
+  session = ftjax.Session(engine, anchor_tokens=c.boundaries, turn_token=c.TURN,
                           anchor_budget_bytes=3 * probe.anchor_bytes)
-  session.turn_id = c.TURN
+  assert probe.turn_id is None  # no tokenizer: one turn for every anchor
   x = c.text(6)
   # Anchors in taking order: 2, 4, 6 (turn 1), 8 (turn 2), then 10 (the end, turn 2).
   ctx = [c.TURN, x[0], c.THINK, x[1], c.END_THINK, x[2], c.CALL, x[3], c.TURN, x[4]]

@@ -132,6 +132,9 @@ class Session:
   anchor_budget_bytes: host memory for anchors. 0 (or less than one anchor) takes none: the
     session still works, and a model with recurrent layers then reuses its state only when the
     new context extends the one already read.
+  turn_token: the token that starts a turn (an id or a string), which groups anchors for
+    eviction; None takes the tokenizer's ``<|im_start|>``. Without one, every anchor is of
+    one turn and eviction keeps the newest.
   anchor_prefill: how anchors are taken inside a prefill. "inside" (default): one program
     for the whole rest of the context, the anchors computed from the chunked form's
     intermediate states; "split": the context runs in segments that end at the boundaries,
@@ -140,7 +143,7 @@ class Session:
 
   def __init__(self, engine: Engine, *, anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES,
                anchor_tokens: Sequence[int | str] | None = None,
-               anchor_prefill: str = "inside"):
+               anchor_prefill: str = "inside", turn_token: int | str | None = None):
     if not isinstance(engine, Engine):
       raise TypeError(f"Session needs an ftjax.Engine, got {type(engine).__name__}")
     if not isinstance(anchor_budget_bytes, (int, np.integer)) or anchor_budget_bytes < 0:
@@ -155,8 +158,10 @@ class Session:
     self.anchor_budget_bytes = int(anchor_budget_bytes)
     tokenizer = self._tokenizer()
     self.anchor_ids = self._anchor_ids(anchor_tokens, tokenizer)
-    turn = tokenizer.token_id(TURN_TOKEN) if tokenizer is not None else None
-    self.turn_id = turn
+    if turn_token is None:
+      self.turn_id = tokenizer.token_id(TURN_TOKEN) if tokenizer is not None else None
+    else:
+      self.turn_id = next(iter(self._anchor_ids([turn_token], tokenizer)))
     self.anchor_bytes = 4 * len(self._recurrent) * (
         config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
         + max(config.linear_conv_kernel - 1, 0) * config.linear_conv_dim)
