@@ -12,6 +12,7 @@ from ftjax.runtime import model as model_lib
 from ftjax.runtime.engine import ContextLengthError
 
 import tolerances
+from conftest import scaled_params
 
 NEW = 5  # greedy tokens compared after each context
 
@@ -28,14 +29,8 @@ def models(hybrid_checkpoints, tiny_config, tmp_path_factory):
     out[name] = ftjax.load(ftw_dir)
   attn = model_lib.random_model(dataclasses.replace(tiny_config, max_position_embeddings=512),
                                 seed=3)
-  out["qwen3_moe"] = dataclasses.replace(attn, params=_scaled(attn.params, 4.0),
-                                         bank=attn.bank * 4.0)
+  out["qwen3_moe"] = scaled_params(attn, 4.0)
   return out
-
-
-def _scaled(params, factor):
-  import jax  # noqa: PLC0415
-  return jax.tree.map(lambda x: x * factor, params)
 
 
 class Chat:
