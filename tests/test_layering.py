@@ -2,7 +2,8 @@
 
   runtime -> model, runtime -> cache -> experts -> kernels, model -> kernels (dense ops only:
   GEMV/GEMM and attention),
-  research -> runtime (and below), and nothing below imports what is above it.
+  research -> runtime (and below), server -> runtime, and nothing below imports what is above
+  it.
 
 A subpackage may import only the subpackages listed for it in ``ALLOWED``; the modules at the
 package root (``ftjax/__init__.py``, the CLIs and the public aliases) are entry points that may
@@ -34,6 +35,7 @@ ALLOWED = {
     "research": {"runtime", "model", "cache", "experts", "kernels", "formats", "utils",
                  "assets"},
     "tiny": {"research", "runtime", "model", "experts", "formats", "utils", "assets"},
+    "server": {"runtime", "utils", "assets"},
 }
 # Compiled extension modules (no .py source) and the layer they belong to.
 EXTENSIONS = {"ftjax._ffi": "kernels"}

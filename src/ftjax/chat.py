@@ -25,8 +25,6 @@ from ftjax import cli_flags
 from ftjax.kernels import KernelsUnavailable
 from ftjax.runtime.chat_template import ChatTemplateError, load_chat_template
 from ftjax.runtime.checkpoint import CheckpointError
-from ftjax.runtime.engine import Engine
-from ftjax.runtime.model import load
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, Session
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
 
@@ -163,11 +161,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   try:
-    model = load(_ENGINE["model"].value or "default")
-    engine = Engine(model, max_seq_len=_ENGINE["max_seq_len"].value,
-                    kernels=_ENGINE["kernels"].value,
-                    decode_chunk=_ENGINE["decode_chunk"].value,
-                    **cli_flags.cache_options(_ENGINE))
+    engine = cli_flags.build_engine(_ENGINE)
+    model = engine.model
     session = Session(engine, anchor_budget_bytes=_ANCHOR_BUDGET.value)
     sampling = {k: _SAMPLING[k].value for k in ("greedy", "temperature", "top_p", "seed")}
     loop = ChatLoop(session, system=_SYSTEM.value, max_new_tokens=_SAMPLING["max_new_tokens"].value,

@@ -1,4 +1,5 @@
-"""Flags shared by the programs that run an engine (``ftjax.decode``, ``ftjax.chat``).
+"""Flags shared by the programs that run an engine (``ftjax.decode``, ``ftjax.chat``,
+``ftjax.serve``).
 
 Each program calls ``define_engine_flags()`` and ``define_sampling_flags()`` from its ``cli()``
 (so importing a program defines no flags), then ``engine_options(holders)`` for the keyword
@@ -10,6 +11,8 @@ from __future__ import annotations
 from absl import app, flags
 
 from ftjax.cache import POLICIES
+from ftjax.runtime.engine import Engine
+from ftjax.runtime.model import load
 
 MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted once into "
               "$FTJAX_CACHE_DIR, default ~/.cache/ftjax), or an embedded model: 'default' (the "
@@ -72,3 +75,12 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
   if cache:
     cache["policy"] = holders["policy"].value
   return cache
+
+
+def build_engine(holders: dict[str, flags.FlagHolder]) -> Engine:
+  """The model of ``--model`` (the default model when omitted) in an engine with the
+  command line's runtime flags."""
+  model = load(holders["model"].value or "default")
+  return Engine(model, max_seq_len=holders["max_seq_len"].value,
+                kernels=holders["kernels"].value, decode_chunk=holders["decode_chunk"].value,
+                **cache_options(holders))

@@ -248,8 +248,8 @@ def test_dropped_engines_and_cleared_jax_caches_return_their_code_mappings(sharp
 
 
 def test_prompt_buckets():
-  assert [prompt_bucket(n) for n in (1, 16, 17, 100, 512, 513, 1500)] == [
-      16, 16, 32, 128, 512, 1024, 1536]
+  assert [prompt_bucket(n) for n in (1, 16, 17, 64, 65, 100, 291, 512, 513, 1500, 2319, 5000)
+          ] == [16, 16, 32, 64, 80, 112, 320, 512, 640, 1536, 2560, 5120]
 
 
 _NO_FFI = textwrap.dedent("""

@@ -40,11 +40,14 @@ class ContextLengthError(ValueError):
 
 
 def prompt_bucket(length: int) -> int:
-  """Prefill length for a prompt of ``length`` tokens: a power of two from 16 up to 512, then
-  a multiple of 512, so prompts of nearby lengths share one compiled prefill."""
-  if length <= 512:
+  """Prefill length for a prompt (or a session's segment) of ``length`` tokens: a power of two
+  from 16 up to 64, then four buckets per octave (multiples of 16 up to 128, of 32 up to 256,
+  of 64 up to 512, ... and of at most 512), so nearby lengths share one compiled prefill and
+  padding stays under a quarter of the work."""
+  if length <= 64:
     return max(16, 1 << (length - 1).bit_length())
-  return -(-length // 512) * 512
+  step = min(512, 1 << ((length - 1).bit_length() - 3))
+  return -(-length // step) * step
 
 
 def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
@@ -216,6 +219,7 @@ class Engine:
     self._cache: ExpertCache | None = None
     self._steps: list[dict[str, Any]] = []
     self._routing: list[tuple[np.ndarray, np.ndarray, str]] = []  # ids, weights [L, t, K]
+    self._totals = {"hits": 0, "fills": 0, "host": 0}  # over the engine's life
     if opts.caching:
       self._cache = self._initial_cache(self._requested_slots(kv_bytes=0))
 
@@ -331,6 +335,18 @@ class Engine:
         "compiles": self.compile_count,
     }
 
+  def cache_totals(self) -> dict[str, int]:
+    """Expert-cache hits, fills and host-run experts over the engine's life (all zero without
+    an expert cache); unlike ``stats()``, kept when the history is cleared."""
+    return dict(self._totals)
+
+  def clear_history(self) -> None:
+    """Forgets the per-step statistics and routing record kept so far (``stats()`` and
+    ``routing_record()`` start again empty): a long-running process (the server) calls it so
+    that they do not grow without bound. ``cache_totals()`` keeps counting."""
+    self._steps.clear()
+    self._routing.clear()
+
   def routing_record(self) -> dict[str, np.ndarray]:
     """Every routed token so far (needs record_routing=True): ``ids`` and ``weights``
     [steps, L, K] (one step per token, -1 = no route) and ``phase`` [steps] (1 = decode).
@@ -370,6 +386,10 @@ class Engine:
   def _record(self, record, tokens: int, seconds: float, phase: str, steps: int | None = None):
     """Host copies of a program's per-step record (one read per program)."""
     stats, routing = jax.device_get((record.stats, record.routing))
+    if stats is not None:
+      for key in ("hits", "fills", "host"):
+        self._totals[key] += int(np.sum(getattr(stats, key)[:steps] if steps is not None
+                                        else getattr(stats, key)))
     if steps is None:  # one forward
       if stats is not None:
         self._steps.append({"tokens": tokens, "hits": stats.hits, "fills": stats.fills,

@@ -37,6 +37,7 @@ from flax import struct
 
 from ftjax.cache import CachedExperts, PolicyConfig, StepStats
 from ftjax.experts import BankExperts
+from ftjax.model import DecodeState, KVCache
 from ftjax.runtime.sampling import Sampling, sample
 from ftjax.runtime.state import EngineState, RecordingExperts, RoutingRecord
 
@@ -204,6 +205,20 @@ def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num
   if snapshot_at is None:
     return state, logits[0, -1], record
   return state, logits[0, -1], record, outs[3]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity",))
+def grow_program(runner: Runner, state: DecodeState, *, capacity: int) -> DecodeState:
+  """The decode state with every KV cache padded to ``capacity`` rows (the rows held are
+  kept): a session's context outgrew its allocation."""
+  del runner  # the table's key; the program needs only the state
+
+  def grow(layer):
+    if not isinstance(layer, KVCache):
+      return layer
+    pad = [(0, 0), (0, capacity - layer.k.shape[1]), (0, 0), (0, 0)]
+    return KVCache(k=jnp.pad(layer.k, pad), v=jnp.pad(layer.v, pad))
+  return state.replace(layers=tuple(grow(layer) for layer in state.layers))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))

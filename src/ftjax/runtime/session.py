@@ -41,7 +41,6 @@ asynchronous, and tied to the model's fingerprint.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -55,7 +54,7 @@ import numpy as np
 from ftjax.model import DecodeState, KVCache, LinearState
 from ftjax.runtime import checkpoint, programs
 from ftjax.runtime.checkpoint import CheckpointError
-from ftjax.runtime.engine import _STATE_BUCKET, _STOP_BUCKET, Engine, prompt_bucket
+from ftjax.runtime.engine import _STATE_BUCKET, _STOP_BUCKET, Engine, prompt_bucket, state_bytes
 from ftjax.runtime.sampling import Sampling, sample
 from ftjax.runtime.tokenizer import load_tokenizer
 
@@ -99,17 +98,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return 0
   diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
   return int(diff[0]) if diff.size else n
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _grown(state: DecodeState, capacity: int) -> DecodeState:
-  """The state with every KV cache padded to ``capacity`` rows (the rows held are kept)."""
-  def grow(layer):
-    if not isinstance(layer, KVCache):
-      return layer
-    pad = [(0, 0), (0, capacity - layer.k.shape[1]), (0, 0), (0, 0)]
-    return KVCache(k=jnp.pad(layer.k, pad), v=jnp.pad(layer.v, pad))
-  return state.replace(layers=tuple(grow(layer) for layer in state.layers))
 
 
 def _close_writers(writers: dict) -> None:
@@ -231,7 +219,9 @@ class Session:
     held = self._state.capacity
     if held and held < needed:
       self.engine._fit_cache_to_state(1, capacity)
-      self._state = _grown(self._state, capacity)
+      grow = self.engine._compiled(("grow", held, capacity), programs.grow_program,
+                                   self._state, capacity=capacity)
+      self._state = grow(self._state)
 
   def _rewind(self, position: int, anchor: Anchor | None) -> None:
     """The state after ``self._fed[:position]``: KV caches truncated; recurrent layers from
@@ -246,6 +236,38 @@ class Session:
         layers[i] = jax.tree.map(jnp.zeros_like, layers[i])
     self._state = DecodeState(layers=tuple(layers), length=jnp.asarray(position, jnp.int32))
     del self._fed[position:]
+
+  def reusable_tokens(self, token_ids: Sequence[int]) -> int:
+    """How many tokens ``set_context(token_ids)`` would keep rather than prefill: the common
+    prefix for attention-only models, the restore point (an anchor, or the whole context
+    when ``token_ids`` extends it) for models with recurrent layers."""
+    new = [int(t) for t in token_ids]
+    if not new or self._state is None:
+      return 0
+    common = _common_prefix(self._fed, new)
+    return self._restore_point(min(common, len(new) - 1))[0]
+
+  def fork(self) -> "Session":
+    """An independent copy of this session: the same options, context, state (copied) and
+    anchors (shared: they are never written), with no turn history. The server forks a
+    session whose prefix a request shares, so that both conversations keep their state."""
+    other = Session(self.engine, anchor_budget_bytes=self.anchor_budget_bytes,
+                    anchor_tokens=sorted(self.anchor_ids), anchor_prefill=self.anchor_prefill,
+                    turn_token=self.turn_id)
+    if self._state is not None:
+      other._state = jax.tree.map(jnp.copy, self._state)
+    other._fed, other._pending = list(self._fed), self._pending
+    other._logits = None if self._logits is None else self._logits.copy()
+    other._anchors = {p: dataclasses.replace(a, uses=0) for p, a in self._anchors.items()}
+    other._serial = self._serial
+    return other
+
+  def memory_bytes(self) -> int:
+    """Host/device memory this session holds: its decode state (KV rows allocated, recurrent
+    states) and its anchors."""
+    held = 0 if self._state is None else state_bytes(self.engine.model.config, 1,
+                                                     self._state.capacity)
+    return held + sum(a.nbytes for a in self._anchors.values())
 
   def _restore_point(self, limit: int) -> tuple[int, Anchor | None]:
     """The largest position <= ``limit`` the state can be put back to, and its anchor."""
@@ -390,10 +412,16 @@ class Session:
 
   def generate(self, max_new_tokens: int, greedy: bool = True, *, temperature: float = 1.0,
                top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
-               on_token: Callable[[int], None] | None = None) -> list[int]:
+               on_token: Callable[[int], None] | None = None,
+               cancel: Callable[[], bool] | None = None) -> list[int]:
     """Continues the context by up to ``max_new_tokens`` tokens (sampled as
     ``Engine.generate`` samples them: the same tokens for the same seed) and returns them;
-    they become part of the context. Generation stops after a token of ``stop_tokens``."""
+    they become part of the context. Generation stops after a token of ``stop_tokens``.
+
+    on_token: called with each new token as it arrives (a decode program's tokens arrive
+      together, ``decode_chunk`` at a time). cancel: checked after each decode program; when
+      it returns True generation stops there (a client that went away): the tokens so far are
+      returned and kept."""
     engine = self.engine
     if not self.tokens:
       raise ValueError("the session has no context: call set_context(token_ids) first")
@@ -429,7 +457,7 @@ class Session:
     params, bank = engine.model.params, engine.model.bank
     loop = programs.Loop(token=jnp.asarray(first, jnp.int32), count=jnp.ones((), jnp.int32),
                          max_new=max_new, done=jnp.zeros((), jnp.bool_))
-    while not finished(self._pending):
+    while not finished(self._pending) and not (cancel is not None and cancel()):
       if self.anchoring and self._pending in self.anchor_ids:
         self._snapshot(self._pending)  # before the boundary token is read
       est = engine._engine_state(self._state)

@@ -1,0 +1,106 @@
+"""``python -m ftjax.serve``: an OpenAI-compatible HTTP server on sessions.
+
+  python -m ftjax.serve --model=default-hybrid --host=127.0.0.1 --port=8000
+
+Serves ``POST /v1/chat/completions`` (messages and tools through the model's chat template,
+streaming, tool calls, reasoning), ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` and ``GET /metrics`` (Prometheus). Each request is matched to a cached
+session by its longest token prefix, so an agent's next turn reuses the KV cache and the
+recurrent-state anchors of the last one. ``--port=0`` lets the OS choose; the first line on
+stdout says where it listens. The library behind it is ``ftjax.server``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import uvicorn
+from absl import app, flags, logging
+
+from ftjax import cli_flags
+from ftjax.assets import EMBEDDED_MODELS
+from ftjax.kernels import KernelsUnavailable
+from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES
+from ftjax.server.app import ServerConfig, bind, create_app
+
+
+def served_name(model: str | None) -> str:
+  """The model id clients use: the embedded model's name or the directory's base name."""
+  model = model or "default"
+  if model in EMBEDDED_MODELS:
+    return model
+  return os.path.basename(os.path.normpath(model))
+
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  try:
+    engine = cli_flags.build_engine(_ENGINE)
+    model = engine.model
+    config = ServerConfig(
+        model_name=_FLAGS["served_model_name"].value or served_name(_ENGINE["model"].value),
+        max_queue=_FLAGS["max_queue"].value, max_body_bytes=_FLAGS["max_body_bytes"].value,
+        default_max_tokens=_FLAGS["default_max_tokens"].value,
+        session_budget_bytes=_FLAGS["session_budget_bytes"].value,
+        max_sessions=_FLAGS["max_sessions"].value, session_reuse=_FLAGS["session_reuse"].value,
+        anchor_budget_bytes=_FLAGS["anchor_budget_bytes"].value)
+    application = create_app(engine, config)
+    sock = bind(_FLAGS["host"].value, _FLAGS["port"].value)
+  except (ValueError, FileNotFoundError, KernelsUnavailable, OSError) as e:
+    raise SystemExit(f"ftjax.serve: error: {e}") from None
+  host, port = sock.getsockname()[:2]
+  shown = f"[{host}]" if ":" in host else host
+  print(f"ftjax.serve: {config.model_name} ({model.config.model_type}, kernels "
+        f"{engine.kernels_path}) on http://{shown}:{port}/v1", flush=True)
+  server = uvicorn.Server(uvicorn.Config(application, log_level=_FLAGS["log_level"].value,
+                                         timeout_graceful_shutdown=5))
+  try:
+    server.run(sockets=[sock])
+  finally:
+    application.state.server.worker.stop()
+  sys.stdout.flush()
+
+
+def cli() -> None:
+  """Defines the flags and runs ``main`` (``python -m ftjax.serve``)."""
+  global _ENGINE, _FLAGS
+  _ENGINE = cli_flags.define_engine_flags()
+  d = ServerConfig()
+  _FLAGS = {
+      "host": flags.DEFINE_string("host", "127.0.0.1", "address to listen on"),
+      "port": flags.DEFINE_integer("port", 8000, "TCP port (0: the OS chooses)", lower_bound=0,
+                                   upper_bound=65535),
+      "served_model_name": flags.DEFINE_string(
+          "served_model_name", None, "the model id clients send (default: the embedded "
+          "model's name or the model directory's base name)"),
+      "max_queue": flags.DEFINE_integer(
+          "max_queue", d.max_queue, "requests that may wait behind the running one; more get "
+          "429 with Retry-After", lower_bound=1),
+      "max_body_bytes": flags.DEFINE_integer("max_body_bytes", d.max_body_bytes,
+                                             "largest request body (more: 413)", lower_bound=1),
+      "default_max_tokens": flags.DEFINE_integer(
+          "default_max_tokens", d.default_max_tokens, "completion limit of a chat request "
+          "that sets none", lower_bound=1),
+      "session_budget_bytes": flags.DEFINE_integer(
+          "session_budget_bytes", d.session_budget_bytes, "memory of the cached sessions (KV, "
+          "recurrent states, anchors); least recently used ones go first", lower_bound=0),
+      "max_sessions": flags.DEFINE_integer("max_sessions", d.max_sessions,
+                                           "cached sessions at most", lower_bound=1),
+      "session_reuse": flags.DEFINE_boolean(
+          "session_reuse", True, "match requests to cached sessions (false: every request "
+          "prefills its whole prompt)"),
+      "anchor_budget_bytes": flags.DEFINE_integer(
+          "anchor_budget_bytes", DEFAULT_ANCHOR_BUDGET_BYTES,
+          "host memory for recurrent-state anchors per session (0: none)", lower_bound=0),
+      "log_level": flags.DEFINE_enum("log_level", "warning",
+                                     ["critical", "error", "warning", "info", "debug"],
+                                     "uvicorn's log level (info: one line per request)"),
+  }
+  app.run(main)
+
+
+if __name__ == "__main__":
+  cli()

@@ -1,0 +1,588 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one engine and its session pool.
+
+Requests are validated (``protocol``), rendered with the model's chat template and tokenized
+on the event loop, then queued as jobs for one worker thread, which runs the engine: one
+sequence at a time, first come first served. At most ``max_queue`` jobs wait behind the
+running one; past that the answer is 429 with ``Retry-After``. The worker matches each job to
+a session (``SessionPool``), sets its context (KV reuse and anchors), generates, and sends the
+reply's deltas (``outputs.ReplyParser``) back to the request's task as they come, a decode
+chunk at a time. A streaming client that goes away cancels its job: a waiting job is dropped,
+a running one stops after the current decode chunk.
+
+``create_app(engine, ServerConfig(...))`` makes the app; ``BackgroundServer`` runs it with
+uvicorn in a thread (tests, notebooks); ``python -m ftjax.serve`` is the command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import queue
+import random
+import socket
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ftjax.runtime.chat_template import ChatTemplateError, load_chat_template
+from ftjax.runtime.engine import Engine
+from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES
+from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
+from ftjax.server.metrics import Metrics
+from ftjax.server.outputs import Delta, ReplyParser, StopMatcher, opens_thinking
+from ftjax.server.pool import SessionPool
+from ftjax.server.protocol import ApiError, ChatRequest, CompletionRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  """model_name: the id clients send as ``model`` (and ``/v1/models`` lists).
+  max_queue: requests that may wait behind the running one (more: 429).
+  max_body_bytes: the largest request body (more: 413).
+  default_max_tokens: the completion limit of a chat request that gives none (clipped to the
+    context left).
+  session_budget_bytes, max_sessions, session_reuse, anchor_budget_bytes: the session pool
+    (``session_reuse=False``: a fresh session per request, nothing reused)."""
+  model_name: str = "default"
+  max_queue: int = 16
+  max_body_bytes: int = 8 << 20
+  default_max_tokens: int = 512
+  session_budget_bytes: int = 4 << 30
+  max_sessions: int = 8
+  session_reuse: bool = True
+  anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES
+
+  def __post_init__(self):
+    for name in ("max_queue", "default_max_tokens", "max_sessions", "max_body_bytes"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class Job:
+  """One request's generation, as the worker runs it."""
+  ids: list[int]
+  max_tokens: int
+  sampling: dict[str, Any]
+  stops: list[str]
+  chat: bool  # parse reasoning and tool calls (False: raw text, /v1/completions)
+  reasoning: bool  # the reply starts inside <think>
+  tool_calls: bool
+  loop: asyncio.AbstractEventLoop
+  received: float
+  events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+  def send(self, kind: str, payload: Any = None) -> None:
+    self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+@dataclasses.dataclass
+class Outcome:
+  prompt_tokens: int
+  completion_tokens: int
+  cached_tokens: int
+  finish_reason: str
+  ttft_s: float
+  decode_tok_s: float | None
+
+
+class Worker:
+  """The one thread that runs the engine, taking jobs in arrival order."""
+
+  def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics):
+    self.engine = engine
+    model = engine.model
+    self.tokenizer = load_tokenizer(model.path, model.config.vocab_size)
+    self.eos = set(model.config.eos_token_ids)
+    self.pool = SessionPool(engine, budget_bytes=config.session_budget_bytes,
+                            max_sessions=config.max_sessions, reuse=config.session_reuse,
+                            anchor_budget_bytes=config.anchor_budget_bytes)
+    self.metrics = metrics
+    self.max_queue = config.max_queue
+    self._jobs: queue.Queue[Job | None] = queue.Queue()
+    self._lock = threading.Lock()
+    self.waiting = 0
+    self.running = False
+    self.mean_job_s = 1.0  # running mean, for Retry-After
+    self.last_outcome: Outcome | None = None
+    self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
+    self._thread.start()
+
+  def submit(self, job: Job) -> None:
+    with self._lock:
+      if self.waiting >= self.max_queue:
+        retry = max(1, math.ceil(self.mean_job_s * (self.waiting + 1)))
+        raise ApiError(429, f"the server is busy: {self.waiting} requests are waiting (the "
+                       f"limit is {self.max_queue}); retry in about {retry} s",
+                       code="queue_full", headers={"Retry-After": str(retry)})
+      self.waiting += 1
+    self._jobs.put(job)
+
+  def stop(self) -> None:
+    self._jobs.put(None)
+    self._thread.join(timeout=60)
+
+  def _run(self) -> None:
+    while True:
+      job = self._jobs.get()
+      if job is None:
+        return
+      with self._lock:
+        self.waiting -= 1
+        self.running = True
+      t0 = time.perf_counter()
+      try:
+        if job.cancelled.is_set():
+          job.send("cancelled")
+          continue
+        self.last_outcome = self._generate(job)
+        job.send("done", self.last_outcome)
+      except Exception as e:  # noqa: BLE001 - reported to the client as a 500
+        job.send("error", e)
+      finally:
+        self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - t0)
+        with self._lock:
+          self.running = False
+        self.engine.clear_history()
+
+  def _generate(self, job: Job) -> Outcome:
+    session = self.pool.take(job.ids)
+    try:
+      context = session.set_context(job.ids)
+      decoder = StreamDecoder(self.tokenizer)
+      stops = StopMatcher(job.stops)
+      parser = ReplyParser(reasoning=job.reasoning, tool_calls=job.tool_calls) if job.chat \
+          else None
+      count, first_at, finish = 0, None, "length"
+
+      def deltas(text: str) -> list[Delta]:
+        if parser is None:
+          return [Delta("content", text)] if text else []
+        return parser.push(text)
+
+      def on_token(tok: int) -> None:
+        nonlocal count, first_at, finish
+        if stops.stopped or finish == "stop":
+          return  # past a stop string: generated but not part of the reply
+        count += 1
+        if first_at is None:
+          first_at = time.perf_counter()
+        if tok in self.eos:
+          finish = "stop"
+          return
+        out = deltas(stops.push(decoder.push(tok)))
+        if stops.stopped:
+          finish = "stop"
+        if out:
+          job.send("deltas", out)
+
+      session.generate(job.max_tokens, stop_tokens=self.eos, on_token=on_token,
+                       cancel=lambda: job.cancelled.is_set() or stops.stopped, **job.sampling)
+      done = time.perf_counter()
+      tail = stops.push(decoder.flush()) if not stops.stopped else ""
+      tail += stops.flush()
+      out = deltas(tail) + (parser.flush() if parser is not None else [])
+      if out:
+        job.send("deltas", out)
+      if parser is not None and parser.calls:
+        finish = "tool_calls"
+      ttft = (first_at or done) - job.received
+      rate = (count - 1) / (done - first_at) if first_at is not None and count > 1 else None
+      return Outcome(prompt_tokens=len(job.ids), completion_tokens=count,
+                     cached_tokens=context.reused_tokens, finish_reason=finish, ttft_s=ttft,
+                     decode_tok_s=rate)
+    finally:
+      self.pool.done(session)
+
+
+def _usage(o: Outcome) -> dict[str, Any]:
+  return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+          "total_tokens": o.prompt_tokens + o.completion_tokens,
+          "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
+
+
+def _tool_call_json(call, index: int | None = None) -> dict[str, Any]:
+  out = {"id": call.id, "type": "function",
+         "function": {"name": call.name, "arguments": call.arguments}}
+  return out if index is None else {"index": index, **out}
+
+
+class Server:
+  """The app's state: the engine's worker, the template and tokenizer, the metrics."""
+
+  def __init__(self, engine: Engine, config: ServerConfig):
+    self.engine, self.config = engine, config
+    model = engine.model
+    self.tokenizer = load_tokenizer(model.path, model.config.vocab_size)
+    self.template = load_chat_template(model.path)
+    self.metrics = Metrics()
+    self.worker = Worker(engine, config, self.metrics)
+    self.metrics.bind(self.worker, engine)
+    self.created = int(time.time())
+
+  # -- Requests to jobs ---------------------------------------------------------------------
+
+  def _check_model(self, name: str) -> None:
+    if name != self.config.model_name:
+      raise ApiError(404, f"the model {name!r} does not exist: this server serves "
+                     f"{self.config.model_name!r} (GET /v1/models)", param="model",
+                     code="model_not_found")
+
+  def _limit(self, prompt_len: int, requested: int | None, param: str) -> int:
+    window = self.engine.max_seq_len
+    if requested is None:
+      left = window - prompt_len
+      if left < 1:
+        raise ApiError(400, f"the prompt is {prompt_len} tokens, which leaves no room in this "
+                       f"model's context of {window} tokens: shorten it", param="messages",
+                       code="context_length_exceeded")
+      return min(self.config.default_max_tokens, left)
+    if prompt_len + requested > window:
+      raise ApiError(400, f"this model's context is {window} tokens, but the request needs "
+                     f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the "
+                     f"completion): shorten the prompt or lower {param}", param=param,
+                     code="context_length_exceeded")
+    return requested
+
+  def _sampling(self, req) -> dict[str, Any]:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    seed = req.seed if req.seed is not None else random.getrandbits(31)
+    if temperature == 0:
+      return {"greedy": True, "seed": seed}
+    return {"greedy": False, "temperature": temperature, "top_p": top_p, "seed": seed}
+
+  def chat_job(self, req: ChatRequest, loop, received: float) -> Job:
+    self._check_model(req.model)
+    messages = [m.for_template() for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+      prompt = self.template.render(messages, tools=tools, add_generation_prompt=True,
+                                    **(req.chat_template_kwargs or {}))
+    except ChatTemplateError as e:
+      raise ApiError(400, f"the messages cannot be rendered with the model's chat template: {e}",
+                     param="messages") from None
+    except TypeError as e:
+      raise ApiError(400, f"chat_template_kwargs are not valid template options: {e}",
+                     param="chat_template_kwargs") from None
+    ids = self.tokenizer.encode(prompt)
+    limit = self._limit(len(ids), req.limit, "max_completion_tokens"
+                        if req.max_completion_tokens is not None else "max_tokens")
+    return Job(ids=ids, max_tokens=limit, sampling=self._sampling(req), stops=req.stops,
+               chat=True, reasoning=opens_thinking(prompt),
+               tool_calls=bool(tools) and req.tool_choice != "none", loop=loop,
+               received=received)
+
+  def completion_job(self, req: CompletionRequest, loop, received: float) -> Job:
+    self._check_model(req.model)
+    if isinstance(req.prompt, str):
+      ids = self.tokenizer.encode(req.prompt)
+      if not ids:
+        raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+    else:
+      ids = list(req.prompt)
+      vocab = self.engine.model.config.vocab_size
+      bad = [t for t in ids if not 0 <= t < vocab]
+      if bad:
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}",
+                       param="prompt")
+    limit = self._limit(len(ids), req.limit, "max_tokens")
+    return Job(ids=ids, max_tokens=limit, sampling=self._sampling(req), stops=req.stops,
+               chat=False, reasoning=False, tool_calls=False, loop=loop, received=received)
+
+  # -- Jobs to responses --------------------------------------------------------------------
+
+  async def _events(self, job: Job) -> AsyncIterator[tuple[str, Any]]:
+    while True:
+      kind, payload = await job.events.get()
+      yield kind, payload
+      if kind in ("done", "error", "cancelled"):
+        return
+
+  def _finished(self, endpoint: str, outcome: Outcome) -> None:
+    self.metrics.finished(endpoint, outcome)
+
+  async def run(self, job: Job, request: Request, endpoint: str) -> dict[str, Any]:
+    """Waits for the whole reply (a client that goes away cancels the job)."""
+    rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+    self.worker.submit(job)
+    content, reasoning, calls = [], [], []
+    outcome = None
+    events = self._events(job)
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+      async for kind, payload in events:
+        if kind == "deltas":
+          for d in payload:
+            if d.kind == "content":
+              content.append(d.text)
+            elif d.kind == "reasoning":
+              reasoning.append(d.text)
+            else:
+              calls.append(d.call)
+        elif kind == "error":
+          raise payload
+        elif kind == "done":
+          outcome = payload
+    finally:
+      watcher.cancel()
+    if outcome is None:  # cancelled: the client is gone
+      return {}
+    self._finished(endpoint, outcome)
+    base = {"id": rid, "created": int(time.time()), "model": self.config.model_name,
+            "system_fingerprint": f"ftjax-{self.engine.kernels}", "usage": _usage(outcome)}
+    text = "".join(content)
+    if not job.chat:
+      return {**base, "object": "text_completion",
+              "choices": [{"index": 0, "text": text, "logprobs": None,
+                           "finish_reason": outcome.finish_reason}]}
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls
+                               else None}
+    if reasoning:
+      message["reasoning_content"] = "".join(reasoning)
+    if calls:
+      message["tool_calls"] = [_tool_call_json(c) for c in calls]
+    return {**base, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": outcome.finish_reason}]}
+
+  async def stream(self, job: Job, endpoint: str, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
+    rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    base = {"id": rid, "created": created, "model": self.config.model_name,
+            "system_fingerprint": f"ftjax-{self.engine.kernels}"}
+    if include_usage:
+      base["usage"] = None
+
+    def chunk(delta=None, finish=None, text=None) -> str:
+      if job.chat:
+        choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+        body = {**base, "object": "chat.completion.chunk", "choices": [choice]}
+      else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body = {**base, "object": "text_completion", "choices": [choice]}
+      return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    calls = 0
+    try:
+      if job.chat:
+        yield chunk({"role": "assistant", "content": ""})
+      async for kind, payload in self._events(job):
+        if kind == "deltas":
+          for d in payload:
+            if not job.chat:
+              yield chunk(text=d.text)
+            elif d.kind == "content":
+              yield chunk({"content": d.text})
+            elif d.kind == "reasoning":
+              yield chunk({"reasoning_content": d.text})
+            else:
+              yield chunk({"tool_calls": [_tool_call_json(d.call, calls)]})
+              calls += 1
+        elif kind == "error":
+          error = ApiError(500, f"generation failed: {type(payload).__name__}: {payload}")
+          yield f"data: {json.dumps(error.body())}\n\n"
+          return
+        elif kind == "done":
+          self._finished(endpoint, payload)
+          yield chunk(finish=payload.finish_reason)
+          if include_usage:
+            body = {**base, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                    "choices": [], "usage": _usage(payload)}
+            yield f"data: {json.dumps(body)}\n\n"
+          yield "data: [DONE]\n\n"
+    finally:
+      job.cancelled.set()  # a no-op when done; stops the job when the client went away
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+  while not job.cancelled.is_set():
+    if await request.is_disconnected():
+      job.cancelled.set()
+      return
+    await asyncio.sleep(0.25)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+  errors = exc.errors()
+  if not errors:
+    return "the request body is not valid", None
+  first = errors[0]
+  if first.get("type") == "json_invalid":
+    return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
+  loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+  param = ".".join(loc) or None
+  message = first.get("msg", "invalid value").removeprefix("Value error, ")
+  if first.get("type") == "missing":
+    message = f"'{param}' is required"
+  elif param:
+    message = f"{param}: {message}"
+  more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+  return message + more, param
+
+
+class BodyLimit:
+  """ASGI middleware: a request body over ``limit`` bytes is answered 413 (unread when its
+  Content-Length says so, else as soon as the bytes read pass the limit)."""
+
+  def __init__(self, app, limit: int):
+    self.app, self.limit = app, limit
+
+  def message(self) -> str:
+    return f"the request body is over the server's limit of {self.limit} bytes (--max_body_bytes)"
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    declared = dict(scope.get("headers", ())).get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > self.limit:
+      error = ApiError(413, self.message(), code="request_too_large")
+      return await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+    seen = 0
+
+    async def counted():
+      nonlocal seen
+      message = await receive()
+      if message["type"] == "http.request":
+        seen += len(message.get("body", b""))
+        if seen > self.limit:  # answered by the app's handler of HTTP errors
+          raise StarletteHTTPException(413, self.message())
+      return message
+
+    await self.app(scope, counted, send)
+
+
+def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI:
+  """The FastAPI app serving ``engine``'s model under ``config.model_name``."""
+  server = Server(engine, config)
+  app = FastAPI(title="ftjax", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+  app.state.server = server
+
+  @app.exception_handler(ApiError)
+  async def api_error(request: Request, exc: ApiError):
+    server.metrics.rejected(request.url.path, exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+  @app.exception_handler(RequestValidationError)
+  async def invalid(request: Request, exc: RequestValidationError):
+    message, param = _validation_message(exc)
+    return await api_error(request, ApiError(400, message, param=param))
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(request: Request, exc: StarletteHTTPException):
+    if exc.status_code == 404:
+      message = (f"no route {request.method} {request.url.path}: this server serves "
+                 "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health "
+                 "and GET /metrics")
+    elif exc.status_code == 405:
+      message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+      message = str(exc.detail)
+    return await api_error(request, ApiError(
+        exc.status_code, message, code={413: "request_too_large"}.get(exc.status_code),
+        headers=dict(exc.headers or {})))
+
+  @app.exception_handler(Exception)
+  async def unexpected(request: Request, exc: Exception):
+    return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}: "
+                                             f"{exc}"))
+
+  @app.get("/health")
+  async def health():
+    w = server.worker
+    return {"status": "ok", "model": config.model_name, "waiting": w.waiting,
+            "running": w.running}
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [_model_card(server)]}
+
+  @app.get("/v1/models/{name:path}")
+  async def model(name: str):
+    server._check_model(name)
+    return _model_card(server)
+
+  @app.get("/metrics")
+  async def metrics():
+    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+  @app.post("/v1/chat/completions")
+  async def chat(req: ChatRequest, request: Request):
+    received = time.perf_counter()
+    job = server.chat_job(req, asyncio.get_running_loop(), received)
+    return await _respond(server, job, request, "chat", req)
+
+  @app.post("/v1/completions")
+  async def completions(req: CompletionRequest, request: Request):
+    received = time.perf_counter()
+    job = server.completion_job(req, asyncio.get_running_loop(), received)
+    return await _respond(server, job, request, "completions", req)
+
+  app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+  return app
+
+
+async def _respond(server: Server, job: Job, request: Request, endpoint: str, req):
+  if req.stream:
+    server.worker.submit(job)  # a 429 is raised here, before the stream starts
+    include = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(server.stream(job, endpoint, include), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+  body = await server.run(job, request, endpoint)
+  return JSONResponse(body)
+
+
+def _model_card(server: Server) -> dict[str, Any]:
+  c = server.engine.model.config
+  return {"id": server.config.model_name, "object": "model", "created": server.created,
+          "owned_by": "ftjax", "model_type": c.model_type, "max_model_len": server.engine.max_seq_len}
+
+
+class BackgroundServer:
+  """Runs ``app`` with uvicorn in a daemon thread on ``host`` and an OS-chosen port (or
+  ``port``); ``url`` is its base URL, ``stop()`` shuts it down."""
+
+  def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+    self.app = app
+    self.socket = bind(host, port)
+    self.host, self.port = self.socket.getsockname()[:2]
+    self.url = f"http://{self.host}:{self.port}"
+    self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                   daemon=True, name="ftjax-http")
+    self.thread.start()
+    deadline = time.monotonic() + 30
+    while not self.server.started:
+      if time.monotonic() > deadline or not self.thread.is_alive():
+        raise RuntimeError("the HTTP server did not start")
+      time.sleep(0.01)
+
+  def stop(self) -> None:
+    self.server.should_exit = True
+    self.thread.join(timeout=30)
+    self.app.state.server.worker.stop()
+    self.socket.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+  """A listening TCP socket on ``host``:``port`` (0: the OS picks)."""
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind((host, port))
+  sock.listen(128)
+  return sock
+
+

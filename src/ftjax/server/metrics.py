@@ -1,0 +1,81 @@
+"""The server's Prometheus metrics (``GET /metrics``), in their own registry.
+
+Counters: requests by endpoint and status, prompt/completion/cached tokens, expert-cache hits,
+fills and host-run experts (``Engine.cache_totals``). Histograms: time to first token (queue
+wait included) and decode tokens per second. Gauges, read at scrape time: requests waiting,
+sessions held and their memory, anchors and their bytes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class _CacheTotals(Collector):
+  def __init__(self, engine):
+    self.engine = engine
+
+  def collect(self):
+    totals = self.engine.cache_totals()
+    for key, help_ in (("hits", "routed experts found in the expert cache"),
+                       ("fills", "routed experts copied into the expert cache"),
+                       ("host", "routed experts run in place on the host")):
+      family = CounterMetricFamily(f"ftjax_expert_cache_{key}", help_)
+      family.add_metric([], totals[key])
+      yield family
+
+
+class Metrics:
+
+  def __init__(self):
+    r = self.registry = CollectorRegistry()
+    self.requests = Counter("ftjax_requests", "HTTP requests answered", ["endpoint", "status"],
+                            registry=r)
+    self.prompt_tokens = Counter("ftjax_prompt_tokens", "prompt tokens of finished requests",
+                                 registry=r)
+    self.completion_tokens = Counter("ftjax_completion_tokens", "tokens generated", registry=r)
+    self.cached_tokens = Counter("ftjax_cached_tokens",
+                                 "prompt tokens reused from a session (not prefilled)",
+                                 registry=r)
+    self.ttft = Histogram("ftjax_time_to_first_token_seconds",
+                          "from the request's arrival to its first token", ["endpoint"],
+                          buckets=TTFT_BUCKETS, registry=r)
+    self.rate = Histogram("ftjax_decode_tokens_per_second",
+                          "decode speed of a request after its first token", ["endpoint"],
+                          buckets=RATE_BUCKETS, registry=r)
+
+  def bind(self, worker, engine) -> None:
+    """Gauges over the worker's queue and session pool, counters over the engine's cache."""
+    r = self.registry
+    Gauge("ftjax_requests_waiting", "requests queued behind the running one",
+          registry=r).set_function(lambda: worker.waiting)
+    Gauge("ftjax_requests_running", "1 while the engine runs a request",
+          registry=r).set_function(lambda: int(worker.running))
+    pool = worker.pool
+    Gauge("ftjax_sessions", "sessions held", registry=r).set_function(lambda: len(pool._sessions))
+    Gauge("ftjax_session_bytes", "memory of the sessions held (KV, states, anchors)",
+          registry=r).set_function(pool.memory_bytes)
+    Gauge("ftjax_anchors", "recurrent-state anchors held",
+          registry=r).set_function(lambda: pool.stats()["anchors"])
+    Gauge("ftjax_anchor_bytes", "bytes of the anchors held",
+          registry=r).set_function(lambda: pool.stats()["anchor_bytes"])
+    r.register(_CacheTotals(engine))
+
+  def finished(self, endpoint: str, outcome) -> None:
+    self.requests.labels(endpoint, "200").inc()
+    self.prompt_tokens.inc(outcome.prompt_tokens)
+    self.completion_tokens.inc(outcome.completion_tokens)
+    self.cached_tokens.inc(outcome.cached_tokens)
+    self.ttft.labels(endpoint).observe(outcome.ttft_s)
+    if outcome.decode_tok_s is not None:
+      self.rate.labels(endpoint).observe(outcome.decode_tok_s)
+
+  def rejected(self, path: str, status: int) -> None:
+    endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path,
+                                                                                      "other")
+    self.requests.labels(endpoint, str(status)).inc()

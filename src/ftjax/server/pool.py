@@ -1,0 +1,91 @@
+"""The server's sessions: one ``ftjax.Session`` per conversation, matched to each request by
+the longest reusable token prefix, under a memory budget with LRU eviction.
+
+A request's prompt is matched against every held session (``Session.reusable_tokens``: the
+common prefix for attention layers, the nearest anchor for recurrent ones). The best match is
+used in place when it keeps at least ``min_share`` of that session's context (an agent's next
+turn, or its edit of an earlier one). A shorter match is forked (``Session.fork``: the state
+is copied), so that a conversation that shares only a system prompt with another, or a
+regenerated reply, does not wipe out the other's state; no match at all gets a new session.
+After each request the least recently used sessions are dropped until the pool holds at most
+``max_sessions`` and ``budget_bytes`` (the session just used is always kept).
+
+The engine runs one sequence at a time, so the pool is used from the server's one worker
+thread only and needs no locks.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Sequence
+
+from ftjax.runtime.engine import Engine
+from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, Session
+
+
+class SessionPool:
+
+  def __init__(self, engine: Engine, *, budget_bytes: int = 4 << 30, max_sessions: int = 8,
+               reuse: bool = True, min_share: float = 0.5,
+               anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES):
+    if max_sessions < 1:
+      raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+    if budget_bytes < 0:
+      raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    self.engine = engine
+    self.budget_bytes, self.max_sessions = int(budget_bytes), int(max_sessions)
+    self.reuse, self.min_share = reuse, float(min_share)
+    self.anchor_budget_bytes = int(anchor_budget_bytes)
+    self._sessions: collections.OrderedDict[int, Session] = collections.OrderedDict()  # LRU first
+    self._serial = itertools.count()
+    self.created = 0
+    self.forked = 0
+    self.evicted = 0
+
+  def _new(self) -> Session:
+    self.created += 1
+    return Session(self.engine, anchor_budget_bytes=self.anchor_budget_bytes)
+
+  def take(self, token_ids: Sequence[int]) -> Session:
+    """The session to serve ``token_ids`` with (the best match, or a new one); it becomes the
+    most recently used."""
+    if not self.reuse:
+      return self._new()
+    best_key, best = None, 0
+    for key, session in self._sessions.items():  # later = more recent: wins ties
+      reusable = session.reusable_tokens(token_ids)
+      if reusable >= best and reusable > 0:
+        best_key, best = key, reusable
+    if best_key is not None and best >= self.min_share * len(self._sessions[best_key].tokens):
+      self._sessions.move_to_end(best_key)
+      return self._sessions[best_key]
+    if best_key is not None:
+      session = self._sessions[best_key].fork()
+      self.forked += 1
+    else:
+      session = self._new()
+    while len(self._sessions) >= self.max_sessions:
+      self._sessions.popitem(last=False)
+      self.evicted += 1
+    self._sessions[next(self._serial)] = session
+    return session
+
+  def done(self, session: Session) -> None:
+    """After a request on ``session``: evicts idle sessions over the limits (LRU first)."""
+    keep = next((k for k, s in self._sessions.items() if s is session), None)
+    while len(self._sessions) > 1 and (len(self._sessions) > self.max_sessions
+                                       or self.memory_bytes() > self.budget_bytes):
+      key = next(k for k in self._sessions if k != keep)
+      del self._sessions[key]
+      self.evicted += 1
+
+  def memory_bytes(self) -> int:
+    return sum(s.memory_bytes() for s in self._sessions.values())
+
+  def stats(self) -> dict[str, Any]:
+    sessions = list(self._sessions.values())
+    return {"sessions": len(sessions), "memory_bytes": self.memory_bytes(),
+            "anchors": sum(s.stats()["anchors"] for s in sessions),
+            "anchor_bytes": sum(s.stats()["anchor_bytes"] for s in sessions),
+            "created": self.created, "forked": self.forked, "evicted": self.evicted}

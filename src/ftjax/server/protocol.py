@@ -1,0 +1,187 @@
+"""OpenAI's request bodies as pydantic models, and its error format.
+
+Fields the server does not use (``user``, ``metadata``, ``parallel_tool_calls``, ...) are
+accepted and ignored, as OpenAI-compatible servers do; fields whose meaning the server cannot
+honour (``n`` > 1, ``logprobs``, penalties, a JSON ``response_format``, a forced
+``tool_choice``) are a 400 that says so, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOPS = 4
+
+
+class ApiError(Exception):
+  """An error answered in OpenAI's format: ``{"error": {"message", "type", "param",
+  "code"}}`` with HTTP ``status``."""
+
+  TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+           413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+           503: "server_error"}
+
+  def __init__(self, status: int, message: str, *, param: str | None = None,
+               code: str | None = None, headers: dict[str, str] | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code = status, message, param, code
+    self.headers = headers or {}
+
+  def body(self) -> dict[str, Any]:
+    return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                      "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDef(_Body):
+  name: str = Field(min_length=1)
+  description: str | None = None
+  parameters: dict[str, Any] | None = None
+  strict: bool | None = None
+
+
+class Tool(_Body):
+  type: Literal["function"]
+  function: FunctionDef
+
+
+class CalledFunction(_Body):
+  name: str
+  arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Body):
+  id: str | None = None
+  type: Literal["function"] = "function"
+  function: CalledFunction
+
+
+class TextPart(_Body):
+  type: Literal["text"]
+  text: str
+
+
+class Message(_Body):
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[TextPart] | None = None
+  name: str | None = None
+  tool_calls: list[ToolCallIn] | None = None
+  tool_call_id: str | None = None
+  reasoning_content: str | None = None
+
+  @model_validator(mode="after")
+  def _content_needed(self):
+    if self.content is None and self.role != "assistant":
+      raise ValueError(f"a {self.role} message needs 'content'")
+    if self.tool_calls and self.role != "assistant":
+      raise ValueError("only assistant messages carry 'tool_calls'")
+    return self
+
+  def for_template(self) -> dict[str, Any]:
+    """The dict the chat template reads (``developer`` is rendered as ``system``)."""
+    out = self.model_dump(exclude_none=True)
+    if out["role"] == "developer":
+      out["role"] = "system"
+    return out
+
+
+class StreamOptions(_Body):
+  include_usage: bool = False
+
+
+class _Sampling(_Body):
+  model: str = Field(min_length=1)
+  temperature: float | None = Field(default=None, ge=0, le=2)
+  top_p: float | None = Field(default=None, gt=0, le=1)
+  seed: int | None = None
+  stop: str | list[str] | None = None
+  n: int | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  logprobs: bool | int | None = None
+  logit_bias: dict[str, float] | None = None
+
+  @field_validator("stop")
+  @classmethod
+  def _stops(cls, v):
+    if isinstance(v, list):
+      if len(v) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(v)}")
+      if any(not s for s in v):
+        raise ValueError("stop sequences must be non-empty strings")
+    elif v == "":
+      raise ValueError("a stop sequence must be a non-empty string")
+    return v
+
+  @model_validator(mode="after")
+  def _supported(self):
+    if self.n not in (None, 1):
+      raise ValueError(f"n={self.n} is not supported: this server returns one choice (n=1)")
+    for name in ("presence_penalty", "frequency_penalty"):
+      if getattr(self, name) not in (None, 0):
+        raise ValueError(f"{name} is not supported by this server: leave it out or 0")
+    if self.logprobs not in (None, False, 0):
+      raise ValueError("logprobs are not supported by this server: leave them out")
+    if self.logit_bias:
+      raise ValueError("logit_bias is not supported by this server: leave it out")
+    if self.stream_options is not None and not self.stream:
+      raise ValueError("stream_options is only allowed with stream=true")
+    return self
+
+  @property
+  def stops(self) -> list[str]:
+    return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatRequest(_Sampling):
+  messages: list[Message] = Field(min_length=1)
+  tools: list[Tool] | None = None
+  tool_choice: Literal["auto", "none"] | dict[str, Any] | None = None
+  max_tokens: int | None = Field(default=None, ge=1)
+  max_completion_tokens: int | None = Field(default=None, ge=1)
+  response_format: dict[str, Any] | None = None
+  chat_template_kwargs: dict[str, Any] | None = None
+
+  @model_validator(mode="after")
+  def _chat_supported(self):
+    if isinstance(self.tool_choice, dict):
+      raise ValueError("tool_choice forcing a function is not supported by this server: use "
+                       "'auto' or 'none'")
+    if self.response_format not in (None, {"type": "text"}):
+      raise ValueError("response_format other than {'type': 'text'} is not supported by this "
+                       "server")
+    return self
+
+  @property
+  def limit(self) -> int | None:
+    return self.max_completion_tokens if self.max_completion_tokens is not None \
+        else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+  prompt: str | list[int] = Field(min_length=1)
+  max_tokens: int | None = Field(default=16, ge=1)
+  echo: bool = False
+  suffix: str | None = None
+  best_of: int | None = None
+
+  @model_validator(mode="after")
+  def _completion_supported(self):
+    if self.echo:
+      raise ValueError("echo is not supported by this server")
+    if self.suffix:
+      raise ValueError("suffix (insertion) is not supported by this server")
+    if self.best_of not in (None, 1):
+      raise ValueError("best_of is not supported by this server")
+    return self
+
+  @property
+  def limit(self) -> int | None:
+    return self.max_tokens
