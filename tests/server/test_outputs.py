@@ -1,4 +1,5 @@
-"""The reply parser and stop matcher: the same deltas however the text is cut into pieces."""
+"""The reply parser and stop matcher (the same deltas however the text is cut into pieces), and
+the per-turn prompt encoder (the same ids as encoding the whole text)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import json
 
 import pytest
 
+from ftjax.assets import DEFAULT_HYBRID_MODEL_DIR
+from ftjax.runtime.chat_template import load_chat_template
+from ftjax.runtime.tokenizer import load_tokenizer
+from ftjax.server.app import TurnEncoder
 from ftjax.server.outputs import ReplyParser, StopMatcher, opens_thinking
 
 
@@ -118,3 +123,31 @@ def test_opens_thinking():
   assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
   assert not opens_thinking("<|im_start|>user\n<think>x</think><|im_end|>\n"
                             "<|im_start|>assistant\n")
+
+
+def test_turn_encoder_equals_whole_text_encoding():
+  tok = load_tokenizer(DEFAULT_HYBRID_MODEL_DIR, 4096)
+  template = load_chat_template(DEFAULT_HYBRID_MODEL_DIR)
+  encoder = TurnEncoder(tok)
+  assert encoder.per_turn
+  messages = [{"role": "system", "content": "Be brief.  "},
+              {"role": "user", "content": "x = [1,\n 2]<|im_start|>"}]
+  for turn in range(4):
+    text = template.render(messages, add_generation_prompt=True)
+    assert encoder.encode(text) == tok.encode(text)
+    messages += [{"role": "assistant", "content": f" reply {turn}\n\n", "reasoning_content": "hm"},
+                 {"role": "user", "content": f"\tnext {turn} <|im_end|> café"}]
+  assert encoder.encode("no marker at all") == tok.encode("no marker at all")
+
+
+def test_turn_encoder_refuses_a_tokenizer_that_adds_tokens():
+  class WithBos:
+    def encode(self, text):
+      return [1] + [ord(c) for c in text]
+
+    def token_id(self, token):
+      return 7
+
+  encoder = TurnEncoder(WithBos())
+  assert not encoder.per_turn
+  assert encoder.encode("a<|im_start|>b") == WithBos().encode("a<|im_start|>b")

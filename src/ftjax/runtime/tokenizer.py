@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Protocol, Sequence
 
@@ -55,11 +56,20 @@ class HFTokenizer:
     return self._tok.token_to_id(token)
 
 
+@functools.lru_cache(maxsize=16)
+def _hf_tokenizer(path: str, mtime_ns: int, size: int) -> HFTokenizer:
+  del mtime_ns, size  # the cache key: a rewritten file is read again
+  return HFTokenizer(path)
+
+
 def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:
+  """The model's ``tokenizer.json`` (parsed once per file and shared: a session or a server
+  request does not read it again), else the UTF-8 byte fallback."""
   if model_dir:
     path = os.path.join(model_dir, "tokenizer.json")
     if os.path.isfile(path):
-      return HFTokenizer(path)
+      st = os.stat(path)
+      return _hf_tokenizer(os.path.abspath(path), st.st_mtime_ns, st.st_size)
   return ByteTokenizer(vocab_size)
 
 

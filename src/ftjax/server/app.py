@@ -75,6 +75,7 @@ class Job:
   max_tokens: int
   sampling: dict[str, Any]
   stops: list[str]
+  stream: bool  # send the deltas as they come (else all at once, with the outcome)
   chat: bool  # parse reasoning and tool calls (False: raw text, /v1/completions)
   reasoning: bool  # the reply starts inside <think>
   tool_calls: bool
@@ -165,6 +166,15 @@ class Worker:
       parser = ReplyParser(reasoning=job.reasoning, tool_calls=job.tool_calls) if job.chat \
           else None
       count, first_at, finish = 0, None, "length"
+      held: list[Delta] = []  # a non-streaming reply's deltas, sent once at the end
+
+      def send(out: list[Delta]) -> None:
+        if not out:
+          return
+        if job.stream:
+          job.send("deltas", out)
+        else:
+          held.extend(out)
 
       def deltas(text: str) -> list[Delta]:
         if parser is None:
@@ -184,17 +194,16 @@ class Worker:
         out = deltas(stops.push(decoder.push(tok)))
         if stops.stopped:
           finish = "stop"
-        if out:
-          job.send("deltas", out)
+        send(out)
 
       session.generate(job.max_tokens, stop_tokens=self.eos, on_token=on_token,
                        cancel=lambda: job.cancelled.is_set() or stops.stopped, **job.sampling)
       done = time.perf_counter()
       tail = stops.push(decoder.flush()) if not stops.stopped else ""
       tail += stops.flush()
-      out = deltas(tail) + (parser.flush() if parser is not None else [])
-      if out:
-        job.send("deltas", out)
+      send(deltas(tail) + (parser.flush() if parser is not None else []))
+      if held:
+        job.send("deltas", held)
       if parser is not None and parser.calls:
         finish = "tool_calls"
       ttft = (first_at or done) - job.received
@@ -218,6 +227,42 @@ def _tool_call_json(call, index: int | None = None) -> dict[str, Any]:
   return out if index is None else {"index": index, **out}
 
 
+class TurnEncoder:
+  """Token ids of rendered prompts, encoded one turn at a time with the turns' ids cached.
+
+  An agent resends its whole conversation each turn, so all but the newest turns were encoded
+  before. The text is cut before each ``<|im_start|>``; a tokenizer isolates its added tokens
+  before the BPE runs, so the pieces encode independently, and their ids joined equal the
+  whole text's. That is checked once on a probe text (a tokenizer whose post-processor adds
+  tokens, a BOS say, would fail it): then every prompt is encoded whole (``per_turn`` False)."""
+
+  def __init__(self, tokenizer, marker: str = "<|im_start|>", max_entries: int = 4096):
+    self.tokenizer, self.marker, self.max_entries = tokenizer, marker, max_entries
+    self._cache: dict[str, list[int]] = {}
+    probe = ["system\nhi there", f"{marker}user\n x = [1, 2]\n", f"{marker}assistant\n"]
+    self.per_turn = (tokenizer.token_id(marker) is not None and tokenizer.encode("".join(probe))
+                     == [t for piece in probe for t in tokenizer.encode(piece)])
+
+  def encode(self, text: str) -> list[int]:
+    if not self.per_turn:
+      return self.tokenizer.encode(text)
+    ids: list[int] = []
+    start = 0
+    while start < len(text):
+      end = text.find(self.marker, start + 1)
+      end = len(text) if end < 0 else end
+      piece = text[start:end]
+      cached = self._cache.get(piece)
+      if cached is None:
+        cached = self.tokenizer.encode(piece)
+        if len(self._cache) >= self.max_entries:
+          self._cache.pop(next(iter(self._cache)))  # the oldest entry
+        self._cache[piece] = cached
+      ids += cached
+      start = end
+    return ids
+
+
 class Server:
   """The app's state: the engine's worker, the template and tokenizer, the metrics."""
 
@@ -225,6 +270,7 @@ class Server:
     self.engine, self.config = engine, config
     model = engine.model
     self.tokenizer = load_tokenizer(model.path, model.config.vocab_size)
+    self.encoder = TurnEncoder(self.tokenizer)
     self.template = load_chat_template(model.path)
     self.metrics = Metrics()
     self.worker = Worker(engine, config, self.metrics)
@@ -276,11 +322,11 @@ class Server:
     except TypeError as e:
       raise ApiError(400, f"chat_template_kwargs are not valid template options: {e}",
                      param="chat_template_kwargs") from None
-    ids = self.tokenizer.encode(prompt)
+    ids = self.encoder.encode(prompt)
     limit = self._limit(len(ids), req.limit, "max_completion_tokens"
                         if req.max_completion_tokens is not None else "max_tokens")
     return Job(ids=ids, max_tokens=limit, sampling=self._sampling(req), stops=req.stops,
-               chat=True, reasoning=opens_thinking(prompt),
+               stream=req.stream, chat=True, reasoning=opens_thinking(prompt),
                tool_calls=bool(tools) and req.tool_choice != "none", loop=loop,
                received=received)
 
@@ -299,7 +345,8 @@ class Server:
                        param="prompt")
     limit = self._limit(len(ids), req.limit, "max_tokens")
     return Job(ids=ids, max_tokens=limit, sampling=self._sampling(req), stops=req.stops,
-               chat=False, reasoning=False, tool_calls=False, loop=loop, received=received)
+               stream=req.stream, chat=False, reasoning=False, tool_calls=False, loop=loop,
+               received=received)
 
   # -- Jobs to responses --------------------------------------------------------------------
 
@@ -316,12 +363,12 @@ class Server:
   async def run(self, job: Job, request: Request, endpoint: str) -> dict[str, Any]:
     """Waits for the whole reply (a client that goes away cancels the job)."""
     rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
-    self.worker.submit(job)
     content, reasoning, calls = [], [], []
     outcome = None
     events = self._events(job)
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
+      self.worker.submit(job)  # last: the worker starts while this task waits
       async for kind, payload in events:
         if kind == "deltas":
           for d in payload:
@@ -337,6 +384,7 @@ class Server:
           outcome = payload
     finally:
       watcher.cancel()
+      job.cancelled.set()  # a no-op when done; drops the job if this task was cancelled
     if outcome is None:  # cancelled: the client is gone
       return {}
     self._finished(endpoint, outcome)
@@ -408,11 +456,11 @@ class Server:
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
+  """Cancels ``job`` when its (non-streaming) client goes away; checks every 0.25 s."""
   while not job.cancelled.is_set():
+    await asyncio.sleep(0.25)
     if await request.is_disconnected():
       job.cancelled.set()
-      return
-    await asyncio.sleep(0.25)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -577,9 +625,12 @@ class BackgroundServer:
 
 
 def bind(host: str, port: int) -> socket.socket:
-  """A listening TCP socket on ``host``:``port`` (0: the OS picks)."""
+  """A listening TCP socket on ``host``:``port`` (0: the OS picks). Made with an explicit
+  IPPROTO_TCP, so that asyncio sets TCP_NODELAY on the connections it accepts (it checks the
+  protocol number): without it a response's head and body, written apart, wait on Nagle's
+  algorithm and the client's delayed ACK, 40 ms a request."""
   family = socket.AF_INET6 if ":" in host else socket.AF_INET
-  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, port))
   sock.listen(128)
