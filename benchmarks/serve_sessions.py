@@ -9,7 +9,7 @@ greedy token (``max_tokens=1``, not streamed), so its wall time in the client is
 rendering and tokenizing, HTTP and JSON both ways, the queue, the session match, the prefill
 and the first token.
 
-Five ways, in alternating rounds (``--rounds``, default 3; medians per turn):
+Five ways, in alternating rounds (``--rounds``, default 5; medians per turn):
 
 - ``session_only``: ``Session.set_context(ids)`` and ``generate(1)`` on the ids the server
   would render, on a fresh session per round (the floor: no rendering, no HTTP);
@@ -31,7 +31,7 @@ server over ``session_only`` (rendering and tokenizing included), and the ``open
 own work (building and validating its request and response objects). ``results/serve_sessions.json`` holds every turn; ``results/serve_sessions.png``
 plots TTFT per turn.
 
-  /work/venv/bin/python benchmarks/serve_sessions.py [--rounds 3] [--turns 20]
+  /work/venv/bin/python benchmarks/serve_sessions.py [--rounds 5] [--turns 20]
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def plot(medians: dict, path: str) -> str | None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--turns", type=int, default=20)
-  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--rounds", type=int, default=5)
   args = parser.parse_args()
   t_start = time.perf_counter()
   model = ftjax.load("default-hybrid")

@@ -85,7 +85,10 @@ class Job:
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
   def send(self, kind: str, payload: Any = None) -> None:
-    self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+    try:
+      self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+    except RuntimeError:  # the event loop is closed (the server stopped): nobody waits
+      self.cancelled.set()
 
 
 @dataclasses.dataclass
@@ -96,12 +99,13 @@ class Outcome:
   finish_reason: str
   ttft_s: float
   decode_tok_s: float | None
+  after_cancel: int = 0  # tokens generated after the client went away (at most one chunk)
 
 
 class Worker:
   """The one thread that runs the engine, taking jobs in arrival order."""
 
-  def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics):
+  def __init__(self, engine: Engine, config: ServerConfig):
     self.engine = engine
     model = engine.model
     self.tokenizer = load_tokenizer(model.path, model.config.vocab_size)
@@ -109,7 +113,6 @@ class Worker:
     self.pool = SessionPool(engine, budget_bytes=config.session_budget_bytes,
                             max_sessions=config.max_sessions, reuse=config.session_reuse,
                             anchor_budget_bytes=config.anchor_budget_bytes)
-    self.metrics = metrics
     self.max_queue = config.max_queue
     self._jobs: queue.Queue[Job | None] = queue.Queue()
     self._lock = threading.Lock()
@@ -165,7 +168,7 @@ class Worker:
       stops = StopMatcher(job.stops)
       parser = ReplyParser(reasoning=job.reasoning, tool_calls=job.tool_calls) if job.chat \
           else None
-      count, first_at, finish = 0, None, "length"
+      count, first_at, finish, after_cancel = 0, None, "length", 0
       held: list[Delta] = []  # a non-streaming reply's deltas, sent once at the end
 
       def send(out: list[Delta]) -> None:
@@ -182,7 +185,9 @@ class Worker:
         return parser.push(text)
 
       def on_token(tok: int) -> None:
-        nonlocal count, first_at, finish
+        nonlocal count, first_at, finish, after_cancel
+        if job.cancelled.is_set():
+          after_cancel += 1
         if stops.stopped or finish == "stop":
           return  # past a stop string: generated but not part of the reply
         count += 1
@@ -210,7 +215,7 @@ class Worker:
       rate = (count - 1) / (done - first_at) if first_at is not None and count > 1 else None
       return Outcome(prompt_tokens=len(job.ids), completion_tokens=count,
                      cached_tokens=context.reused_tokens, finish_reason=finish, ttft_s=ttft,
-                     decode_tok_s=rate)
+                     decode_tok_s=rate, after_cancel=after_cancel)
     finally:
       self.pool.done(session)
 
@@ -273,7 +278,7 @@ class Server:
     self.encoder = TurnEncoder(self.tokenizer)
     self.template = load_chat_template(model.path)
     self.metrics = Metrics()
-    self.worker = Worker(engine, config, self.metrics)
+    self.worker = Worker(engine, config)
     self.metrics.bind(self.worker, engine)
     self.created = int(time.time())
 
@@ -304,7 +309,8 @@ class Server:
   def _sampling(self, req) -> dict[str, Any]:
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
-    seed = req.seed if req.seed is not None else random.getrandbits(31)
+    # Any integer seed (OpenAI's are unbounded): the engine's are uint32.
+    seed = req.seed % 2**32 if req.seed is not None else random.getrandbits(32)
     if temperature == 0:
       return {"greedy": True, "seed": seed}
     return {"greedy": False, "temperature": temperature, "top_p": top_p, "seed": seed}
@@ -357,9 +363,6 @@ class Server:
       if kind in ("done", "error", "cancelled"):
         return
 
-  def _finished(self, endpoint: str, outcome: Outcome) -> None:
-    self.metrics.finished(endpoint, outcome)
-
   async def run(self, job: Job, request: Request, endpoint: str) -> dict[str, Any]:
     """Waits for the whole reply (a client that goes away cancels the job)."""
     rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
@@ -387,7 +390,7 @@ class Server:
       job.cancelled.set()  # a no-op when done; drops the job if this task was cancelled
     if outcome is None:  # cancelled: the client is gone
       return {}
-    self._finished(endpoint, outcome)
+    self.metrics.finished(endpoint, outcome)
     base = {"id": rid, "created": int(time.time()), "model": self.config.model_name,
             "system_fingerprint": f"ftjax-{self.engine.kernels}", "usage": _usage(outcome)}
     text = "".join(content)
@@ -405,7 +408,8 @@ class Server:
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": outcome.finish_reason}]}
 
-  async def stream(self, job: Job, endpoint: str, include_usage: bool) -> AsyncIterator[str]:
+  async def stream(self, job: Job, request: Request, endpoint: str,
+                   include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
     rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
@@ -424,6 +428,7 @@ class Server:
       return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     calls = 0
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
       if job.chat:
         yield chunk({"role": "assistant", "content": ""})
@@ -444,7 +449,7 @@ class Server:
           yield f"data: {json.dumps(error.body())}\n\n"
           return
         elif kind == "done":
-          self._finished(endpoint, payload)
+          self.metrics.finished(endpoint, payload)
           yield chunk(finish=payload.finish_reason)
           if include_usage:
             body = {**base, "object": "chat.completion.chunk" if job.chat else "text_completion",
@@ -452,15 +457,19 @@ class Server:
             yield f"data: {json.dumps(body)}\n\n"
           yield "data: [DONE]\n\n"
     finally:
+      watcher.cancel()
       job.cancelled.set()  # a no-op when done; stops the job when the client went away
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
-  """Cancels ``job`` when its (non-streaming) client goes away; checks every 0.25 s."""
-  while not job.cancelled.is_set():
-    await asyncio.sleep(0.25)
-    if await request.is_disconnected():
+  """Cancels ``job`` as soon as its client goes away. The request's body has been read, so
+  the next ASGI message is the disconnect (uvicorn answers every later receive with it too):
+  no polling."""
+  while True:
+    message = await request.receive()
+    if message["type"] == "http.disconnect":
       job.cancelled.set()
+      return
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -586,7 +595,8 @@ async def _respond(server: Server, job: Job, request: Request, endpoint: str, re
   if req.stream:
     server.worker.submit(job)  # a 429 is raised here, before the stream starts
     include = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(server.stream(job, endpoint, include), media_type="text/event-stream",
+    return StreamingResponse(server.stream(job, request, endpoint, include),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
   body = await server.run(job, request, endpoint)
   return JSONResponse(body)
