@@ -63,7 +63,7 @@ from ftjax.runtime.chat_template import load_chat_template
 from ftjax.runtime.tokenizer import load_tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, machine_info, write_results  # noqa: E402
+from common import RESULTS_DIR, machine_info, pyplot, write_results  # noqa: E402
 
 GOAL_WORST_TTFT_RATIO = 5.0
 GOAL_ANCHOR_FRACTION_OF_KV = 0.10
@@ -224,12 +224,8 @@ def bench_model(name: str, model, tokenizer, template, turns: int, kernels: str,
 
 
 def plot(results: dict, path: str) -> str | None:
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
-    print("matplotlib is not installed: no plot", flush=True)
+  plt = pyplot()
+  if plt is None:
     return None
   fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
   for ax, (name, res) in zip(axes[0], results.items()):

@@ -59,3 +59,16 @@ def write_results(name: str, results: dict) -> str:
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
   return path
+
+
+def pyplot():
+  """matplotlib's pyplot on the Agg backend, or None (said on stdout) when matplotlib is not
+  installed: the benchmark then writes its numbers without the plot."""
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    print("matplotlib is not installed: no plot", flush=True)
+    return None
+  return plt

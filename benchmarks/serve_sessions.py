@@ -54,7 +54,7 @@ from ftjax.server.app import TurnEncoder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agent_sessions import TOOLS, conversation  # noqa: E402
-from common import RESULTS_DIR, machine_info, write_results  # noqa: E402
+from common import RESULTS_DIR, machine_info, pyplot, write_results  # noqa: E402
 
 GOAL_OVERHEAD_S = 0.005
 WAYS = ("session_only", "in_process", "server", "server_raw", "server_no_reuse")
@@ -135,12 +135,8 @@ def through_server(engine, requests: list[list[dict]], reuse: bool, raw: bool) -
 
 
 def plot(medians: dict, path: str) -> str | None:
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
-    print("matplotlib is not installed: no plot", flush=True)
+  plt = pyplot()
+  if plt is None:
     return None
   fig, ax = plt.subplots(figsize=(7, 4))
   for way, values in medians.items():

@@ -99,6 +99,7 @@ class Outcome:
   finish_reason: str
   ttft_s: float
   decode_tok_s: float | None
+  cancelled: bool = False  # the client went away before the reply was complete
   after_cancel: int = 0  # tokens generated after the client went away (at most one chunk)
 
 
@@ -215,7 +216,8 @@ class Worker:
       rate = (count - 1) / (done - first_at) if first_at is not None and count > 1 else None
       return Outcome(prompt_tokens=len(job.ids), completion_tokens=count,
                      cached_tokens=context.reused_tokens, finish_reason=finish, ttft_s=ttft,
-                     decode_tok_s=rate, after_cancel=after_cancel)
+                     decode_tok_s=rate, cancelled=job.cancelled.is_set(),
+                     after_cancel=after_cancel)
     finally:
       self.pool.done(session)
 
