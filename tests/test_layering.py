@@ -38,7 +38,7 @@ ALLOWED = {
     "server": {"runtime", "utils", "assets"},
 }
 # Compiled extension modules (no .py source) and the layer they belong to.
-EXTENSIONS = {"ftjax._ffi": "kernels"}
+EXTENSIONS = {"ftjax._ffi": "kernels", "ftjax._ffi_cuda": "kernels"}
 # What the model may take from the kernels: its dense ops (GEMV/GEMM, attention), never the
 # expert kernels (the routed experts come as an argument).
 MODEL_KERNELS = {"ftjax.kernels", "ftjax.kernels.dense", "ftjax.kernels.attention"}

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "expert_ffn.h"
 #include "ffi_util.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -498,6 +499,27 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+std::string HostExpertFfn(const HostExpertProblem& p) {
+  const HostSetup setup = ChooseHostSetup(nullptr);  // ftjax's own worker pool
+  if (!setup.error.empty()) return setup.error;
+  for (int64_t r = 0; r < p.tokens * p.top_k; ++r) {
+    if (p.ids[r] < -1 || p.ids[r] >= p.experts) {
+      return "route " + std::to_string(r) + " names expert " + std::to_string(p.ids[r]) +
+             ", outside [-1, E) with E = " + std::to_string(p.experts);
+    }
+  }
+  const ExpertFfnDims dims{p.tokens, p.model_dim, p.top_k, p.ffn_dim, p.experts, p.block_size};
+  if (p.bank_bf16) {
+    ExpertFfn(dims, p.x, p.ids, p.weights, static_cast<const Bf16Bits*>(p.bank_ep),
+              p.bf16_activations, *setup.kernels, setup.workers, p.y);
+  } else {
+    ExpertFfn(dims, p.x, p.ids, p.weights, static_cast<const float*>(p.bank_ep),
+              p.bf16_activations, *setup.kernels, setup.workers, p.y);
+  }
+  return "";
+}
+
 }  // namespace ftjax
 
 // ---------------------------------------------------------------------------------------------

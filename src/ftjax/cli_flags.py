@@ -44,6 +44,10 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
                                      "bandwidth profile JSON (python -m ftjax.profile)"),
       "bandwidths": flags.DEFINE_list("bandwidths", None,
                                       "B_P,B_H in GB/s (instead of --profile)"),
+      "pool": flags.DEFINE_enum(
+          "pool", "auto", ["auto", "device", "pinned_host", "mapped"],
+          "where the host expert pool lives: device (CPU default), pinned_host (fills as "
+          "async copies), mapped (GPU, registered by the CUDA module); auto picks per backend"),
   }
 
 
@@ -83,4 +87,4 @@ def build_engine(holders: dict[str, flags.FlagHolder]) -> Engine:
   model = load(holders["model"].value or "default")
   return Engine(model, max_seq_len=holders["max_seq_len"].value,
                 kernels=holders["kernels"].value, decode_chunk=holders["decode_chunk"].value,
-                **cache_options(holders))
+                pool=holders["pool"].value, **cache_options(holders))

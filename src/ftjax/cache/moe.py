@@ -15,9 +15,17 @@ for every policy and cache size.
 ``CachedExperts`` wraps it as the model's routed-experts function
 (``ftjax.model.moe.RoutedExperts``): it carries the cache through a step and records each
 layer's counts in ``StepStats``.
+
+Where the pool lives and how the two host-side paths run is the static ``Offload``: by default
+the step's kernels do both (the CPU backend, where "device" memory is host memory too); with
+the pool in ``pinned_host`` memory fills are in-program slices that XLA turns into
+host-to-device copies; on a GPU the CUDA ops of ``ftjax.kernels.cuda`` fill from and run host
+experts on a registered pool (DESIGN section 10).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +35,48 @@ from ftjax.cache.policy import Plan, PolicyConfig, plan
 from ftjax.cache.state import ExpertCache
 from ftjax.experts import routed_experts
 from ftjax.kernels import slot_fill
+from ftjax.kernels.cuda import PoolSpec, host_experts_done, host_experts_start, pool_fill
 from ftjax.utils.arrays import take
+
+FILLS = ("kernels", "slices", "cuda")
+HOSTS = ("kernels", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+  """Where the host pool lives and how fills and host experts run (static, hashable).
+
+  fill:
+    ``kernels``: by the step's kernels (the FFI slot fill, or an XLA scatter), the pool an
+      ordinary array (the CPU backend);
+    ``slices``: the pool is a ``pinned_host`` array and each planned fill is a dynamic slice of
+      it moved to device memory inside the program, masked by the plan (a static number of
+      them: a gather across memory spaces does not lower, and a scatter into ``pinned_host``
+      fails on CUDA); on a GPU XLA runs them as asynchronous host-to-device copies;
+    ``cuda``: the CUDA copy kernel reading the registered pool (``pool``).
+  host:
+    ``kernels``: host routes by the step's kernels on the pool in place (the CPU backend);
+    ``cuda``: the CUDA start/done pair on the registered pool, overlapped with the device's
+      hit and fill work.
+  pool: the registered pool (``ftjax.kernels.cuda.register_pool``) for the CUDA paths.
+  """
+  fill: str = "kernels"
+  host: str = "kernels"
+  pool: PoolSpec | None = None
+
+  def __post_init__(self):
+    if self.fill not in FILLS:
+      raise ValueError(f"fill must be one of {FILLS}, got {self.fill!r}")
+    if self.host not in HOSTS:
+      raise ValueError(f"host must be one of {HOSTS}, got {self.host!r}")
+    if "cuda" in (self.fill, self.host) and self.pool is None:
+      raise ValueError("the CUDA fill and host paths need a registered pool (pool=)")
+
+  def describe(self) -> str:
+    return f"fills: {self.fill}, host experts: {self.host}"
+
+
+DEFAULT_OFFLOAD = Offload()
 
 
 @struct.dataclass
@@ -47,14 +96,37 @@ class StepStats:
                      host=self.host.at[layer].set(p.host))
 
 
+def _fill_by_slices(slots, bank, layer, fill_expert, fill_slot):
+  """One masked dynamic slice per plan row: pinned_host block -> device -> its slot."""
+  width = slots.shape[1]
+  for i in range(fill_expert.shape[0]):
+    active = fill_slot[i] >= 0
+    dst = jnp.maximum(fill_slot[i], 0)
+    block = jax.lax.dynamic_slice(bank, (jnp.asarray(layer, jnp.int32),
+                                         jnp.maximum(fill_expert[i], 0), jnp.int32(0)),
+                                  (1, 1, width)).reshape(1, width)
+    block = jax.device_put(block, jax.memory.Space.Device)
+    current = jax.lax.dynamic_slice(slots, (dst, jnp.int32(0)), (1, width))
+    slots = jax.lax.dynamic_update_slice(slots, jnp.where(active, block, current),
+                                         (dst, jnp.int32(0)))
+  return slots
+
+
 def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
-               fill_slot: jax.Array, *, impl: str = "xla") -> jax.Array:
+               fill_slot: jax.Array, *, impl: str = "xla",
+               offload: Offload = DEFAULT_OFFLOAD) -> jax.Array:
   """Copies bank[layer, fill_expert[i]] into slots[fill_slot[i]] (rows with -1 skipped).
 
-  In place when ``slots`` is donated by the caller's jit.
+  In place when ``slots`` is donated by the caller's jit. ``offload.fill`` chooses the copy
+  (see ``Offload``); with ``kernels`` it is ``impl``'s.
   """
   if fill_expert.shape[0] == 0:
     return slots
+  if offload.fill == "slices":
+    return _fill_by_slices(slots, bank, layer, fill_expert, fill_slot)
+  if offload.fill == "cuda":
+    src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
+    return pool_fill(slots, src, fill_slot, pool=offload.pool)
   if impl in ("ffi", "ffi_bf16"):
     src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
     return slot_fill(slots, bank, src, fill_slot)
@@ -64,7 +136,8 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
 
 def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: ExpertCache,
                   bank: jax.Array, layer, *, bandwidths: jax.Array, policy: PolicyConfig,
-                  ffn_dim: int, impl: str = "xla") -> tuple[ExpertCache, jax.Array, Plan]:
+                  ffn_dim: int, impl: str = "xla",
+                  offload: Offload = DEFAULT_OFFLOAD) -> tuple[ExpertCache, jax.Array, Plan]:
   """Routed-expert output for x [T, D] with router output ``weights``/``ids`` [T, K].
 
   Args:
@@ -74,6 +147,7 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     bandwidths: [2] float32 (B_P, B_H) in GB/s, read by the q* fill rule.
     policy: a ``PolicyConfig`` (``get_policy(name)``); static.
     ffn_dim: F; impl: "xla", "ffi" or "ffi_bf16" (the host kernels), static.
+    offload: where the pool lives and how fills and host routes run (``Offload``), static.
 
   Returns:
     ``(new_cache, y, plan)``: the cache after this layer-step (plan applied, fills copied
@@ -82,14 +156,23 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   """
   cache, p = plan(cache, layer, ids, bandwidths, policy)
   on_device = p.route_slot >= 0
-  slots = fill_slots(cache.slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl)
+  host_ids = jnp.where(on_device, -1, ids)
+  host_weights = jnp.where(on_device, 0.0, weights)
+  if offload.host == "cuda":
+    # Posted before the device work, which consumes the returned x: the host kernel runs
+    # while the device fills and computes its routes.
+    ticket, x = host_experts_start(x, host_ids, host_weights, pool=offload.pool, layer=layer,
+                                   ffn_dim=ffn_dim, bf16_activations=impl == "ffi_bf16")
+  slots = fill_slots(cache.slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl,
+                     offload=offload)
   y = jnp.zeros(x.shape, jnp.float32)
   if cache.capacity:
     y = y + routed_experts(x, p.route_slot, jnp.where(on_device, weights, 0.0), slots[None], 0,
                            ffn_dim=ffn_dim, impl=impl)
-  host_ids = jnp.where(on_device, -1, ids)
-  y = y + routed_experts(x, host_ids, jnp.where(on_device, 0.0, weights), bank, layer,
-                         ffn_dim=ffn_dim, impl=impl)
+  if offload.host == "cuda":
+    y = host_experts_done(ticket, y)
+  else:
+    y = y + routed_experts(x, host_ids, host_weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
   return cache.replace(slots=slots), y, p
 
 
@@ -107,9 +190,10 @@ class CachedExperts:
   ffn_dim: int = struct.field(pytree_node=False)
   policy: PolicyConfig = struct.field(pytree_node=False)
   kernels: str = struct.field(pytree_node=False, default="xla")
+  offload: Offload = struct.field(pytree_node=False, default=DEFAULT_OFFLOAD)
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["CachedExperts", jax.Array]:
     cache, y, p = offloaded_moe(x, weights, ids, self.cache, self.bank, layer,
                                 bandwidths=self.bandwidths, policy=self.policy,
-                                ffn_dim=self.ffn_dim, impl=self.kernels)
+                                ffn_dim=self.ffn_dim, impl=self.kernels, offload=self.offload)
     return self.replace(cache=cache, stats=self.stats.record(layer, p)), y

@@ -82,7 +82,9 @@ class ExpertCache:
   def preloaded(cls, bank: jax.Array, num_slots: int, flat_ids,
                 capacity: int | None = None) -> "ExpertCache":
     """A cache whose first slots hold the experts ``flat_ids`` (``l·E + e``), e.g. the pinned
-    set of the static policies. Extra ids beyond ``num_slots`` are an error."""
+    set of the static policies. Extra ids beyond ``num_slots`` are an error. ``bank`` is a
+    jax array or, for a pool in host memory, a numpy array (only the preloaded blocks are
+    read)."""
     layers, experts, _ = bank.shape
     flat_ids = np.asarray(flat_ids, np.int64).reshape(-1)
     if len(flat_ids) > num_slots:
@@ -95,7 +97,11 @@ class ExpertCache:
     if n == 0:
       return cache
     idx = jnp.asarray(flat_ids, jnp.int32)
-    slots = cache.slots.at[:n].set(take(bank.reshape(layers * experts, -1), idx))
+    if isinstance(bank, np.ndarray):  # a host pool (GPU path): copy only the preloaded blocks
+      blocks = jnp.asarray(bank.reshape(layers * experts, -1)[flat_ids])
+    else:
+      blocks = take(bank.reshape(layers * experts, -1), idx)
+    slots = cache.slots.at[:n].set(blocks)
     slot_of = cache.slot_of.reshape(-1).at[idx].set(jnp.arange(n, dtype=jnp.int32))
     return cache.replace(slots=slots, slot_of=slot_of.reshape(layers, experts),
                          owner=cache.owner.at[:n].set(idx),

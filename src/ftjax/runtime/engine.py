@@ -26,6 +26,7 @@ from ftjax.experts import KERNELS
 from ftjax.model import DecodeState, init_state
 from ftjax.runtime import programs
 from ftjax.runtime.model import Model
+from ftjax.runtime.placement import POOLS, resolve_pool
 from ftjax.runtime.profile import ExpertShape, load_profile
 from ftjax.runtime.programs import Programs, Runner
 from ftjax.runtime.sampling import Sampling
@@ -101,6 +102,8 @@ class RuntimeOptions:
     ``ftjax.traces.Trace.from_engine(engine)``).
   decode_chunk: decode steps per decode program (N): the host reads the new tokens, the
     cache counts and the routing record once per chunk, so text streams every N tokens.
+  pool: where the host expert pool lives and so how fills and host experts run: "device",
+    "pinned_host", "mapped" (GPU) or "auto" (``ftjax.runtime.placement``).
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
@@ -115,8 +118,11 @@ class RuntimeOptions:
   cache_capacity: int | None = None
   record_routing: bool = False
   decode_chunk: int = 8
+  pool: str = "auto"
 
   def __post_init__(self):
+    if self.pool not in POOLS:
+      raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
     if self.kernels != "auto" and self.kernels not in KERNELS:
       raise ValueError(f"kernels must be 'auto', 'xla', 'ffi' or 'ffi_bf16', got "
                        f"{self.kernels!r}")
@@ -204,6 +210,8 @@ class Engine:
     self.model = model
     self.options = opts = RuntimeOptions(**runtime_options)
     self.kernels, self.kernels_path = resolve_kernels(opts.kernels, model.bank.dtype)
+    self.placement = resolve_pool(opts.pool, model.bank, self.kernels, caching=opts.caching)
+    self.bank = self.placement.bank  # what the programs receive as the host pool
     self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
     self.compile_count = 0
     self.compile_s = 0.0
@@ -214,7 +222,8 @@ class Engine:
         graphdef=model.graphdef, signature=_signature(model), num_layers=c.num_moe_layers,
         top_k=c.top_k, ffn_dim=c.moe_intermediate_size, kernels=self.kernels,
         policy=self.policy.program() if self.policy is not None else None,
-        record_routing=opts.record_routing, chunk=opts.decode_chunk)
+        record_routing=opts.record_routing, chunk=opts.decode_chunk,
+        offload=self.placement.offload)
     self.programs = Programs.shared(self.runner)
     self._cache: ExpertCache | None = None
     self._steps: list[dict[str, Any]] = []
@@ -278,7 +287,8 @@ class Engine:
     return fixed
 
   def _initial_cache(self, num_slots: int) -> ExpertCache:
-    return initial_cache(self.policy, self.model.bank, num_slots, self._capacity(num_slots),
+    source = self.placement.host_bank if self.placement.host_bank is not None else self.bank
+    return initial_cache(self.policy, source, num_slots, self._capacity(num_slots),
                          hot_experts=self.options.hot_experts)
 
   def resize_cache(self, slots: int | None = None, bytes: int | None = None) -> int:  # noqa: A002
@@ -417,10 +427,10 @@ class Engine:
     tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
     est = self._engine_state(state)
     key = ("step", tokens.shape, state.capacity, self._slot_capacity(), last_only, fresh)
-    fn = self._compiled(key, programs.step_program, self.model.params, self.model.bank, est,
+    fn = self._compiled(key, programs.step_program, self.model.params, self.bank, est,
                         tokens, positions, last_only=last_only, fresh=fresh)
     t0 = time.perf_counter()
-    est, logits, record = fn(self.model.params, self.model.bank, est, tokens, positions)
+    est, logits, record = fn(self.model.params, self.bank, est, tokens, positions)
     decode = self._keep(est)
     if record.stats is not None or record.routing is not None:
       jax.block_until_ready(logits)
@@ -517,7 +527,7 @@ class Engine:
     tokens, num_valid, max_new, stop_ids, sampling = jax.device_put(
         (tokens, np.int32(len(ids)), np.int32(max_new_tokens), stop_ids, sampling))
     state = self._engine_state(self._new_state(1, capacity))
-    params, bank = self.model.params, self.model.bank
+    params, bank = self.model.params, self.bank
     compile_before = self.compile_s
     sizes = (capacity, self._slot_capacity(), len(stop_ids), sampling.greedy, sampling.nucleus)
     prefill = self._compiled(("prefill", bucket, *sizes), programs.prefill_program, params, bank,

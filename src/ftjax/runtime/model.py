@@ -64,7 +64,8 @@ def load(path: str | os.PathLike, *, verify: bool = True, populate: bool = False
   (``ftjax.assets.EMBEDDED_MODELS``).
 
   On the CPU backend the dense tensors and the expert bank are zero-copy views of the
-  memory-mapped files. ``verify`` checks every CRC-32 (which also reads every page);
+  memory-mapped files; on an accelerator the bank stays a numpy view of its mapping, placed
+  by the engine (``RuntimeOptions.pool``). ``verify`` checks every CRC-32 (which also reads every page);
   ``populate`` faults every page in without checking, for timing with resident weights.
   """
   path = os.fspath(path)
@@ -89,7 +90,11 @@ def load(path: str | os.PathLike, *, verify: bool = True, populate: bool = False
   if populate:
     f.populate()
   arrays = {name: jax.device_put(f.tensor(name)) for name in f.tensor_names()}
-  bank = jax.device_put(f.expert_bank())
+  bank = f.expert_bank()
+  if jax.default_backend() == "cpu":
+    bank = jax.device_put(bank)  # zero-copy view of the mapping
+  # On an accelerator the bank stays the host mapping: the engine places it (pool=, see
+  # ftjax.runtime.placement), so a pool larger than device memory never goes there whole.
   return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"), storage=f)
 
 

@@ -36,6 +36,7 @@ from flax import nnx
 from flax import struct
 
 from ftjax.cache import CachedExperts, PolicyConfig, StepStats
+from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload
 from ftjax.experts import BankExperts
 from ftjax.model import DecodeState, KVCache
 from ftjax.runtime.sampling import Sampling, sample
@@ -71,6 +72,7 @@ class Runner:
   policy: PolicyConfig | None  # the policy's program part; None = no cache
   record_routing: bool = False
   chunk: int = 8  # decode steps per decode program
+  offload: Offload = DEFAULT_OFFLOAD  # where the pool lives; how fills and host experts run
 
   # -- Tracing ---------------------------------------------------------------------------------
 
@@ -85,7 +87,7 @@ class Runner:
     else:
       experts = CachedExperts(bank=bank, cache=state.cache, bandwidths=state.bandwidths,
                               stats=StepStats.zeros(self.num_layers), ffn_dim=self.ffn_dim,
-                              policy=self.policy, kernels=self.kernels)
+                              policy=self.policy, kernels=self.kernels, offload=self.offload)
     if self.record_routing:
       experts = RecordingExperts(experts, RoutingRecord.empty(self.num_layers, tokens.size,
                                                               self.top_k))

@@ -329,7 +329,7 @@ class Session:
       at[:len(anchors_at)] = [p - length for p in anchors_at]
       args.append(jax.device_put(at))
     est = engine._engine_state(self._state)
-    params, bank = engine.model.params, engine.model.bank
+    params, bank = engine.model.params, engine.bank
     key = ("extend", bucket, self._state.capacity, engine._slot_capacity(),
            len(args[2]) if anchors_at else 0)
     fn = engine._compiled(key, programs.extend_program, params, bank, est, *args)
@@ -454,7 +454,7 @@ class Session:
 
     emit(first)
     self._pending, self._logits = first, None
-    params, bank = engine.model.params, engine.model.bank
+    params, bank = engine.model.params, engine.bank
     loop = programs.Loop(token=jnp.asarray(first, jnp.int32), count=jnp.ones((), jnp.int32),
                          max_new=max_new, done=jnp.zeros((), jnp.bool_))
     while not finished(self._pending) and not (cancel is not None and cancel()):

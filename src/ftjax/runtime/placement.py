@@ -1,0 +1,100 @@
+"""Where the host expert pool lives, and so how fills and host experts run (DESIGN section 10).
+
+``RuntimeOptions.pool`` names the placement:
+
+* ``device``: the pool is an ordinary array of the default memory. On the CPU backend that is
+  host memory (today's CPU path: fills by the FFI slot fill, host experts by the CPU kernel);
+  on a GPU it puts the whole pool in HBM, for models that fit.
+* ``pinned_host``: the pool is a jax array in ``pinned_host`` memory. Fills are in-program
+  slices moved to device memory (asynchronous host-to-device copies on a GPU). Host experts
+  run on the CPU kernel reading the pool in place: on the CPU backend through the FFI op, on a
+  GPU through the CUDA start/done pair. XLA caps pinned memory on a GPU at
+  ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` (64 GiB by default).
+* ``mapped`` (GPU only): the pool stays the memory-mapped FTW bank, registered (pinned and
+  mapped) by ftjax's CUDA module; fills are its copy kernel reading the mapped pool, host
+  experts its start/done pair. Any size the host holds.
+* ``auto``: ``device`` on the CPU backend; on a GPU ``pinned_host`` under the cap, else
+  ``mapped``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload
+from ftjax.kernels import cuda
+
+POOLS = ("auto", "device", "pinned_host", "mapped")
+
+
+@dataclasses.dataclass
+class Placement:
+  offload: Offload  # static: how fills and host experts run
+  bank: object  # what the programs receive as the bank (None for a mapped pool)
+  host_bank: np.ndarray | None  # the pool as a host array (preloads, the mapped pool's memory)
+  pool: str  # the placement resolved from "auto"
+  description: str
+
+
+def pinned_cap_bytes() -> int:
+  """XLA's cap on pinned host memory of a GPU client."""
+  return int(float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * 2**30)
+
+
+def _host_array(bank) -> np.ndarray:
+  return bank if isinstance(bank, np.ndarray) else np.asarray(bank)
+
+
+def resolve_pool(requested: str, bank, kernels: str, *, caching: bool) -> Placement:
+  """The placement for ``requested`` (one of ``POOLS``) of ``bank`` [L, E, P] on this
+  process's default backend. Clear errors for combinations that cannot run."""
+  if requested not in POOLS:
+    raise ValueError(f"pool must be one of {POOLS}, got {requested!r}")
+  backend = jax.default_backend()
+  gpu = backend != "cpu"
+  nbytes = int(np.prod(bank.shape)) * np.dtype(bank.dtype).itemsize
+  pool = requested
+  if pool == "auto":
+    pool = "device" if not gpu else ("pinned_host" if nbytes <= pinned_cap_bytes() else "mapped")
+  if pool == "device":
+    if gpu:
+      return Placement(DEFAULT_OFFLOAD, jax.device_put(bank), None, pool,
+                       f"device memory ({backend}: the whole pool in device memory)")
+    return Placement(DEFAULT_OFFLOAD, bank, None, pool, "device (host memory on the CPU backend)")
+  if not caching:
+    raise ValueError(f"pool={pool!r} serves routed experts through the expert cache: give a "
+                     "cache size (cache_slots=0 runs every routed expert on the host)")
+  if pool == "mapped" and not gpu:
+    raise ValueError("pool='mapped' is the GPU path's pool, registered by ftjax's CUDA module; "
+                     "on the CPU backend use pool='device' or pool='pinned_host'")
+  if gpu:
+    cuda.require_cuda(f"pool={pool!r} on the {backend} backend")
+  host_bank = _host_array(bank)
+  if pool == "pinned_host":
+    if gpu and nbytes > pinned_cap_bytes():
+      raise ValueError(f"the pool ({nbytes / 2**30:.1f} GiB) exceeds XLA's pinned host memory "
+                       f"cap ({pinned_cap_bytes() / 2**30:.0f} GiB, "
+                       "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB): use pool='mapped' or raise the cap")
+    sharding = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    pinned = jax.device_put(bank, sharding)
+    if not gpu:
+      if kernels == "xla":
+        raise ValueError("pool='pinned_host' on the CPU backend runs host experts with ftjax's "
+                         "kernels, which read pinned_host memory in place; kernels='xla' cannot "
+                         "(a gather across memory spaces does not lower): use kernels='auto'")
+      return Placement(Offload(fill="slices", host="kernels"), pinned, host_bank, pool,
+                       "pinned_host (fills: in-program slices; host experts: ftjax's CPU "
+                       "kernel on the pool in place)")
+    spec = cuda.register_pool(pinned)
+    return Placement(Offload(fill="slices", host="cuda", pool=spec), pinned, host_bank, pool,
+                     "pinned_host (fills: XLA async slices; host experts: CUDA start/done "
+                     "pair on the CPU kernel)")
+  spec = cuda.register_pool(host_bank)
+  return Placement(Offload(fill="cuda", host="cuda", pool=spec), None, host_bank, pool,
+                   "mapped (fills: CUDA copy kernel from the mapped pool; host experts: CUDA "
+                   "start/done pair on the CPU kernel)")

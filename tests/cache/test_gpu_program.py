@@ -1,0 +1,146 @@
+"""The GPU program, checked without a GPU (issue 14, DESIGN section 10).
+
+* Its semantics on the CPU backend with memory kinds: the pool a ``pinned_host`` array, fills
+  as in-program slices moved to device memory, host experts reading the pool in place. Every
+  policy at sizes 0, 1, L·E/3 and L·E gives the dense reference's logits and tokens.
+* The decode program with the CUDA ops (host experts by the start/done pair; fills by XLA
+  slices or by the CUDA copy kernel) exports for ``cuda`` for every policy.
+* Placement errors are clear.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import SingleDeviceSharding
+
+import ftjax
+from ftjax.cache import POLICIES
+from ftjax.cache.moe import Offload
+from ftjax.cache.state import check_invariants
+from ftjax.kernels import cuda
+from ftjax.runtime import model as model_lib
+from ftjax.runtime import programs
+from ftjax.runtime.sampling import Sampling
+
+import tolerances
+from conftest import scaled_params
+
+STEPS = 12
+PROMPT = 5
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+def model(request, tiny_config, tiny_hybrid_config):
+  config = tiny_config if request.param == "qwen3_moe" else tiny_hybrid_config
+  return scaled_params(model_lib.random_model(config, seed=3), 8.0)
+
+
+def _run(engine, prompt):
+  state = engine.new_state(1, PROMPT + STEPS + 1)
+  state, logits = engine.step(state, jnp.asarray([prompt], jnp.int32),
+                              jnp.arange(PROMPT, dtype=jnp.int32)[None], last_only=True)
+  out = [np.asarray(logits[0, -1])]
+  for i in range(STEPS):
+    token = np.int32(out[-1].argmax())
+    state, logits = engine.step(state, jnp.full((1, 1), token, jnp.int32),
+                                jnp.full((1, 1), PROMPT + i, jnp.int32), last_only=True)
+    out.append(np.asarray(logits[0, -1]))
+  return np.stack(out)
+
+
+def test_pinned_host_pool_matches_the_dense_reference(model):
+  c = model.config
+  prompt = list(np.random.default_rng(1).integers(0, c.vocab_size, PROMPT))
+  # The dense path with the same kernels: the split between slots and pool is what differs.
+  reference = _run(ftjax.Engine(model, kernels="ffi"), prompt)
+  total = c.num_layers * c.num_experts
+  hot = np.arange(total)[::-1]
+  for policy in POLICIES:
+    for slots in (0, 1, total // 3, total):
+      engine = ftjax.Engine(model, kernels="ffi", cache_slots=slots, policy=policy,
+                            bandwidths=(12.0, 24.0), hot_experts=hot, pool="pinned_host",
+                            cache_capacity=total)
+      assert engine.placement.offload == Offload(fill="slices", host="kernels")
+      assert engine.bank.sharding.memory_kind == "pinned_host"
+      got = _run(engine, prompt)
+      np.testing.assert_array_equal(got.argmax(-1), reference.argmax(-1))
+      tolerances.assert_close(got, reference, tolerances.F32, floor=1.0)
+      check_invariants(engine.cache)
+      stats = engine.stats()
+      if slots and policy in ("lru_fill", "freetoken"):
+        assert stats["bytes"]["fill"] > 0  # the slices really filled slots
+      if slots == 0 or policy in ("cpu_only", "static_hot", "static_layers"):
+        assert stats["bytes"]["fill"] == 0
+
+
+def test_slice_fills_copy_exactly_the_planned_blocks():
+  bank = np.arange(3 * 5 * 4, dtype=np.float32).reshape(3, 5, 4)
+  pinned = jax.device_put(bank, SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+  slots = jnp.full((6, 4), -1.0)
+  from ftjax.cache.moe import fill_slots  # noqa: PLC0415 (the function under test)
+  fill = jax.jit(lambda s, b, e, d: fill_slots(s, b, 2, e, d, offload=Offload(fill="slices")),
+                 donate_argnums=0)
+  out = np.asarray(fill(slots, pinned, jnp.asarray([4, -1, 0], jnp.int32),
+                        jnp.asarray([5, -1, 1], jnp.int32)))
+  expect = np.full((6, 4), -1.0, np.float32)
+  expect[5], expect[1] = bank[2, 4], bank[2, 0]
+  np.testing.assert_array_equal(out, expect)
+
+
+def _export_decode(engine, offload):
+  """jax.export of the engine's decode program with ``offload``, for CUDA."""
+  runner = dataclasses.replace(engine.runner, offload=offload)
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  state = jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256)))
+  bank = None
+  if offload.fill == "slices":
+    bank = jax.ShapeDtypeStruct(engine.model.bank.shape, engine.model.bank.dtype,
+                                sharding=SingleDeviceSharding(jax.devices()[0],
+                                                              memory_kind="pinned_host"))
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  loop = programs.Loop(token=scalar, count=scalar, max_new=scalar,
+                       done=jax.ShapeDtypeStruct((), jnp.bool_))
+  fn = jax.jit(lambda *a: programs.decode_program(runner, *a))
+  checks = [export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS]
+  return export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+      jax.tree.map(spec, engine.model.params), bank, state, loop,
+      jax.ShapeDtypeStruct((8,), jnp.int32), jax.tree.map(spec, Sampling.make(greedy=True)))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_gpu_decode_step_exports_for_cuda(tiny_config, policy):
+  model = model_lib.random_model(tiny_config, seed=0, dtype="bfloat16")
+  total = tiny_config.num_layers * tiny_config.num_experts
+  engine = ftjax.Engine(model, kernels="xla", cache_slots=total // 3, policy=policy,
+                        bandwidths=(12.0, 24.0), hot_experts=np.arange(total))
+  pool = cuda.PoolSpec(handle=0, shape=tuple(model.bank.shape), dtype="bfloat16")
+  layers = tiny_config.num_layers
+  for fill in ("slices", "cuda"):
+    exported = _export_decode(engine, Offload(fill=fill, host="cuda", pool=pool))
+    assert exported.platforms == ("cuda",)
+    text = exported.mlir_module()
+    # One start/done pair per MoE layer; fills from the pool by its kind.
+    assert text.count("ftjax_cuda_host_experts_start") == layers
+    assert text.count("ftjax_cuda_host_experts_done") == layers
+    assert text.count("ftjax_cuda_pool_fill") == (layers if fill == "cuda" else 0)
+    assert ("pinned_host" in text) == (fill == "slices")
+
+
+def test_placement_errors_are_clear(model):
+  with pytest.raises(ValueError, match="pool must be one of"):
+    ftjax.Engine(model, cache_slots=2, policy="lru_fill", pool="hbm")
+  with pytest.raises(ValueError, match="kernels='xla' cannot"):
+    ftjax.Engine(model, kernels="xla", cache_slots=2, policy="lru_fill", pool="pinned_host")
+  with pytest.raises(ValueError, match="GPU path's pool"):
+    ftjax.Engine(model, cache_slots=2, policy="lru_fill", pool="mapped")
+  with pytest.raises(ValueError, match="give a cache size"):
+    ftjax.Engine(model, pool="pinned_host")
+  with pytest.raises(ValueError, match="registered pool"):
+    Offload(fill="cuda")
+  if not cuda.cuda_available():
+    with pytest.raises(ImportError, match="ftjax._ffi_cuda"):
+      cuda.register_pool(np.zeros((1, 2, 3), np.float32))
