@@ -65,7 +65,8 @@ def define_sampling_flags(*, max_new_tokens: int, greedy: bool) -> dict[str, fla
 
 
 def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
-  """The expert-cache keyword arguments of ``ftjax.Engine`` given on the command line."""
+  """The expert-cache keyword arguments of ``ftjax.Engine`` given on the command line (the
+  pool's placement among them, when not ``auto``)."""
   cache = {}
   for name in ("cache_slots", "cache_fraction", "cache_bytes", "profile"):
     if holders[name].value is not None:
@@ -78,6 +79,8 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
                            f"{','.join(holders['bandwidths'].value)}") from None
   if cache:
     cache["policy"] = holders["policy"].value
+  if holders["pool"].value != "auto":
+    cache["pool"] = holders["pool"].value
   return cache
 
 
@@ -87,4 +90,4 @@ def build_engine(holders: dict[str, flags.FlagHolder]) -> Engine:
   model = load(holders["model"].value or "default")
   return Engine(model, max_seq_len=holders["max_seq_len"].value,
                 kernels=holders["kernels"].value, decode_chunk=holders["decode_chunk"].value,
-                pool=holders["pool"].value, **cache_options(holders))
+                **cache_options(holders))

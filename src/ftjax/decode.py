@@ -43,6 +43,13 @@ class DecodeResult:
             f"(compile {g.compile_s:.1f} s, not included), kernels: {self.kernels}")
 
 
+def _placement_note(engine) -> str:
+  """", pool: ..." when the pool is not in the default memory (the GPU path, or its semantics
+  on the CPU backend)."""
+  placement = engine.placement
+  return "" if placement.pool == "device" else f", pool: {placement.description}"
+
+
 def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_new_tokens: int = 64,
                greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
                max_seq_len: int | None = None, kernels: str = "auto", show_stats: bool = False,
@@ -86,7 +93,8 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   out.flush()
   decoded = DecodeResult(prompt=prompt, text=tokenizer.decode(result.tokens),
                          generation=result, model_path=loaded.path or path,
-                         tokenizer=tokenizer.name, kernels=engine.kernels_path)
+                         tokenizer=tokenizer.name,
+                         kernels=engine.kernels_path + _placement_note(engine))
   log.write(decoded.summary() + "\n")
   if show_stats:
     log.write(format_stats(engine.stats()))

@@ -97,19 +97,25 @@ class StepStats:
 
 
 def _fill_by_slices(slots, bank, layer, fill_expert, fill_slot):
-  """One masked dynamic slice per plan row: pinned_host block -> device -> its slot."""
+  """One masked dynamic slice per plan row: pinned_host block -> device -> its slot.
+
+  The copies and the mask work on the blocks' bits as unsigned integers: on bfloat16, XLA:CPU
+  widens a select's operands to float32, and the widening of the whole bank is then hoisted
+  out of the decode loop (a full-pool convert per program)."""
   width = slots.shape[1]
+  bits = jnp.dtype(f"uint{8 * slots.dtype.itemsize}")
+  out = jax.lax.bitcast_convert_type(slots, bits)
   for i in range(fill_expert.shape[0]):
     active = fill_slot[i] >= 0
     dst = jnp.maximum(fill_slot[i], 0)
     block = jax.lax.dynamic_slice(bank, (jnp.asarray(layer, jnp.int32),
                                          jnp.maximum(fill_expert[i], 0), jnp.int32(0)),
                                   (1, 1, width)).reshape(1, width)
-    block = jax.device_put(block, jax.memory.Space.Device)
-    current = jax.lax.dynamic_slice(slots, (dst, jnp.int32(0)), (1, width))
-    slots = jax.lax.dynamic_update_slice(slots, jnp.where(active, block, current),
-                                         (dst, jnp.int32(0)))
-  return slots
+    block = jax.device_put(jax.lax.bitcast_convert_type(block, bits), jax.memory.Space.Device)
+    current = jax.lax.dynamic_slice(out, (dst, jnp.int32(0)), (1, width))
+    out = jax.lax.dynamic_update_slice(out, jnp.where(active, block, current),
+                                       (dst, jnp.int32(0)))
+  return jax.lax.bitcast_convert_type(out, slots.dtype)
 
 
 def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,

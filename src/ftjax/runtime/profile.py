@@ -15,6 +15,11 @@ swings by up to 2x over seconds, so single numbers are not trusted):
 * ``concurrent``: B_H and B_P again while both run at the same time (two threads), which is
   how decode uses them (DESIGN section 2 prefers this pair).
 
+On a GPU backend the host kernel runs on the CPU device (the pool a host array) and B_P is the
+fill into device slots: ``b_p_gb_s`` by the CUDA copy kernel reading the registered, mapped
+pool (``ftjax.kernels.cuda.pool_fill``), ``b_p_slices_gb_s`` by XLA's in-program slices of a
+``pinned_host`` pool (the ``pinned_host`` placement's fills), measured side by side.
+
 The JSON profile is keyed by host, device and expert shape; ``load_profile`` checks the key.
 
 Turning a measurement into the cost model's hardware profile (with overheads calibrated from a
@@ -37,8 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax.cache.moe import Offload, fill_slots
 from ftjax.formats import ftw
-from ftjax.kernels import expert_ffn, read_probe, slot_fill
+from ftjax.kernels import cuda, expert_ffn, read_probe, slot_fill
 from ftjax.utils.progress import Progress
 
 PROFILE_VERSION = 1
@@ -77,15 +83,16 @@ def _profile_key(shape: ExpertShape) -> dict[str, Any]:
           "device": device.device_kind, "expert_shape": dataclasses.asdict(shape)}
 
 
-def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0) -> jax.Array:
-  """A [1, E, P] bank of random weights, at least ``min_bytes`` (far beyond the caches)."""
+def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0):
+  """A [1, E, P] bank of random weights, at least ``min_bytes`` (far beyond the caches): a jax
+  array on the CPU backend, a host (numpy) array on an accelerator, as ``ftjax.load`` gives."""
   dtype = ftw.storage_dtype(shape.dtype)
   block = ftw.align(shape.block_elems * dtype.itemsize) // dtype.itemsize
   experts = max(shape.top_k * 4, -(-min_bytes // (block * dtype.itemsize)))
   rng = np.random.default_rng(seed)
   pool = (0.02 * rng.standard_normal(1 << 22, np.float32)).astype(dtype)
   bank = np.resize(pool, experts * block).reshape(1, experts, block)  # writes every page
-  return jax.device_put(bank)
+  return jax.device_put(bank) if jax.default_backend() == "cpu" else bank
 
 
 def _median_rate(fn: Callable[[], Any], nbytes: int, calls: int) -> float:
@@ -96,9 +103,11 @@ def _median_rate(fn: Callable[[], Any], nbytes: int, calls: int) -> float:
   return nbytes * calls / (time.perf_counter() - t0)
 
 
-def _workloads(bank: jax.Array, shape: ExpertShape):
-  """Returns (read_fn, expert_fn, fill_fn) closures over rotating expert sets."""
-
+def _workloads(bank, shape: ExpertShape):
+  """Returns (read_fn, expert_fn, fill_fn, extra) closures over rotating expert sets; ``extra``
+  maps more fill variants to measure by name (the GPU's slices)."""
+  if jax.default_backend() != "cpu":
+    return _gpu_workloads(bank, shape)
   num_experts = bank.shape[1]
   k = shape.top_k
   x = jnp.asarray(np.random.default_rng(1).standard_normal((1, shape.hidden), np.float32))
@@ -124,22 +133,68 @@ def _workloads(bank: jax.Array, shape: ExpertShape):
   def read_once():
     read_probe(bank).block_until_ready()
 
-  return read_once, expert_once, fill_once
+  return read_once, expert_once, fill_once, {}
+
+
+def _gpu_workloads(bank, shape: ExpertShape):
+  """The GPU host's workloads: the host kernel on the CPU device, fills into device slots."""
+  host = np.ascontiguousarray(np.asarray(bank))
+  cpu = jax.devices("cpu")[0]
+  cpu_bank = jax.device_put(host, cpu)
+  num_experts, k = host.shape[1], shape.top_k
+  x = jax.device_put(np.random.default_rng(1).standard_normal((1, shape.hidden), np.float32), cpu)
+  weights = jax.device_put(np.full((1, k), 1.0 / k, np.float32), cpu)
+  sets = [(np.arange(k) + i * k)[None] % num_experts for i in range(max(1, num_experts // k))]
+  cpu_sets = [jax.device_put(s.astype(np.int32), cpu) for s in sets]
+  run_expert = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn))
+  spec = cuda.register_pool(host)
+  pinned = jax.device_put(host, jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                                  memory_kind="pinned_host"))
+  kernel_fill = jax.jit(lambda s, src, dst: cuda.pool_fill(s, src, dst, pool=spec),
+                        donate_argnums=0)
+  slices_fill = jax.jit(lambda s, b, e, d: fill_slots(s, b, 0, e, d,
+                                                      offload=Offload(fill="slices")),
+                        donate_argnums=0)
+  dst = jnp.arange(k, dtype=jnp.int32)
+  experts = [jnp.asarray(s[0], jnp.int32) for s in sets]
+  srcs = [jnp.stack([jnp.zeros(k, jnp.int32), e], axis=1) for e in experts]
+  state = {"i": 0, "j": 0, "slots": jnp.zeros((2 * k, host.shape[2]), host.dtype)}
+
+  def expert_once():
+    state["i"] = (state["i"] + 1) % len(sets)
+    run_expert(x, cpu_sets[state["i"]], weights, cpu_bank).block_until_ready()
+
+  def fill_once():
+    state["j"] = (state["j"] + 1) % len(srcs)
+    state["slots"] = kernel_fill(state["slots"], srcs[state["j"]], dst)
+    state["slots"].block_until_ready()
+
+  def slices_once():
+    state["j"] = (state["j"] + 1) % len(srcs)
+    state["slots"] = slices_fill(state["slots"], pinned, experts[state["j"]], dst)
+    state["slots"].block_until_ready()
+
+  def read_once():
+    read_probe(cpu_bank).block_until_ready()
+
+  return read_once, expert_once, fill_once, {"b_p_slices_gb_s": slices_once}
 
 
 def measure(bank: jax.Array, shape: ExpertShape, *, rounds: int = 5, calls: int = 40,
             show_progress: bool = True) -> dict[str, Any]:
   """Runs the measurements; returns the profile dict (see the module docstring)."""
-  read_once, expert_once, fill_once = _workloads(bank, shape)
+  read_once, expert_once, fill_once, extra = _workloads(bank, shape)
+  bank_bytes = int(np.prod(bank.shape)) * np.dtype(bank.dtype).itemsize
   per_call = shape.top_k * shape.expert_bytes
-  for fn in (read_once, expert_once, fill_once):  # compile and warm
+  for fn in (read_once, expert_once, fill_once, *extra.values()):  # compile and warm
     fn()
   rows = []
   bar = Progress(rounds, desc="profile", enabled=show_progress)
   for _ in range(rounds):
-    row = {"read_gb_s": _median_rate(read_once, bank.nbytes, 2) / 1e9,
+    row = {"read_gb_s": _median_rate(read_once, bank_bytes, 2) / 1e9,
            "b_h_gb_s": _median_rate(expert_once, per_call, calls) / 1e9,
            "b_p_gb_s": _median_rate(fill_once, per_call, calls) / 1e9}
+    row.update({name: _median_rate(fn, per_call, calls) / 1e9 for name, fn in extra.items()})
     row.update(_concurrent(expert_once, fill_once, per_call, calls))
     rows.append(row)
     bar.update()
@@ -148,9 +203,10 @@ def measure(bank: jax.Array, shape: ExpertShape, *, rounds: int = 5, calls: int 
   return {
       "version": PROFILE_VERSION, **_profile_key(shape),
       "read_gb_s": med["read_gb_s"], "b_h_gb_s": med["b_h_gb_s"], "b_p_gb_s": med["b_p_gb_s"],
+      **{name: med[name] for name in extra},
       "concurrent": {"b_h_gb_s": med["concurrent_b_h_gb_s"],
                      "b_p_gb_s": med["concurrent_b_p_gb_s"]},
-      "rounds": rows, "bank_bytes": int(bank.nbytes),
+      "rounds": rows, "bank_bytes": bank_bytes,
       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
   }
 

@@ -1,0 +1,492 @@
+"""The GPU path on a lent GPU machine, in one run of at most ~8 minutes (issue 14).
+
+  python benchmarks/gpu_check.py                 # on the GPU machine, from the checkout root
+  python benchmarks/gpu_check.py --dry_run       # here, on the CPU: every stage that can run
+
+Stages, each timed, each failure recorded (the run goes on to the next stage), results written
+to ``benchmarks/results/gpu/gpu_check.json`` after every stage (``--dry_run``: under
+``benchmarks/results/gpu/dry_run_cpu/``):
+
+1. build: ``pip install --no-build-isolation --no-deps -C cmake.define.FTJAX_CUDA=ON .``, then
+   the script re-executes itself on the installed package;
+2. machine: GPU, driver, jax, CPU ISA, whether ``ftjax._ffi_cuda`` loaded;
+3. correctness: ``pytest tests/gpu`` where pytest is installed, and always a built-in check
+   (the engine on both GPU placements, every policy at sizes 0, 1, L·E/3, L·E, against the
+   dense path with the whole pool in device memory);
+4. model: a ``--layers``-layer Qwen3-30B-A3B-shaped model (random bf16) written straight to
+   FTW with numpy, then loaded and pre-faulted;
+5. profile: B_P (CUDA copy kernel from the mapped pool, and XLA slices of a pinned_host pool),
+   B_H (the CPU kernel), both concurrently (``ftjax.runtime.profile``), and the device's read
+   bandwidth;
+6. decode: tok/s and miss rates of freetoken, lru_fill and cpu_only at 10%, 37% and 100% of the
+   experts, in alternating rounds, each against the cost model's prediction from the measured
+   profile and the run's own per-step counts; freetoken at 37% on the other placement too;
+7. overlap: a ``jax.profiler`` trace of a freetoken decode at 37%: GPU busy time from the
+   trace, host-expert time from the CUDA module's counters, and how much of the smaller one
+   the step hid behind the other.
+
+Goals (the issue): decode at 37% within 1.2x of the cost model; freetoken >= lru_fill and >=
+cpu_only at every budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results", "gpu")
+POLICIES = ("freetoken", "lru_fill", "cpu_only")
+FRACTIONS = (0.10, 0.37, 1.0)
+GOAL_MODEL_RATIO = 1.2
+
+
+def log(msg: str) -> None:
+  print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Run:
+  """The results so far, written after every stage."""
+
+  def __init__(self, args):
+    self.args = args
+    self.t0 = time.perf_counter()
+    self.results = {"args": vars(args), "stages": {}}
+    os.makedirs(RESULTS, exist_ok=True)
+
+  def left_s(self) -> float:
+    return self.args.budget_s - (time.perf_counter() - self.t0)
+
+  def stage(self, name, fn, *, min_left_s: float = 0.0):
+    if self.left_s() < min_left_s:
+      self.results["stages"][name] = {"skipped": f"{self.left_s():.0f} s left of the budget"}
+      log(f"{name}: skipped (time)")
+      self.write()
+      return None
+    log(f"{name} ...")
+    t0 = time.perf_counter()
+    entry = {}
+    try:
+      value = fn()
+      entry["result"] = value
+      ok = True
+    except Exception as e:  # every failure is recorded, and the next stage still runs
+      entry["error"] = f"{type(e).__name__}: {e}"
+      entry["traceback"] = traceback.format_exc()[-4000:]
+      value, ok = None, False
+    entry["seconds"] = round(time.perf_counter() - t0, 2)
+    self.results["stages"][name] = entry
+    log(f"{name}: {'ok' if ok else 'FAILED: ' + entry['error']} ({entry['seconds']} s)")
+    self.write()
+    return value
+
+  def write(self):
+    path = os.path.join(RESULTS, "gpu_check.json")
+    with open(path, "w") as f:
+      json.dump(self.results, f, indent=1, default=str)
+    return path
+
+
+# -- Stages ---------------------------------------------------------------------------------------
+
+
+def build() -> None:
+  """Installs the checkout with its CUDA module, then re-executes on the installed package."""
+  command = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+             "-C", "cmake.define.FTJAX_CUDA=ON", "."]
+  log(" ".join(command))
+  t0 = time.perf_counter()
+  done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+  with open(os.path.join(RESULTS, "build.log"), "w") as f:
+    f.write(done.stdout[-20000:] + "\n" + done.stderr[-20000:])
+  log(f"build: rc={done.returncode} in {time.perf_counter() - t0:.0f} s")
+  if done.returncode != 0:
+    print(done.stderr[-3000:], flush=True)
+  os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), "--nobuild",
+                            *sys.argv[1:], f"--build_rc={done.returncode}",
+                            f"--build_s={time.perf_counter() - t0:.0f}"])
+
+
+def machine() -> dict:
+  import jax  # noqa: PLC0415
+
+  from common import machine_info  # noqa: PLC0415
+  from ftjax.kernels import cuda  # noqa: PLC0415
+  info = machine_info()
+  info["backend"] = jax.default_backend()
+  info["devices"] = [f"{d.platform}:{d.device_kind}" for d in jax.devices()]
+  info["memories"] = [str(m) for m in jax.devices()[0].addressable_memories()]
+  info["ffi_cuda"] = "loaded" if cuda.cuda_available() else cuda.cuda_load_error()
+  try:
+    info["nvidia_smi"] = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pcie.link.gen.current,"
+         "pcie.link.width.current", "--format=csv,noheader"], capture_output=True, text=True,
+        timeout=20, check=False).stdout.strip()
+  except (OSError, subprocess.TimeoutExpired) as e:
+    info["nvidia_smi"] = f"unavailable: {e}"
+  return info
+
+
+def pytest_gpu() -> dict:
+  import importlib.util  # noqa: PLC0415
+  if importlib.util.find_spec("pytest") is None:
+    return {"skipped": "pytest is not installed here; the built-in check runs instead"}
+  done = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-x", "-rs",
+                         "-p", "no:cacheprovider"], cwd=REPO, capture_output=True, text=True,
+                        timeout=240, check=False)
+  return {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]}
+
+
+def builtin_check(dry_run: bool) -> dict:
+  """The engine on the GPU placements against the dense path, every policy and four sizes."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  import ftjax  # noqa: PLC0415
+  from ftjax.cache import POLICIES as ALL  # noqa: PLC0415
+  from ftjax.kernels import cuda  # noqa: PLC0415
+  from ftjax.model.config import ModelConfig  # noqa: PLC0415
+  from ftjax.runtime.model import random_model  # noqa: PLC0415
+  config = ModelConfig(
+      model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+      num_kv_heads=2, head_dim=8, num_experts=8, top_k=2, moe_intermediate_size=16,
+      rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
+      layer_types=("full_attention",) * 2, qk_norm="per_head", norm_topk_prob=True)
+  model = random_model(config, seed=3)
+  model = dataclasses.replace(model, params=jax.tree.map(lambda x: x * 8.0, model.params))
+  prompt = [3, 14, 15, 9, 2]
+  kernels = "ffi" if dry_run else "xla"
+  reference = ftjax.Engine(model, kernels=kernels).generate(prompt, 12)
+  ref_logits = _logits(ftjax.Engine(model, kernels=kernels), prompt)
+  total = config.num_layers * config.num_experts
+  pools = ["pinned_host"] if dry_run else ["pinned_host", "mapped"]
+  out = {"cases": 0, "mismatches": []}
+  for pool in pools:
+    for policy in ALL:
+      for slots in (0, 1, total // 3, total):
+        engine = ftjax.Engine(model, kernels=kernels, cache_slots=slots, policy=policy,
+                              bandwidths=(12.0, 24.0), hot_experts=np.arange(total)[::-1],
+                              pool=pool, cache_capacity=total)
+        tokens = engine.generate(prompt, 12)
+        err = float(np.max(np.abs(_logits(engine, prompt) - ref_logits)))
+        out["cases"] += 1
+        if tokens != reference or err > 1e-5 * max(1.0, float(np.abs(ref_logits).max())):
+          out["mismatches"].append({"pool": pool, "policy": policy, "slots": slots,
+                                    "tokens": tokens, "reference": reference,
+                                    "max_logit_error": err})
+  if cuda.cuda_available() and not dry_run:
+    out["cuda_stats"] = cuda.pool_stats()
+  out["passed"] = not out["mismatches"]
+  return out
+
+
+def _logits(engine, prompt):
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  state = engine.new_state(1, 32)
+  _, logits = engine.step(state, jnp.asarray([prompt], jnp.int32),
+                          jnp.arange(len(prompt), dtype=jnp.int32)[None], last_only=True)
+  return np.asarray(logits[0, -1])
+
+
+def write_model(config, path: str, seed: int = 0) -> str:
+  """Random bf16 weights straight to FTW: contiguous slices of one random pool."""
+  import ml_dtypes  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from ftjax.formats import ftw  # noqa: PLC0415
+  from ftjax.model import abstract_params  # noqa: PLC0415
+  rng = np.random.default_rng(seed)
+  pool = (rng.standard_normal(1 << 24, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+  norms = 1.0 + 0.1 * rng.standard_normal(1 << 16, np.float32)
+
+  def take(shape, name):
+    n = int(np.prod(shape))
+    if "norm" in name:
+      return np.resize(norms, n).reshape(shape)
+    if n <= pool.size:
+      start = int(rng.integers(0, pool.size - n + 1))
+      return pool[start:start + n].reshape(shape)
+    return np.resize(pool, n).reshape(shape)
+
+  writer = ftw.FTWWriter(path, config, "bfloat16", {"kind": "random-init", "seed": seed,
+                                                    "generator": "benchmarks/gpu_check.py"})
+  for name, a in abstract_params(config).items():
+    writer.add_tensor(name, take(tuple(a.shape), name))
+  parts = ftw.expert_part_shapes(config)
+  for layer in range(config.num_layers):
+    for expert in range(config.num_experts):
+      for part, shape in parts.items():
+        writer.add_expert_part(layer, expert, part, take(shape, part))
+    log(f"  wrote layer {layer + 1}/{config.num_layers}")
+  return writer.close()
+
+
+def make_model(args):
+  import ftjax  # noqa: PLC0415
+  from decode_e2e import qwen3_30b_shape  # noqa: PLC0415
+  from ftjax.formats import ftw  # noqa: PLC0415
+  config = qwen3_30b_shape(args.layers)
+  path = os.path.join(args.model_dir, f"qwen3-30b-a3b-shape-{args.layers}l")
+  if not (ftw.is_ftw_dir(path) and ftw.FTWFile.open(path, verify=False).config == config):
+    write_model(config, path)
+  model = ftjax.load(path, verify=False, populate=True)
+  pool_bytes = int(model.bank.shape[0]) * int(model.bank.shape[1]) * int(model.bank.shape[2]) * 2
+  return model, {"path": path, "layers": args.layers, "pool_gb": pool_bytes / 1e9}
+
+
+def profile(model, rounds: int) -> dict:
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from ftjax.runtime import profile as profile_lib  # noqa: PLC0415
+  c = model.config
+  shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, str(model.dtype),
+                                  c.top_k)
+  result = profile_lib.measure(model.bank, shape, rounds=rounds, calls=20,
+                               show_progress=False)
+  # The device's own read bandwidth: a reduction over a large array (median of 5).
+  big = jnp.ones((1 << 30,), jnp.float32) if jax.default_backend() != "cpu" else \
+      jnp.ones((1 << 26,), jnp.float32)
+  reduce = jax.jit(lambda a: a.sum())
+  reduce(big).block_until_ready()
+  times = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    reduce(big).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  result["device_read_gb_s"] = big.nbytes / statistics.median(times) / 1e9
+  del big
+  path = profile_lib.save_profile(result, os.path.join(RESULTS, "profile.json"))
+  result["path"] = path
+  return result
+
+
+def _hardware(prof):
+  from ftjax.research.cost import HardwareProfile  # noqa: PLC0415
+  conc = prof["concurrent"]
+  return HardwareProfile(
+      name="measured", b_p=conc["b_p_gb_s"], b_h=conc["b_p_gb_s"] + conc["b_h_gb_s"],
+      device_bw=prof["device_read_gb_s"], layer_overhead_s=5e-5, step_overhead_s=2e-4,
+      device_memory_gb=141, source="gpu_check: measured bandwidths (concurrent pair), "
+      "overheads assumed as in configs/hardware/h200-host.yaml")
+
+
+def full_pool_ops(engine) -> list[str]:
+  """Instructions of the engine's compiled decode programs that produce an array of the whole
+  pool's shape (a copy or a conversion of the pool: each one reads every byte of it per
+  program). Only parameters and loop plumbing should mention that shape."""
+  bank = "[" + ",".join(str(n) for n in engine.model.bank.shape) + "]"
+  instruction = re.compile(r"^(?:ROOT )?%[\w.\-]+ = (\S+) ([\w\-]+)\(")
+  found = []
+  for key, fn in engine.programs._table.items():
+    if key[0] != "decode":
+      continue
+    for line in fn.as_text().splitlines():
+      m = instruction.match(line.strip())
+      if m and bank in m.group(1) and m.group(2) not in (
+          "parameter", "get-tuple-element", "tuple", "while", "bitcast"):
+        found.append(line.strip()[:200])
+  return found
+
+
+def decode(model, prof, args, run: Run) -> dict:
+  import numpy as np  # noqa: PLC0415
+
+  import ftjax  # noqa: PLC0415
+  from ftjax.research.cost import ModelShape, step_times  # noqa: PLC0415
+  hw = _hardware(prof)
+  shape = ModelShape.from_config(model.config)
+  conc = prof["concurrent"]
+  bandwidths = (conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"])
+  rng = np.random.default_rng(0)
+  prompt = [int(t) for t in rng.integers(0, model.config.vocab_size, args.prompt_tokens)]
+  configs = [(p, f, "auto") for f in FRACTIONS for p in POLICIES]
+  configs.append(("freetoken", 0.37, "mapped" if not args.dry_run else "pinned_host"))
+  rows = {}
+  for policy, fraction, pool in configs:
+    if run.left_s() < 90:
+      rows[f"{policy}@{fraction}/{pool}"] = {"skipped": "time"}
+      continue
+    key = f"{policy}@{fraction}/{pool}"
+    try:
+      engine = ftjax.Engine(model, cache_fraction=fraction, policy=policy, bandwidths=bandwidths,
+                            pool=pool, decode_chunk=16)
+      engine.generate_timed(prompt, 4)  # compiles the programs
+      engine.generate_timed(prompt, args.tokens)  # warms the cache
+      tok_s, predicted, miss = [], [], []
+      for _ in range(args.rounds):
+        engine.clear_history()
+        r = engine.generate_timed(prompt, args.tokens)
+        tok_s.append(r.decode_tok_s)
+        st = engine.stats()
+        steps = [s for s in st["per_step"] if s["tokens"] == 1]
+        counts = [np.array([s[k] for s in steps]) for k in ("hits", "fills", "host")]
+        predicted.append(float(1.0 / np.mean(step_times(hw, shape, *counts))))
+        miss.append(float((counts[1].sum() + counts[2].sum())
+                          / max(1, sum(c.sum() for c in counts))))
+      rows[key] = {"policy": policy, "fraction": fraction, "pool": engine.placement.pool,
+                   "placement": engine.placement.description,
+                   "tok_s": statistics.median(tok_s), "tok_s_rounds": tok_s,
+                   "model_tok_s": statistics.median(predicted),
+                   "miss_rate": statistics.median(miss), "slots": engine.stats()["slots"],
+                   "compile_s": engine.compile_s, "full_pool_ops": full_pool_ops(engine)}
+      rows[key]["measured_over_model"] = rows[key]["tok_s"] / rows[key]["model_tok_s"]
+      log(f"  {key}: {rows[key]['tok_s']:.1f} tok/s (model {rows[key]['model_tok_s']:.1f}), "
+          f"miss {rows[key]['miss_rate']:.2f}")
+      del engine
+    except Exception as e:  # recorded per configuration
+      rows[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+      log(f"  {key}: FAILED {rows[key]['error']}")
+    run.results["decode_partial"] = rows
+    run.write()
+  goals = {}
+  for f in FRACTIONS:
+    ft, lf, co = (rows.get(f"{p}@{f}/auto", {}).get("tok_s") for p in POLICIES)
+    if None not in (ft, lf, co):
+      goals[f"freetoken>=lru_fill,cpu_only@{f}"] = bool(ft >= lf and ft >= co)
+  for p in POLICIES:
+    r = rows.get(f"{p}@0.37/auto", {})
+    if "tok_s" in r:
+      ratio = r["tok_s"] / r["model_tok_s"]
+      goals[f"{p}@0.37 within {GOAL_MODEL_RATIO}x of the model"] = bool(
+          1 / GOAL_MODEL_RATIO <= ratio <= GOAL_MODEL_RATIO)
+  return {"rows": rows, "goals": goals, "hardware": hw.to_dict()}
+
+
+def overlap(model, prof, args) -> dict:
+  """GPU busy time (trace) and host-expert time (CUDA module counters) over one decode."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  import ftjax  # noqa: PLC0415
+  from ftjax.kernels import cuda  # noqa: PLC0415
+  conc = prof["concurrent"]
+  engine = ftjax.Engine(model, cache_fraction=0.37, policy="freetoken", decode_chunk=16,
+                        bandwidths=(conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"]))
+  prompt = list(range(10, 10 + args.prompt_tokens))
+  engine.generate_timed(prompt, args.tokens)
+  before = cuda.pool_stats() if cuda.cuda_available() else {}
+  trace_dir = os.path.join(args.model_dir, "trace")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    r = engine.generate_timed(prompt, args.tokens)
+  after = cuda.pool_stats() if cuda.cuda_available() else {}
+  out = {"decode_s": r.decode_s, "prefill_s": r.prefill_s, "tokens": len(r.tokens)}
+  if before:
+    out["host_jobs"] = after["jobs"] - before["jobs"]
+    out["host_s"] = after["host_seconds"] - before["host_seconds"]
+    out["wait"] = after["wait"]
+  gpu = _trace_gpu_busy(trace_dir)
+  out.update(gpu)
+  wall = r.decode_s + r.prefill_s
+  if "gpu_busy_s" in out and "host_s" in out:
+    small = min(out["gpu_busy_s"], out["host_s"])
+    hidden = out["gpu_busy_s"] + out["host_s"] - wall
+    out["overlap_of_smaller"] = float(np.clip(hidden / small, 0, 1)) if small > 0 else None
+  return out
+
+
+def _trace_gpu_busy(trace_dir: str) -> dict:
+  paths = []
+  for root, _, files in os.walk(trace_dir):
+    paths += [os.path.join(root, f) for f in files if f.endswith(".json.gz")]
+  if not paths:
+    return {"trace": f"no perfetto trace under {trace_dir}"}
+  with gzip.open(max(paths, key=os.path.getmtime), "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name" and "args" in e}
+  gpu_pids = {p for p, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()
+              and "cpu" not in n.lower()}
+  busy, kernels = 0.0, {}
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+      busy += e.get("dur", 0) * 1e-6
+      for name in ("PoolFill", "AddHostPart", "SpinWait"):
+        if name in e.get("name", ""):
+          kernels[name] = kernels.get(name, 0.0) + e.get("dur", 0) * 1e-6
+  return {"gpu_busy_s": busy, "ftjax_kernels_s": kernels,
+          "trace_processes": sorted(set(names.values()))[:20]}
+
+
+def plot(decode_result) -> str | None:
+  from common import pyplot  # noqa: PLC0415
+  plt = pyplot()
+  if plt is None:
+    return None
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for policy in POLICIES:
+    xs, ys, ms = [], [], []
+    for f in FRACTIONS:
+      r = decode_result["rows"].get(f"{policy}@{f}/auto", {})
+      if "tok_s" in r:
+        xs.append(f)
+        ys.append(r["tok_s"])
+        ms.append(r["model_tok_s"])
+    line, = ax.plot(xs, ys, "o-", label=f"{policy} measured")
+    ax.plot(xs, ms, "x--", color=line.get_color(), label=f"{policy} cost model")
+  ax.set_xlabel("cache fraction of all experts")
+  ax.set_ylabel("decode tok/s")
+  ax.legend(fontsize=7)
+  path = os.path.join(RESULTS, "decode_tok_s.png")
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+  return path
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--nobuild", action="store_true", help="use the installed ftjax as is")
+  parser.add_argument("--dry_run", action="store_true",
+                      help="CPU backend: run every stage that does not need CUDA")
+  parser.add_argument("--layers", type=int, default=12)
+  parser.add_argument("--model_dir", default="/tmp/ftjax-gpu-check")
+  parser.add_argument("--tokens", type=int, default=48)
+  parser.add_argument("--prompt_tokens", type=int, default=32)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--profile_rounds", type=int, default=3)
+  parser.add_argument("--budget_s", type=float, default=450.0)
+  parser.add_argument("--build_rc", type=int, default=None)
+  parser.add_argument("--build_s", type=float, default=None)
+  args = parser.parse_args()
+  if args.dry_run:  # a CPU run's numbers never mix with the GPU's
+    global RESULTS
+    RESULTS = os.path.join(RESULTS, "dry_run_cpu")
+  if not args.nobuild and not args.dry_run:
+    build()  # re-executes
+  run = Run(args)
+  if args.build_rc is not None:
+    run.results["stages"]["build"] = {"rc": args.build_rc, "seconds": args.build_s,
+                                      "log": "benchmarks/results/gpu/build.log"}
+  run.stage("machine", machine)
+  if not args.dry_run:
+    run.stage("pytest_gpu", pytest_gpu, min_left_s=300)
+  run.stage("builtin_check", lambda: builtin_check(args.dry_run), min_left_s=250)
+  made = run.stage("model", lambda: make_model(args), min_left_s=200)
+  if made is None:
+    return
+  model, info = made
+  run.results["stages"]["model"]["result"] = info
+  prof = run.stage("profile", lambda: profile(model, args.profile_rounds), min_left_s=150)
+  if prof is None:
+    return
+  result = run.stage("decode", lambda: decode(model, prof, args, run), min_left_s=120)
+  if result is not None:
+    run.results["plot"] = run.stage("plot", lambda: plot(result))
+  run.stage("overlap", lambda: overlap(model, prof, args), min_left_s=30)
+  log(f"wrote {run.write()} ({time.perf_counter() - run.t0:.0f} s)")
+
+
+if __name__ == "__main__":
+  main()
