@@ -23,7 +23,9 @@ to ``benchmarks/results/gpu/gpu_check.json`` after every stage (``--dry_run``: u
    profile and the run's own per-step counts; freetoken at 37% on the other placement too;
 7. overlap: a ``jax.profiler`` trace of a freetoken decode at 37%: GPU busy time from the
    trace, host-expert time from the CUDA module's counters, and how much of the smaller one
-   the step hid behind the other.
+   the step hid behind the other;
+8. prefill: 512 and 2048 tokens with whole layers streamed against sparse fills plus host
+   experts, next to the transfer-bound ceiling of streaming.
 
 Goals (the issue): decode at 37% within 1.2x of the cost model; freetoken >= lru_fill and >=
 cpu_only at every budget.
@@ -365,6 +367,45 @@ def decode(model, prof, args, run: Run) -> dict:
   return {"rows": rows, "goals": goals, "hardware": hw.to_dict()}
 
 
+def prefill(model, prof, args, run: Run) -> dict:
+  """Prefill tok/s with whole layers streamed against sparse fills plus host experts, at 512
+  and 2048 tokens (freetoken, 37% cache), and the transfer-bound ceiling of streaming: every
+  expert byte once at the measured B_P."""
+  import numpy as np  # noqa: PLC0415
+
+  import ftjax  # noqa: PLC0415
+  conc = prof["concurrent"]
+  bandwidths = (conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"])
+  c = model.config
+  pool_bytes = c.num_layers * c.num_experts * c.expert_block_elems * 2
+  rng = np.random.default_rng(1)
+  rows = {}
+  for tokens in (512, 2048):
+    prompt = [int(t) for t in rng.integers(0, c.vocab_size, tokens)]
+    for stream in (0, 1):
+      key = f"{tokens} tokens, {'streamed' if stream else 'sparse'}"
+      if run.left_s() < 60:
+        rows[key] = {"skipped": "time"}
+        continue
+      try:
+        engine = ftjax.Engine(model, cache_fraction=0.37, policy="freetoken",
+                              bandwidths=bandwidths, stream_prefill_tokens=stream,
+                              max_seq_len=4096)
+        engine.generate_timed(prompt, 1)  # compile
+        times = [engine.generate_timed(prompt, 1).prefill_s for _ in range(2)]
+        st = engine.stats()
+        rows[key] = {"tok_s": tokens / min(times), "seconds": times,
+                     "streamed_layer_steps": st["streamed_layer_steps"], "bytes": st["bytes"],
+                     "stream_ceiling_tok_s": tokens / (pool_bytes / (prof["b_p_gb_s"] * 1e9))}
+        log(f"  {key}: {rows[key]['tok_s']:.0f} tok/s")
+        del engine
+      except Exception as e:  # recorded per configuration
+        rows[key] = {"error": f"{type(e).__name__}: {e}",
+                     "traceback": traceback.format_exc()[-3000:]}
+        log(f"  {key}: FAILED {rows[key]['error']}")
+  return rows
+
+
 def overlap(model, prof, args) -> dict:
   """GPU busy time (trace) and host-expert time (CUDA module counters) over one decode."""
   import jax  # noqa: PLC0415
@@ -485,6 +526,7 @@ def main() -> None:
   if result is not None:
     run.results["plot"] = run.stage("plot", lambda: plot(result))
   run.stage("overlap", lambda: overlap(model, prof, args), min_left_s=30)
+  run.stage("prefill", lambda: prefill(model, prof, args, run), min_left_s=60)
   log(f"wrote {run.write()} ({time.perf_counter() - run.t0:.0f} s)")
 
 

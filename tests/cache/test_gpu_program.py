@@ -130,6 +130,34 @@ def test_the_gpu_decode_step_exports_for_cuda(tiny_config, policy):
     assert ("pinned_host" in text) == (fill == "slices")
 
 
+def test_the_streamed_prefill_exports_for_cuda(tiny_config):
+  model = model_lib.random_model(tiny_config, seed=0, dtype="bfloat16")
+  engine = ftjax.Engine(model, kernels="xla", cache_slots=5, policy="freetoken",
+                        bandwidths=(12.0, 24.0))
+  pool = cuda.PoolSpec(handle=0, shape=tuple(model.bank.shape), dtype="bfloat16")
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  for fill in ("slices", "cuda"):
+    runner = dataclasses.replace(engine.runner, stream_min_tokens=16,
+                                 offload=Offload(fill=fill, host="cuda", pool=pool))
+    bank = None
+    if fill == "slices":
+      bank = jax.ShapeDtypeStruct(model.bank.shape, model.bank.dtype,
+                                  sharding=SingleDeviceSharding(jax.devices()[0],
+                                                                memory_kind="pinned_host"))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    fn = jax.jit(lambda *a: programs.prefill_program(runner, *a))
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS]
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+        jax.tree.map(spec, model.params), bank,
+        jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256))),
+        jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar, scalar,
+        jax.ShapeDtypeStruct((8,), jnp.int32), jax.tree.map(spec, Sampling.make(greedy=True)))
+    text = exported.mlir_module()
+    # Streamed: no host experts; the whole layer comes by the fill mechanism.
+    assert "ftjax_cuda_host_experts_start" not in text
+    assert text.count("ftjax_cuda_pool_fill") == (tiny_config.num_layers if fill == "cuda" else 0)
+
+
 def test_placement_errors_are_clear(model):
   with pytest.raises(ValueError, match="pool must be one of"):
     ftjax.Engine(model, cache_slots=2, policy="lru_fill", pool="hbm")
@@ -144,3 +172,37 @@ def test_placement_errors_are_clear(model):
   if not cuda.cuda_available():
     with pytest.raises(ImportError, match="ftjax._ffi_cuda"):
       cuda.register_pool(np.zeros((1, 2, 3), np.float32))
+
+
+@pytest.mark.parametrize("pool", ["device", "pinned_host"])
+def test_streamed_prefill_matches_and_leaves_the_cache_as_warm(model, pool):
+  """Long prefills stream each layer whole (DESIGN section 4): same logits as the dense path,
+  and the same cache afterwards as the sparse prefill (the plan's fills, copied from the
+  streamed layer)."""
+  c = model.config
+  total = c.num_layers * c.num_experts
+  prompt = list(np.random.default_rng(2).integers(0, c.vocab_size, 24))
+  reference = _prefill(ftjax.Engine(model, kernels="ffi"), prompt)
+  for policy in ("freetoken", "static_hot"):
+    engines = {
+        stream: ftjax.Engine(model, kernels="ffi", cache_slots=total // 3, policy=policy,
+                             bandwidths=(12.0, 24.0), hot_experts=np.arange(total)[::-1],
+                             pool=pool, stream_prefill_tokens=stream)
+        for stream in (0, 16)}
+    logits = {stream: _prefill(engine, prompt) for stream, engine in engines.items()}
+    tolerances.assert_close(logits[16], reference, tolerances.F32, floor=1.0)
+    sparse, streamed = engines[0].cache, engines[16].cache
+    for field in ("owner", "slot_of", "slot_stamp", "expert_stamp", "expert_count", "slots"):
+      np.testing.assert_array_equal(np.asarray(getattr(streamed, field)),
+                                    np.asarray(getattr(sparse, field)), err_msg=field)
+    stats = engines[16].stats()
+    assert stats["streamed_layer_steps"] == c.num_layers
+    assert stats["bytes"]["host"] == 0 and stats["bytes"]["stream"] > 0
+    assert engines[0].stats()["streamed_layer_steps"] == 0
+
+
+def _prefill(engine, prompt):
+  state = engine.new_state(1, len(prompt) + 1)
+  state, logits = engine.step(state, jnp.asarray([prompt], jnp.int32),
+                              jnp.arange(len(prompt), dtype=jnp.int32)[None])
+  return np.asarray(logits[0])

@@ -59,10 +59,15 @@ class Offload:
     ``cuda``: the CUDA start/done pair on the registered pool, overlapped with the device's
       hit and fill work.
   pool: the registered pool (``ftjax.kernels.cuda.register_pool``) for the CUDA paths.
+  stream: the layer-step moves its whole layer [E, P] to the device (one transfer by the
+    ``fill`` mechanism) and computes every route from it; the plan is made and its fills
+    copied from the streamed layer as usual, so the cache ends as warm as the sparse step
+    leaves it (DESIGN section 4). Chosen per program (prompt length) by the engine.
   """
   fill: str = "kernels"
   host: str = "kernels"
   pool: PoolSpec | None = None
+  stream: bool = False  # whole layers to the device (long prefills): see ``offloaded_moe``
 
   def __post_init__(self):
     if self.fill not in FILLS:
@@ -73,7 +78,25 @@ class Offload:
       raise ValueError("the CUDA fill and host paths need a registered pool (pool=)")
 
   def describe(self) -> str:
-    return f"fills: {self.fill}, host experts: {self.host}"
+    return f"fills: {self.fill}, host experts: {self.host}" + (", streamed" if self.stream else "")
+
+
+def fetch_layer(bank: jax.Array, layer: int, offload: Offload) -> jax.Array:
+  """The whole layer ``bank[layer]`` [E, P] in device memory, by ``offload.fill``'s mechanism:
+  a slice of the pool (``kernels``), one host-to-device slice of a pinned_host pool
+  (``slices``; asynchronous on a GPU, so XLA can start it while the previous layer computes),
+  or the CUDA copy kernel from the registered pool (``cuda``)."""
+  if offload.fill == "cuda":
+    _, experts, width = offload.pool.shape
+    ids = jnp.arange(experts, dtype=jnp.int32)
+    src = jnp.stack([jnp.full_like(ids, layer), ids], axis=1)
+    return pool_fill(jnp.zeros((experts, width), offload.pool.dtype), src, ids, pool=offload.pool)
+  if offload.fill == "slices":
+    bits = jnp.dtype(f"uint{8 * bank.dtype.itemsize}")
+    block = jax.lax.dynamic_index_in_dim(bank, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+    block = jax.device_put(jax.lax.bitcast_convert_type(block, bits), jax.memory.Space.Device)
+    return jax.lax.bitcast_convert_type(block, bank.dtype)
+  return bank[layer]
 
 
 DEFAULT_OFFLOAD = Offload()
@@ -85,15 +108,19 @@ class StepStats:
   hits: jax.Array  # [L] int32
   fills: jax.Array  # [L] int32 (q)
   host: jax.Array  # [L] int32 (m - q)
+  # [L] int32: 1 where the layer-step streamed its whole layer to the device (prefill): its
+  # ``host`` misses then ran on the device from the streamed layer, not on the host.
+  streamed: jax.Array
 
   @classmethod
-  def zeros(cls, num_layers: int) -> "StepStats":
-    # Three distinct buffers: the state is donated, and one buffer cannot be donated twice.
-    return cls(*(jnp.zeros((num_layers,), jnp.int32) for _ in range(3)))
+  def zeros(cls, num_layers: int, steps: tuple[int, ...] = ()) -> "StepStats":
+    # Distinct buffers: the state is donated, and one buffer cannot be donated twice.
+    return cls(*(jnp.zeros((*steps, num_layers), jnp.int32) for _ in range(4)))
 
-  def record(self, layer, p: Plan) -> "StepStats":
+  def record(self, layer, p: Plan, streamed: bool = False) -> "StepStats":
     return StepStats(hits=self.hits.at[layer].set(p.hits), fills=self.fills.at[layer].set(p.fills),
-                     host=self.host.at[layer].set(p.host))
+                     host=self.host.at[layer].set(p.host),
+                     streamed=self.streamed.at[layer].set(int(streamed)))
 
 
 def _fill_by_slices(slots, bank, layer, fill_expert, fill_slot):
@@ -161,6 +188,11 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     layer-step's ``Plan`` (routes, fills, and the counts ``hits``, ``fills``, ``host``).
   """
   cache, p = plan(cache, layer, ids, bandwidths, policy)
+  if offload.stream:
+    streamed = fetch_layer(bank, layer, offload)[None]  # [1, E, P] on the device
+    slots = fill_slots(cache.slots, streamed, 0, p.fill_expert, p.fill_slot, impl=impl)
+    y = routed_experts(x, ids, weights, streamed, 0, ffn_dim=ffn_dim, impl=impl)
+    return cache.replace(slots=slots), y, p
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
   host_weights = jnp.where(on_device, 0.0, weights)
@@ -202,4 +234,4 @@ class CachedExperts:
     cache, y, p = offloaded_moe(x, weights, ids, self.cache, self.bank, layer,
                                 bandwidths=self.bandwidths, policy=self.policy,
                                 ffn_dim=self.ffn_dim, impl=self.kernels, offload=self.offload)
-    return self.replace(cache=cache, stats=self.stats.record(layer, p)), y
+    return self.replace(cache=cache, stats=self.stats.record(layer, p, self.offload.stream)), y

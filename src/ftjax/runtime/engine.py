@@ -104,6 +104,12 @@ class RuntimeOptions:
     cache counts and the routing record once per chunk, so text streams every N tokens.
   pool: where the host expert pool lives and so how fills and host experts run: "device",
     "pinned_host", "mapped" (GPU) or "auto" (``ftjax.runtime.placement``).
+  stream_prefill_tokens: prefills (and session segments) of at least this many tokens move
+    each MoE layer whole to the device and compute every route there (DESIGN section 4);
+    0 never does. Default (None): on an accelerator with the pool off the device, when the
+    tokens' routes (T·K) reach the layer's E experts (about 63% of them then distinct under
+    uniform routing); never on the CPU backend, where device memory is host memory and the
+    grouped host kernel reads the pool in place.
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
@@ -119,8 +125,13 @@ class RuntimeOptions:
   record_routing: bool = False
   decode_chunk: int = 8
   pool: str = "auto"
+  stream_prefill_tokens: int | None = None
 
   def __post_init__(self):
+    if self.stream_prefill_tokens is not None and (
+        not isinstance(self.stream_prefill_tokens, int) or self.stream_prefill_tokens < 0):
+      raise ValueError(f"stream_prefill_tokens must be an int >= 0 (0: never), got "
+                       f"{self.stream_prefill_tokens!r}")
     if self.pool not in POOLS:
       raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
     if self.kernels != "auto" and self.kernels not in KERNELS:
@@ -223,7 +234,7 @@ class Engine:
         top_k=c.top_k, ffn_dim=c.moe_intermediate_size, kernels=self.kernels,
         policy=self.policy.program() if self.policy is not None else None,
         record_routing=opts.record_routing, chunk=opts.decode_chunk,
-        offload=self.placement.offload)
+        offload=self.placement.offload, stream_min_tokens=self._stream_min_tokens())
     self.programs = Programs.shared(self.runner)
     self._cache: ExpertCache | None = None
     self._steps: list[dict[str, Any]] = []
@@ -231,6 +242,17 @@ class Engine:
     self._totals = {"hits": 0, "fills": 0, "host": 0}  # over the engine's life
     if opts.caching:
       self._cache = self._initial_cache(self._requested_slots(kv_bytes=0))
+
+  def _stream_min_tokens(self) -> int:
+    o, c = self.options, self.model.config
+    if o.stream_prefill_tokens is not None:
+      if o.stream_prefill_tokens and not o.caching:
+        raise ValueError("stream_prefill_tokens streams layers through the expert cache's "
+                         "layer-step: give a cache size (cache_slots=0 for none)")
+      return o.stream_prefill_tokens
+    if not o.caching or jax.default_backend() == "cpu" or self.placement.pool == "device":
+      return 0
+    return -(-c.num_experts // c.top_k)
 
   # -- Expert cache ---------------------------------------------------------------------------
 
@@ -324,9 +346,13 @@ class Engine:
       return {"cache": None, "compiles": self.compile_count}
     layers = self.model.config.num_moe_layers
     total = {k: np.zeros(layers, np.int64) for k in ("hits", "fills", "host")}
+    host_run = np.zeros(layers, np.int64)  # host misses that ran on the host (not streamed)
+    streamed = np.zeros(layers, np.int64)  # layer-steps that streamed their whole layer
     for step in self._steps:
       for k in total:
         total[k] += step[k]
+      host_run += np.where(step["streamed"], 0, step["host"])
+      streamed += step["streamed"]
     misses = total["fills"] + total["host"]
     selected = total["hits"] + misses
     eb = self.model.config.expert_block_elems * self.model.bank.dtype.itemsize
@@ -340,8 +366,10 @@ class Engine:
                       "miss_rate": np.where(selected > 0, misses / np.maximum(selected, 1),
                                             0.0).tolist()},
         "miss_rate": float(misses.sum() / max(selected.sum(), 1)),
-        "bytes": {"fill": int(total["fills"].sum() * eb), "host": int(total["host"].sum() * eb),
-                  "device": int((total["hits"] + total["fills"]).sum() * eb)},
+        "bytes": {"fill": int(total["fills"].sum() * eb), "host": int(host_run.sum() * eb),
+                  "device": int((total["hits"] + total["fills"]).sum() * eb),
+                  "stream": int(streamed.sum() * self.model.config.num_experts * eb)},
+        "streamed_layer_steps": int(streamed.sum()),
         "compiles": self.compile_count,
     }
 
@@ -403,14 +431,16 @@ class Engine:
     if steps is None:  # one forward
       if stats is not None:
         self._steps.append({"tokens": tokens, "hits": stats.hits, "fills": stats.fills,
-                            "host": stats.host, "seconds": seconds})
+                            "host": stats.host, "streamed": stats.streamed,
+                            "seconds": seconds})
       if routing is not None:
         self._routing.append((routing.ids[:, :tokens], routing.weights[:, :tokens], phase))
       return
     for i in range(steps):
       if stats is not None:
         self._steps.append({"tokens": 1, "hits": stats.hits[i], "fills": stats.fills[i],
-                            "host": stats.host[i], "seconds": seconds / steps})
+                            "host": stats.host[i], "streamed": stats.streamed[i],
+                            "seconds": seconds / steps})
       if routing is not None:
         self._routing.append((routing.ids[i], routing.weights[i], phase))
 

@@ -73,6 +73,8 @@ class Runner:
   record_routing: bool = False
   chunk: int = 8  # decode steps per decode program
   offload: Offload = DEFAULT_OFFLOAD  # where the pool lives; how fills and host experts run
+  # Prefill and extend programs of at least this many tokens stream whole layers (0: never).
+  stream_min_tokens: int = 0
 
   # -- Tracing ---------------------------------------------------------------------------------
 
@@ -85,9 +87,12 @@ class Runner:
     if self.policy is None:
       experts = BankExperts(bank=bank, ffn_dim=self.ffn_dim, kernels=self.kernels)
     else:
+      offload = self.offload
+      if tokens.size > 1 and 0 < self.stream_min_tokens <= tokens.size:
+        offload = dataclasses.replace(offload, stream=True)
       experts = CachedExperts(bank=bank, cache=state.cache, bandwidths=state.bandwidths,
                               stats=StepStats.zeros(self.num_layers), ffn_dim=self.ffn_dim,
-                              policy=self.policy, kernels=self.kernels, offload=self.offload)
+                              policy=self.policy, kernels=self.kernels, offload=offload)
     if self.record_routing:
       experts = RecordingExperts(experts, RoutingRecord.empty(self.num_layers, tokens.size,
                                                               self.top_k))
@@ -232,8 +237,7 @@ def decode_program(runner: Runner, params, bank, state: EngineState, loop: Loop,
   record with a leading [chunk] axis)."""
   n = runner.chunk
   layers = runner.num_layers
-  stats = (StepStats(*(jnp.zeros((n, layers), jnp.int32) for _ in range(3)))
-           if runner.policy is not None else None)
+  stats = StepStats.zeros(layers, (n,)) if runner.policy is not None else None
   routing = (RoutingRecord(ids=jnp.full((n, layers, 1, runner.top_k), -1, jnp.int32),
                            weights=jnp.zeros((n, layers, 1, runner.top_k), jnp.float32))
              if runner.record_routing else None)
