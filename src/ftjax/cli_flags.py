@@ -48,6 +48,9 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "pool", "auto", ["auto", "device", "pinned_host", "mapped"],
           "where the host expert pool lives: device (CPU default), pinned_host (fills as "
           "async copies), mapped (GPU, registered by the CUDA module); auto picks per backend"),
+      "devices": flags.DEFINE_integer(
+          "devices", None, "split the expert cache's slots (and large dense weights) over this "
+          "many local devices (expert-parallel; needs --pool=device)", lower_bound=1),
   }
 
 
@@ -81,6 +84,8 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
     cache["policy"] = holders["policy"].value
   if holders["pool"].value != "auto":
     cache["pool"] = holders["pool"].value
+  if holders["devices"].value is not None:
+    cache["devices"] = holders["devices"].value
   return cache
 
 

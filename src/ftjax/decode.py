@@ -92,7 +92,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   out.write(stream.flush() + "\n")
   out.flush()
   decoded = DecodeResult(prompt=prompt, text=tokenizer.decode(result.tokens),
-                         generation=result, model_path=loaded.path or path,
+                         generation=result, model_path=loaded.path or model,
                          tokenizer=tokenizer.name,
                          kernels=engine.kernels_path + _placement_note(engine))
   log.write(decoded.summary() + "\n")

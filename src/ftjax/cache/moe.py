@@ -30,6 +30,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from ftjax.cache.policy import Plan, PolicyConfig, plan
 from ftjax.cache.state import ExpertCache
@@ -68,6 +70,10 @@ class Offload:
   host: str = "kernels"
   pool: PoolSpec | None = None
   stream: bool = False  # whole layers to the device (long prefills): see ``offloaded_moe``
+  # Expert-parallel slots: the slot buffer is split along N over this mesh's axis ``axis``
+  # (one contiguous block of slots per device); see ``offloaded_moe``.
+  mesh: Mesh | None = None
+  axis: str = "experts"
 
   def __post_init__(self):
     if self.fill not in FILLS:
@@ -76,6 +82,11 @@ class Offload:
       raise ValueError(f"host must be one of {HOSTS}, got {self.host!r}")
     if "cuda" in (self.fill, self.host) and self.pool is None:
       raise ValueError("the CUDA fill and host paths need a registered pool (pool=)")
+    if self.mesh is not None and (self.fill, self.host, self.stream) != ("kernels", "kernels",
+                                                                        False):
+      raise ValueError("expert-parallel slots (mesh=) run with the pool in device memory "
+                       "(pool='device'): the pinned_host and mapped placements are one-device "
+                       "only for now")
 
   def describe(self) -> str:
     return f"fills: {self.fill}, host experts: {self.host}" + (", streamed" if self.stream else "")
@@ -188,6 +199,8 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     layer-step's ``Plan`` (routes, fills, and the counts ``hits``, ``fills``, ``host``).
   """
   cache, p = plan(cache, layer, ids, bandwidths, policy)
+  if offload.mesh is not None:
+    return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload)
   if offload.stream:
     streamed = fetch_layer(bank, layer, offload)[None]  # [1, E, P] on the device
     slots = fill_slots(cache.slots, streamed, 0, p.fill_expert, p.fill_slot, impl=impl)
@@ -211,6 +224,46 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     y = host_experts_done(ticket, y)
   else:
     y = y + routed_experts(x, host_ids, host_weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
+  return cache.replace(slots=slots), y, p
+
+
+def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload):
+  """The layer-step with the slot buffer split over ``offload.mesh``: each device fills the
+  planned slots it holds and computes the routes served by them; the host routes run once
+  (on the first device); a ``psum`` adds the partial outputs. The plan and the cache's tables
+  are computed identically on every device (replicated)."""
+  axis = offload.axis
+  on_device = p.route_slot >= 0
+  host_ids = jnp.where(on_device, -1, ids)
+  host_weights = jnp.where(on_device, 0.0, weights)
+  device_weights = jnp.where(on_device, weights, 0.0)
+
+  def local(slots, x, route_slot, device_weights, host_ids, host_weights, fill_expert,
+            fill_slot, bank):
+    n = slots.shape[0]
+    index = jax.lax.axis_index(axis)
+    first = index * n
+    mine = (fill_slot >= first) & (fill_slot < first + n)
+    slots = fill_slots(slots, bank, layer, fill_expert, jnp.where(mine, fill_slot - first, -1),
+                       impl=impl)
+    y = jnp.zeros(x.shape, jnp.float32)
+    if n:
+      held = (route_slot >= first) & (route_slot < first + n)
+      y = y + routed_experts(x, jnp.where(held, route_slot - first, -1),
+                             jnp.where(held, device_weights, 0.0), slots[None], 0,
+                             ffn_dim=ffn_dim, impl=impl)
+    y = y + routed_experts(x, jnp.where(index == 0, host_ids, -1), host_weights, bank, layer,
+                           ffn_dim=ffn_dim, impl=impl)
+    return slots, jax.lax.psum(y, axis)
+
+  sharded = jax.shard_map(local, mesh=offload.mesh,
+                          in_specs=(P(axis), P(), P(), P(), P(), P(), P(), P(), P()),
+                          out_specs=(P(axis), P()),
+                          # The shared routed-expert code (a scan over experts) is written
+                          # without varying-axis annotations; the psum makes y replicated.
+                          check_vma=False)
+  slots, y = sharded(cache.slots, x, p.route_slot, device_weights, host_ids, host_weights,
+                     p.fill_expert, p.fill_slot, bank)
   return cache.replace(slots=slots), y, p
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ftjax import kernels as host_kernels
 from ftjax.cache import ExpertCache, PolicyConfig, get_policy
@@ -26,7 +27,7 @@ from ftjax.experts import KERNELS
 from ftjax.model import DecodeState, init_state
 from ftjax.runtime import programs
 from ftjax.runtime.model import Model
-from ftjax.runtime.placement import POOLS, resolve_pool
+from ftjax.runtime.placement import EXPERT_AXIS, POOLS, expert_mesh, resolve_pool, shard_params
 from ftjax.runtime.profile import ExpertShape, load_profile
 from ftjax.runtime.programs import Programs, Runner
 from ftjax.runtime.sampling import Sampling
@@ -110,6 +111,10 @@ class RuntimeOptions:
     tokens' routes (T·K) reach the layer's E experts (about 63% of them then distinct under
     uniform routing); never on the CPU backend, where device memory is host memory and the
     grouped host kernel reads the pool in place.
+  devices: split the expert cache's slots over this many local devices (expert-parallel, one
+    contiguous block of slots each) and the large dense weights along their first axis, with
+    ``jax.sharding``; None or 1: one device. Needs ``pool='device'`` (the default on the CPU
+    backend); test it on a CPU with ``JAX_NUM_CPU_DEVICES=4``.
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
@@ -126,6 +131,7 @@ class RuntimeOptions:
   decode_chunk: int = 8
   pool: str = "auto"
   stream_prefill_tokens: int | None = None
+  devices: int | None = None
 
   def __post_init__(self):
     if self.stream_prefill_tokens is not None and (
@@ -134,6 +140,13 @@ class RuntimeOptions:
                        f"{self.stream_prefill_tokens!r}")
     if self.pool not in POOLS:
       raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+    if self.devices is not None:
+      if not isinstance(self.devices, int) or not 1 <= self.devices <= len(jax.devices()):
+        raise ValueError(f"devices must be an int in [1, {len(jax.devices())}] (the local "
+                         f"devices; more CPU devices with JAX_NUM_CPU_DEVICES=n before jax "
+                         f"starts), got {self.devices!r}")
+      if self.devices > 1 and not self.caching:
+        raise ValueError("devices= splits the expert cache's slots: give a cache size")
     if self.kernels != "auto" and self.kernels not in KERNELS:
       raise ValueError(f"kernels must be 'auto', 'xla', 'ffi' or 'ffi_bf16', got "
                        f"{self.kernels!r}")
@@ -222,7 +235,16 @@ class Engine:
     self.options = opts = RuntimeOptions(**runtime_options)
     self.kernels, self.kernels_path = resolve_kernels(opts.kernels, model.bank.dtype)
     self.placement = resolve_pool(opts.pool, model.bank, self.kernels, caching=opts.caching)
-    self.bank = self.placement.bank  # what the programs receive as the host pool
+    self.mesh = expert_mesh(opts.devices)
+    if self.mesh is not None:
+      if self.placement.pool != "device":
+        raise ValueError("devices= needs pool='device': the pinned_host and mapped placements "
+                         "are one-device only for now")
+      self.placement = dataclasses.replace(
+          self.placement, offload=dataclasses.replace(self.placement.offload, mesh=self.mesh))
+    # What the programs receive: the parameters and the host pool (placed on the mesh).
+    self.params = model.params if self.mesh is None else shard_params(model.params, self.mesh)
+    self.bank = self.placement.bank if self.mesh is None else self._put(self.placement.bank)
     self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
     self.compile_count = 0
     self.compile_s = 0.0
@@ -242,6 +264,12 @@ class Engine:
     self._totals = {"hits": 0, "fills": 0, "host": 0}  # over the engine's life
     if opts.caching:
       self._cache = self._initial_cache(self._requested_slots(kv_bytes=0))
+
+  def _put(self, tree):
+    """Program inputs to the device: replicated over the mesh when there is one."""
+    if self.mesh is None:
+      return jax.device_put(tree)
+    return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
   def _stream_min_tokens(self) -> int:
     o, c = self.options, self.model.config
@@ -302,10 +330,14 @@ class Engine:
 
   def _capacity(self, num_slots: int) -> int:
     fixed = self.options.cache_capacity
+    shards = 1 if self.mesh is None else self.mesh.size
     if fixed is None:
-      return slot_bucket(num_slots)
+      # With a mesh, at least one slot per device: an empty buffer would not stay split.
+      return max(-(-slot_bucket(num_slots) // shards) * shards, 0 if shards == 1 else shards)
     if num_slots > fixed:
       raise ValueError(f"{num_slots} slots exceed cache_capacity={fixed}")
+    if fixed % shards:
+      raise ValueError(f"cache_capacity={fixed} must be a multiple of devices={shards}")
     return fixed
 
   def _initial_cache(self, num_slots: int) -> ExpertCache:
@@ -413,8 +445,16 @@ class Engine:
     if self._cache is None:
       return EngineState(decode=decode)
     bandwidths = self.bandwidths if self.bandwidths is not None else np.ones(2, np.float32)
-    return EngineState(decode=decode, cache=self._cache,
-                       bandwidths=jax.device_put(np.asarray(bandwidths, np.float32)))
+    state = EngineState(decode=decode, cache=self._cache,
+                        bandwidths=jax.device_put(np.asarray(bandwidths, np.float32)))
+    if self.mesh is None:
+      return state
+    # Everything replicated but the slots, split along N: the compiled programs expect
+    # exactly these shardings.
+    slots = jax.device_put(self._cache.slots,
+                           NamedSharding(self.mesh, PartitionSpec(EXPERT_AXIS)))
+    state = self._put(state.replace(cache=self._cache.replace(slots=None)))
+    return state.replace(cache=state.cache.replace(slots=slots))
 
   def _keep(self, state: EngineState) -> DecodeState:
     if self._cache is not None:
@@ -454,13 +494,13 @@ class Engine:
     (resized since, perhaps) rides along and comes back updated."""
     if fresh and int(state.length) != 0:
       raise ValueError(f"fresh=True needs an empty state, but it holds {int(state.length)} tokens")
-    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+    tokens, positions = self._put((np.asarray(tokens, np.int32), np.asarray(positions, np.int32)))
     est = self._engine_state(state)
     key = ("step", tokens.shape, state.capacity, self._slot_capacity(), last_only, fresh)
-    fn = self._compiled(key, programs.step_program, self.model.params, self.bank, est,
+    fn = self._compiled(key, programs.step_program, self.params, self.bank, est,
                         tokens, positions, last_only=last_only, fresh=fresh)
     t0 = time.perf_counter()
-    est, logits, record = fn(self.model.params, self.bank, est, tokens, positions)
+    est, logits, record = fn(self.params, self.bank, est, tokens, positions)
     decode = self._keep(est)
     if record.stats is not None or record.routing is not None:
       jax.block_until_ready(logits)
@@ -554,19 +594,20 @@ class Engine:
     tokens[0, :len(ids)] = ids
     # The request's inputs go to the device in one explicit transfer; between programs
     # nothing else does (the loop state stays there).
-    tokens, num_valid, max_new, stop_ids, sampling = jax.device_put(
+    tokens, num_valid, max_new, stop_ids, sampling = self._put(
         (tokens, np.int32(len(ids)), np.int32(max_new_tokens), stop_ids, sampling))
     state = self._engine_state(self._new_state(1, capacity))
-    params, bank = self.model.params, self.bank
+    params, bank = self.params, self.bank
     compile_before = self.compile_s
     sizes = (capacity, self._slot_capacity(), len(stop_ids), sampling.greedy, sampling.nucleus)
     prefill = self._compiled(("prefill", bucket, *sizes), programs.prefill_program, params, bank,
                              state, tokens, num_valid, max_new, stop_ids, sampling)
     decode = None
     if max_new_tokens > 1:
-      scalar = jax.ShapeDtypeStruct((), jnp.int32)
+      sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+      scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
       loop_spec = programs.Loop(token=scalar, count=scalar, max_new=scalar,
-                                done=jax.ShapeDtypeStruct((), jnp.bool_))
+                                done=jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding))
       decode = self._compiled(("decode", *sizes), programs.decode_program, params, bank, state,
                               loop_spec, stop_ids, sampling)
 

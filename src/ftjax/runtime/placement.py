@@ -31,12 +31,34 @@ import weakref
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload
 from ftjax.kernels import cuda
 
 POOLS = ("auto", "device", "pinned_host", "mapped")
+EXPERT_AXIS = "experts"
+_SHARD_MIN_ELEMENTS = 1 << 16  # dense weights below this stay replicated
+
+
+def expert_mesh(devices: int | None) -> Mesh | None:
+  """A one-axis mesh (``experts``) over the first ``devices`` local devices; None for one."""
+  if devices is None or devices == 1:
+    return None
+  return Mesh(np.array(jax.devices()[:devices]), (EXPERT_AXIS,))
+
+
+def shard_params(params, mesh: Mesh):
+  """The dense parameters on ``mesh``: large weights split along their first axis where it
+  divides evenly (embedding and lm_head over the vocabulary, projections over their output),
+  the rest replicated. XLA's partitioner inserts the collectives; results equal one device's
+  up to the order of float sums."""
+  def place(x):
+    spec = PartitionSpec()
+    if x.ndim >= 1 and x.size >= _SHARD_MIN_ELEMENTS and x.shape[0] % mesh.size == 0:
+      spec = PartitionSpec(EXPERT_AXIS)
+    return jax.device_put(x, NamedSharding(mesh, spec))
+  return jax.tree.map(place, params)
 
 
 @dataclasses.dataclass

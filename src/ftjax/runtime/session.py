@@ -134,6 +134,9 @@ class Session:
                anchor_prefill: str = "inside", turn_token: int | str | None = None):
     if not isinstance(engine, Engine):
       raise TypeError(f"Session needs an ftjax.Engine, got {type(engine).__name__}")
+    if engine.mesh is not None:
+      raise ValueError("sessions run on one device for now: make the engine without devices= "
+                       "(its expert-parallel slots serve Engine.generate and Engine.step)")
     if not isinstance(anchor_budget_bytes, (int, np.integer)) or anchor_budget_bytes < 0:
       raise ValueError(f"anchor_budget_bytes must be an int >= 0, got {anchor_budget_bytes!r}")
     if anchor_prefill not in ("inside", "split"):
@@ -329,7 +332,7 @@ class Session:
       at[:len(anchors_at)] = [p - length for p in anchors_at]
       args.append(jax.device_put(at))
     est = engine._engine_state(self._state)
-    params, bank = engine.model.params, engine.bank
+    params, bank = engine.params, engine.bank
     key = ("extend", bucket, self._state.capacity, engine._slot_capacity(),
            len(args[2]) if anchors_at else 0)
     fn = engine._compiled(key, programs.extend_program, params, bank, est, *args)
@@ -454,7 +457,7 @@ class Session:
 
     emit(first)
     self._pending, self._logits = first, None
-    params, bank = engine.model.params, engine.bank
+    params, bank = engine.params, engine.bank
     loop = programs.Loop(token=jnp.asarray(first, jnp.int32), count=jnp.ones((), jnp.int32),
                          max_new=max_new, done=jnp.zeros((), jnp.bool_))
     while not finished(self._pending) and not (cancel is not None and cancel()):
