@@ -310,8 +310,6 @@ def decode(model, prof, args, run: Run) -> dict:
   from ftjax.research.cost import ModelShape, step_times  # noqa: PLC0415
   hw = _hardware(prof)
   shape = ModelShape.from_config(model.config)
-  conc = prof["concurrent"]
-  bandwidths = (conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"])
   rng = np.random.default_rng(0)
   prompt = [int(t) for t in rng.integers(0, model.config.vocab_size, args.prompt_tokens)]
   configs = [(p, f, "auto") for f in FRACTIONS for p in POLICIES]
@@ -323,8 +321,8 @@ def decode(model, prof, args, run: Run) -> dict:
       continue
     key = f"{policy}@{fraction}/{pool}"
     try:
-      engine = ftjax.Engine(model, cache_fraction=fraction, policy=policy, bandwidths=bandwidths,
-                            pool=pool, decode_chunk=16)
+      engine = ftjax.Engine(model, cache_fraction=fraction, policy=policy,
+                            profile=prof["path"], pool=pool, decode_chunk=16)
       engine.generate_timed(prompt, 4)  # compiles the programs
       engine.generate_timed(prompt, args.tokens)  # warms the cache
       tok_s, predicted, miss = [], [], []
@@ -374,12 +372,13 @@ def prefill(model, prof, args, run: Run) -> dict:
   import numpy as np  # noqa: PLC0415
 
   import ftjax  # noqa: PLC0415
-  conc = prof["concurrent"]
-  bandwidths = (conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"])
   c = model.config
+  auto = ftjax.Engine(model, cache_fraction=0.37, policy="freetoken", profile=prof["path"])
+  rows = {"auto_threshold_tokens": auto.runner.stream_min_tokens,
+          "auto_source": auto.stream_source}
+  del auto
   pool_bytes = c.num_layers * c.num_experts * c.expert_block_elems * 2
   rng = np.random.default_rng(1)
-  rows = {}
   for tokens in (512, 2048):
     prompt = [int(t) for t in rng.integers(0, c.vocab_size, tokens)]
     for stream in (0, 1):
@@ -389,7 +388,7 @@ def prefill(model, prof, args, run: Run) -> dict:
         continue
       try:
         engine = ftjax.Engine(model, cache_fraction=0.37, policy="freetoken",
-                              bandwidths=bandwidths, stream_prefill_tokens=stream,
+                              profile=prof["path"], stream_prefill_tokens=stream,
                               max_seq_len=4096)
         engine.generate_timed(prompt, 1)  # compile
         times = [engine.generate_timed(prompt, 1).prefill_s for _ in range(2)]
@@ -413,9 +412,8 @@ def overlap(model, prof, args) -> dict:
 
   import ftjax  # noqa: PLC0415
   from ftjax.kernels import cuda  # noqa: PLC0415
-  conc = prof["concurrent"]
   engine = ftjax.Engine(model, cache_fraction=0.37, policy="freetoken", decode_chunk=16,
-                        bandwidths=(conc["b_p_gb_s"], conc["b_p_gb_s"] + conc["b_h_gb_s"]))
+                        profile=prof["path"])
   prompt = list(range(10, 10 + args.prompt_tokens))
   engine.generate_timed(prompt, args.tokens)
   before = cuda.pool_stats() if cuda.cuda_available() else {}

@@ -440,9 +440,13 @@ std::string RegisterPool(uintptr_t address, int64_t bytes, int64_t layers, int64
   void* host = reinterpret_cast<void*>(address);
   cudaPointerAttributes attributes{};
   e = cudaPointerGetAttributes(&attributes, host);
-  if (e == cudaSuccess && attributes.type == cudaMemoryTypeHost &&
-      attributes.devicePointer != nullptr) {
-    pool.device = static_cast<const char*>(attributes.devicePointer);  // pinned already (XLA)
+  if (e == cudaSuccess && attributes.type == cudaMemoryTypeHost) {
+    // Pinned already (XLA's pinned_host memory): map it, or learn where it is mapped.
+    void* device = attributes.devicePointer;
+    if (device == nullptr && (e = cudaHostGetDevicePointer(&device, host, 0)) != cudaSuccess) {
+      return std::string("pinned memory not mapped for the device: ") + cudaGetErrorString(e);
+    }
+    pool.device = static_cast<const char*>(device);
   } else {
     cudaGetLastError();  // clear a sticky "invalid value" from the query of pageable memory
     e = cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly);

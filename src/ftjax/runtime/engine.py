@@ -27,7 +27,8 @@ from ftjax.experts import KERNELS
 from ftjax.model import DecodeState, init_state
 from ftjax.runtime import programs
 from ftjax.runtime.model import Model
-from ftjax.runtime.placement import EXPERT_AXIS, POOLS, expert_mesh, resolve_pool, shard_params
+from ftjax.runtime.placement import (EXPERT_AXIS, POOLS, expert_mesh, prefill_stream_threshold,
+                                     resolve_pool, shard_params)
 from ftjax.runtime.profile import ExpertShape, load_profile
 from ftjax.runtime.programs import Programs, Runner
 from ftjax.runtime.sampling import Sampling
@@ -110,7 +111,9 @@ class RuntimeOptions:
     0 never does. Default (None): on an accelerator with the pool off the device, when the
     tokens' routes (T·K) reach the layer's E experts (about 63% of them then distinct under
     uniform routing); never on the CPU backend, where device memory is host memory and the
-    grouped host kernel reads the pool in place.
+    grouped host kernel reads the pool in place. With a ``profile`` that has the host's
+    grouped rate, the threshold comes from the cost model instead
+    (``ftjax.runtime.placement.prefill_stream_threshold``); ``engine.stream_source`` says which.
   devices: split the expert cache's slots over this many local devices (expert-parallel, one
     contiguous block of slots each) and the large dense weights along their first axis, with
     ``jax.sharding``; None or 1: one device. Needs ``pool='device'`` (the default on the CPU
@@ -249,6 +252,7 @@ class Engine:
     self.compile_count = 0
     self.compile_s = 0.0
     self.policy = get_policy(opts.policy) if opts.caching else None
+    self._profile: dict | None = None  # the bandwidth profile, when one was given
     self.bandwidths, self.bandwidth_source = self._bandwidths()
     c = model.config
     self.runner = Runner(
@@ -272,15 +276,30 @@ class Engine:
     return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
   def _stream_min_tokens(self) -> int:
+    """Prefills of at least this many tokens stream whole layers (0: never); says why in
+    ``self.stream_source``."""
     o, c = self.options, self.model.config
     if o.stream_prefill_tokens is not None:
       if o.stream_prefill_tokens and not o.caching:
         raise ValueError("stream_prefill_tokens streams layers through the expert cache's "
                          "layer-step: give a cache size (cache_slots=0 for none)")
+      self.stream_source = "given"
       return o.stream_prefill_tokens
     if not o.caching or jax.default_backend() == "cpu" or self.placement.pool == "device":
+      self.stream_source = "never (the pool is in device memory)"
       return 0
-    return -(-c.num_experts // c.top_k)
+    gflops = (self._profile or {}).get("host_grouped_gflops")
+    if self.bandwidths is None or not gflops:
+      self.stream_source = ("T·K >= E (no profile with the host's grouped rate: run "
+                            "python -m ftjax.profile and pass profile=)")
+      return -(-c.num_experts // c.top_k)
+    b_p, b_h = (float(b) for b in self.bandwidths)
+    self.stream_source = (f"cost model (B_P {b_p:.1f}, B_H {b_h:.1f} GB/s, host "
+                          f"{gflops:.0f} GFLOP/s)")
+    return prefill_stream_threshold(
+        experts=c.num_experts, top_k=c.top_k, expert_bytes=self.slot_bytes,
+        flops_per_route=6.0 * c.moe_intermediate_size * c.hidden_size, b_p=b_p, b_h=b_h,
+        host_gflops=gflops)
 
   # -- Expert cache ---------------------------------------------------------------------------
 
@@ -316,7 +335,7 @@ class Engine:
       return np.asarray(o.bandwidths, np.float32), "given (B_P, B_H)"
     if o.profile is not None:
       c = self.model.config
-      prof = load_profile(o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size,
+      prof = self._profile = load_profile(o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size,
                                                  str(self.model.dtype), c.top_k))
       # Measured concurrently: B_P while the host kernel runs, and the host kernel's residual
       # bandwidth B_res while a fill runs, so B_H = B_P + B_res (DESIGN section 2).

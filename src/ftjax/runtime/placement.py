@@ -70,6 +70,46 @@ class Placement:
   description: str
 
 
+def prefill_stream_threshold(*, experts: int, top_k: int, expert_bytes: int,
+                             flops_per_route: float, b_p: float, b_h: float,
+                             host_gflops: float, max_tokens: int = 1 << 17) -> int:
+  """The shortest prefill (tokens T) whose MoE layer-step the cost model makes cheaper with the
+  whole layer streamed to the device than with sparse fills and host experts; 0 if none up to
+  ``max_tokens``. Bandwidths in GB/s, bytes and FLOPs per expert and per route.
+
+  A cold layer (no hits) under uniform routing sees u = E·(1 − (1 − K/E)^T) distinct experts.
+  Sparse: the q* split of DESIGN section 2 (q = u·B_P/B_H filled, the rest on the host at
+  B_res = B_H − B_P while the DMA runs), and the host's grouped compute for its share of the
+  T·K routes at ``host_gflops``; the layer-step takes the longest of the three. Streamed: E
+  experts at B_P (device compute is not the bound). Sparse time grows with T and streaming
+  does not, so the threshold is found by bisection.
+
+  Example (a Qwen3-30B-A3B layer, B_P 50, B_H 100 GB/s, a host at 500 GFLOP/s): streaming the
+  layer takes 24 ms; at 256 tokens the sparse path's host compute is ~19 ms, at 512 ~39 ms, so
+  the threshold lies between (tests/runtime/test_placement.py works it through)."""
+  gb = 1e9
+  stream = experts * expert_bytes / (b_p * gb)
+
+  def sparse(tokens: int) -> float:
+    distinct = experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+    filled = distinct if b_p >= b_h else distinct * b_p / b_h
+    on_host = distinct - filled
+    device = filled * expert_bytes / (b_p * gb)
+    host_read = 0.0 if on_host == 0 else on_host * expert_bytes / ((b_h - b_p) * gb)
+    host_compute = tokens * top_k * (on_host / distinct) * flops_per_route / (host_gflops * gb)
+    return max(device, host_read, host_compute)
+
+  if sparse(max_tokens) <= stream:
+    return 0
+  low, high = 1, max_tokens  # sparse(low) <= stream < sparse(high)
+  if sparse(low) > stream:
+    return low
+  while high - low > 1:
+    mid = (low + high) // 2
+    low, high = (mid, high) if sparse(mid) <= stream else (low, mid)
+  return high
+
+
 def pinned_cap_bytes() -> int:
   """XLA's cap on pinned host memory of a GPU client."""
   return int(float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * 2**30)

@@ -13,7 +13,10 @@ swings by up to 2x over seconds, so single numbers are not trusted):
   "device" cache is host memory too, so this is a memcpy; on a GPU host it is the
   host-to-device transfer;
 * ``concurrent``: B_H and B_P again while both run at the same time (two threads), which is
-  how decode uses them (DESIGN section 2 prefers this pair).
+  how decode uses them (DESIGN section 2 prefers this pair);
+* ``host_grouped_gflops``: the host kernel's grouped (prefill) form, 64 tokens of ``top_k``
+  experts each: multiply-add FLOPs per second. The engine weighs it against streaming whole
+  layers in a long prefill (``ftjax.runtime.placement.prefill_stream_threshold``).
 
 On a GPU backend the host kernel runs on the CPU device (the pool a host array) and B_P is the
 fill into device slots: ``b_p_gb_s`` by the CUDA copy kernel reading the registered, mapped
@@ -104,8 +107,9 @@ def _median_rate(fn: Callable[[], Any], nbytes: int, calls: int) -> float:
 
 
 def _workloads(bank, shape: ExpertShape):
-  """Returns (read_fn, expert_fn, fill_fn, extra) closures over rotating expert sets; ``extra``
-  maps more fill variants to measure by name (the GPU's slices)."""
+  """Returns (read_fn, expert_fn, fill_fn, extra, (grouped_fn, grouped_flops)): closures over
+  rotating expert sets; ``extra`` maps more fill variants to measure by name (the GPU's
+  slices); the grouped call and its FLOPs measure the host kernel's prefill form."""
   if jax.default_backend() != "cpu":
     return _gpu_workloads(bank, shape)
   num_experts = bank.shape[1]
@@ -133,7 +137,29 @@ def _workloads(bank, shape: ExpertShape):
   def read_once():
     read_probe(bank).block_until_ready()
 
-  return read_once, expert_once, fill_once, {}
+  grouped_once, flops = _grouped_workload(bank, shape)
+  return read_once, expert_once, fill_once, {}, (grouped_once, flops)
+
+
+_GROUPED_TOKENS = 64  # tokens of the grouped (prefill) measurement
+
+
+def _grouped_workload(bank, shape: ExpertShape):
+  """The host kernel in grouped form: 64 tokens, top_k random experts each; returns the call
+  and its multiply-add FLOPs (2 per weight per route, three matrices)."""
+  rng = np.random.default_rng(2)
+  num_experts, k = bank.shape[1], shape.top_k
+  ids = np.stack([rng.choice(num_experts, k, replace=False) for _ in range(_GROUPED_TOKENS)])
+  device = bank.devices().pop() if hasattr(bank, "devices") else jax.devices("cpu")[0]
+  x, ids, weights = jax.device_put(
+      (rng.standard_normal((_GROUPED_TOKENS, shape.hidden)).astype(np.float32),
+       ids.astype(np.int32), np.full((_GROUPED_TOKENS, k), 1.0 / k, np.float32)), device)
+  run = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn))
+
+  def grouped_once():
+    run(x, ids, weights, bank).block_until_ready()
+
+  return grouped_once, 2 * 3 * shape.ffn * shape.hidden * _GROUPED_TOKENS * k
 
 
 def _gpu_workloads(bank, shape: ExpertShape):
@@ -177,16 +203,18 @@ def _gpu_workloads(bank, shape: ExpertShape):
   def read_once():
     read_probe(cpu_bank).block_until_ready()
 
-  return read_once, expert_once, fill_once, {"b_p_slices_gb_s": slices_once}
+  return (read_once, expert_once, fill_once, {"b_p_slices_gb_s": slices_once},
+          _grouped_workload(cpu_bank, shape))
 
 
 def measure(bank: jax.Array, shape: ExpertShape, *, rounds: int = 5, calls: int = 40,
             show_progress: bool = True) -> dict[str, Any]:
   """Runs the measurements; returns the profile dict (see the module docstring)."""
-  read_once, expert_once, fill_once, extra = _workloads(bank, shape)
+  read_once, expert_once, fill_once, extra, (grouped_once, grouped_flops) = _workloads(bank,
+                                                                                      shape)
   bank_bytes = int(np.prod(bank.shape)) * np.dtype(bank.dtype).itemsize
   per_call = shape.top_k * shape.expert_bytes
-  for fn in (read_once, expert_once, fill_once, *extra.values()):  # compile and warm
+  for fn in (read_once, expert_once, fill_once, grouped_once, *extra.values()):  # compile, warm
     fn()
   rows = []
   bar = Progress(rounds, desc="profile", enabled=show_progress)
@@ -195,6 +223,8 @@ def measure(bank: jax.Array, shape: ExpertShape, *, rounds: int = 5, calls: int 
            "b_h_gb_s": _median_rate(expert_once, per_call, calls) / 1e9,
            "b_p_gb_s": _median_rate(fill_once, per_call, calls) / 1e9}
     row.update({name: _median_rate(fn, per_call, calls) / 1e9 for name, fn in extra.items()})
+    row["host_grouped_gflops"] = _median_rate(grouped_once, grouped_flops,
+                                              max(1, calls // 8)) / 1e9
     row.update(_concurrent(expert_once, fill_once, per_call, calls))
     rows.append(row)
     bar.update()
@@ -204,6 +234,7 @@ def measure(bank: jax.Array, shape: ExpertShape, *, rounds: int = 5, calls: int 
       "version": PROFILE_VERSION, **_profile_key(shape),
       "read_gb_s": med["read_gb_s"], "b_h_gb_s": med["b_h_gb_s"], "b_p_gb_s": med["b_p_gb_s"],
       **{name: med[name] for name in extra},
+      "host_grouped_gflops": med["host_grouped_gflops"],
       "concurrent": {"b_h_gb_s": med["concurrent_b_h_gb_s"],
                      "b_p_gb_s": med["concurrent_b_p_gb_s"]},
       "rounds": rows, "bank_bytes": bank_bytes,
