@@ -14,10 +14,11 @@
 //                                  kernel adds the host result to the device partial sum.
 //
 // The host worker is one thread that runs ftjax's CPU expert kernel (expert_ffn.h), which
-// spreads each job over ftjax's own worker pool. Jobs use kSlots staging slots in turn; a slot
-// is reused only by a job that comes later on the same stream than the previous job's done, so
-// stream order keeps the slot's data intact. XLA runs the thunks of one program in order on one
-// launch thread; start and done of one layer are paired through a launch-order queue.
+// spreads each job over ftjax's own worker pool. Each CUDA stream has kSlots staging slots used
+// in turn; a slot is reused only by a job that comes later on that stream than the previous
+// job's done, so stream order keeps the slot's data intact. XLA launches the thunks of one
+// program in order; start and done of one layer are paired through the stream's launch-order
+// queue, so several streams (several GPUs) keep their pairs apart.
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -102,8 +104,19 @@ struct Staging {
   int64_t elements = 0;  // T * D of the job in flight (read by done)
 };
 
+// What one CUDA stream's start/done pairs use. Pairs on one stream are ordered by the stream
+// (a slot is reused only after the stream has passed the previous job's done); streams are
+// independent of each other (several GPUs, or XLA using more than one stream).
+struct StreamState {
+  Mapped<unsigned int> flags;  // [kSlots], set by the worker to the job's sequence number
+  unsigned int seq[kSlots] = {};
+  int next_slot = 0;
+  Staging staging[kSlots];
+  std::deque<std::pair<int, unsigned int>> pending;  // started, not yet done (launch order)
+};
+
 struct Job {
-  int slot;
+  unsigned int* flag;  // host address of the job's flag
   unsigned int seq;
   const Pool* pool;
   int64_t layer, tokens, model_dim, top_k, ffn_dim;
@@ -162,13 +175,9 @@ class HostExperts {
 
   std::mutex mutex_;  // launch-thread state below
   bool initialized_ = false;
-  Mapped<unsigned int> flags_;
   Mapped<unsigned int> bad_rows_;
-  unsigned int seq_[kSlots] = {};
-  int next_slot_ = 0;
-  Staging staging_[kSlots];
+  std::map<cudaStream_t, StreamState*> streams_;  // never freed: jobs may still refer to them
   std::vector<void*> retired_;  // outgrown staging, still possibly read by a running job
-  std::deque<std::pair<int, unsigned int>> pending_;  // started, not yet done (launch order)
   WaitValueFn wait_value_ = nullptr;
   std::string wait_mode_ = "not started";
   std::string last_error_;
@@ -186,11 +195,8 @@ void CUDART_CB PostJob(void* job) { HostExperts::Instance().Enqueue(static_cast<
 cudaError_t HostExperts::Init() {
   // Called with mutex_ held.
   if (initialized_) return cudaSuccess;
-  cudaError_t e = flags_.Allocate(kSlots);
+  cudaError_t e = bad_rows_.Allocate(1);
   if (e != cudaSuccess) return e;
-  e = bad_rows_.Allocate(1);
-  if (e != cudaSuccess) return e;
-  for (int i = 0; i < kSlots; ++i) flags_.host[i] = 0;
   *bad_rows_.host = 0;
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult status;
@@ -236,7 +242,7 @@ void HostExperts::WorkerLoop() {
     host_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - t0).count());
     jobs_.fetch_add(1);
-    __atomic_store_n(&flags_.host[job->slot], job->seq, __ATOMIC_RELEASE);
+    __atomic_store_n(job->flag, job->seq, __ATOMIC_RELEASE);
     delete job;
   }
 }
@@ -267,15 +273,25 @@ ffi::Error HostExperts::Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
   }
   int slot;
   unsigned int seq;
+  unsigned int* flag;
   Staging* st;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     cudaError_t e = Init();
     if (e != cudaSuccess) return CudaError(kStart, "allocating mapped memory", e);
-    slot = next_slot_;
-    next_slot_ = (next_slot_ + 1) % kSlots;
-    seq = ++seq_[slot];
-    st = &staging_[slot];
+    StreamState*& state = streams_[stream];
+    if (state == nullptr) {
+      state = new StreamState();
+      if ((e = state->flags.Allocate(kSlots)) != cudaSuccess) {
+        return CudaError(kStart, "allocating the stream's flags", e);
+      }
+      for (int i = 0; i < kSlots; ++i) state->flags.host[i] = 0;
+    }
+    slot = state->next_slot;
+    state->next_slot = (slot + 1) % kSlots;
+    seq = ++state->seq[slot];
+    flag = state->flags.host + slot;
+    st = &state->staging[slot];
     if (st->x.count < T * D || st->ids.count < T * K) {
       for (void* p : {static_cast<void*>(st->x.host), static_cast<void*>(st->weights.host),
                       static_cast<void*>(st->y.host), static_cast<void*>(st->ids.host)}) {
@@ -289,7 +305,7 @@ ffi::Error HostExperts::Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
       }
     }
     st->elements = T * D;
-    pending_.push_back({slot, seq});
+    state->pending.push_back({slot, seq});
   }
   cudaError_t e;
   if ((e = cudaMemcpyAsync(st->x.host, x.typed_data(), T * D * sizeof(float),
@@ -309,7 +325,7 @@ ffi::Error HostExperts::Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
       cudaSuccess) {
     return CudaError(kStart, "writing the ticket", e);
   }
-  Job* job = new Job{slot, seq, pool, layer, T, D, K, ffn_dim, bf16_activations,
+  Job* job = new Job{flag, seq, pool, layer, T, D, K, ffn_dim, bf16_activations,
                      st->x.host, st->ids.host, st->weights.host, st->y.host};
   if ((e = cudaLaunchHostFunc(stream, PostJob, job)) != cudaSuccess) {
     delete job;
@@ -329,13 +345,17 @@ ffi::Error HostExperts::Done(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket,
   const unsigned int* flag_device;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (pending_.empty()) return Invalid(kDone, "no host experts job was started");
-    std::tie(slot, seq) = pending_.front();
-    pending_.pop_front();
-    elements = staging_[slot].elements;
-    host_y = staging_[slot].y.device;
+    auto found = streams_.find(stream);
+    if (found == streams_.end() || found->second->pending.empty()) {
+      return Invalid(kDone, "no host experts job was started on this stream");
+    }
+    StreamState& state = *found->second;
+    std::tie(slot, seq) = state.pending.front();
+    state.pending.pop_front();
+    elements = state.staging[slot].elements;
+    host_y = state.staging[slot].y.device;
     wait = wait_value_;
-    flag_device = flags_.device + slot;
+    flag_device = state.flags.device + slot;
   }
   if (static_cast<int64_t>(y.element_count()) != elements) {
     return Invalid(kDone, "y has " + std::to_string(y.element_count()) +
@@ -449,10 +469,11 @@ std::string RegisterPool(uintptr_t address, int64_t bytes, int64_t layers, int64
     pool.device = static_cast<const char*>(device);
   } else {
     cudaGetLastError();  // clear a sticky "invalid value" from the query of pageable memory
-    e = cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+    e = cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable |
+                                             cudaHostRegisterReadOnly);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      e = cudaHostRegister(host, bytes, cudaHostRegisterMapped);
+      e = cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
     }
     if (e != cudaSuccess) return std::string("cudaHostRegister: ") + cudaGetErrorString(e);
     void* device = nullptr;
