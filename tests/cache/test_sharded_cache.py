@@ -67,10 +67,47 @@ CHILD = textwrap.dedent("""
                     "logit_error": float(np.abs(a - b).max() / max(1.0, np.abs(a).max())),
                     "slot_devices": len(four.cache.slots.sharding.device_set),
                     "spec": str(four.cache.slots.sharding.spec)}), flush=True)
-    # The device loop (prefill program, then decode chunks) on the mesh.
-    opts = dict(cache_slots=total // 3, policy="freetoken", bandwidths=(12.0, 24.0))
-    print(json.dumps({"generate": [ftjax.Engine(model, **opts).generate(prompt, 12),
-                                   ftjax.Engine(model, devices=4, **opts).generate(prompt, 12)]}))
+    # The device loop (prefill program, then decode chunks) on the mesh, with the pool in
+    # device memory and in pinned_host memory (fills as slices on every device).
+    loops = {}
+    for pool in ("device", "pinned_host"):
+        for slots in (total // 3, total):
+            opts = dict(cache_slots=slots, policy="freetoken", bandwidths=(12.0, 24.0))
+            loops[f"{pool}/{slots}"] = [
+                ftjax.Engine(model, **opts).generate(prompt, 12),
+                ftjax.Engine(model, devices=4, pool=pool, **opts).generate(prompt, 12)]
+    # The GPU program on the mesh (copy-kernel fills and host experts inside the shard_map)
+    # exports for CUDA.
+    import dataclasses
+    from jax import export
+    from jax.sharding import NamedSharding, PartitionSpec
+    from ftjax.cache.moe import Offload
+    from ftjax.kernels import cuda
+    from ftjax.runtime import programs
+    from ftjax.runtime.sampling import Sampling
+    bf16 = random_model(config, seed=0, dtype="bfloat16")
+    engine = ftjax.Engine(bf16, kernels="xla", cache_slots=5, policy="freetoken",
+                          bandwidths=(12.0, 24.0), devices=4)
+    pool = cuda.PoolSpec(handle=0, shape=tuple(bf16.bank.shape), dtype="bfloat16")
+    runner = dataclasses.replace(engine.runner, offload=Offload(fill="cuda", host="cuda",
+                                                                pool=pool, mesh=engine.mesh))
+    rep = NamedSharding(engine.mesh, PartitionSpec())
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", rep))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    loop = programs.Loop(token=scalar, count=scalar, max_new=scalar,
+                         done=jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep))
+    exported = export.export(
+        jax.jit(lambda *a: programs.decode_program(runner, *a)), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS])(
+        jax.tree.map(spec, engine.params), None,
+        jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256))), loop,
+        jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rep),
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                     Sampling.make(greedy=True)))
+    text = exported.mlir_module()
+    print(json.dumps({"generate": loops, "export": [
+        exported.nr_devices, text.count("ftjax_cuda_host_experts_start"),
+        text.count("ftjax_cuda_pool_fill")]}))
 """)
 
 
@@ -84,10 +121,13 @@ def cases():
 
 
 def test_four_devices_equal_one(cases):
-  *cases, loop = cases
+  *cases, last = cases
   assert len(cases) == 6 * 4
-  one, four = loop["generate"]
-  assert one == four and len(one) == 12
+  assert len(last["generate"]) == 4
+  for name, (one, four) in last["generate"].items():
+    assert one == four and len(one) == 12, name
+  # 4 devices; one start/done pair and one fill per MoE layer in the shard_map's body.
+  assert last["export"] == [4, 2, 2]
   for case in cases:
     assert case["tokens_equal"] and case["tables_equal"] and case["slots_equal"], case
     assert case["logit_error"] <= 1e-5, case

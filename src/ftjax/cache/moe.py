@@ -82,11 +82,9 @@ class Offload:
       raise ValueError(f"host must be one of {HOSTS}, got {self.host!r}")
     if "cuda" in (self.fill, self.host) and self.pool is None:
       raise ValueError("the CUDA fill and host paths need a registered pool (pool=)")
-    if self.mesh is not None and (self.fill, self.host, self.stream) != ("kernels", "kernels",
-                                                                        False):
-      raise ValueError("expert-parallel slots (mesh=) run with the pool in device memory "
-                       "(pool='device'): the pinned_host and mapped placements are one-device "
-                       "only for now")
+    if self.mesh is not None and self.stream:
+      raise ValueError("expert-parallel slots (mesh=) do not stream whole layers: each device "
+                       "would fetch the layer for routes it does not hold")
 
   def describe(self) -> str:
     return f"fills: {self.fill}, host experts: {self.host}" + (", streamed" if self.stream else "")
@@ -229,41 +227,51 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
 
 def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload):
   """The layer-step with the slot buffer split over ``offload.mesh``: each device fills the
-  planned slots it holds and computes the routes served by them; the host routes run once
-  (on the first device); a ``psum`` adds the partial outputs. The plan and the cache's tables
-  are computed identically on every device (replicated)."""
+  planned slots it holds (by the placement's fill) and computes the routes served by them; the
+  host routes run once, posted by the first device; a ``psum`` adds the partial outputs. The
+  plan and the cache's tables are computed identically on every device (replicated)."""
   axis = offload.axis
+  local_offload = dataclasses.replace(offload, mesh=None)
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
   host_weights = jnp.where(on_device, 0.0, weights)
   device_weights = jnp.where(on_device, weights, 0.0)
 
   def local(slots, x, route_slot, device_weights, host_ids, host_weights, fill_expert,
-            fill_slot, bank):
+            fill_slot, *bank):
+    bank = bank[0] if bank else None  # an operand, unless the pool is a registered one
     n = slots.shape[0]
     index = jax.lax.axis_index(axis)
     first = index * n
+    host_ids = jnp.where(index == 0, host_ids, -1)
+    if local_offload.host == "cuda":
+      ticket, x = host_experts_start(x, host_ids, host_weights, pool=local_offload.pool,
+                                     layer=layer, ffn_dim=ffn_dim,
+                                     bf16_activations=impl == "ffi_bf16")
     mine = (fill_slot >= first) & (fill_slot < first + n)
     slots = fill_slots(slots, bank, layer, fill_expert, jnp.where(mine, fill_slot - first, -1),
-                       impl=impl)
+                       impl=impl, offload=local_offload)
     y = jnp.zeros(x.shape, jnp.float32)
     if n:
       held = (route_slot >= first) & (route_slot < first + n)
       y = y + routed_experts(x, jnp.where(held, route_slot - first, -1),
                              jnp.where(held, device_weights, 0.0), slots[None], 0,
                              ffn_dim=ffn_dim, impl=impl)
-    y = y + routed_experts(x, jnp.where(index == 0, host_ids, -1), host_weights, bank, layer,
-                           ffn_dim=ffn_dim, impl=impl)
+    if local_offload.host == "cuda":
+      y = host_experts_done(ticket, y)
+    else:
+      y = y + routed_experts(x, host_ids, host_weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
     return slots, jax.lax.psum(y, axis)
 
+  operands = (cache.slots, x, p.route_slot, device_weights, host_ids, host_weights,
+              p.fill_expert, p.fill_slot) + (() if bank is None else (bank,))
   sharded = jax.shard_map(local, mesh=offload.mesh,
-                          in_specs=(P(axis), P(), P(), P(), P(), P(), P(), P(), P()),
+                          in_specs=(P(axis),) + (P(),) * (len(operands) - 1),
                           out_specs=(P(axis), P()),
                           # The shared routed-expert code (a scan over experts) is written
                           # without varying-axis annotations; the psum makes y replicated.
                           check_vma=False)
-  slots, y = sharded(cache.slots, x, p.route_slot, device_weights, host_ids, host_weights,
-                     p.fill_expert, p.fill_slot, bank)
+  slots, y = sharded(*operands)
   return cache.replace(slots=slots), y, p
 
 

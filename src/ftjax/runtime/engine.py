@@ -116,8 +116,8 @@ class RuntimeOptions:
     (``ftjax.runtime.placement.prefill_stream_threshold``); ``engine.stream_source`` says which.
   devices: split the expert cache's slots over this many local devices (expert-parallel, one
     contiguous block of slots each) and the large dense weights along their first axis, with
-    ``jax.sharding``; None or 1: one device. Needs ``pool='device'`` (the default on the CPU
-    backend); test it on a CPU with ``JAX_NUM_CPU_DEVICES=4``.
+    ``jax.sharding``; None or 1: one device. Every placement works (the pool is read by every
+    device); long prefills do not stream. Test it on a CPU with ``JAX_NUM_CPU_DEVICES=4``.
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
@@ -240,14 +240,16 @@ class Engine:
     self.placement = resolve_pool(opts.pool, model.bank, self.kernels, caching=opts.caching)
     self.mesh = expert_mesh(opts.devices)
     if self.mesh is not None:
-      if self.placement.pool != "device":
-        raise ValueError("devices= needs pool='device': the pinned_host and mapped placements "
-                         "are one-device only for now")
       self.placement = dataclasses.replace(
           self.placement, offload=dataclasses.replace(self.placement.offload, mesh=self.mesh))
-    # What the programs receive: the parameters and the host pool (placed on the mesh).
+    # What the programs receive: the parameters and the host pool (placed on the mesh: every
+    # device reads the whole pool, in its memory kind).
     self.params = model.params if self.mesh is None else shard_params(model.params, self.mesh)
-    self.bank = self.placement.bank if self.mesh is None else self._put(self.placement.bank)
+    self.bank = self.placement.bank
+    if self.mesh is not None and self.bank is not None:
+      kind = self.bank.sharding.memory_kind if hasattr(self.bank, "sharding") else None
+      self.bank = jax.device_put(self.bank, NamedSharding(self.mesh, PartitionSpec(),
+                                                          memory_kind=kind))
     self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
     self.compile_count = 0
     self.compile_s = 0.0
@@ -283,10 +285,16 @@ class Engine:
       if o.stream_prefill_tokens and not o.caching:
         raise ValueError("stream_prefill_tokens streams layers through the expert cache's "
                          "layer-step: give a cache size (cache_slots=0 for none)")
+      if o.stream_prefill_tokens and self.mesh is not None:
+        raise ValueError("stream_prefill_tokens does not combine with devices= (each device "
+                         "would fetch whole layers for routes it does not hold)")
       self.stream_source = "given"
       return o.stream_prefill_tokens
     if not o.caching or jax.default_backend() == "cpu" or self.placement.pool == "device":
       self.stream_source = "never (the pool is in device memory)"
+      return 0
+    if self.mesh is not None:
+      self.stream_source = "never (expert-parallel slots)"
       return 0
     gflops = (self._profile or {}).get("host_grouped_gflops")
     if self.bandwidths is None or not gflops:
