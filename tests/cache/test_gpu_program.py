@@ -153,9 +153,19 @@ def test_the_streamed_prefill_exports_for_cuda(tiny_config):
         jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar, scalar,
         jax.ShapeDtypeStruct((8,), jnp.int32), jax.tree.map(spec, Sampling.make(greedy=True)))
     text = exported.mlir_module()
-    # Streamed: no host experts; the whole layer comes by the fill mechanism.
+    # Streamed: no host experts; each whole layer comes by the fill mechanism, started one
+    # layer ahead (CUDA: a side-stream copy whose done the layer's compute waits for).
+    layers = tiny_config.num_layers
     assert "ftjax_cuda_host_experts_start" not in text
-    assert text.count("ftjax_cuda_pool_fill") == (tiny_config.num_layers if fill == "cuda" else 0)
+    assert "ftjax_cuda_pool_fill" not in text
+    assert text.count("ftjax_cuda_fetch_layer_start") == (layers if fill == "cuda" else 0)
+    assert text.count("ftjax_cuda_fetch_layer_done") == (layers if fill == "cuda" else 0)
+    if fill == "cuda":  # double buffering: layer 1's copy is started before layer 0 waits
+      second_start = text.index("ftjax_cuda_fetch_layer_start",
+                                text.index("ftjax_cuda_fetch_layer_start") + 1)
+      assert second_start < text.index("ftjax_cuda_fetch_layer_done")
+    if fill == "slices":
+      assert "pinned_host" in text
 
 
 def test_placement_errors_are_clear(model):

@@ -8,6 +8,11 @@
 //                                  stream), then cudaLaunchHostFunc posts the job to the host
 //                                  worker: the host function only enqueues, so the stream moves
 //                                  on at once to the device's hit and fill work.
+//   ftjax_cuda_fetch_layer_start   a whole layer of the pool (contiguous in FTW) copied into a
+//   ftjax_cuda_fetch_layer_done    device buffer on a side stream (the copy engine), so the next
+//                                  layer's transfer runs while this layer computes; done makes the
+//                                  compute stream wait for it (double buffering of the streamed
+//                                  prefill, DESIGN section 4).
 //   ftjax_cuda_host_experts_done   the stream waits for the worker's flag in mapped memory
 //                                  (cuStreamWaitValue32; a one-thread spin kernel where the driver
 //                                  lacks stream memory operations, reported in stats()), then a
@@ -16,9 +21,9 @@
 // The host worker is one thread that runs ftjax's CPU expert kernel (expert_ffn.h), which
 // spreads each job over ftjax's own worker pool. Each CUDA stream has kSlots staging slots used
 // in turn; a slot is reused only by a job that comes later on that stream than the previous
-// job's done, so stream order keeps the slot's data intact. XLA launches the thunks of one
-// program in order; start and done of one layer are paired through the stream's launch-order
-// queue, so several streams (several GPUs) keep their pairs apart.
+// job's done, so stream order keeps the slot's data intact. Start and done are paired by the
+// address of the ticket buffer that start writes and done reads, per stream, so several
+// streams (several GPUs) and any launch order of independent thunks keep their pairs apart.
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -112,7 +117,9 @@ struct StreamState {
   unsigned int seq[kSlots] = {};
   int next_slot = 0;
   Staging staging[kSlots];
-  std::deque<std::pair<int, unsigned int>> pending;  // started, not yet done (launch order)
+  // Started, not yet done, keyed by the address of the start's ticket buffer, which done
+  // receives: pairs match whatever order XLA launches independent thunks in.
+  std::map<const void*, std::pair<int, unsigned int>> pending;
 };
 
 struct Job {
@@ -305,7 +312,7 @@ ffi::Error HostExperts::Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
       }
     }
     st->elements = T * D;
-    state->pending.push_back({slot, seq});
+    state->pending[ticket->untyped_data()] = {slot, seq};
   }
   cudaError_t e;
   if ((e = cudaMemcpyAsync(st->x.host, x.typed_data(), T * D * sizeof(float),
@@ -336,7 +343,6 @@ ffi::Error HostExperts::Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
 
 ffi::Error HostExperts::Done(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket,
                              ffi::Buffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> y_out) {
-  (void)ticket;  // orders done after start; the pairing is the launch-order queue
   int slot;
   unsigned int seq;
   int64_t elements;
@@ -346,12 +352,15 @@ ffi::Error HostExperts::Done(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket,
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = streams_.find(stream);
-    if (found == streams_.end() || found->second->pending.empty()) {
-      return Invalid(kDone, "no host experts job was started on this stream");
+    auto job = found == streams_.end() ? decltype(found->second->pending)::iterator()
+                                       : found->second->pending.find(ticket.untyped_data());
+    if (found == streams_.end() || job == found->second->pending.end()) {
+      return Invalid(kDone, "no host experts job was started on this stream with this ticket "
+                            "(the ticket must come from host_experts_start unchanged)");
     }
     StreamState& state = *found->second;
-    std::tie(slot, seq) = state.pending.front();
-    state.pending.pop_front();
+    std::tie(slot, seq) = job->second;
+    state.pending.erase(job);
     elements = state.staging[slot].elements;
     host_y = state.staging[slot].y.device;
     wait = wait_value_;
@@ -418,6 +427,84 @@ ffi::Error PoolFillImpl(cudaStream_t stream, ffi::AnyBuffer slots, ffi::Buffer<f
                      pool->experts, block_bytes, src.typed_data(), dst.typed_data(), srcd[0],
                      host.bad_rows_device(), stream);
   if (e != cudaSuccess) return CudaError(kFill, "launching the copy kernel", e);
+  return ffi::Error::Success();
+}
+
+// -- Whole layers on a side stream (streamed prefill) -------------------------------------------
+
+constexpr const char* kFetchStart = "ftjax_cuda_fetch_layer_start";
+constexpr const char* kFetchDone = "ftjax_cuda_fetch_layer_done";
+
+// Per compute stream: the side stream its layer copies run on, and the copies in flight keyed by
+// their destination buffer (which done receives).
+struct FetchState {
+  cudaStream_t side = nullptr;
+  std::map<const void*, cudaEvent_t> in_flight;
+};
+
+std::mutex fetch_mutex;
+std::map<cudaStream_t, FetchState> fetches;
+
+ffi::Error FetchStartImpl(cudaStream_t stream, int64_t pool_handle, int64_t layer,
+                          ffi::Result<ffi::AnyBuffer> block) {
+  const Pool* pool = FindPool(pool_handle);
+  if (pool == nullptr) {
+    return Invalid(kFetchStart, "no registered pool " + std::to_string(pool_handle));
+  }
+  if (layer < 0 || layer >= pool->layers) {
+    return Invalid(kFetchStart, "layer " + std::to_string(layer) + " is outside the pool");
+  }
+  const int64_t bytes = pool->experts * pool->block * pool->itemsize;
+  if (static_cast<int64_t>(block->size_bytes()) != bytes) {
+    return Invalid(kFetchStart, "the block must hold one whole layer of the pool");
+  }
+  std::lock_guard<std::mutex> lock(fetch_mutex);
+  FetchState& state = fetches[stream];
+  cudaError_t e;
+  if (state.side == nullptr &&
+      (e = cudaStreamCreateWithFlags(&state.side, cudaStreamNonBlocking)) != cudaSuccess) {
+    return CudaError(kFetchStart, "creating the side stream", e);
+  }
+  // The copy may start once the compute stream has reached this point (the block's memory is
+  // XLA's from here on), and runs beside the compute stream's later work.
+  cudaEvent_t ready, copied;
+  if ((e = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming)) != cudaSuccess ||
+      (e = cudaEventCreateWithFlags(&copied, cudaEventDisableTiming)) != cudaSuccess ||
+      (e = cudaEventRecord(ready, stream)) != cudaSuccess ||
+      (e = cudaStreamWaitEvent(state.side, ready, 0)) != cudaSuccess ||
+      (e = cudaMemcpyAsync(block->untyped_data(), pool->host + layer * bytes, bytes,
+                           cudaMemcpyHostToDevice, state.side)) != cudaSuccess ||
+      (e = cudaEventRecord(copied, state.side)) != cudaSuccess) {
+    return CudaError(kFetchStart, "starting the layer copy", e);
+  }
+  cudaEventDestroy(ready);  // released once the wait on it has completed
+  state.in_flight[block->untyped_data()] = copied;
+  return ffi::Error::Success();
+}
+
+ffi::Error FetchDoneImpl(cudaStream_t stream, ffi::AnyBuffer block,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  cudaEvent_t copied;
+  {
+    std::lock_guard<std::mutex> lock(fetch_mutex);
+    auto state = fetches.find(stream);
+    auto found = state == fetches.end() ? std::map<const void*, cudaEvent_t>::iterator()
+                                        : state->second.in_flight.find(block.untyped_data());
+    if (state == fetches.end() || found == state->second.in_flight.end()) {
+      return Invalid(kFetchDone, "no layer copy was started on this stream into this block "
+                                 "(the block must come from fetch_layer_start unchanged)");
+    }
+    copied = found->second;
+    state->second.in_flight.erase(found);
+  }
+  cudaError_t e = cudaStreamWaitEvent(stream, copied, 0);
+  if (e != cudaSuccess) return CudaError(kFetchDone, "waiting for the layer copy", e);
+  cudaEventDestroy(copied);
+  if (out->untyped_data() != block.untyped_data() &&
+      (e = cudaMemcpyAsync(out->untyped_data(), block.untyped_data(), block.size_bytes(),
+                           cudaMemcpyDeviceToDevice, stream)) != cudaSuccess) {
+    return CudaError(kFetchDone, "passing the block through", e);
+  }
   return ffi::Error::Success();
 }
 
@@ -524,3 +611,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCudaHostExpertsDone, ftjax::cuda::DoneImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ticket [2]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // y, the device part [T, D]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y + host part (aliased)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCudaFetchLayerStart, ftjax::cuda::FetchStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<int64_t>("pool")
+                                  .Attr<int64_t>("layer")
+                                  .Ret<ffi::AnyBuffer>());  // the layer [E, P], being copied
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCudaFetchLayerDone, ftjax::cuda::FetchDoneImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()    // the block from start
+                                  .Ret<ffi::AnyBuffer>());  // the same, copied (aliased)

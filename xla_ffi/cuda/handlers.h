@@ -13,6 +13,8 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxCudaPoolFill);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxCudaHostExpertsStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxCudaHostExpertsDone);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxCudaFetchLayerStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxCudaFetchLayerDone);
 
 namespace ftjax::cuda {
 

@@ -21,6 +21,10 @@ NB_MODULE(_ffi_cuda, m) {
         nb::capsule(reinterpret_cast<void*>(FtjaxCudaHostExpertsStart));
     registrations["ftjax_cuda_host_experts_done"] =
         nb::capsule(reinterpret_cast<void*>(FtjaxCudaHostExpertsDone));
+    registrations["ftjax_cuda_fetch_layer_start"] =
+        nb::capsule(reinterpret_cast<void*>(FtjaxCudaFetchLayerStart));
+    registrations["ftjax_cuda_fetch_layer_done"] =
+        nb::capsule(reinterpret_cast<void*>(FtjaxCudaFetchLayerDone));
     return registrations;
   });
   m.def("register_pool", [](uintptr_t address, int64_t bytes, int64_t layers, int64_t experts,

@@ -38,6 +38,8 @@ from ftjax.cache.state import ExpertCache
 from ftjax.experts import routed_experts
 from ftjax.kernels import slot_fill
 from ftjax.kernels.cuda import PoolSpec, host_experts_done, host_experts_start, pool_fill
+from ftjax.kernels.cuda import fetch_layer_done as fetch_layer_done_cuda
+from ftjax.kernels.cuda import fetch_layer_start as fetch_layer_start_cuda
 from ftjax.utils.arrays import take
 
 FILLS = ("kernels", "slices", "cuda")
@@ -90,22 +92,38 @@ class Offload:
     return f"fills: {self.fill}, host experts: {self.host}" + (", streamed" if self.stream else "")
 
 
-def fetch_layer(bank: jax.Array, layer: int, offload: Offload) -> jax.Array:
-  """The whole layer ``bank[layer]`` [E, P] in device memory, by ``offload.fill``'s mechanism:
-  a slice of the pool (``kernels``), one host-to-device slice of a pinned_host pool
-  (``slices``; asynchronous on a GPU, so XLA can start it while the previous layer computes),
-  or the CUDA copy kernel from the registered pool (``cuda``)."""
+@struct.dataclass
+class Inflight:
+  """A whole layer on its way to the device: a streamed prefill's prefetch of the next layer."""
+  layer: int = struct.field(pytree_node=False)
+  block: jax.Array  # [E, P]: the layer, or (CUDA) the buffer its copy is landing in
+
+
+def fetch_layer_start(bank: jax.Array, layer: int, offload: Offload) -> Inflight:
+  """Starts moving the whole layer ``bank[layer]`` [E, P] to device memory by
+  ``offload.fill``'s mechanism: a slice of the pool (``kernels``), one host-to-device slice of
+  a pinned_host pool (``slices``: XLA runs it as an asynchronous copy), or a copy-engine
+  transfer of the registered pool on a side stream (``cuda``)."""
   if offload.fill == "cuda":
-    _, experts, width = offload.pool.shape
-    ids = jnp.arange(experts, dtype=jnp.int32)
-    src = jnp.stack([jnp.full_like(ids, layer), ids], axis=1)
-    return pool_fill(jnp.zeros((experts, width), offload.pool.dtype), src, ids, pool=offload.pool)
+    return Inflight(layer, fetch_layer_start_cuda(pool=offload.pool, layer=layer))
   if offload.fill == "slices":
     bits = jnp.dtype(f"uint{8 * bank.dtype.itemsize}")
     block = jax.lax.dynamic_index_in_dim(bank, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
     block = jax.device_put(jax.lax.bitcast_convert_type(block, bits), jax.memory.Space.Device)
-    return jax.lax.bitcast_convert_type(block, bank.dtype)
-  return bank[layer]
+    return Inflight(layer, jax.lax.bitcast_convert_type(block, bank.dtype))
+  return Inflight(layer, bank[layer])
+
+
+def fetch_layer_done(inflight: Inflight, offload: Offload) -> jax.Array:
+  """The layer of ``fetch_layer_start``, landed (CUDA: the compute stream waits for it)."""
+  if offload.fill == "cuda":
+    return fetch_layer_done_cuda(inflight.block)
+  return inflight.block
+
+
+def fetch_layer(bank: jax.Array, layer: int, offload: Offload) -> jax.Array:
+  """The whole layer ``bank[layer]`` [E, P] in device memory (start and done at once)."""
+  return fetch_layer_done(fetch_layer_start(bank, layer, offload), offload)
 
 
 DEFAULT_OFFLOAD = Offload()
@@ -178,8 +196,8 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
 
 def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: ExpertCache,
                   bank: jax.Array, layer, *, bandwidths: jax.Array, policy: PolicyConfig,
-                  ffn_dim: int, impl: str = "xla",
-                  offload: Offload = DEFAULT_OFFLOAD) -> tuple[ExpertCache, jax.Array, Plan]:
+                  ffn_dim: int, impl: str = "xla", offload: Offload = DEFAULT_OFFLOAD,
+                  layer_block: jax.Array | None = None) -> tuple[ExpertCache, jax.Array, Plan]:
   """Routed-expert output for x [T, D] with router output ``weights``/``ids`` [T, K].
 
   Args:
@@ -190,6 +208,8 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     policy: a ``PolicyConfig`` (``get_policy(name)``); static.
     ffn_dim: F; impl: "xla", "ffi" or "ffi_bf16" (the host kernels), static.
     offload: where the pool lives and how fills and host routes run (``Offload``), static.
+    layer_block: with ``offload.stream``, this layer [E, P] already on the device (a
+      prefetch, see ``CachedExperts``); fetched here when None.
 
   Returns:
     ``(new_cache, y, plan)``: the cache after this layer-step (plan applied, fills copied
@@ -200,7 +220,9 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   if offload.mesh is not None:
     return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload)
   if offload.stream:
-    streamed = fetch_layer(bank, layer, offload)[None]  # [1, E, P] on the device
+    if layer_block is None:
+      layer_block = fetch_layer(bank, layer, offload)
+    streamed = layer_block[None]  # [1, E, P] on the device
     slots = fill_slots(cache.slots, streamed, 0, p.fill_expert, p.fill_slot, impl=impl)
     y = routed_experts(x, ids, weights, streamed, 0, ffn_dim=ffn_dim, impl=impl)
     return cache.replace(slots=slots), y, p
@@ -290,9 +312,22 @@ class CachedExperts:
   policy: PolicyConfig = struct.field(pytree_node=False)
   kernels: str = struct.field(pytree_node=False, default="xla")
   offload: Offload = struct.field(pytree_node=False, default=DEFAULT_OFFLOAD)
+  inflight: Inflight | None = None  # streamed prefill: the next layer, already on its way
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["CachedExperts", jax.Array]:
+    block, inflight = None, None
+    if self.offload.stream:
+      # Double buffering: this layer was started by the previous layer-step (or starts now),
+      # and the next layer starts before this one computes, so its transfer runs meanwhile.
+      current = self.inflight
+      if current is None or current.layer != layer:
+        current = fetch_layer_start(self.bank, layer, self.offload)
+      if layer + 1 < self.cache.num_layers:
+        inflight = fetch_layer_start(self.bank, layer + 1, self.offload)
+      block = fetch_layer_done(current, self.offload)
     cache, y, p = offloaded_moe(x, weights, ids, self.cache, self.bank, layer,
                                 bandwidths=self.bandwidths, policy=self.policy,
-                                ffn_dim=self.ffn_dim, impl=self.kernels, offload=self.offload)
-    return self.replace(cache=cache, stats=self.stats.record(layer, p, self.offload.stream)), y
+                                ffn_dim=self.ffn_dim, impl=self.kernels, offload=self.offload,
+                                layer_block=block)
+    return self.replace(cache=cache, stats=self.stats.record(layer, p, self.offload.stream),
+                        inflight=inflight), y

@@ -17,6 +17,9 @@ Ops:
 * ``pool_fill(slots, src, dst, *, pool)``: a copy kernel on the compute stream that reads the
   planned (layer, expert) blocks straight from the mapped pool into their slots (the fill plan
   stays on the device: no host round trip). ``slots`` is aliased: donate it.
+* ``fetch_layer_start(*, pool, layer)`` and ``fetch_layer_done(block)``: a whole layer of the
+  pool (contiguous) copied into a device buffer on a side stream by the copy engine, so that a
+  streamed prefill moves layer l+1 while layer l computes; done makes the compute stream wait.
 * ``host_experts_start(x, ids, weights, *, pool, layer, ffn_dim)`` and
   ``host_experts_done(ticket, y)``: the host experts of one layer-step, overlapped with the
   device's hit and fill work. ``start`` copies x, ids and weights to pinned staging on the
@@ -54,7 +57,8 @@ else:
 
 # Custom-call targets of this module, for jax.export's safety check (DisabledSafetyCheck).
 TARGETS = ("ftjax_cuda_pool_fill", "ftjax_cuda_host_experts_start",
-           "ftjax_cuda_host_experts_done")
+           "ftjax_cuda_host_experts_done", "ftjax_cuda_fetch_layer_start",
+           "ftjax_cuda_fetch_layer_done")
 
 
 def cuda_available() -> bool:
@@ -175,3 +179,23 @@ def host_experts_done(ticket, y):
                           jax.ShapeDtypeStruct(y.shape, y.dtype),
                           input_output_aliases={1: 0}, has_side_effect=True)
   return call(ticket, y)
+
+
+def fetch_layer_start(*, pool: PoolSpec, layer: int):
+  """Starts copying layer ``layer`` of the pool [E, P] to the device on a side stream; returns
+  the block, to be passed unchanged to ``fetch_layer_done`` before it is read."""
+  L, E, P = pool.shape
+  if not isinstance(layer, (int, np.integer)) or not 0 <= int(layer) < L:
+    raise ValueError(f"layer must be a Python int in [0, {L}), got {layer!r}")
+  call = jax.ffi.ffi_call("ftjax_cuda_fetch_layer_start",
+                          jax.ShapeDtypeStruct((E, P), np.dtype(pool.dtype)),
+                          has_side_effect=True)
+  return call(pool=np.int64(pool.handle), layer=np.int64(layer))
+
+
+def fetch_layer_done(block):
+  """The block of ``fetch_layer_start``, once its copy has landed (the stream waits)."""
+  call = jax.ffi.ffi_call("ftjax_cuda_fetch_layer_done",
+                          jax.ShapeDtypeStruct(block.shape, block.dtype),
+                          input_output_aliases={0: 0}, has_side_effect=True)
+  return call(block)
