@@ -25,8 +25,10 @@ to ``benchmarks/results/gpu/gpu_check.json`` after every stage (``--dry_run``: u
    B_H (the CPU kernel), both concurrently (``ftjax.runtime.profile``), and the device's read
    bandwidth;
 6. decode: tok/s and miss rates of freetoken, lru_fill and cpu_only at 10%, 37% and 100% of the
-   experts, in alternating rounds, each against the cost model's prediction from the measured
-   profile and the run's own per-step counts; freetoken at 37% on the other placement too;
+   experts, each against the cost model's prediction from the measured profile and the run's
+   own per-step counts (``ftjax.research.cost``, and DESIGN section 2's DMA/host contention
+   model, which the library's cost model gains in issue 17); freetoken at 37% on the other
+   placement too;
 7. overlap: a ``jax.profiler`` trace of a freetoken decode at 37%: GPU busy time from the
    trace, host-expert time from the CUDA module's counters, and how much of the smaller one
    the step hid behind the other;
@@ -328,6 +330,25 @@ def full_pool_ops(engine) -> list[str]:
   return found
 
 
+def contention_step_times(hw, shape, hits, fills, host):
+  """Seconds per decode step under DESIGN section 2's contention model, which the q* rule
+  assumes and ``ftjax.research.cost`` does not model yet (issue 17): the host kernel runs at
+  B_res = B_H - B_P while a fill's DMA is active and at B_H after. Counts [steps, layers]."""
+  import numpy as np  # noqa: PLC0415
+  gb = 1e9
+  hits, fills, host = (np.asarray(a, np.float64) for a in (hits, fills, host))
+  s = shape.expert_bytes
+  dma = fills * s / (hw.b_p * gb)
+  device = dma + (hits + fills) * s / (hw.device_bw * gb)
+  residual = max(hw.b_h - hw.b_p, 1e-9) * gb
+  work = host * s
+  during = residual * dma  # bytes the host reads while the DMA runs
+  host_time = np.where(work <= during, work / residual, dma + (work - during) / (hw.b_h * gb))
+  layers = (np.maximum(device, host_time) + shape.dense_bytes_per_layer / (hw.device_bw * gb)
+            + hw.layer_overhead_s)
+  return layers.sum(axis=-1) + shape.head_bytes / (hw.device_bw * gb) + hw.step_overhead_s
+
+
 def decode(model, prof, args, run: Run) -> dict:
   import numpy as np  # noqa: PLC0415
 
@@ -350,7 +371,7 @@ def decode(model, prof, args, run: Run) -> dict:
                             profile=prof["path"], pool=pool, decode_chunk=16)
       engine.generate_timed(prompt, 4)  # compiles the programs
       engine.generate_timed(prompt, args.tokens)  # warms the cache
-      tok_s, predicted, miss = [], [], []
+      tok_s, predicted, contended, miss = [], [], [], []
       for _ in range(args.rounds):
         engine.clear_history()
         r = engine.generate_timed(prompt, args.tokens)
@@ -359,12 +380,14 @@ def decode(model, prof, args, run: Run) -> dict:
         steps = [s for s in st["per_step"] if s["tokens"] == 1]
         counts = [np.array([s[k] for s in steps]) for k in ("hits", "fills", "host")]
         predicted.append(float(1.0 / np.mean(step_times(hw, shape, *counts))))
+        contended.append(float(1.0 / np.mean(contention_step_times(hw, shape, *counts))))
         miss.append(float((counts[1].sum() + counts[2].sum())
                           / max(1, sum(c.sum() for c in counts))))
       rows[key] = {"policy": policy, "fraction": fraction, "pool": engine.placement.pool,
                    "placement": engine.placement.description,
                    "tok_s": statistics.median(tok_s), "tok_s_rounds": tok_s,
                    "model_tok_s": statistics.median(predicted),
+                   "contention_model_tok_s": statistics.median(contended),
                    "miss_rate": statistics.median(miss), "slots": engine.stats()["slots"],
                    "compile_s": engine.compile_s, "full_pool_ops": full_pool_ops(engine)}
       rows[key]["measured_over_model"] = rows[key]["tok_s"] / rows[key]["model_tok_s"]

@@ -122,3 +122,20 @@ def test_engine_on_the_gpu_matches_the_dense_path(model, pool):
   stats = cuda.pool_stats()
   assert stats["errors"] == 0 and stats["bad_fill_rows"] == 0, stats
   print("stream wait:", stats["wait"])
+
+
+def test_layer_fetch_on_the_side_stream():
+  rng = np.random.default_rng(5)
+  pool = rng.standard_normal((3, 4, 512)).astype(np.float32)
+  spec = cuda.register_pool(pool)
+
+  @jax.jit
+  def fetch_two(scale):
+    first = cuda.fetch_layer_start(pool=spec, layer=2)
+    second = cuda.fetch_layer_start(pool=spec, layer=0)  # both in flight at once
+    a = cuda.fetch_layer_done(first) * scale
+    return a, cuda.fetch_layer_done(second) * scale
+
+  a, b = fetch_two(jnp.float32(2.0))
+  np.testing.assert_array_equal(np.asarray(a), 2.0 * pool[2])
+  np.testing.assert_array_equal(np.asarray(b), 2.0 * pool[0])
