@@ -1,6 +1,7 @@
 """Expert-parallel slots (``devices=``) on 4 CPU devices give the one-device result: every
-policy at sizes 0, 1, L·E/3 and L·E, over a prefill and 8 greedy steps: same tokens, logits within float32 tolerance, the
-same cache tables, and the slot buffer really split over the devices.
+policy at sizes 0, 1, L·E/3 and L·E, over a prefill and 8 greedy steps: same tokens, logits
+within float32 tolerance, the same cache tables, and the slot buffer really split over the
+devices.
 
 JAX fixes its CPU device count at start-up, so the check runs in a child process started with
 ``JAX_NUM_CPU_DEVICES=4``; it prints one JSON line per case for the assertions here."""
@@ -62,7 +63,8 @@ CHILD = textwrap.dedent("""
                                              np.asarray(four.cache.slots))
                 print(json.dumps({
                     "kernels": kernels, "policy": policy, "slots": slots,
-                    "tokens_equal": bool((a.argmax(-1) == b.argmax(-1)).all()), "tables_equal": bool(tables),
+                    "tokens_equal": bool((a.argmax(-1) == b.argmax(-1)).all()),
+                    "tables_equal": bool(tables),
                     "slots_equal": bool(slots_equal),
                     "logit_error": float(np.abs(a - b).max() / max(1.0, np.abs(a).max())),
                     "slot_devices": len(four.cache.slots.sharding.device_set),

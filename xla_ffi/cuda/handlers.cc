@@ -392,7 +392,7 @@ ffi::Error HostExperts::Done(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket,
   return ffi::Error::Success();
 }
 
-// -- Fill from the mapped pool ---------------------------------------------------------------------
+// -- Fill from the mapped pool -------------------------------------------------------------------
 
 constexpr const char* kFill = "ftjax_cuda_pool_fill";
 
@@ -403,7 +403,8 @@ ffi::Error PoolFillImpl(cudaStream_t stream, ffi::AnyBuffer slots, ffi::Buffer<f
   if (pool == nullptr) return Invalid(kFill, "no registered pool " + std::to_string(pool_handle));
   const auto sd = slots.dimensions();
   if (sd.size() != 2 || sd[1] != pool->block) {
-    return Invalid(kFill, "slots must be [N, P] with the pool's P = " + std::to_string(pool->block));
+    return Invalid(kFill,
+                   "slots must be [N, P] with the pool's P = " + std::to_string(pool->block));
   }
   if (static_cast<int64_t>(ffi::ByteWidth(slots.element_type())) != pool->itemsize) {
     return Invalid(kFill, "slots must have the pool's dtype");
@@ -422,7 +423,9 @@ ffi::Error PoolFillImpl(cudaStream_t stream, ffi::AnyBuffer slots, ffi::Buffer<f
     if (e != cudaSuccess) return CudaError(kFill, "copying the slots", e);
   }
   HostExperts& host = HostExperts::Instance();
-  if ((e = host.EnsureInit()) != cudaSuccess) return CudaError(kFill, "allocating mapped memory", e);
+  if ((e = host.EnsureInit()) != cudaSuccess) {
+    return CudaError(kFill, "allocating mapped memory", e);
+  }
   e = LaunchPoolFill(static_cast<char*>(out->untyped_data()), sd[0], pool->device, pool->layers,
                      pool->experts, block_bytes, src.typed_data(), dst.typed_data(), srcd[0],
                      host.bad_rows_device(), stream);

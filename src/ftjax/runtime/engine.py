@@ -343,8 +343,9 @@ class Engine:
       return np.asarray(o.bandwidths, np.float32), "given (B_P, B_H)"
     if o.profile is not None:
       c = self.model.config
-      prof = self._profile = load_profile(o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size,
-                                                 str(self.model.dtype), c.top_k))
+      prof = self._profile = load_profile(
+          o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size, str(self.model.dtype),
+                                 c.top_k))
       # Measured concurrently: B_P while the host kernel runs, and the host kernel's residual
       # bandwidth B_res while a fill runs, so B_H = B_P + B_res (DESIGN section 2).
       conc = prof["concurrent"]

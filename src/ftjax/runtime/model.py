@@ -65,8 +65,9 @@ def load(path: str | os.PathLike, *, verify: bool = True, populate: bool = False
 
   On the CPU backend the dense tensors and the expert bank are zero-copy views of the
   memory-mapped files; on an accelerator the bank stays a numpy view of its mapping, placed
-  by the engine (``RuntimeOptions.pool``). ``verify`` checks every CRC-32 (which also reads every page);
-  ``populate`` faults every page in without checking, for timing with resident weights.
+  by the engine (``RuntimeOptions.pool``). ``verify`` checks every CRC-32 (which also reads
+  every page); ``populate`` faults every page in without checking, for timing with resident
+  weights.
   """
   path = os.fspath(path)
   if path in EMBEDDED_MODELS and not os.path.exists(path):
