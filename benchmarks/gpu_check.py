@@ -508,7 +508,7 @@ def _trace_gpu_busy(trace_dir: str) -> dict:
           "trace_processes": sorted(set(names.values()))[:20]}
 
 
-def plot(decode_result) -> str | None:
+def plot(decode_result, title: str) -> str | None:
   from common import pyplot  # noqa: PLC0415
   plt = pyplot()
   if plt is None:
@@ -524,6 +524,7 @@ def plot(decode_result) -> str | None:
         ms.append(r["model_tok_s"])
     line, = ax.plot(xs, ys, "o-", label=f"{policy} measured")
     ax.plot(xs, ms, "x--", color=line.get_color(), label=f"{policy} cost model")
+  ax.set_title(title, fontsize=9)
   ax.set_xlabel("cache fraction of all experts")
   ax.set_ylabel("decode tok/s")
   ax.legend(fontsize=7)
@@ -572,7 +573,10 @@ def main() -> None:
     return
   result = run.stage("decode", lambda: decode(model, prof, args, run), min_left_s=120)
   if result is not None:
-    run.results["plot"] = run.stage("plot", lambda: plot(result))
+    info = run.results["stages"].get("machine", {}).get("result") or {}
+    title = (f"{info.get('devices', ['?'])[0]}, {args.layers}-layer Qwen3-30B-A3B shape"
+             + (" (dry run on the CPU: not GPU numbers)" if args.dry_run else ""))
+    run.results["plot"] = run.stage("plot", lambda: plot(result, title))
   run.stage("overlap", lambda: overlap(model, prof, args), min_left_s=30)
   run.stage("prefill", lambda: prefill(model, prof, args, run), min_left_s=60)
   log(f"wrote {run.write()} ({time.perf_counter() - run.t0:.0f} s)")
