@@ -64,13 +64,15 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
   impl = requested
   if requested == "auto":
     if backend != "cpu":
-      return "xla", f"xla ({backend}; ftjax's GPU kernels are not built yet)"
+      return "xla", (f"xla ({backend}: dense work and slot experts; fills and host experts by "
+                     "the pool's placement)")
     host_kernels.require("kernels='auto' on the CPU backend")
     impl = "ffi_bf16" if np.dtype(bank_dtype) == np.dtype(jnp.bfloat16) else "ffi"
   elif requested in ("ffi", "ffi_bf16"):
     if backend != "cpu":
-      raise ValueError(f"kernels={requested!r} needs the CPU backend; the GPU kernels are not "
-                       "built yet")
+      raise ValueError(f"kernels={requested!r} names the CPU backend's kernels; on {backend} use "
+                       "kernels='auto' (dense work in XLA; host experts on ftjax's CPU kernel "
+                       "through ftjax._ffi_cuda, see docs/gpu.md)")
     host_kernels.require(f"kernels={requested!r}")
   if impl == "xla":
     return impl, f"xla ({backend}, requested)" if requested == "xla" else f"xla ({backend})"

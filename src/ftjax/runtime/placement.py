@@ -13,8 +13,9 @@
 * ``mapped`` (GPU only): the pool stays the memory-mapped FTW bank, registered (pinned and
   mapped) by ftjax's CUDA module; fills are its copy kernel reading the mapped pool, host
   experts its start/done pair. Any size the host holds.
-* ``auto``: ``device`` on the CPU backend; on a GPU ``pinned_host`` under the cap, else
-  ``mapped``.
+* ``auto``: ``device`` on the CPU backend; on a GPU with an expert cache ``pinned_host`` under
+  the cap, else ``mapped``; on a GPU without one ``device`` when the pool fits (else an error
+  asking for a cache size).
 
 On the CPU backend ``pinned_host`` exists to run the GPU program's semantics, not for speed:
 XLA:CPU widens a bfloat16 slice's source to float32 and hoists the widening of the whole pool
@@ -154,7 +155,19 @@ def resolve_pool(requested: str, bank, kernels: str, *, caching: bool) -> Placem
   nbytes = int(np.prod(bank.shape)) * np.dtype(bank.dtype).itemsize
   pool = requested
   if pool == "auto":
-    pool = "device" if not gpu else ("pinned_host" if nbytes <= pinned_cap_bytes() else "mapped")
+    if not gpu:
+      pool = "device"
+    elif not caching:
+      # No expert cache asked for: the whole pool in device memory, if it fits.
+      limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+      if limit is not None and nbytes > 0.8 * limit:
+        raise ValueError(f"the expert pool ({nbytes / 2**30:.1f} GiB) does not fit in device "
+                         f"memory ({limit / 2**30:.1f} GiB) without an expert cache: give a "
+                         "cache size (cache_fraction=, cache_bytes=, device_budget_bytes=; "
+                         "cache_slots=0 runs every routed expert on the host)")
+      pool = "device"
+    else:
+      pool = "pinned_host" if nbytes <= pinned_cap_bytes() else "mapped"
   if pool == "device":
     if gpu:
       return Placement(DEFAULT_OFFLOAD, jax.device_put(bank), None, pool,
