@@ -6,6 +6,8 @@ Run by ``benchmarks/gpu_check.py`` on a lent GPU machine. Checks:
   a float64 numpy reference, for decode (T = 1) and prefill-sized (T = 40) calls;
 * the engine on both GPU placements (``pinned_host``: XLA slices; ``mapped``: the CUDA copy
   kernel), every policy at sizes 0, 1, L·E/3 and L·E, gives the dense path's tokens and logits;
+* the side-stream layer fetch, and the streamed, double-buffered prefill on both placements
+  (the dense path's logits, the sparse prefill's cache);
 * no host job failed and the stream wait in use is reported.
 """
 
@@ -139,3 +141,23 @@ def test_layer_fetch_on_the_side_stream():
   a, b = fetch_two(jnp.float32(2.0))
   np.testing.assert_array_equal(np.asarray(a), 2.0 * pool[2])
   np.testing.assert_array_equal(np.asarray(b), 2.0 * pool[0])
+
+
+@pytest.mark.parametrize("pool", ["pinned_host", "mapped"])
+def test_streamed_prefill_on_the_gpu_matches_the_dense_path(model, pool):
+  """Whole layers streamed (XLA slices, or the side-stream copy) and double-buffered: the
+  dense path's logits, and the same cache as the sparse prefill."""
+  c = model.config
+  total = c.num_layers * c.num_experts
+  prompt = list(np.random.default_rng(4).integers(0, c.vocab_size, 24))
+  reference = _run(ftjax.Engine(model, kernels="xla", pool="device"), prompt, steps=2)
+  engines = {stream: ftjax.Engine(model, kernels="xla", cache_slots=total // 3,
+                                  policy="freetoken", bandwidths=(12.0, 24.0), pool=pool,
+                                  stream_prefill_tokens=stream) for stream in (0, 16)}
+  for stream, engine in engines.items():
+    got = _run(engine, prompt, steps=2)
+    tolerances.assert_close(got, reference, tolerances.F32, floor=1.0)
+  assert engines[16].stats()["streamed_layer_steps"] == c.num_layers
+  for field in ("owner", "slot_of", "slot_stamp", "slots"):
+    np.testing.assert_array_equal(np.asarray(getattr(engines[16].cache, field)),
+                                  np.asarray(getattr(engines[0].cache, field)), err_msg=field)
