@@ -229,12 +229,15 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
   host_weights = jnp.where(on_device, 0.0, weights)
+  slots = cache.slots
   if offload.host == "cuda":
-    # Posted before the device work, which consumes the returned x: the host kernel runs
-    # while the device fills and computes its routes.
+    # Posted before the device work: the routes consume the returned x, and the barrier ties
+    # the slots to it too, so the fills are also scheduled after the post and the host kernel
+    # runs while the device fills and computes its routes.
     ticket, x = host_experts_start(x, host_ids, host_weights, pool=offload.pool, layer=layer,
                                    ffn_dim=ffn_dim, bf16_activations=impl == "ffi_bf16")
-  slots = fill_slots(cache.slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl,
+    slots, x = jax.lax.optimization_barrier((slots, x))
+  slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl,
                      offload=offload)
   y = jnp.zeros(x.shape, jnp.float32)
   if cache.capacity:
@@ -266,10 +269,11 @@ def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offl
     index = jax.lax.axis_index(axis)
     first = index * n
     host_ids = jnp.where(index == 0, host_ids, -1)
-    if local_offload.host == "cuda":
+    if local_offload.host == "cuda":  # posted first, as in offloaded_moe
       ticket, x = host_experts_start(x, host_ids, host_weights, pool=local_offload.pool,
                                      layer=layer, ffn_dim=ffn_dim,
                                      bf16_activations=impl == "ffi_bf16")
+      slots, x = jax.lax.optimization_barrier((slots, x))
     mine = (fill_slot >= first) & (fill_slot < first + n)
     slots = fill_slots(slots, bank, layer, fill_expert, jnp.where(mine, fill_slot - first, -1),
                        impl=impl, offload=local_offload)
