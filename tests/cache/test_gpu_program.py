@@ -216,3 +216,16 @@ def _prefill(engine, prompt):
   state, logits = engine.step(state, jnp.asarray([prompt], jnp.int32),
                               jnp.arange(len(prompt), dtype=jnp.int32)[None])
   return np.asarray(logits[0])
+
+
+def test_only_prefills_stream(tiny_config):
+  """A decode step of a batch holds several tokens but no prefill: it never streams."""
+  model = model_lib.random_model(tiny_config, seed=1)
+  engine = ftjax.Engine(model, kernels="ffi", cache_slots=4, policy="lru_fill",
+                        stream_prefill_tokens=2)
+  state = engine.new_state(3, 8)
+  engine.step(state, jnp.ones((3, 1), jnp.int32), jnp.zeros((3, 1), jnp.int32))
+  assert engine.stats()["streamed_layer_steps"] == 0
+  state = engine.new_state(1, 8)
+  engine.step(state, jnp.ones((1, 4), jnp.int32), jnp.arange(4, dtype=jnp.int32)[None])
+  assert engine.stats()["streamed_layer_steps"] == tiny_config.num_layers

@@ -72,10 +72,9 @@ class Offload:
   host: str = "kernels"
   pool: PoolSpec | None = None
   stream: bool = False  # whole layers to the device (long prefills): see ``offloaded_moe``
-  # Expert-parallel slots: the slot buffer is split along N over this mesh's axis ``axis``
-  # (one contiguous block of slots per device); see ``offloaded_moe``.
+  # Expert-parallel slots: the slot buffer is split along N over this one-axis mesh (one
+  # contiguous block of slots per device); see ``offloaded_moe``.
   mesh: Mesh | None = None
-  axis: str = "experts"
 
   def __post_init__(self):
     if self.fill not in FILLS:
@@ -87,9 +86,6 @@ class Offload:
     if self.mesh is not None and self.stream:
       raise ValueError("expert-parallel slots (mesh=) do not stream whole layers: each device "
                        "would fetch the layer for routes it does not hold")
-
-  def describe(self) -> str:
-    return f"fills: {self.fill}, host experts: {self.host}" + (", streamed" if self.stream else "")
 
 
 @struct.dataclass
@@ -255,7 +251,7 @@ def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offl
   planned slots it holds (by the placement's fill) and computes the routes served by them; the
   host routes run once, posted by the first device; a ``psum`` adds the partial outputs. The
   plan and the cache's tables are computed identically on every device (replicated)."""
-  axis = offload.axis
+  (axis,) = offload.mesh.axis_names
   local_offload = dataclasses.replace(offload, mesh=None)
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)

@@ -232,7 +232,10 @@ class Engine:
   ``EngineState`` of every program, and is resized only between programs. One sequence
   runs at a time. ``engine.cache`` is the current ``ExpertCache`` (None without one),
   ``engine.compile_count`` the programs this engine had to compile, ``engine.kernels_path``
-  the host-work path that runs (``"ffi_bf16 (avx2, 2 threads)"``).
+  the host-work path that runs (``"ffi_bf16 (avx2, 2 threads)"``), ``engine.placement`` where
+  the pool lives and how fills and host experts run, ``engine.stream_source`` why long
+  prefills do or do not stream whole layers, ``engine.mesh`` the devices the slots are split
+  over (None for one).
   """
 
   def __init__(self, model: Model, **runtime_options):
@@ -524,7 +527,8 @@ class Engine:
     (resized since, perhaps) rides along and comes back updated."""
     if fresh and int(state.length) != 0:
       raise ValueError(f"fresh=True needs an empty state, but it holds {int(state.length)} tokens")
-    tokens, positions = self._put((np.asarray(tokens, np.int32), np.asarray(positions, np.int32)))
+    tokens, positions = self._put((jnp.asarray(tokens, jnp.int32),
+                                   jnp.asarray(positions, jnp.int32)))
     est = self._engine_state(state)
     key = ("step", tokens.shape, state.capacity, self._slot_capacity(), last_only, fresh)
     fn = self._compiled(key, programs.step_program, self.params, self.bank, est,

@@ -88,7 +88,7 @@ class Runner:
       experts = BankExperts(bank=bank, ffn_dim=self.ffn_dim, kernels=self.kernels)
     else:
       offload = self.offload
-      if tokens.size > 1 and 0 < self.stream_min_tokens <= tokens.size:
+      if tokens.shape[1] > 1 and 0 < self.stream_min_tokens <= tokens.size:  # prefills only
         offload = dataclasses.replace(offload, stream=True)
       experts = CachedExperts(bank=bank, cache=state.cache, bandwidths=state.bandwidths,
                               stats=StepStats.zeros(self.num_layers), ffn_dim=self.ffn_dim,
