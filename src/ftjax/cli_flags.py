@@ -20,7 +20,8 @@ MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted onc
 
 
 def define_engine_flags() -> dict[str, flags.FlagHolder]:
-  """--model, --max_seq_len, --kernels, --decode_chunk and the expert-cache flags."""
+  """--model, --max_seq_len, --kernels, --decode_chunk, the expert-cache flags, --pool,
+  --prefill_chunk, --kv_dtype and --devices."""
   return {
       "model": flags.DEFINE_string("model", None, MODEL_HELP),
       "max_seq_len": flags.DEFINE_integer("max_seq_len", None,
@@ -48,6 +49,12 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "pool", "auto", ["auto", "device", "pinned_host", "mapped"],
           "where the host expert pool lives: device (CPU default), pinned_host (fills as "
           "async copies), mapped (GPU, registered by the CUDA module); auto picks per backend"),
+      "prefill_chunk": flags.DEFINE_integer(
+          "prefill_chunk", 2048, "prompts longer than this are prefilled chunk by chunk into "
+          "the KV cache (bounded activation memory)", lower_bound=1),
+      "kv_dtype": flags.DEFINE_enum(
+          "kv_dtype", None, ["float32", "bfloat16"],
+          "KV cache dtype; default bfloat16 for bfloat16 models, float32 otherwise"),
       "devices": flags.DEFINE_integer(
           "devices", None, "split the expert cache's slots (and large dense weights) over this "
           "many local devices (expert-parallel; needs --pool=device)", lower_bound=1),
@@ -69,7 +76,7 @@ def define_sampling_flags(*, max_new_tokens: int, greedy: bool) -> dict[str, fla
 
 def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
   """The expert-cache keyword arguments of ``ftjax.Engine`` given on the command line (the
-  pool's placement among them, when not ``auto``)."""
+  pool's placement among them, when not ``auto``), and the prefill chunk and KV dtype."""
   cache = {}
   for name in ("cache_slots", "cache_fraction", "cache_bytes", "profile"):
     if holders[name].value is not None:
@@ -86,6 +93,9 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
     cache["pool"] = holders["pool"].value
   if holders["devices"].value is not None:
     cache["devices"] = holders["devices"].value
+  cache["prefill_chunk"] = holders["prefill_chunk"].value
+  if holders["kv_dtype"].value is not None:
+    cache["kv_dtype"] = holders["kv_dtype"].value
   return cache
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from typing import TextIO
 
 from absl import app, flags, logging
@@ -86,9 +87,10 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
     out.write(stream.push(tok))
     out.flush()
 
+  progress = _Progress(log)
   result = engine.generate_timed(ids, max_new_tokens, greedy, temperature=temperature,
                                  top_p=top_p, seed=seed, stop_tokens=loaded.config.eos_token_ids,
-                                 on_token=on_token)
+                                 on_token=on_token, on_progress=progress)
   out.write(stream.flush() + "\n")
   out.flush()
   decoded = DecodeResult(prompt=prompt, text=tokenizer.decode(result.tokens),
@@ -104,6 +106,27 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
               f"{trace.save(trace_out)}\n")
   decoded.stats = engine.stats()
   return decoded
+
+
+class _Progress:
+  """Prefill progress of a chunked prompt on ``log``: one line per chunk, rewritten in place
+  on a terminal."""
+
+  def __init__(self, log: TextIO):
+    self.log = log
+    self.tty = hasattr(log, "isatty") and log.isatty()
+    self.t0 = time.perf_counter()
+
+  def __call__(self, done: int, total: int) -> None:
+    if done == 0:  # the prefill starts (its programs are compiled)
+      self.t0 = time.perf_counter()
+      return
+    seconds = time.perf_counter() - self.t0
+    start = "\r" if self.tty else ""
+    end = "\n" if done == total or not self.tty else ""
+    self.log.write(f"{start}prefill: {done}/{total} tokens ({100 * done / total:.0f}%), "
+                   f"{done / max(seconds, 1e-9):.0f} tok/s{end}")
+    self.log.flush()
 
 
 def format_stats(stats: dict) -> str:
@@ -132,8 +155,17 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; pass the prompt with --prompt")
   cache = cli_flags.cache_options(_ENGINE)
+  prompt = _PROMPT.value
+  if _PROMPT_FILE.value is not None:
+    if _PROMPT.value != DEFAULT_PROMPT:
+      raise app.UsageError("give --prompt or --prompt_file, not both")
+    try:
+      with open(_PROMPT_FILE.value, encoding="utf-8") as f:
+        prompt = f.read()
+    except OSError as e:
+      raise SystemExit(f"ftjax.decode: error: cannot read --prompt_file: {e}") from None
   try:
-    run_decode(_ENGINE["model"].value, _PROMPT.value,
+    run_decode(_ENGINE["model"].value, prompt,
                max_new_tokens=_SAMPLING["max_new_tokens"].value,
                greedy=_SAMPLING["greedy"].value, temperature=_SAMPLING["temperature"].value,
                top_p=_SAMPLING["top_p"].value, seed=_SAMPLING["seed"].value,
@@ -146,10 +178,12 @@ def main(argv):
 
 def cli() -> None:
   """Defines the flags and runs ``main`` (``python -m ftjax.decode``)."""
-  global _ENGINE, _SAMPLING, _PROMPT, _STATS, _TRACE_OUT
+  global _ENGINE, _SAMPLING, _PROMPT, _PROMPT_FILE, _STATS, _TRACE_OUT
   _ENGINE = cli_flags.define_engine_flags()
   _SAMPLING = cli_flags.define_sampling_flags(max_new_tokens=64, greedy=False)
   _PROMPT = flags.DEFINE_string("prompt", DEFAULT_PROMPT, "text to complete")
+  _PROMPT_FILE = flags.DEFINE_string("prompt_file", None,
+                                     "read the text to complete from this file (long prompts)")
   _STATS = flags.DEFINE_boolean("stats", False, "print the expert cache statistics at the end")
   _TRACE_OUT = flags.DEFINE_string("trace_out", None, "write the routing trace (.npz) here")
   app.run(main)

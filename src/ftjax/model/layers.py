@@ -172,9 +172,12 @@ class Attention(nnx.Module):
     k = rope(k, positions, self.rope_theta, self.rotary_dim)
     gate = (jax.nn.sigmoid(linear(x, self.w_gate_had, 2, kernels=kernels))  # [B, T, H, A]
             if self.output_gate else None)
+    # Keys and values as the cache stores them (rounded once for a bfloat16 cache): a fresh
+    # prefill attends to exactly what later chunks and decode steps read back.
+    k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
     start = (0, length, 0, 0)
-    cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
-                    v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start))
+    cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, start),
+                    v=jax.lax.dynamic_update_slice(cache.v, v, start))
     if not fresh and kernels in ("ffi", "ffi_bf16"):
       sinks = _f32(self.sinks_h) if self.sinks else None
       out = attention(q, cache.k, cache.v, length + t,

@@ -34,6 +34,7 @@ from ftjax.runtime.programs import Programs, Runner
 from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.state import EngineState
 
+KV_DTYPES = ("float32", "bfloat16")
 _STATE_BUCKET = 256  # KV capacity is rounded up to this, so nearby lengths share a compile
 _STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
 
@@ -120,6 +121,13 @@ class RuntimeOptions:
     contiguous block of slots each) and the large dense weights along their first axis, with
     ``jax.sharding``; None or 1: one device. Every placement works (the pool is read by every
     device); long prefills do not stream. Test it on a CPU with ``JAX_NUM_CPU_DEVICES=4``.
+  prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk into the
+    KV cache (each chunk's queries attend the cache written so far), so a prefill's
+    activation memory is bounded by one chunk whatever the prompt's length. The chunks
+    share one compiled program; the last is bucketed like any prompt.
+  kv_dtype: the KV cache's dtype, "float32" or "bfloat16". Default (None): bfloat16 for
+    bfloat16 models, float32 otherwise. Keys and values are rounded once when written;
+    attention reads them widened and accumulates in float32.
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
@@ -137,8 +145,17 @@ class RuntimeOptions:
   pool: str = "auto"
   stream_prefill_tokens: int | None = None
   devices: int | None = None
+  prefill_chunk: int = 2048
+  kv_dtype: str | None = None
 
   def __post_init__(self):
+    if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
+        or self.prefill_chunk < 1):
+      raise ValueError(f"prefill_chunk must be a positive int (tokens per prefill chunk), got "
+                       f"{self.prefill_chunk!r}")
+    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+      raise ValueError(f"kv_dtype must be one of {KV_DTYPES} (or None: bfloat16 for bfloat16 "
+                       f"models), got {self.kv_dtype!r}")
     if self.stream_prefill_tokens is not None and (
         not isinstance(self.stream_prefill_tokens, int) or self.stream_prefill_tokens < 0):
       raise ValueError(f"stream_prefill_tokens must be an int >= 0 (0: never), got "
@@ -187,16 +204,16 @@ def slot_bucket(num_slots: int) -> int:
   return 0 if num_slots == 0 else 1 << (num_slots - 1).bit_length()
 
 
-def state_bytes(config, batch: int, capacity: int) -> int:
-  """Bytes of a float32 decode state: KV caches of the attention layers, conv and recurrent
-  state of the Gated DeltaNet layers."""
+def state_bytes(config, batch: int, capacity: int, kv_dtype: str = "float32") -> int:
+  """Bytes of a decode state: KV caches of the attention layers (in ``kv_dtype``), conv and
+  recurrent state of the Gated DeltaNet layers (float32)."""
   c = config
   linear = sum(t == "linear_attention" for t in c.layer_types)
   kv = 2 * (c.num_layers - linear) * batch * capacity * c.num_kv_heads * c.head_dim
   rec = linear * batch * (c.linear_num_value_heads * c.linear_key_head_dim
                           * c.linear_value_head_dim
                           + max(c.linear_conv_kernel - 1, 0) * c.linear_conv_dim)
-  return 4 * (kv + rec)
+  return np.dtype(jnp.dtype(kv_dtype)).itemsize * kv + 4 * rec
 
 
 def slots_for_budget(budget_bytes: int, kv_bytes: int, slot_bytes: int) -> int:
@@ -223,6 +240,19 @@ class GenerateResult:
     # The first new token comes from the prefill; the others from decode steps.
     steps = max(len(self.tokens) - 1, 0)
     return steps / self.decode_s if self.decode_s else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrefillPlan:
+  chunk: int  # tokens per whole chunk
+  full: int  # whole chunks before the last
+  last: int  # tokens of the last chunk (1..chunk)
+  last_bucket: int  # its padded length
+
+  @property
+  def rows(self) -> int:
+    """KV rows the prefill writes (the last chunk's padding included)."""
+    return self.full * self.chunk + self.last_bucket
 
 
 class Engine:
@@ -256,6 +286,8 @@ class Engine:
       self.bank = jax.device_put(self.bank, NamedSharding(self.mesh, PartitionSpec(),
                                                           memory_kind=kind))
     self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
+    self.kv_dtype = opts.kv_dtype or (
+        "bfloat16" if np.dtype(model.dtype) == np.dtype(jnp.bfloat16) else "float32")
     self.compile_count = 0
     self.compile_s = 0.0
     self.policy = get_policy(opts.policy) if opts.caching else None
@@ -267,7 +299,8 @@ class Engine:
         top_k=c.top_k, ffn_dim=c.moe_intermediate_size, kernels=self.kernels,
         policy=self.policy.program() if self.policy is not None else None,
         record_routing=opts.record_routing, chunk=opts.decode_chunk,
-        offload=self.placement.offload, stream_min_tokens=self._stream_min_tokens())
+        offload=self.placement.offload, stream_min_tokens=self._stream_min_tokens(),
+        kv_dtype=self.kv_dtype)
     self.programs = Programs.shared(self.runner)
     self._cache: ExpertCache | None = None
     self._steps: list[dict[str, Any]] = []
@@ -553,12 +586,12 @@ class Engine:
 
   def _new_state(self, batch: int, capacity: int) -> DecodeState:
     self._fit_cache_to_state(batch, capacity)
-    return init_state(self.model.config, batch, capacity)
+    return init_state(self.model.config, batch, capacity, jnp.dtype(self.kv_dtype))
 
   def _fit_cache_to_state(self, batch: int, capacity: int) -> None:
     """With a device budget, re-divides it for a decode state of ``capacity`` tokens."""
     if self._cache is not None and self.options.device_budget_bytes is not None:
-      n = self._requested_slots(state_bytes(self.model.config, batch, capacity))
+      n = self._requested_slots(state_bytes(self.model.config, batch, capacity, self.kv_dtype))
       if n != int(self._cache.limit):
         self.resize_cache(slots=n)
 
@@ -596,6 +629,73 @@ class Engine:
     out = np.asarray(logits, np.float32)
     return out if batched else out[0]
 
+  def prefill_logits(self, token_ids: Sequence[int],
+                     on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """The logits [V] after the prompt's last token, by the prefill ``generate`` runs
+    (chunked when the prompt is longer than ``prefill_chunk``); the expert cache is used and
+    updated as by a request."""
+    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    self._check_ids(ids)
+    self.check_context(len(ids), 0)
+    plan = self._prefill_plan(len(ids))
+    state = self._engine_state(self._new_state(1, plan.rows))
+    stop_ids, sampling = self._put((np.full(_STOP_BUCKET, -1, np.int32),
+                                         Sampling.make(greedy=True)))
+    sizes = (state.decode.capacity, self._slot_capacity(), _STOP_BUCKET, True, False)
+    _, _, logits, _, _ = self._prefill(ids, plan, state, sizes, self._put(np.int32(1)),
+                                       stop_ids, sampling, on_progress)
+    return np.asarray(logits, np.float32)
+
+  def _prefill_plan(self, n: int) -> "_PrefillPlan":
+    """How a prompt of ``n`` tokens is prefilled: whole chunks of ``prefill_chunk`` tokens,
+    then the rest in its length bucket (one bucket when it fits one chunk)."""
+    chunk = self.options.prefill_chunk
+    full = (n - 1) // chunk  # whole chunks before the last (which holds 1..chunk tokens)
+    last = n - full * chunk
+    return _PrefillPlan(chunk=chunk, full=full, last=last, last_bucket=prompt_bucket(last))
+
+  def _prefill(self, ids, plan: "_PrefillPlan", state: EngineState, sizes: tuple, max_new,
+               stop_ids, sampling, on_progress):
+    """Runs ``plan`` over ``ids`` from the empty ``state``: (state, loop, logits [V] on the
+    device, seconds without compiles, programs executed). Every program is compiled before
+    the clock starts; each chunk is read back before the next is counted done."""
+    params, bank = self.params, self.bank
+    n = len(ids)
+    chunk_args = self._put((np.zeros((1, plan.chunk), np.int32), np.int32(plan.chunk)))
+    extend = {}
+    for fresh in ((True, False) if plan.full > 1 else (True,)) if plan.full else ():
+      extend[fresh] = self._compiled(("prefill_chunk", plan.chunk, fresh, *sizes[:2]),
+                                     programs.extend_program, params, bank, state,
+                                     *chunk_args, fresh=fresh)
+    last_fresh = plan.full == 0
+    tokens = np.zeros((1, plan.last_bucket), np.int32)
+    tokens[0, :plan.last] = ids[n - plan.last:]
+    tokens, num_valid = self._put((tokens, np.int32(plan.last)))
+    last = self._compiled(("prefill", plan.last_bucket, last_fresh, *sizes),
+                          programs.prefill_program, params, bank, state, tokens, num_valid,
+                          max_new, stop_ids, sampling, fresh=last_fresh)
+    if on_progress is not None and plan.full:
+      on_progress(0, n)
+    t0 = time.perf_counter()
+    for i in range(plan.full):
+      piece = self._put((ids[None, i * plan.chunk:(i + 1) * plan.chunk], np.int32(plan.chunk)))
+      start = time.perf_counter()
+      state, _, record = extend[i == 0](params, bank, state, *piece)
+      self._keep(state)
+      self._record(record, plan.chunk, time.perf_counter() - start, "prefill")  # reads it back
+      if on_progress is not None:
+        on_progress((i + 1) * plan.chunk, n)
+    start = time.perf_counter()
+    state, loop, record, logits = last(params, bank, state, tokens, num_valid, max_new,
+                                       stop_ids, sampling)
+    self._keep(state)  # the engine always holds the newest cache, even if a read fails
+    jax.block_until_ready((loop.token, loop.done))
+    now = time.perf_counter()
+    self._record(record, plan.last, now - start, "prefill")
+    if on_progress is not None and plan.full:
+      on_progress(n, n)
+    return state, loop, logits, now - t0, plan.full + 1
+
   def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                stop_tokens: Sequence[int] = (), on_token: Callable[[int], None] | None = None
@@ -608,9 +708,12 @@ class Engine:
   def generate_timed(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True,
                      *, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                      stop_tokens: Sequence[int] = (),
-                     on_token: Callable[[int], None] | None = None) -> GenerateResult:
+                     on_token: Callable[[int], None] | None = None,
+                     on_progress: Callable[[int, int], None] | None = None) -> GenerateResult:
     """``generate`` with timings: prefill and decode seconds (compiles excluded and reported
-    apart), and the number of programs the request executed."""
+    apart), and the number of programs the request executed. ``on_progress(done, total)``
+    is told of each prefill chunk as it completes (prompts longer than ``prefill_chunk``;
+    ``done = 0`` when the first starts, after the compiles)."""
     sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
     if max_new_tokens < 0:
       raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -621,21 +724,14 @@ class Engine:
     stop_ids = np.full(max(_STOP_BUCKET, -(-len(stops) // _STOP_BUCKET) * _STOP_BUCKET), -1,
                        np.int32)
     stop_ids[:len(stops)] = stops
-    bucket = prompt_bucket(len(ids))
-    capacity = max(bucket, min(-(-(len(ids) + max_new_tokens) // _STATE_BUCKET) * _STATE_BUCKET,
-                               self.max_seq_len))
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, :len(ids)] = ids
-    # The request's inputs go to the device in one explicit transfer; between programs
-    # nothing else does (the loop state stays there).
-    tokens, num_valid, max_new, stop_ids, sampling = self._put(
-        (tokens, np.int32(len(ids)), np.int32(max_new_tokens), stop_ids, sampling))
+    plan = self._prefill_plan(len(ids))
+    capacity = max(plan.rows, min(-(-(len(ids) + max_new_tokens) // _STATE_BUCKET)
+                                  * _STATE_BUCKET, self.max_seq_len))
+    max_new, stop_ids, sampling = self._put((np.int32(max_new_tokens), stop_ids, sampling))
     state = self._engine_state(self._new_state(1, capacity))
     params, bank = self.params, self.bank
     compile_before = self.compile_s
     sizes = (capacity, self._slot_capacity(), len(stop_ids), sampling.greedy, sampling.nucleus)
-    prefill = self._compiled(("prefill", bucket, *sizes), programs.prefill_program, params, bank,
-                             state, tokens, num_valid, max_new, stop_ids, sampling)
     decode = None
     if max_new_tokens > 1:
       sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
@@ -653,14 +749,9 @@ class Engine:
         if on_token is not None:
           on_token(int(tok))
 
-    t0 = time.perf_counter()
-    state, loop, record = prefill(params, bank, state, tokens, num_valid, max_new, stop_ids,
-                                  sampling)
-    self._keep(state)  # the engine always holds the newest cache, even if a read fails
+    state, loop, _, prefill_s, executed = self._prefill(
+        ids, plan, state, sizes, max_new, stop_ids, sampling, on_progress)
     first, done = jax.device_get((loop.token, loop.done))
-    prefill_s = time.perf_counter() - t0
-    executed = 1
-    self._record(record, len(ids), prefill_s, "prefill")
     if max_new_tokens > 0:
       emit([first])
     t0 = time.perf_counter()

@@ -75,6 +75,7 @@ class Runner:
   offload: Offload = DEFAULT_OFFLOAD  # where the pool lives; how fills and host experts run
   # Prefill and extend programs of at least this many tokens stream whole layers (0: never).
   stream_min_tokens: int = 0
+  kv_dtype: str = "float32"  # the decode state's KV caches (programs of other dtypes differ)
 
   # -- Tracing ---------------------------------------------------------------------------------
 
@@ -181,32 +182,37 @@ def _stopped(token, count, max_new, stop_ids):
   return jnp.any(token == stop_ids) | (count >= max_new)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("fresh",),
+                   donate_argnames=("state",))
 def prefill_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid,
-                    max_new, stop_ids, sampling: Sampling):
-  """The prompt ``tokens [1, bucket]`` (the first ``num_valid`` real) into a fresh state,
-  then the first new token. Returns (state, loop, record)."""
-  positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+                    max_new, stop_ids, sampling: Sampling, *, fresh: bool = True):
+  """The prompt ``tokens [1, bucket]`` (the first ``num_valid`` real) into a fresh state, or
+  with ``fresh=False`` the last chunk of a chunked prompt appended to the state that holds the
+  chunks before it; then the first new token. Returns (state, loop, record, logits [V] float32
+  after the last real token)."""
+  positions = state.decode.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
   state, logits, record = runner.forward(params, bank, state, tokens, positions,
-                                         last_only=True, fresh=True, num_valid=num_valid)
+                                         last_only=True, fresh=fresh, num_valid=num_valid)
   token = sample(logits[0, -1], sampling, jnp.zeros((), jnp.int32))
   count = jnp.ones((), jnp.int32)
   loop = Loop(token=token, count=count, max_new=max_new,
               done=_stopped(token, count, max_new, stop_ids))
-  return state, loop, record
+  return state, loop, record, logits[0, -1]
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("fresh",),
+                   donate_argnames=("state",))
 def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid,
-                   snapshot_at=None):
+                   snapshot_at=None, *, fresh: bool = False):
   """``tokens [1, bucket]`` (the first ``num_valid`` real) appended to a state that already
-  holds ``state.decode.length`` tokens (a session's next segment of context). The state's KV
+  holds ``state.decode.length`` tokens (a session's next segment of context, or a chunk of a
+  long prompt; ``fresh=True`` promises an empty state: the first chunk). The state's KV
   capacity must hold the whole bucket past that length. Returns (state, logits [V] float32
   after the last real token, record), and with ``snapshot_at`` (int32 [A] positions in the
   segment) the recurrent layers' states after that many of its tokens (per layer, a
   ``LinearState`` with a leading [A] axis, None for attention layers)."""
   positions = state.decode.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  outs = runner.forward(params, bank, state, tokens, positions, last_only=True, fresh=False,
+  outs = runner.forward(params, bank, state, tokens, positions, last_only=True, fresh=fresh,
                         num_valid=num_valid, snapshot_at=snapshot_at)
   state, logits, record = outs[:3]
   if snapshot_at is None:

@@ -269,7 +269,8 @@ class Session:
     """Host/device memory this session holds: its decode state (KV rows allocated, recurrent
     states) and its anchors."""
     held = 0 if self._state is None else state_bytes(self.engine.model.config, 1,
-                                                     self._state.capacity)
+                                                     self._state.capacity,
+                                                     self.engine.kv_dtype)
     return held + sum(a.nbytes for a in self._anchors.values())
 
   def _restore_point(self, limit: int) -> tuple[int, Anchor | None]:
