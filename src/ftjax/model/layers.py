@@ -93,6 +93,80 @@ class KVCache:
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
+def _allowed(q_rows: jax.Array, kv_rows: jax.Array, window: int | None) -> jax.Array:
+  """[T, S] mask: query at cache row i attends rows s <= i (and s > i - window)."""
+  allowed = kv_rows[None, :] <= q_rows[:, None]
+  if window is not None:
+    allowed &= kv_rows[None, :] > q_rows[:, None] - window
+  return allowed
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array | int, *,
+                    window: int | None, sinks: jax.Array | None) -> jax.Array:
+  """Attention in XLA einsums: q [B, T, H, A] (queries at cache rows start + t) against every
+  row of k, v [B, S, G, A] the mask allows (rows past the queries' are masked out, so S may
+  be a whole cache). ``sinks`` [H]: per-head logits that join the softmax's denominator."""
+  _, t, h, a = q.shape
+  g = k.shape[2]
+  q5 = q.reshape(*q.shape[:2], g, h // g, a)  # [B, T, G, R, A]
+  scores = jnp.einsum("BTGRA,BSGA->BGRTS", q5, k.astype(jnp.float32)) * (a ** -0.5)
+  allowed = _allowed(start + jnp.arange(t), jnp.arange(k.shape[1]), window)
+  scores = jnp.where(allowed, scores, -jnp.inf)
+  if sinks is not None:
+    sink = sinks.reshape(g, -1)[None, :, :, None, None]  # [1, G, R, 1, 1]
+    sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+  else:
+    probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, v.astype(jnp.float32))
+  return out.reshape(*out.shape[:2], h, a)
+
+
+KV_BLOCK = 256  # cache rows per step of blocked_attention (KV capacities are multiples of it)
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, *,
+                      window: int | None, sinks: jax.Array | None,
+                      block: int = KV_BLOCK) -> jax.Array:
+  """``dense_attention`` of T queries at cache rows [length, length + T) against a KV cache,
+  walking only the blocks of ``block`` rows they may attend, with an online softmax: memory
+  O(T · block) per head instead of O(T · S) (a prefill chunk against a long cache). A cache
+  whose rows are not a multiple of ``block`` is walked in one block."""
+  b, t, h, a = q.shape
+  s_rows, g = k.shape[1], k.shape[2]
+  block = block if s_rows % block == 0 else s_rows
+  q5 = q.reshape(b, t, g, h // g, a) * (a ** -0.5)
+  q_rows = length + jnp.arange(t)
+  first = 0 if window is None else jnp.maximum(length - window + 1, 0) // block
+  last = (length + t + block - 1) // block  # one past the last block holding a query's row
+
+  def body(i, carry):
+    top, total, acc = carry  # [B, G, R, T], [B, G, R, T], [B, G, R, T, A]
+    kb = jax.lax.dynamic_slice_in_dim(k, i * block, block, axis=1).astype(jnp.float32)
+    vb = jax.lax.dynamic_slice_in_dim(v, i * block, block, axis=1).astype(jnp.float32)
+    scores = jnp.einsum("BTGRA,BSGA->BGRTS", q5, kb)
+    allowed = _allowed(q_rows, i * block + jnp.arange(block), window)
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    new_top = jnp.maximum(top, scores.max(-1))
+    safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)  # no row allowed yet: keep zeros
+    p = jnp.exp(scores - safe[..., None])
+    rescale = jnp.exp(top - safe)
+    total = total * rescale + p.sum(-1)
+    acc = acc * rescale[..., None] + jnp.einsum("BGRTS,BSGA->BGRTA", p, vb)
+    return new_top, total, acc
+
+  shape = (b, g, h // g, t)
+  init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, a)))
+  top, total, acc = jax.lax.fori_loop(first, last, body, init)
+  if sinks is not None:
+    sink = sinks.reshape(g, -1)[None, :, :, None]  # [1, G, R, 1]
+    new_top = jnp.maximum(top, sink)
+    total = total * jnp.exp(top - new_top) + jnp.exp(sink - new_top)
+    acc = acc * jnp.exp(top - new_top)[..., None]
+  out = acc / total[..., None]  # [B, G, R, T, A]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, a)
+
+
 class Attention(nnx.Module):
   """Grouped-query attention with optional q/k norm, qkv/o bias, clipping, a sliding window,
   attention sinks (a learned per-head logit that takes probability mass but no value), partial
@@ -178,30 +252,18 @@ class Attention(nnx.Module):
     start = (0, length, 0, 0)
     cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, start),
                     v=jax.lax.dynamic_update_slice(cache.v, v, start))
+    sinks = _f32(self.sinks_h) if self.sinks else None
     if not fresh and kernels in ("ffi", "ffi_bf16"):
-      sinks = _f32(self.sinks_h) if self.sinks else None
       out = attention(q, cache.k, cache.v, length + t,
                       scale=self.head_dim ** -0.5, window=self.window, sinks=sinks)
-      return cache, self._output(out, gate, kernels)
-    keys, values = (k, v) if fresh else (cache.k, cache.v)  # [B, S, G, A]
-    s = keys.shape[1]
-    g, a = keys.shape[2], keys.shape[3]
-    q = q.reshape(*q.shape[:2], g, -1, a)  # [B, T, G, R, A]
-    scores = jnp.einsum("BTGRA,BSGA->BGRTS", q, keys.astype(jnp.float32)) * (a ** -0.5)
-    q_idx = length + jnp.arange(t)  # cache row of each query
-    kv_idx = jnp.arange(s)
-    allowed = kv_idx[None, :] <= q_idx[:, None]  # [T, S]
-    if self.window is not None:
-      allowed &= kv_idx[None, :] > q_idx[:, None] - self.window
-    scores = jnp.where(allowed, scores, -jnp.inf)
-    if self.sinks:
-      sink = _f32(self.sinks_h).reshape(g, -1)[None, :, :, None, None]  # [1, G, R, 1, 1]
-      sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
-      probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-    else:
-      probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, values.astype(jnp.float32))
-    return cache, self._output(out.reshape(*out.shape[:2], -1, a), gate, kernels)
+    # XLA (float32 einsums; keys and values widened from the cache's dtype).
+    elif fresh:  # the chunk's own keys and values: T x T scores
+      out = dense_attention(q, k, v, 0, window=self.window, sinks=sinks)
+    elif t == 1:  # decode: one query per sequence against the cache
+      out = dense_attention(q, cache.k, cache.v, length, window=self.window, sinks=sinks)
+    else:  # a chunk after others: the cache in blocks, T x block scores at a time
+      out = blocked_attention(q, cache.k, cache.v, length, window=self.window, sinks=sinks)
+    return cache, self._output(out, gate, kernels)
 
   def _output(self, out: jax.Array, gate: jax.Array | None, kernels: str) -> jax.Array:
     """[B, T, H, A] -> [B, T, D]: the output gate, projection and bias."""

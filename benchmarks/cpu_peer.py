@@ -1,0 +1,361 @@
+"""ftjax against llama.cpp's CPU build on the same random weights, side by side (issue 15).
+
+The model is Qwen3-30B-A3B's layer shapes at ``--layers`` layers (4: hidden 2048, 32 query /
+4 KV heads, head_dim 128, 128 experts, top-8, expert width 768, vocab 151936), random
+bfloat16 weights written once by this script as a Hugging Face checkpoint (safetensors,
+per-expert tensors as Qwen3-MoE ships them) into ``--work_dir``. Both sides read those
+weights: ftjax through its own converter (FTW, in ``$FTJAX_CACHE_DIR``), llama.cpp through its
+``convert_hf_to_gguf.py --outtype bf16``. Nothing here is committed but the results.
+
+llama.cpp is built as ``../shared/PEERS.md`` says, from the copy vendored in the
+``llama-cpp-python`` sdist; pass its source tree (``--llama_src``) and build
+(``--llama_build``, holding ``bin/llama-bench``). The converter runs from a copy in the work
+dir whose unknown-pre-tokenizer error is replaced by "default" (the stand-in tokenizer is the
+default model's), with the tree's ``gguf-py`` on its path.
+
+Rounds alternate the two sides (``--rounds``, medians reported); each side measures, with 2
+threads and the weights in RAM (llama-bench ``-lm none``; ftjax pre-faults its mapping):
+
+  decode          64 new tokens after a short prompt (ftjax: 8 tokens, greedy)
+  prefill_512     a 512-token prompt
+  prefill_4096    a 4096-token prompt (ftjax: two 2048-token chunks)
+  decode_at_4096  64 new tokens after a 4096-token prompt (llama-bench ``-d 4096``)
+
+ftjax runs in a worker process that loads and compiles once; its kernels are the default
+(``auto``: ffi_bf16 on a bf16 model, the KV cache in bfloat16). The read bandwidth of the
+machine is measured in every round (``ftjax.kernels.read_probe`` over one layer's experts)
+and decode is also reported as a ratio to the roofline (bytes per token / read bandwidth).
+
+With ``--long_tokens N`` (default 32768; 0 skips) a separate ftjax process prefills an
+N-token prompt (random ids) and decodes 8 tokens, and reports its time and peak RSS against
+weights + KV cache + 1 GiB.
+
+  python benchmarks/cpu_peer.py --llama_src SRC --llama_build BUILD [--rounds 3]
+
+Results: ``benchmarks/results/cpu_peer.json`` (machine and ISA included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info, write_results  # noqa: E402
+from decode_e2e import qwen3_30b_shape  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THREADS = 2
+DECODE_TOKENS = 64
+GOALS = {"decode": 1.15, "prefill_512": 1.2, "prefill_4096": 1.0, "decode_at_4096": 1.1}
+GIB = 1 << 30
+
+
+def log(msg: str) -> None:
+  print(f"[cpu_peer] {msg}", file=sys.stderr, flush=True)
+
+
+# -- The checkpoint -----------------------------------------------------------------------------
+
+def hf_tensor_shapes(c) -> dict[str, tuple[int, ...]]:
+  d, h, g, a, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.moe_intermediate_size
+  shapes = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,),
+            "lm_head.weight": (c.vocab_size, d)}
+  for i in range(c.num_layers):
+    p = f"model.layers.{i}."
+    shapes.update({
+        p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+        p + "self_attn.q_proj.weight": (h * a, d), p + "self_attn.k_proj.weight": (g * a, d),
+        p + "self_attn.v_proj.weight": (g * a, d), p + "self_attn.o_proj.weight": (d, h * a),
+        p + "self_attn.q_norm.weight": (a,), p + "self_attn.k_norm.weight": (a,),
+        p + "mlp.gate.weight": (c.num_experts, d)})
+    for e in range(c.num_experts):
+      q = f"{p}mlp.experts.{e}."
+      shapes.update({q + "gate_proj.weight": (f, d), q + "up_proj.weight": (f, d),
+                     q + "down_proj.weight": (d, f)})
+  return shapes
+
+
+def hf_config(c) -> dict:
+  return {
+      "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+      "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+      "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+      "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+      "num_experts": c.num_experts, "num_experts_per_tok": c.top_k,
+      "moe_intermediate_size": c.moe_intermediate_size, "intermediate_size": 6144,
+      "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+      "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+      "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": False,
+      "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
+      "bos_token_id": 0, "eos_token_id": 1}
+
+
+def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
+  """Random bf16 weights as one safetensors file (written by hand: header + raw bytes), the
+  config, and the default model's tokenizer as a stand-in. Skipped when already there."""
+  import ml_dtypes  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from ftjax.assets import DEFAULT_MODEL_DIR  # noqa: PLC0415
+  c = qwen3_30b_shape(layers)
+  marker = os.path.join(out_dir, "written.json")
+  stamp = {"layers": layers, "seed": seed, "format": 1}
+  if os.path.exists(marker) and json.load(open(marker)) == stamp:
+    return out_dir
+  shutil.rmtree(out_dir, ignore_errors=True)
+  os.makedirs(out_dir)
+  shapes = hf_tensor_shapes(c)
+  header, offset = {}, 0
+  for name, shape in shapes.items():
+    n = 2 * int(np.prod(shape))
+    header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+    offset += n
+  blob = json.dumps(header).encode()
+  blob += b" " * (-len(blob) % 8)
+  rng = np.random.default_rng(seed)
+  pool = (rng.standard_normal(1 << 24, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+  log(f"writing {offset / 1e9:.2f} GB of random bf16 weights to {out_dir}")
+  with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for name, shape in shapes.items():
+      n = int(np.prod(shape))
+      if "norm" in name:
+        x = (1.0 + 0.1 * rng.standard_normal(n, np.float32)).astype(ml_dtypes.bfloat16)
+      else:
+        x = np.resize(np.roll(pool, -int(rng.integers(0, pool.size)))[:min(n, pool.size)], n)
+      f.write(x.tobytes())
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_config(c), f, indent=1)
+  shutil.copy(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"), out_dir)
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+  with open(marker, "w") as f:
+    json.dump(stamp, f)
+  return out_dir
+
+
+def convert_gguf(hf_dir: str, src: str, work_dir: str) -> str:
+  """llama.cpp's own converter, from a copy whose unknown-pre-tokenizer error says "default"."""
+  out = os.path.join(work_dir, "model-bf16.gguf")
+  if os.path.exists(out) and os.path.getmtime(out) > os.path.getmtime(
+      os.path.join(hf_dir, "written.json")):
+    return out
+  conv = os.path.join(work_dir, "converter")
+  shutil.rmtree(conv, ignore_errors=True)
+  shutil.copytree(os.path.join(src, "conversion"), os.path.join(conv, "conversion"))
+  shutil.copy(os.path.join(src, "convert_hf_to_gguf.py"), conv)
+  base = os.path.join(conv, "conversion", "base.py")
+  text = open(base).read()
+  needle = 'raise NotImplementedError("BPE pre-tokenizer was not recognized - update get_vocab_base_pre()")'
+  if needle not in text:
+    raise RuntimeError(f"{base}: the pre-tokenizer error to patch is not there (another "
+                       "llama.cpp version?); see ../shared/PEERS.md")
+  open(base, "w").write(text.replace(needle, 'res = "default"'))
+  env = dict(os.environ, PYTHONPATH=os.path.join(src, "gguf-py"))
+  log(f"converting to GGUF bf16 with llama.cpp's converter -> {out}")
+  subprocess.run([sys.executable, os.path.join(conv, "convert_hf_to_gguf.py"), hf_dir,
+                  "--outtype", "bf16", "--outfile", out], check=True, env=env, cwd=conv,
+                 stdout=subprocess.DEVNULL)
+  return out
+
+
+# -- llama.cpp side -------------------------------------------------------------------------------
+
+def llama_bench(build: str, gguf: str, *args: str) -> dict:
+  cmd = [os.path.join(build, "bin", "llama-bench"), "-m", gguf, "-t", str(THREADS), "-r", "1",
+         "-lm", "none", "-o", "json", *args]
+  out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+  rows = json.loads(out)
+  if len(rows) != 1:
+    raise RuntimeError(f"llama-bench {args}: expected one result, got {len(rows)}")
+  return rows[0]
+
+
+def llama_round(build: str, gguf: str) -> dict:
+  return {
+      "decode": llama_bench(build, gguf, "-p", "0", "-n", str(DECODE_TOKENS))["avg_ts"],
+      "prefill_512": llama_bench(build, gguf, "-p", "512", "-n", "0")["avg_ts"],
+      "prefill_4096": llama_bench(build, gguf, "-p", "4096", "-n", "0")["avg_ts"],
+      "decode_at_4096": llama_bench(build, gguf, "-p", "0", "-n", str(DECODE_TOKENS), "-d",
+                                    "4096")["avg_ts"],
+  }
+
+
+# -- ftjax side (worker processes) ----------------------------------------------------------------
+
+def _peak_rss() -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _bytes_per_token(model) -> int:
+  c = model.config
+  dense = sum(t["nbytes"] for n, t in model.storage.index["tensors"].items() if n != "embed_vd")
+  return dense + c.num_layers * c.top_k * c.expert_block_elems * model.dtype.itemsize
+
+
+def worker(hf_dir: str, long_tokens: int) -> None:
+  """Round after round on request (stdin lines), one JSON line each on stdout; or, with
+  ``long_tokens``, one long prompt."""
+  import numpy as np  # noqa: PLC0415
+
+  import ftjax  # noqa: PLC0415
+  from ftjax.kernels import read_probe  # noqa: PLC0415
+  from ftjax.runtime.engine import state_bytes  # noqa: PLC0415
+  t0 = time.perf_counter()
+  model = ftjax.load(hf_dir, verify=False, populate=True)
+  log(f"ftjax: loaded (converted once) and pre-faulted in {time.perf_counter() - t0:.1f} s")
+  engine = ftjax.Engine(model)
+  rng = np.random.default_rng(0)
+  vocab = model.config.vocab_size
+  if long_tokens:
+    ids = rng.integers(0, vocab, long_tokens)
+    last = [0.0]
+
+    def progress(done, total):
+      if done and time.perf_counter() - last[0] > 30:
+        last[0] = time.perf_counter()
+        log(f"long prompt: {done}/{total} tokens")
+    result = engine.generate_timed(ids, 8, on_progress=progress)
+    kv = state_bytes(model.config, 1, engine.new_state(1, long_tokens + 8).capacity,
+                     engine.kv_dtype)
+    weights = sum(os.path.getsize(os.path.join(model.path, f)) for f in os.listdir(model.path)
+                  if f.endswith(".bin"))
+    print(json.dumps({"tokens": long_tokens, "prefill_s": result.prefill_s,
+                      "prefill_tok_s": result.prefill_tok_s, "decode_tok_s": result.decode_tok_s,
+                      "compile_s": result.compile_s, "peak_rss_bytes": _peak_rss(),
+                      "weights_bytes": weights, "kv_cache_bytes": int(kv),
+                      "kernels": engine.kernels_path, "kv_dtype": engine.kv_dtype}), flush=True)
+    return
+  prompts = {"short": rng.integers(0, vocab, 8), "512": rng.integers(0, vocab, 512),
+             "4096": rng.integers(0, vocab, 4096)}
+  experts = model.bank[0]  # one layer's expert blocks, for the read probe
+
+  def measure() -> dict:
+    read_probe(experts).block_until_ready()
+    t = time.perf_counter()
+    read_probe(experts).block_until_ready()
+    read_gb_s = experts.nbytes / (time.perf_counter() - t) / 1e9
+    dec = engine.generate_timed(prompts["short"], DECODE_TOKENS + 1)
+    p512 = engine.generate_timed(prompts["512"], 1)
+    long = engine.generate_timed(prompts["4096"], DECODE_TOKENS + 1)
+    return {"decode": dec.decode_tok_s, "prefill_512": p512.prefill_tok_s,
+            "prefill_4096": long.prefill_tok_s, "decode_at_4096": long.decode_tok_s,
+            "read_GBps": read_gb_s}
+
+  measure()  # compiles
+  print(json.dumps({"ready": True, "kernels": engine.kernels_path, "kv_dtype": engine.kv_dtype,
+                    "bytes_per_token": _bytes_per_token(model),
+                    "peak_rss_bytes": _peak_rss()}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "round":
+      break
+    print(json.dumps(measure()), flush=True)
+
+
+# -- Driver ---------------------------------------------------------------------------------------
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--llama_src", help="llama.cpp source tree (vendor/llama.cpp of the sdist)")
+  p.add_argument("--llama_build", help="llama.cpp CMake build dir with bin/llama-bench")
+  p.add_argument("--work_dir", default="/tmp/ftjax-cpu-peer")
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--long_tokens", type=int, default=32768)
+  p.add_argument("--out", default=None, help="results file (default results/cpu_peer.json)")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--hf_dir", help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.worker:
+    worker(args.hf_dir, args.long_tokens)
+    return
+  if not args.llama_src or not args.llama_build:
+    p.error("--llama_src and --llama_build are required (build llama.cpp as "
+            "../shared/PEERS.md says)")
+  if not os.path.exists(os.path.join(args.llama_build, "bin", "llama-bench")):
+    p.error(f"no bin/llama-bench in {args.llama_build}")
+  os.makedirs(args.work_dir, exist_ok=True)
+  hf_dir = write_checkpoint(args.layers, os.path.join(args.work_dir, f"hf-{args.layers}l"))
+  gguf = convert_gguf(hf_dir, args.llama_src, args.work_dir)
+  machine = machine_info()
+  log(f"machine: {machine['cpu_model']}, kernels {machine['ftjax_kernels']}")
+  me = [sys.executable, os.path.abspath(__file__), "--worker", "--hf_dir", hf_dir]
+  proc = subprocess.Popen(me + ["--long_tokens", "0"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, cwd="/tmp")
+  ready = json.loads(proc.stdout.readline())
+  log(f"ftjax worker ready: {ready}")
+  rounds = []
+  for r in range(args.rounds):
+    ours = theirs = None
+    for side in (("ftjax", "llama") if r % 2 == 0 else ("llama", "ftjax")):
+      if side == "ftjax":
+        proc.stdin.write("round\n")
+        proc.stdin.flush()
+        ours = json.loads(proc.stdout.readline())
+      else:
+        theirs = llama_round(args.llama_build, gguf)
+    row = {"ftjax": ours, "llama_cpp": theirs,
+           "ratio": {k: ours[k] / theirs[k] for k in GOALS}}
+    rounds.append(row)
+    log(f"round {r + 1}/{args.rounds}: " + ", ".join(
+        f"{k} {ours[k]:.1f} vs {theirs[k]:.1f} tok/s ({row['ratio'][k]:.2f}x)" for k in GOALS))
+  proc.stdin.close()
+  proc.wait()
+  med = {side: {k: statistics.median(r[side][k] for r in rounds) for k in rounds[0][side]}
+         for side in ("ftjax", "llama_cpp")}
+  ratios = {k: statistics.median(r["ratio"][k] for r in rounds) for k in GOALS}
+  roofline = [r["ftjax"]["decode"] * ready["bytes_per_token"] / 1e9 / r["ftjax"]["read_GBps"]
+              for r in rounds]
+  results = {
+      "benchmark": "cpu_peer", "command": " ".join(sys.argv), "machine": machine,
+      "model": {"shape": "Qwen3-30B-A3B", "layers": args.layers, "dtype": "bfloat16",
+                "bytes_per_token": ready["bytes_per_token"]},
+      "ftjax": {"kernels": ready["kernels"], "kv_dtype": ready["kv_dtype"],
+                "peak_rss_bytes": ready["peak_rss_bytes"]},
+      "llama_cpp": {"build": args.llama_build, "gguf": "bf16 (convert_hf_to_gguf.py)",
+                    "flags": f"-t {THREADS} -r 1 -lm none"},
+      "threads": THREADS, "rounds": rounds, "medians": med, "ratio_medians": ratios,
+      "decode_ratio_to_roofline_median": statistics.median(roofline),
+      "goals": GOALS, "goals_met": {k: ratios[k] >= g for k, g in GOALS.items()},
+  }
+  for k, g in GOALS.items():
+    print(f"{k:15s} ftjax {med['ftjax'][k]:8.1f}  llama.cpp {med['llama_cpp'][k]:8.1f} tok/s  "
+          f"ratio {ratios[k]:.2f} (goal {g})")
+  print(f"decode at {results['decode_ratio_to_roofline_median']:.2f} of the roofline "
+        f"({ready['bytes_per_token'] / 1e9:.3f} GB per token, read "
+        f"{med['ftjax']['read_GBps']:.1f} GB/s)")
+  if args.long_tokens:
+    log(f"long prompt: {args.long_tokens} tokens in a fresh ftjax process")
+    out = subprocess.run(me + ["--long_tokens", str(args.long_tokens)], check=True,
+                         capture_output=True, text=True, cwd="/tmp").stdout
+    long = json.loads(out.strip().splitlines()[-1])
+    long["rss_budget_bytes"] = long["weights_bytes"] + long["kv_cache_bytes"] + GIB
+    long["within_budget"] = long["peak_rss_bytes"] <= long["rss_budget_bytes"]
+    results["long_prompt"] = long
+    print(f"{args.long_tokens}-token prompt: prefill {long['prefill_s']:.0f} s "
+          f"({long['prefill_tok_s']:.0f} tok/s), peak RSS {long['peak_rss_bytes'] / GIB:.2f} GiB "
+          f"vs weights + KV + 1 GiB = {long['rss_budget_bytes'] / GIB:.2f} GiB")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+    print(f"results: {args.out}")
+  else:
+    print(f"results: {write_results('cpu_peer', results)}")
+
+
+if __name__ == "__main__":
+  main()
