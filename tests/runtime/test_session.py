@@ -64,15 +64,18 @@ def _check_continuation(engine, session, ids, what):
   return got
 
 
-@pytest.mark.parametrize("name,mode", [("qwen3_next", "inside"), ("qwen3_next", "split"),
-                                       ("qwen3_5_moe_text", "inside"),
-                                       ("qwen3_5_moe_text", "split"), ("qwen3_moe", "inside")])
-def test_every_edit_is_exact_and_reuses_what_is_valid(models, name, mode):
+@pytest.mark.parametrize("name,mode,chunk", [
+    ("qwen3_next", "inside", 2048), ("qwen3_next", "split", 2048),
+    ("qwen3_5_moe_text", "inside", 2048), ("qwen3_5_moe_text", "split", 2048),
+    ("qwen3_moe", "inside", 2048),
+    # Segments longer than the prefill chunk are read chunk by chunk, anchors in each.
+    ("qwen3_next", "inside", 7), ("qwen3_moe", "inside", 7)])
+def test_every_edit_is_exact_and_reuses_what_is_valid(models, name, mode, chunk):
   """Both ways of taking anchors in a prefill (from the chunked form's intermediate states,
   or by splitting the prefill at boundaries) give the same reuse and exact logits."""
   model = models[name]
   hybrid = "linear_attention" in model.config.layer_types
-  engine = ftjax.Engine(model, kernels="ffi")
+  engine = ftjax.Engine(model, kernels="ffi", prefill_chunk=chunk)
   c = Chat(model.config.vocab_size)
   session = ftjax.Session(engine, anchor_tokens=c.boundaries, anchor_prefill=mode)
   assert session.anchoring == hybrid

@@ -317,7 +317,19 @@ class Session:
   def _extend(self, segment: Sequence[int], anchors_at: Sequence[int] = ()) -> jax.Array:
     """Reads ``segment`` after the tokens already read; returns the logits after it. Anchors
     are taken inside it at the positions ``anchors_at`` (counted in the context; the token at
-    each is a boundary)."""
+    each is a boundary). A segment longer than the engine's ``prefill_chunk`` is read chunk
+    by chunk (bounded activation memory), each chunk taking the anchors that fall in it."""
+    chunk = self.engine.options.prefill_chunk
+    logits = None
+    for start in range(0, len(segment), chunk):
+      piece = segment[start:start + chunk]
+      first = len(self._fed)
+      logits = self._extend_piece(
+          piece, [p for p in anchors_at if first <= p < first + len(piece)])
+    return logits
+
+  def _extend_piece(self, segment: Sequence[int], anchors_at: Sequence[int] = ()) -> jax.Array:
+    """``_extend`` of at most one chunk, in one extend program."""
     engine = self.engine
     n = len(segment)
     bucket = prompt_bucket(n)
