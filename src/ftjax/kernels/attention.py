@@ -24,14 +24,18 @@ import numpy as np
 
 from ftjax.kernels._registration import require, shape_and_dtype
 
+# The dtypes of the KV cache: k and v share one.
+KV_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
 
 def attention(q, k, v, length, *, scale, window=None, sinks=None):
   """Attention of T queries per sequence against the first ``length`` rows of a KV cache.
 
   Args:
     q: [B, T, H, A] float32 queries (rotary embedding applied, not scaled).
-    k: [B, S, G, A] float32 key cache, G dividing H; query head h uses kv head h // (H / G).
-    v: [B, S, G, A] float32 value cache.
+    k: [B, S, G, A] key cache, float32 or bfloat16 (read as is, widened exactly to float32 in
+      the kernel), G dividing H; query head h uses kv head h // (H / G).
+    v: [B, S, G, A] value cache, k's dtype.
     length: int32 scalar (array or Python int; may be traced): the number of valid cache rows,
       this step's T included, in [T, S]. A concrete value is checked here, a traced one by the
       kernel at run time.
@@ -53,15 +57,17 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
   if len(q_shape) != 4 or q_dtype != np.float32:
     raise ValueError(f"q must be float32 [B, T, H, A], got {q_dtype} of shape {q_shape}")
   B, T, H, A = q_shape
-  if len(k_shape) != 4 or k_dtype != np.float32 or k_shape[0] != B or k_shape[3] != A:
-    raise ValueError(f"k must be float32 [B, S, G, A] with B = {B} and A = {A} from q, got "
-                     f"{k_dtype} of shape {k_shape}")
+  if len(k_shape) != 4 or k_dtype not in KV_DTYPES or k_shape[0] != B or k_shape[3] != A:
+    raise ValueError(f"k must be float32 or bfloat16 [B, S, G, A] with B = {B} and A = {A} from "
+                     f"q, got {k_dtype} of shape {k_shape}")
   S, G = k_shape[1], k_shape[2]
   if G == 0 or H % G != 0:
     raise ValueError(f"k's kv heads G = {G} must divide q's heads H = {H}")
-  if v_shape != k_shape or v_dtype != np.float32:
-    raise ValueError(f"v must be float32 with k's shape {k_shape}, got {v_dtype} of shape "
-                     f"{v_shape}")
+  if v_shape != k_shape:
+    raise ValueError(f"v must have k's shape {k_shape}, got {v_dtype} of shape {v_shape}")
+  if v_dtype != k_dtype:
+    raise ValueError(f"v must have k's dtype {k_dtype} (one cache dtype for both: cast one, e.g. "
+                     f"v.astype(k.dtype)), got {v_dtype}")
   length = _checked_length(length, T, S)
   if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
     raise ValueError(f"scale must be a Python or numpy number, got {scale!r}")
