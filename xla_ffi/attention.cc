@@ -234,56 +234,136 @@ const float* FloatRows(const Bf16Bits* v, int64_t rows, int64_t width, int64_t* 
   return wide;
 }
 
+// The prefill form's copy of the cache rows it attends, widened to float32 and packed for
+// KernelTable::packed_dot_f32 (cpu_kernels.h), per (b, g) and aligned block of kBlockRows rows
+// (block i holds rows [i * kBlockRows, (i + 1) * kBlockRows)):
+//   k: the block's rows as the tokens: k[row 16 c + j][i] at (c * A + i) * 16 + j
+//   v: the block's columns as the tokens: v[row s][16 c + j] at (c * kBlockRows + s) * 16 + j
+// Rows from `length` on and columns from A on are zero. Packing costs one pass over the rows;
+// every tile then scores with multiply-adds of one broadcast q element and 16 keys (no horizontal
+// sums) and sums the values the same way.
+struct PackedCache {
+  std::vector<float> k, v;
+  int64_t first_block = 0, blocks = 0;  // blocks [first_block, first_block + blocks) are packed
+  int64_t k_floats = 0, v_floats = 0;   // per block
+  int64_t v_groups = 0;                 // ceil(A / 16)
+
+  int64_t Index(int64_t b, int64_t g, int64_t kv_heads, int64_t block) const {
+    return (b * kv_heads + g) * blocks + block - first_block;
+  }
+};
+
+template <typename KvT>
+float Widen(KvT x) {
+  if constexpr (std::is_same_v<KvT, float>) {
+    return x;
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+  }
+}
+
+// Packs block `block` of kv head g of sequence b (PackedCache).
+template <typename KvT>
+void PackBlock(const AttentionProblem<KvT>& p, int64_t b, int64_t g, int64_t block,
+               PackedCache& packed) {
+  const int64_t width = p.width, index = packed.Index(b, g, p.kv_heads, block);
+  float* k_out = packed.k.data() + index * packed.k_floats;
+  float* v_out = packed.v.data() + index * packed.v_floats;
+  std::fill_n(k_out, packed.k_floats, 0.0f);
+  std::fill_n(v_out, packed.v_floats, 0.0f);
+  const int64_t first = block * kBlockRows;
+  const int64_t rows = std::min(kBlockRows, p.length - first);
+  for (int64_t s = 0; s < rows; ++s) {
+    const int64_t offset = ((b * p.rows + first + s) * p.kv_heads + g) * width;
+    const KvT* k_row = p.k + offset;
+    const KvT* v_row = p.v + offset;
+    float* k_column = k_out + (s / kPackedGroup) * width * kPackedGroup + s % kPackedGroup;
+    for (int64_t i = 0; i < width; ++i) k_column[i * kPackedGroup] = Widen(k_row[i]);
+    for (int64_t i = 0; i < width; ++i) {
+      v_out[((i / kPackedGroup) * kBlockRows + s) * kPackedGroup + i % kPackedGroup] =
+          Widen(v_row[i]);
+    }
+  }
+}
+
 // Per-worker scratch of AttendRows.
 struct AttendScratch {
   const float** q_rows;  // [queries of a tile]
   float* scores;         // [queries of one kv head in a tile, kBlockRows]
-  float* wide_v;         // [kBlockRows, A]: bfloat16 value rows widened (unused for float32)
+  float* wide_v;         // dot path: [kBlockRows, A], bfloat16 value rows widened
+  float* q_tile;         // packed path: [queries of a tile, A], the tile's queries side by side
+  float* sums;           // packed path: [queries of one kv head in a tile, 16 * ceil(A / 16)]
 };
 
-// Runs the online softmax of the tile's queries over cache rows [s0, s1) into `state`. Block by
-// block, the tile's kv heads in turn: for kv head g, only the queries that may attend some row of
-// the block are scored (QueriesAttending: blocks entirely masked for a query, above the causal
-// diagonal or before its window, cost it nothing), their weights exp(score - max) are updated
-// online, and the weighted value rows added to their accumulators.
+// Runs the online softmax of the tile's queries over cache rows [s0, s1) into `state`, in the
+// aligned blocks of kBlockRows rows that overlap them, for each the tile's kv heads in turn: for
+// kv head g, only the queries that may attend some row of the block are scored
+// (QueriesAttending: blocks entirely masked for a query, above the causal diagonal or before its
+// window, cost it nothing), their weights exp(score - max) are updated online, and the weighted
+// value rows added to their accumulators. The products run on the ISA's dot kernels
+// (KernelTable::dot_*, weighted_row_sum), or with `packed` on the packed GEMM.
 template <typename KvT>
 void AttendRows(const AttentionProblem<KvT>& p, const QueryTile& tile, int64_t s0, int64_t s1,
-                const KernelTable& kernels, const AttendScratch& scratch, SoftmaxState state) {
+                const KernelTable& kernels, const PackedCache* packed,
+                const AttendScratch& scratch, SoftmaxState state) {
   const int64_t width = p.width, group = p.group();
   const int64_t per_head = tile.positions() * group;
   const int64_t n = per_head * (tile.g1 - tile.g0);
   for (int64_t j = 0; j < n; ++j) {
     const TileQuery query = QueryOf(p, tile, j);
     scratch.q_rows[j] = p.q + ((tile.b * p.queries + query.t) * p.heads + query.h) * width;
+    if (packed != nullptr) std::copy_n(scratch.q_rows[j], width, scratch.q_tile + j * width);
     state.max[j] = kNegativeInfinity;
     state.sum[j] = 0.0f;
   }
   std::fill_n(state.acc, n * width, 0.0f);
+  const int64_t sums_stride = kPackedGroup * CeilDiv(width, kPackedGroup);
 
   const int64_t row_stride = p.kv_heads * width;  // from one cache row to the next
-  for (int64_t block = s0; block < s1; block += kBlockRows) {
-    const int64_t block_rows = std::min(kBlockRows, s1 - block);
-    const RowRange attending = QueriesAttending(p, tile.t0, tile.t1, block, block + block_rows);
+  for (int64_t aligned = s0 / kBlockRows * kBlockRows; aligned < s1; aligned += kBlockRows) {
+    const int64_t lo = std::max(aligned, s0), hi = std::min(aligned + kBlockRows, s1);
+    const RowRange attending = QueriesAttending(p, tile.t0, tile.t1, lo, hi);
     if (attending.first >= attending.last) continue;
-    // The tile's queries jj in [jj0, jj1) of each kv head attend this block.
+    // The tile's queries jj in [jj0, jj1) of each kv head attend rows of [lo, hi).
     const int64_t jj0 = (attending.first - tile.t0) * group;
     const int64_t jj1 = (attending.last - tile.t0) * group;
+    // Score column c is row base + c, c < columns: the whole aligned block on the packed path
+    // (its value sums take all kBlockRows rows), [lo, hi) on the dot path.
+    const int64_t base = packed != nullptr ? aligned : lo;
+    const int64_t columns = packed != nullptr ? kBlockRows : hi - lo;
     for (int64_t g = tile.g0; g < tile.g1; ++g) {
-      const int64_t offset = ((tile.b * p.rows + block) * p.kv_heads + g) * width;
+      const int64_t offset = ((tile.b * p.rows + lo) * p.kv_heads + g) * width;
       const int64_t j0 = (g - tile.g0) * per_head;
       float* scores = scratch.scores + jj0 * kBlockRows;
-      // scores[jj, s] = q_{j0 + jj} . k[block + s, g]
-      ScoreRows(kernels, p.k + offset, row_stride, block_rows, scratch.q_rows + j0 + jj0,
-                jj1 - jj0, width, scores);
+      // scores[jj, c] = q_{j0 + jj} . k[base + c, g]
+      const float* packed_k = nullptr;
+      const float* packed_v = nullptr;
+      if (packed != nullptr) {
+        const int64_t index = packed->Index(tile.b, g, p.kv_heads, aligned / kBlockRows);
+        packed_k = packed->k.data() + index * packed->k_floats;
+        packed_v = packed->v.data() + index * packed->v_floats;
+        const int64_t key_columns = hi - aligned;
+        const int64_t key_groups = CeilDiv(key_columns, kPackedGroup);
+        kernels.packed_dot_f32({scratch.q_tile + (j0 + jj0) * width, width, jj1 - jj0, packed_k,
+                                key_groups,
+                                key_columns - (key_groups - 1) * kPackedGroup <= 8, width,
+                                scores, kBlockRows});
+      } else {
+        ScoreRows(kernels, p.k + offset, row_stride, hi - lo, scratch.q_rows + j0 + jj0,
+                  jj1 - jj0, width, scores);
+      }
       for (int64_t jj = jj0; jj < jj1; ++jj) {
-        // Scores to weights exp(scale * score - max), 0 outside the query's rows.
+        // Scores to weights exp(scale * score - max), 0 outside the query's rows in [lo, hi).
         const int64_t j = j0 + jj;
         float* weight = scratch.scores + jj * kBlockRows;
         const RowRange allowed = AllowedRows(p, tile.t0 + jj / group);
-        const int64_t first = std::clamp(allowed.first - block, int64_t{0}, block_rows);
-        const int64_t last = std::clamp(allowed.last - block, int64_t{0}, block_rows);
+        const int64_t first = std::clamp(std::max(allowed.first, lo) - base, int64_t{0}, columns);
+        const int64_t last = std::clamp(std::min(allowed.last, hi) - base, int64_t{0}, columns);
         std::fill(weight, weight + first, 0.0f);
-        std::fill(weight + std::max(first, last), weight + block_rows, 0.0f);
+        std::fill(weight + std::max(first, last), weight + columns, 0.0f);
         if (first >= last) continue;
         const float block_max = ScaleAndMax(weight + first, last - first, p.scale);
         const float new_max = std::max(state.max[j], block_max);
@@ -296,11 +376,22 @@ void AttendRows(const AttentionProblem<KvT>& p, const QueryTile& tile, int64_t s
         }
         state.sum[j] += ExpShiftedSum(weight + first, last - first, new_max);
       }
-      // acc[j0 + jj] += sum_s weight[jj, s] * v[block + s, g]
-      int64_t v_stride = row_stride;
-      const float* v = FloatRows(p.v + offset, block_rows, width, &v_stride, scratch.wide_v);
-      kernels.weighted_row_sum({scores, kBlockRows, jj1 - jj0, v, v_stride, block_rows, width,
-                                state.acc + (j0 + jj0) * width, width});
+      // acc[j0 + jj] += sum_c weight[jj, c] * v[base + c, g]
+      float* acc = state.acc + (j0 + jj0) * width;
+      if (packed != nullptr) {
+        kernels.packed_dot_f32({scores, kBlockRows, jj1 - jj0, packed_v, packed->v_groups,
+                                width - (packed->v_groups - 1) * kPackedGroup <= 8, kBlockRows,
+                                scratch.sums, sums_stride});
+        for (int64_t jj = 0; jj < jj1 - jj0; ++jj) {
+          const float* sum = scratch.sums + jj * sums_stride;
+          for (int64_t i = 0; i < width; ++i) acc[jj * width + i] += sum[i];
+        }
+      } else {
+        int64_t v_stride = row_stride;
+        const float* v = FloatRows(p.v + offset, hi - lo, width, &v_stride, scratch.wide_v);
+        kernels.weighted_row_sum(
+            {scores, kBlockRows, jj1 - jj0, v, v_stride, hi - lo, width, acc, width});
+      }
     }
   }
 }
@@ -348,7 +439,6 @@ void Attention(const AttentionProblem<KvT>& p, const KernelTable& kernels,
   const int64_t tile_queries = tile_positions * group * heads_per_tile;
   const int64_t state_floats = StateFloats(tile_queries, p.width);
   const int64_t scores_floats = tile_positions * group * kBlockRows;
-  const int64_t wide_v_floats = std::is_same_v<KvT, float> ? 0 : kBlockRows * p.width;
 
   // Units in order of decreasing cost, so that the pool's first-come claiming balances them: the
   // last positions first (causal: they attend the most rows), then batch, then kv head.
@@ -371,10 +461,34 @@ void Attention(const AttentionProblem<KvT>& p, const KernelTable& kernels,
           : std::max<int64_t>(1, std::min(CeilDiv(kTargetTasks, units),
                                           (all_rows.last - all_rows.first) / kMinSliceRows));
 
-  // Per-worker scratch: query pointers, scores, widened values and (with one slice) the softmax
-  // state.
-  const int64_t scratch_floats =
-      scores_floats + wide_v_floats + (slices == 1 ? state_floats : 0);
+  // The prefill form packs the rows it attends once for all tiles, where the ISA has the packed
+  // GEMM (the decode form, bound by reading the cache once, reads it in place).
+  const bool use_packed = !decode_form && kernels.packed_dot_f32 != nullptr;
+  PackedCache packed;
+  if (use_packed) {
+    packed.first_block = all_rows.first / kBlockRows;
+    packed.blocks = CeilDiv(p.length, kBlockRows) - packed.first_block;
+    packed.k_floats = kBlockRows * p.width;
+    packed.v_groups = CeilDiv(p.width, kPackedGroup);
+    packed.v_floats = packed.v_groups * kBlockRows * kPackedGroup;
+    const int64_t blocks = p.batch * p.kv_heads * packed.blocks;
+    packed.k.resize(blocks * packed.k_floats);
+    packed.v.resize(blocks * packed.v_floats);
+    workers.ParallelFor(blocks, [&](int64_t task, int /*worker*/) {
+      const int64_t block = packed.first_block + task % packed.blocks;
+      const int64_t g = task / packed.blocks % p.kv_heads;
+      PackBlock(p, task / (packed.blocks * p.kv_heads), g, block, packed);
+    });
+  }
+
+  // Per-worker scratch (AttendScratch) and, with one slice, the softmax state.
+  const int64_t wide_v_floats =
+      use_packed || std::is_same_v<KvT, float> ? 0 : kBlockRows * p.width;
+  const int64_t q_tile_floats = use_packed ? tile_queries * p.width : 0;
+  const int64_t sums_floats =
+      use_packed ? tile_positions * group * kPackedGroup * CeilDiv(p.width, kPackedGroup) : 0;
+  const int64_t scratch_floats = scores_floats + wide_v_floats + q_tile_floats + sums_floats +
+                                 (slices == 1 ? state_floats : 0);
   std::vector<float> scratch(workers.num_workers() * scratch_floats);
   std::vector<const float*> q_rows(workers.num_workers() * tile_queries);
   // With several slices: the partial state of every task, merged afterwards.
@@ -388,14 +502,22 @@ void Attention(const AttentionProblem<KvT>& p, const KernelTable& kernels,
         CeilDiv(CeilDiv(rows.last - rows.first, slices), kBlockRows) * kBlockRows;
     const int64_t s0 = std::min(rows.last, rows.first + slice * slice_rows);
     const int64_t s1 = std::min(rows.last, s0 + slice_rows);
-    float* worker_scratch = scratch.data() + worker * scratch_floats;
-    const AttendScratch attend{q_rows.data() + worker * tile_queries, worker_scratch,
-                               worker_scratch + scores_floats};
+    float* next = scratch.data() + worker * scratch_floats;
+    auto take = [&next](int64_t floats) {
+      float* taken = next;
+      next += floats;
+      return taken;
+    };
+    AttendScratch attend;
+    attend.q_rows = q_rows.data() + worker * tile_queries;
+    attend.scores = take(scores_floats);
+    attend.wide_v = take(wide_v_floats);
+    attend.q_tile = take(q_tile_floats);
+    attend.sums = take(sums_floats);
     const int64_t n = tile.positions() * group * heads_per_tile;
-    const SoftmaxState state =
-        slices == 1 ? StateAt(worker_scratch + scores_floats + wide_v_floats, n)
-                    : StateAt(partials.data() + task * state_floats, n);
-    AttendRows(p, tile, s0, s1, kernels, attend, state);
+    const SoftmaxState state = slices == 1 ? StateAt(take(state_floats), n)
+                                           : StateAt(partials.data() + task * state_floats, n);
+    AttendRows(p, tile, s0, s1, kernels, use_packed ? &packed : nullptr, attend, state);
     if (slices == 1) WriteTile(p, tile, &state, 1);
   });
   if (slices == 1) return;
