@@ -1,4 +1,5 @@
-// ftjax_attention: attention of a few queries against a KV cache, read in place on the host.
+// ftjax_attention: attention of T queries (decode, or a prefill chunk) against a KV cache, read in
+// place on the host.
 //
 //   out[b, t, h] = sum_s p[b, t, h, s] * v[b, s, g]        g = h / R, R = H / G
 //   p[b, t, h, :] = softmax over the allowed s of (scale * q[b, t, h] . k[b, s, g]) [, sink[h]]
@@ -11,21 +12,35 @@
 // (it takes probability mass) but contributes no value; without, the sinks buffer is ignored and
 // may be empty ([0]) or [H].
 //
+// k and v are both float32 or both bfloat16 (read as is, widened exactly to float32); q, the
+// softmax and the accumulators are float32.
+//
 // Why: in the decode loop (a lax.while_loop) XLA:CPU's einsum attention over the loop-carried
 // cache copies and transposes all of K and V at every step. This op reads the cache in its own
 // layout, so the updated cache (a dynamic_update_slice of a donated buffer) is used in place.
+// For prefill chunks it is a blocked flash attention that skips the masked blocks, where XLA
+// materialises the [T, S] scores of every head.
 //
-// Work split: one task per (b, tile of query positions, slice of rows). A tile holds all H heads
-// of up to kTileQueries / H positions, so each K and V row is read from memory once for all of
-// them (decode: T * H queries against S rows, memory-bound). A task walks its rows front to back
-// in blocks of kBlockRows, all kv heads of a block in turn: for kv head g it scores the block
-// against g's R queries per position with the ISA's dot kernel (KernelTable::dot_f32_f32),
-// updates an online softmax per query (running max, sum of exponentials, accumulator; float32),
-// and adds the weighted value rows with KernelTable::weighted_row_sum. When there are fewer
-// (b, tile) units than kTargetTasks (decode), the rows are split into slices, and the partial
-// (max, sum, acc) of the slices are merged exactly afterwards. The split depends on the shapes,
-// length and window only, never on the number of threads, so neither do the results. Long query
-// chunks (prefill) work but are not what this op is for: each tile reads all of its rows again.
+// Work split: one task per (b, tile of queries, slice of rows); a task walks its rows in aligned
+// blocks of kBlockRows, for each kv head g of the tile scores the block against g's queries that
+// may attend some row of it, updates an online softmax per query (running max, sum of
+// exponentials, accumulator; float32), and adds the weighted value rows. Two tile forms:
+// - Decode form (T * H <= kTileQueries: decode, short chunks): one tile holds all H heads of all
+//   T positions, so each K and V row is read from memory once (memory-bound), in place: scores
+//   by KernelTable::dot_f32_f32 / dot_bf16_f32, values by weighted_row_sum (bf16 value rows
+//   widened per block into scratch).
+// - Prefill form (longer chunks): a tile holds the R query heads of one kv head at
+//   kPrefillQueries / R positions. A tile needs the rows from its first query's window start to
+//   its last query's row, and within those, per block, only the queries that may attend the
+//   block are scored: the causal upper triangle and the rows before a window cost (almost)
+//   nothing, so a causal chunk does ~half of T x length, a window ~T x w. Compute-bound: where
+//   the ISA has the packed GEMM (AVX-512), the attended rows are first widened and packed once
+//   for all tiles (PackedCache), and both the scores and the value sums run on packed_dot_f32;
+//   elsewhere on the dot kernels as in the decode form.
+// Tasks are claimed in order of decreasing cost (last positions first), which balances the
+// causal tiles. When there are fewer (b, tile) units than kTargetTasks, the rows are split into
+// slices whose partial (max, sum, acc) are merged exactly afterwards. The split depends on the
+// shapes, length and window only, never on the number of threads, so neither do the results.
 //
 // Three layers (STYLE.md section 6): Attention (kernel, no XLA types), AttentionImpl
 // (validation), FtjaxAttention (binding).

@@ -1,4 +1,5 @@
-"""Host decode attention over a KV cache: the XLA FFI op `ftjax_attention` (xla_ffi/attention.cc).
+"""Host attention over a KV cache, for decode and prefill chunks: the XLA FFI op
+`ftjax_attention` (xla_ffi/attention.cc).
 
     out[b, t, h] = softmax_s(scale · q[b, t, h] · k[b, s, h // R] [, sinks[h]]) · v[b, s, h // R]
 
@@ -8,12 +9,16 @@ attends the rows up to its own (causal), with a sliding ``window`` only the last
 them; rows from ``length`` on are never read. ``sinks`` [H] are learned logits that join each
 head's softmax denominator but carry no value.
 
+The cache is float32 or bfloat16 (k and v alike, widened exactly in the kernel); queries, the
+softmax and the accumulation are float32.
+
 Why an op: inside the decode loop (a ``lax.while_loop``) XLA:CPU's einsum attention over the
 loop-carried cache copies and transposes all of K and V at every step. This op reads the cache
 in place in its own layout, so a cache updated by ``dynamic_update_slice`` of a donated buffer
-is neither copied nor transposed. Each K and V row is read once for all R heads of its group and
-all T queries; accumulation is float32 with an online softmax. Meant for decode and short query
-chunks: long chunks (prefill) work, but read the cache again for every 256 / H positions.
+is neither copied nor transposed; each K and V row is read once for all R heads of its group and
+all T queries, with an online softmax. Prefill chunks (T up to thousands) run as a blocked flash
+attention that skips the blocks masked for a whole tile of queries (the causal upper triangle,
+rows before the window): ~half of T x length for a causal chunk, ~T x window with a window.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
     sinks: None, or [H] float32 per-head sink logits.
 
   Returns:
-    out: [B, T, H, A] float32.
+    out: [B, T, H, A] float32 (float32 accumulation, also for a bfloat16 cache).
 
   Raises:
     ValueError: naming the argument whose shape, dtype or value is wrong.
