@@ -68,7 +68,7 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Kernel (no XLA types).
 
-constexpr int64_t kBlockRows = 64;       // cache rows scored by one dot call
+constexpr int64_t kBlockRows = 128;      // cache rows scored by one dot call
 constexpr int64_t kTileQueries = 256;    // decode form: queries (t, h) per tile, at least H
 constexpr int64_t kPrefillQueries = 64;  // prefill form: queries (t, r) of one kv head per tile
 constexpr int64_t kTargetTasks = 32;     // split the rows until there are about this many tasks
