@@ -15,6 +15,7 @@ import numpy as np
 F32 = 1e-5  # float32 products and sums (any order, any kernel) vs float64 or another order
 F32_ROUNDING = 1e-6  # a few float32 roundings of one value (a division, a softmax, a cast)
 BF16_ACTIVATIONS = 1e-2  # activations rounded to bfloat16 (2^-9 each) for vdpbf16ps products
+BF16_KV_CACHE = 1e-2  # attention over a bfloat16 KV cache vs the float32 one (k, v: 2^-9 each)
 HF_PARITY = 1e-4  # transformers' float32 eager forward: other op order, fused ops, 2 layers
 
 # float64 paths (the cost model, replay statistics), relative unless they say otherwise.

@@ -1,4 +1,5 @@
-// ftjax_attention: attention of a few queries against a KV cache, read in place on the host.
+// ftjax_attention: attention of T queries (decode, or a prefill chunk) against a KV cache, read in
+// place on the host.
 //
 //   out[b, t, h] = sum_s p[b, t, h, s] * v[b, s, g]        g = h / R, R = H / G
 //   p[b, t, h, :] = softmax over the allowed s of (scale * q[b, t, h] . k[b, s, g]) [, sink[h]]
@@ -11,21 +12,35 @@
 // (it takes probability mass) but contributes no value; without, the sinks buffer is ignored and
 // may be empty ([0]) or [H].
 //
+// k and v are both float32 or both bfloat16 (read as is, widened exactly to float32); q, the
+// softmax and the accumulators are float32.
+//
 // Why: in the decode loop (a lax.while_loop) XLA:CPU's einsum attention over the loop-carried
 // cache copies and transposes all of K and V at every step. This op reads the cache in its own
 // layout, so the updated cache (a dynamic_update_slice of a donated buffer) is used in place.
+// For prefill chunks it is a blocked flash attention that skips the masked blocks, where XLA
+// materialises the [T, S] scores of every head.
 //
-// Work split: one task per (b, tile of query positions, slice of rows). A tile holds all H heads
-// of up to kTileQueries / H positions, so each K and V row is read from memory once for all of
-// them (decode: T * H queries against S rows, memory-bound). A task walks its rows front to back
-// in blocks of kBlockRows, all kv heads of a block in turn: for kv head g it scores the block
-// against g's R queries per position with the ISA's dot kernel (KernelTable::dot_f32_f32),
-// updates an online softmax per query (running max, sum of exponentials, accumulator; float32),
-// and adds the weighted value rows with KernelTable::weighted_row_sum. When there are fewer
-// (b, tile) units than kTargetTasks (decode), the rows are split into slices, and the partial
-// (max, sum, acc) of the slices are merged exactly afterwards. The split depends on the shapes,
-// length and window only, never on the number of threads, so neither do the results. Long query
-// chunks (prefill) work but are not what this op is for: each tile reads all of its rows again.
+// Work split: one task per (b, tile of queries, slice of rows); a task walks its rows in aligned
+// blocks of kBlockRows, for each kv head g of the tile scores the block against g's queries that
+// may attend some row of it, updates an online softmax per query (running max, sum of
+// exponentials, accumulator; float32), and adds the weighted value rows. Two tile forms:
+// - Decode form (T * H <= kTileQueries: decode, short chunks): one tile holds all H heads of all
+//   T positions, so each K and V row is read from memory once (memory-bound), in place: scores
+//   by KernelTable::dot_f32_f32 / dot_bf16_f32, values by weighted_row_sum (bf16 value rows
+//   widened per block into scratch).
+// - Prefill form (longer chunks): a tile holds the R query heads of one kv head at
+//   kPrefillQueries / R positions. A tile needs the rows from its first query's window start to
+//   its last query's row, and within those, per block, only the queries that may attend the
+//   block are scored: the causal upper triangle and the rows before a window cost (almost)
+//   nothing, so a causal chunk does ~half of T x length, a window ~T x w. Compute-bound: where
+//   the ISA has the packed GEMM (AVX-512), the attended rows are first widened and packed once
+//   for all tiles (PackedCache), and both the scores and the value sums run on packed_dot_f32;
+//   elsewhere on the dot kernels as in the decode form.
+// Tasks are claimed in order of decreasing cost (last positions first), which balances the
+// causal tiles. When there are fewer (b, tile) units than kTargetTasks, the rows are split into
+// slices whose partial (max, sum, acc) are merged exactly afterwards. The split depends on the
+// shapes, length and window only, never on the number of threads, so neither do the results.
 //
 // Three layers (STYLE.md section 6): Attention (kernel, no XLA types), AttentionImpl
 // (validation), FtjaxAttention (binding).
@@ -37,6 +52,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -52,13 +68,16 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Kernel (no XLA types).
 
-constexpr int64_t kBlockRows = 64;      // cache rows scored by one dot call
-constexpr int64_t kTileQueries = 256;   // queries (t, h) per task, at least H
-constexpr int64_t kTargetTasks = 32;    // split the rows until there are about this many tasks
-constexpr int64_t kMinSliceRows = 256;  // but not into slices shorter than this
+constexpr int64_t kBlockRows = 128;      // cache rows scored by one dot call
+constexpr int64_t kTileQueries = 256;    // decode form: queries (t, h) per tile, at least H
+constexpr int64_t kPrefillQueries = 64;  // prefill form: queries (t, r) of one kv head per tile
+constexpr int64_t kTargetTasks = 32;     // split the rows until there are about this many tasks
+constexpr int64_t kMinSliceRows = 256;   // but not into slices shorter than this
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
+// KvT is float or Bf16Bits (bfloat16's raw bits), the element of both caches.
+template <typename KvT>
 struct AttentionProblem {
   int64_t batch;     // B
   int64_t queries;   // T
@@ -70,10 +89,13 @@ struct AttentionProblem {
   int64_t window;    // 0: no sliding window
   float scale;
   const float* q;      // [B, T, H, A]
-  const float* k;      // [B, S, G, A]
-  const float* v;      // [B, S, G, A]
+  const KvT* k;        // [B, S, G, A]
+  const KvT* v;        // [B, S, G, A]
   const float* sinks;  // [H], or null for no sinks
   float* out;          // [B, T, H, A]
+
+  int64_t group() const { return heads / kv_heads; }    // R
+  int64_t first_row() const { return length - queries; }  // the cache row of query 0
 };
 
 // The cache rows query t may attend: [first, last).
@@ -81,10 +103,23 @@ struct RowRange {
   int64_t first, last;
 };
 
-RowRange AllowedRows(const AttentionProblem& p, int64_t t) {
-  const int64_t row = p.length - p.queries + t;
+template <typename KvT>
+RowRange AllowedRows(const AttentionProblem<KvT>& p, int64_t t) {
+  const int64_t row = p.first_row() + t;
   const int64_t first = p.window > 0 ? std::max<int64_t>(0, row - p.window + 1) : 0;
   return {first, row + 1};
+}
+
+// The queries t in [t0, t1) that may attend some row of [s0, s1): a range, since both ends of
+// AllowedRows grow with t.
+template <typename KvT>
+RowRange QueriesAttending(const AttentionProblem<KvT>& p, int64_t t0, int64_t t1, int64_t s0,
+                          int64_t s1) {
+  // row(t) >= s0, and with a window first(t) = row(t) - w + 1 < s1.
+  const int64_t first = std::max(t0, s0 - p.first_row());
+  const int64_t last =
+      p.window > 0 ? std::min(t1, s1 + p.window - 1 - p.first_row()) : t1;
+  return {first, std::max(first, last)};
 }
 
 // Online-softmax state of n queries over some rows: max of the scaled scores, sum of
@@ -158,59 +193,192 @@ float ExpShiftedSum(float* x, int64_t n, float shift) {
          ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-// The queries of one task: batch b, positions [t0, t1), all H heads. They are numbered by kv
-// head first, j = (g * positions + t - t0) * R + r for head h = g * R + r, so that the queries
-// of kv head g are the `per_head` = positions * R queries from j = g * per_head on.
+// The queries of one tile: batch b, positions [t0, t1), kv heads [g0, g1) and their R query heads
+// each. They are numbered by kv head first, j = ((g - g0) * positions + t - t0) * R + r for head
+// h = g * R + r, so that the queries of kv head g are the `per_head` = positions * R queries from
+// j = (g - g0) * per_head on, in order of position.
 struct QueryTile {
-  int64_t b, t0, t1;
+  int64_t b, t0, t1, g0, g1;
+
+  int64_t positions() const { return t1 - t0; }
 };
 
 struct TileQuery {
   int64_t t, h;
 };
 
-TileQuery QueryOf(const AttentionProblem& p, const QueryTile& tile, int64_t j) {
-  const int64_t group = p.heads / p.kv_heads;  // R
-  const int64_t per_head = (tile.t1 - tile.t0) * group;
-  const int64_t g = j / per_head, within = j % per_head;
+template <typename KvT>
+TileQuery QueryOf(const AttentionProblem<KvT>& p, const QueryTile& tile, int64_t j) {
+  const int64_t group = p.group();
+  const int64_t per_head = tile.positions() * group;
+  const int64_t g = tile.g0 + j / per_head, within = j % per_head;
   return {tile.t0 + within / group, g * group + within % group};
 }
 
-// Runs the online softmax of the tile's queries over cache rows [s0, s1) into `state`.
-// `q_rows` [n] and `scores` [per_head, kBlockRows] are scratch. Block by block, all kv heads:
-// the task reads its rows of k and v front to back, which the hardware prefetchers follow.
-void AttendRows(const AttentionProblem& p, const QueryTile& tile, int64_t s0, int64_t s1,
-                const KernelTable& kernels, const float** q_rows, float* scores,
-                SoftmaxState state) {
-  const int64_t width = p.width;
-  const int64_t per_head = (tile.t1 - tile.t0) * (p.heads / p.kv_heads);
-  const int64_t n = per_head * p.kv_heads;
+// scores[t * kBlockRows + s] = k[s] . q_rows[t] for s < rows, t < tokens; k rows `row_stride`
+// elements apart.
+void ScoreRows(const KernelTable& kernels, const float* k, int64_t row_stride, int64_t rows,
+               const float* const* q_rows, int64_t tokens, int64_t width, float* scores) {
+  kernels.dot_f32_f32({k, row_stride, rows, q_rows, tokens, width, scores, kBlockRows});
+}
+
+void ScoreRows(const KernelTable& kernels, const Bf16Bits* k, int64_t row_stride, int64_t rows,
+               const float* const* q_rows, int64_t tokens, int64_t width, float* scores) {
+  kernels.dot_bf16_f32({k, row_stride, rows, q_rows, tokens, width, scores, kBlockRows});
+}
+
+// `rows` rows of v (`row_stride` apart) as float32 rows: `v` itself (float32; *stride unchanged),
+// or widened into `wide` [rows, width] (bfloat16 to float32 is exact: the bits shifted left by
+// 16), with *stride set to width.
+const float* FloatRows(const float* v, int64_t /*rows*/, int64_t /*width*/, int64_t* /*stride*/,
+                       float* /*wide*/) {
+  return v;
+}
+
+const float* FloatRows(const Bf16Bits* v, int64_t rows, int64_t width, int64_t* stride,
+                       float* wide) {
+  for (int64_t s = 0; s < rows; ++s) {
+    const Bf16Bits* in = v + s * *stride;
+    float* out = wide + s * width;
+    for (int64_t i = 0; i < width; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+      std::memcpy(&out[i], &bits, sizeof(bits));
+    }
+  }
+  *stride = width;
+  return wide;
+}
+
+// The prefill form's copy of the cache rows it attends, widened to float32 and packed for
+// KernelTable::packed_dot_f32 (cpu_kernels.h), per (b, g) and aligned block of kBlockRows rows
+// (block i holds rows [i * kBlockRows, (i + 1) * kBlockRows)):
+//   k: the block's rows as the tokens: k[row 16 c + j][i] at (c * A + i) * 16 + j
+//   v: the block's columns as the tokens: v[row s][16 c + j] at (c * kBlockRows + s) * 16 + j
+// Rows from `length` on and columns from A on are zero. Packing costs one pass over the rows;
+// every tile then scores with multiply-adds of one broadcast q element and 16 keys (no horizontal
+// sums) and sums the values the same way.
+struct PackedCache {
+  std::vector<float> k, v;
+  int64_t first_block = 0, blocks = 0;  // blocks [first_block, first_block + blocks) are packed
+  int64_t k_floats = 0, v_floats = 0;   // per block
+  int64_t v_groups = 0;                 // ceil(A / 16)
+
+  int64_t Index(int64_t b, int64_t g, int64_t kv_heads, int64_t block) const {
+    return (b * kv_heads + g) * blocks + block - first_block;
+  }
+};
+
+template <typename KvT>
+float Widen(KvT x) {
+  if constexpr (std::is_same_v<KvT, float>) {
+    return x;
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+  }
+}
+
+// Packs block `block` of kv head g of sequence b (PackedCache).
+template <typename KvT>
+void PackBlock(const AttentionProblem<KvT>& p, int64_t b, int64_t g, int64_t block,
+               PackedCache& packed) {
+  const int64_t width = p.width, index = packed.Index(b, g, p.kv_heads, block);
+  float* k_out = packed.k.data() + index * packed.k_floats;
+  float* v_out = packed.v.data() + index * packed.v_floats;
+  std::fill_n(k_out, packed.k_floats, 0.0f);
+  std::fill_n(v_out, packed.v_floats, 0.0f);
+  const int64_t first = block * kBlockRows;
+  const int64_t rows = std::min(kBlockRows, p.length - first);
+  for (int64_t s = 0; s < rows; ++s) {
+    const int64_t offset = ((b * p.rows + first + s) * p.kv_heads + g) * width;
+    const KvT* k_row = p.k + offset;
+    const KvT* v_row = p.v + offset;
+    float* k_column = k_out + (s / kPackedGroup) * width * kPackedGroup + s % kPackedGroup;
+    for (int64_t i = 0; i < width; ++i) k_column[i * kPackedGroup] = Widen(k_row[i]);
+    for (int64_t i = 0; i < width; ++i) {
+      v_out[((i / kPackedGroup) * kBlockRows + s) * kPackedGroup + i % kPackedGroup] =
+          Widen(v_row[i]);
+    }
+  }
+}
+
+// Per-worker scratch of AttendRows.
+struct AttendScratch {
+  const float** q_rows;  // [queries of a tile]
+  float* scores;         // [queries of one kv head in a tile, kBlockRows]
+  float* wide_v;         // dot path: [kBlockRows, A], bfloat16 value rows widened
+  float* q_tile;         // packed path: [queries of a tile, A], the tile's queries side by side
+  float* sums;           // packed path: [queries of one kv head in a tile, 16 * ceil(A / 16)]
+};
+
+// Runs the online softmax of the tile's queries over cache rows [s0, s1) into `state`, in the
+// aligned blocks of kBlockRows rows that overlap them, for each the tile's kv heads in turn: for
+// kv head g, only the queries that may attend some row of the block are scored
+// (QueriesAttending: blocks entirely masked for a query, above the causal diagonal or before its
+// window, cost it nothing), their weights exp(score - max) are updated online, and the weighted
+// value rows added to their accumulators. The products run on the ISA's dot kernels
+// (KernelTable::dot_*, weighted_row_sum), or with `packed` on the packed GEMM.
+template <typename KvT>
+void AttendRows(const AttentionProblem<KvT>& p, const QueryTile& tile, int64_t s0, int64_t s1,
+                const KernelTable& kernels, const PackedCache* packed,
+                const AttendScratch& scratch, SoftmaxState state) {
+  const int64_t width = p.width, group = p.group();
+  const int64_t per_head = tile.positions() * group;
+  const int64_t n = per_head * (tile.g1 - tile.g0);
   for (int64_t j = 0; j < n; ++j) {
     const TileQuery query = QueryOf(p, tile, j);
-    q_rows[j] = p.q + ((tile.b * p.queries + query.t) * p.heads + query.h) * width;
+    scratch.q_rows[j] = p.q + ((tile.b * p.queries + query.t) * p.heads + query.h) * width;
+    if (packed != nullptr) std::copy_n(scratch.q_rows[j], width, scratch.q_tile + j * width);
     state.max[j] = kNegativeInfinity;
     state.sum[j] = 0.0f;
   }
   std::fill_n(state.acc, n * width, 0.0f);
+  const int64_t sums_stride = kPackedGroup * CeilDiv(width, kPackedGroup);
 
   const int64_t row_stride = p.kv_heads * width;  // from one cache row to the next
-  for (int64_t block = s0; block < s1; block += kBlockRows) {
-    const int64_t block_rows = std::min(kBlockRows, s1 - block);
-    for (int64_t g = 0; g < p.kv_heads; ++g) {
-      const int64_t offset = ((tile.b * p.rows + block) * p.kv_heads + g) * width;
-      const int64_t j0 = g * per_head;
-      // scores[jj, s] = q_{j0 + jj} . k[block + s, g]
-      kernels.dot_f32_f32({p.k + offset, row_stride, block_rows, q_rows + j0, per_head, width,
-                           scores, kBlockRows});
-      for (int64_t jj = 0; jj < per_head; ++jj) {
-        // Scores to weights exp(scale * score - max), 0 outside the query's rows.
+  for (int64_t aligned = s0 / kBlockRows * kBlockRows; aligned < s1; aligned += kBlockRows) {
+    const int64_t lo = std::max(aligned, s0), hi = std::min(aligned + kBlockRows, s1);
+    const RowRange attending = QueriesAttending(p, tile.t0, tile.t1, lo, hi);
+    if (attending.first >= attending.last) continue;
+    // The tile's queries jj in [jj0, jj1) of each kv head attend rows of [lo, hi).
+    const int64_t jj0 = (attending.first - tile.t0) * group;
+    const int64_t jj1 = (attending.last - tile.t0) * group;
+    // Score column c is row base + c, c < columns: the whole aligned block on the packed path
+    // (its value sums take all kBlockRows rows), [lo, hi) on the dot path.
+    const int64_t base = packed != nullptr ? aligned : lo;
+    const int64_t columns = packed != nullptr ? kBlockRows : hi - lo;
+    for (int64_t g = tile.g0; g < tile.g1; ++g) {
+      const int64_t offset = ((tile.b * p.rows + lo) * p.kv_heads + g) * width;
+      const int64_t j0 = (g - tile.g0) * per_head;
+      float* scores = scratch.scores + jj0 * kBlockRows;
+      // scores[jj, c] = q_{j0 + jj} . k[base + c, g]
+      const float* packed_k = nullptr;
+      const float* packed_v = nullptr;
+      if (packed != nullptr) {
+        const int64_t index = packed->Index(tile.b, g, p.kv_heads, aligned / kBlockRows);
+        packed_k = packed->k.data() + index * packed->k_floats;
+        packed_v = packed->v.data() + index * packed->v_floats;
+        const int64_t key_columns = hi - aligned;
+        const int64_t key_groups = CeilDiv(key_columns, kPackedGroup);
+        kernels.packed_dot_f32({scratch.q_tile + (j0 + jj0) * width, width, jj1 - jj0, packed_k,
+                                key_groups,
+                                key_columns - (key_groups - 1) * kPackedGroup <= 8, width,
+                                scores, kBlockRows});
+      } else {
+        ScoreRows(kernels, p.k + offset, row_stride, hi - lo, scratch.q_rows + j0 + jj0,
+                  jj1 - jj0, width, scores);
+      }
+      for (int64_t jj = jj0; jj < jj1; ++jj) {
+        // Scores to weights exp(scale * score - max), 0 outside the query's rows in [lo, hi).
         const int64_t j = j0 + jj;
-        float* weight = scores + jj * kBlockRows;
-        const RowRange allowed = AllowedRows(p, QueryOf(p, tile, j).t);
-        const int64_t first = std::clamp(allowed.first - block, int64_t{0}, block_rows);
-        const int64_t last = std::clamp(allowed.last - block, int64_t{0}, block_rows);
+        float* weight = scratch.scores + jj * kBlockRows;
+        const RowRange allowed = AllowedRows(p, tile.t0 + jj / group);
+        const int64_t first = std::clamp(std::max(allowed.first, lo) - base, int64_t{0}, columns);
+        const int64_t last = std::clamp(std::min(allowed.last, hi) - base, int64_t{0}, columns);
         std::fill(weight, weight + first, 0.0f);
-        std::fill(weight + std::max(first, last), weight + block_rows, 0.0f);
+        std::fill(weight + std::max(first, last), weight + columns, 0.0f);
         if (first >= last) continue;
         const float block_max = ScaleAndMax(weight + first, last - first, p.scale);
         const float new_max = std::max(state.max[j], block_max);
@@ -223,18 +391,32 @@ void AttendRows(const AttentionProblem& p, const QueryTile& tile, int64_t s0, in
         }
         state.sum[j] += ExpShiftedSum(weight + first, last - first, new_max);
       }
-      // acc[j0 + jj] += sum_s weight[jj, s] * v[block + s, g]
-      kernels.weighted_row_sum({scores, kBlockRows, per_head, p.v + offset, row_stride,
-                                block_rows, width, state.acc + j0 * width, width});
+      // acc[j0 + jj] += sum_c weight[jj, c] * v[base + c, g]
+      float* acc = state.acc + (j0 + jj0) * width;
+      if (packed != nullptr) {
+        kernels.packed_dot_f32({scores, kBlockRows, jj1 - jj0, packed_v, packed->v_groups,
+                                width - (packed->v_groups - 1) * kPackedGroup <= 8, kBlockRows,
+                                scratch.sums, sums_stride});
+        for (int64_t jj = 0; jj < jj1 - jj0; ++jj) {
+          const float* sum = scratch.sums + jj * sums_stride;
+          for (int64_t i = 0; i < width; ++i) acc[jj * width + i] += sum[i];
+        }
+      } else {
+        int64_t v_stride = row_stride;
+        const float* v = FloatRows(p.v + offset, hi - lo, width, &v_stride, scratch.wide_v);
+        kernels.weighted_row_sum(
+            {scores, kBlockRows, jj1 - jj0, v, v_stride, hi - lo, width, acc, width});
+      }
     }
   }
 }
 
 // Merges the partial states of `slices` row slices of one tile (exactly: each rescaled to the
 // common max) with the sinks, and writes the tile's outputs.
-void WriteTile(const AttentionProblem& p, const QueryTile& tile, const SoftmaxState* partials,
-               int64_t slices) {
-  const int64_t n = (tile.t1 - tile.t0) * p.heads;
+template <typename KvT>
+void WriteTile(const AttentionProblem<KvT>& p, const QueryTile& tile,
+               const SoftmaxState* partials, int64_t slices) {
+  const int64_t n = tile.positions() * p.group() * (tile.g1 - tile.g0);
   const int64_t width = p.width;
   for (int64_t j = 0; j < n; ++j) {
     const TileQuery query = QueryOf(p, tile, j);
@@ -257,19 +439,29 @@ void WriteTile(const AttentionProblem& p, const QueryTile& tile, const SoftmaxSt
   }
 }
 
-void Attention(const AttentionProblem& p, const KernelTable& kernels, const Workers& workers) {
-  const int64_t group = p.heads / p.kv_heads;
+template <typename KvT>
+void Attention(const AttentionProblem<KvT>& p, const KernelTable& kernels,
+               const Workers& workers) {
+  const int64_t group = p.group();
+  // Decode form when all positions fit in one tile of all heads, else the prefill form.
+  const bool decode_form = p.queries * p.heads <= kTileQueries;
   const int64_t tile_positions =
-      std::min(std::max<int64_t>(1, kTileQueries / p.heads), p.queries);
-  const int64_t tiles_per_batch = CeilDiv(p.queries, tile_positions);
-  const int64_t units = p.batch * tiles_per_batch;
-  const int64_t tile_queries = tile_positions * p.heads;
+      decode_form ? p.queries : std::min(std::max<int64_t>(1, kPrefillQueries / group), p.queries);
+  const int64_t heads_per_tile = decode_form ? p.kv_heads : 1;  // kv heads
+  const int64_t head_tiles = p.kv_heads / heads_per_tile;
+  const int64_t position_tiles = CeilDiv(p.queries, tile_positions);
+  const int64_t units = p.batch * position_tiles * head_tiles;
+  const int64_t tile_queries = tile_positions * group * heads_per_tile;
   const int64_t state_floats = StateFloats(tile_queries, p.width);
   const int64_t scores_floats = tile_positions * group * kBlockRows;
 
+  // Units in order of decreasing cost, so that the pool's first-come claiming balances them: the
+  // last positions first (causal: they attend the most rows), then batch, then kv head.
   auto tile_of = [&](int64_t unit) {
-    const int64_t t0 = unit % tiles_per_batch * tile_positions;
-    return QueryTile{unit / tiles_per_batch, t0, std::min(t0 + tile_positions, p.queries)};
+    const int64_t g = unit % head_tiles * heads_per_tile;
+    const int64_t b = unit / head_tiles % p.batch;
+    const int64_t t0 = (position_tiles - 1 - unit / (head_tiles * p.batch)) * tile_positions;
+    return QueryTile{b, t0, std::min(t0 + tile_positions, p.queries), g, g + heads_per_tile};
   };
   // The rows a tile needs: from its first query's first allowed row to its last query's row.
   auto rows_of = [&](const QueryTile& tile) {
@@ -277,15 +469,41 @@ void Attention(const AttentionProblem& p, const KernelTable& kernels, const Work
   };
 
   // Slices per unit, from the shapes alone (never from the thread count).
-  const RowRange all_rows = rows_of({0, 0, p.queries});
+  const RowRange all_rows = rows_of({0, 0, p.queries, 0, heads_per_tile});
   const int64_t slices =
       units >= kTargetTasks
           ? 1
           : std::max<int64_t>(1, std::min(CeilDiv(kTargetTasks, units),
                                           (all_rows.last - all_rows.first) / kMinSliceRows));
 
-  // Per-worker scratch: query pointers, scores and (with one slice) the softmax state.
-  const int64_t scratch_floats = scores_floats + (slices == 1 ? state_floats : 0);
+  // The prefill form packs the rows it attends once for all tiles, where the ISA has the packed
+  // GEMM (the decode form, bound by reading the cache once, reads it in place).
+  const bool use_packed = !decode_form && kernels.packed_dot_f32 != nullptr;
+  PackedCache packed;
+  if (use_packed) {
+    packed.first_block = all_rows.first / kBlockRows;
+    packed.blocks = CeilDiv(p.length, kBlockRows) - packed.first_block;
+    packed.k_floats = kBlockRows * p.width;
+    packed.v_groups = CeilDiv(p.width, kPackedGroup);
+    packed.v_floats = packed.v_groups * kBlockRows * kPackedGroup;
+    const int64_t blocks = p.batch * p.kv_heads * packed.blocks;
+    packed.k.resize(blocks * packed.k_floats);
+    packed.v.resize(blocks * packed.v_floats);
+    workers.ParallelFor(blocks, [&](int64_t task, int /*worker*/) {
+      const int64_t block = packed.first_block + task % packed.blocks;
+      const int64_t g = task / packed.blocks % p.kv_heads;
+      PackBlock(p, task / (packed.blocks * p.kv_heads), g, block, packed);
+    });
+  }
+
+  // Per-worker scratch (AttendScratch) and, with one slice, the softmax state.
+  const int64_t wide_v_floats =
+      use_packed || std::is_same_v<KvT, float> ? 0 : kBlockRows * p.width;
+  const int64_t q_tile_floats = use_packed ? tile_queries * p.width : 0;
+  const int64_t sums_floats =
+      use_packed ? tile_positions * group * kPackedGroup * CeilDiv(p.width, kPackedGroup) : 0;
+  const int64_t scratch_floats = scores_floats + wide_v_floats + q_tile_floats + sums_floats +
+                                 (slices == 1 ? state_floats : 0);
   std::vector<float> scratch(workers.num_workers() * scratch_floats);
   std::vector<const float*> q_rows(workers.num_workers() * tile_queries);
   // With several slices: the partial state of every task, merged afterwards.
@@ -299,19 +517,29 @@ void Attention(const AttentionProblem& p, const KernelTable& kernels, const Work
         CeilDiv(CeilDiv(rows.last - rows.first, slices), kBlockRows) * kBlockRows;
     const int64_t s0 = std::min(rows.last, rows.first + slice * slice_rows);
     const int64_t s1 = std::min(rows.last, s0 + slice_rows);
-    float* scores = scratch.data() + worker * scratch_floats;
-    const int64_t n = (tile.t1 - tile.t0) * p.heads;
-    const SoftmaxState state =
-        slices == 1 ? StateAt(scores + scores_floats, n)
-                    : StateAt(partials.data() + task * state_floats, n);
-    AttendRows(p, tile, s0, s1, kernels, q_rows.data() + worker * tile_queries, scores, state);
+    float* next = scratch.data() + worker * scratch_floats;
+    auto take = [&next](int64_t floats) {
+      float* taken = next;
+      next += floats;
+      return taken;
+    };
+    AttendScratch attend;
+    attend.q_rows = q_rows.data() + worker * tile_queries;
+    attend.scores = take(scores_floats);
+    attend.wide_v = take(wide_v_floats);
+    attend.q_tile = take(q_tile_floats);
+    attend.sums = take(sums_floats);
+    const int64_t n = tile.positions() * group * heads_per_tile;
+    const SoftmaxState state = slices == 1 ? StateAt(take(state_floats), n)
+                                           : StateAt(partials.data() + task * state_floats, n);
+    AttendRows(p, tile, s0, s1, kernels, use_packed ? &packed : nullptr, attend, state);
     if (slices == 1) WriteTile(p, tile, &state, 1);
   });
   if (slices == 1) return;
 
   workers.ParallelFor(units, [&](int64_t unit, int /*worker*/) {
     const QueryTile tile = tile_of(unit);
-    const int64_t n = (tile.t1 - tile.t0) * p.heads;
+    const int64_t n = tile.positions() * group * heads_per_tile;
     std::vector<SoftmaxState> states(slices);
     for (int64_t c = 0; c < slices; ++c) {
       states[c] = StateAt(partials.data() + (unit * slices + c) * state_floats, n);
@@ -326,6 +554,10 @@ void Attention(const AttentionProblem& p, const KernelTable& kernels, const Work
 // The FFI target name, which prefixes every error message.
 constexpr std::string_view kOp = "ftjax_attention";
 
+std::string DtypeName(ffi::DataType dtype) {
+  return dtype == ffi::DataType::BF16 ? "bfloat16" : "float32";
+}
+
 ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::AnyBuffer v, ffi::AnyBuffer length, ffi::AnyBuffer sinks,
                          float scale, int64_t window, bool use_sinks,
@@ -337,11 +569,12 @@ ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuf
   }
   const int64_t B = q_dims[0], T = q_dims[1], H = q_dims[2], A = q_dims[3];
   const auto k_dims = k.dimensions();
-  if (k.element_type() != ffi::DataType::F32 || k_dims.size() != 4 || k_dims[0] != B ||
-      k_dims[3] != A) {
-    return InvalidArgument(kOp, "k must be float32 [B, S, G, A] with B = " + std::to_string(B) +
-                                    " and A = " + std::to_string(A) + " from q, got shape " +
-                                    ShapeString(k_dims));
+  const ffi::DataType kv_dtype = k.element_type();
+  if ((kv_dtype != ffi::DataType::F32 && kv_dtype != ffi::DataType::BF16) ||
+      k_dims.size() != 4 || k_dims[0] != B || k_dims[3] != A) {
+    return InvalidArgument(kOp, "k must be float32 or bfloat16 [B, S, G, A] with B = " +
+                                    std::to_string(B) + " and A = " + std::to_string(A) +
+                                    " from q, got shape " + ShapeString(k_dims));
   }
   const int64_t S = k_dims[1], G = k_dims[2];
   if (G == 0 || H % G != 0) {
@@ -349,10 +582,11 @@ ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuf
                                     " must divide q's heads H = " + std::to_string(H));
   }
   const auto v_dims = v.dimensions();
-  if (v.element_type() != ffi::DataType::F32 || v_dims.size() != 4 ||
+  if (v.element_type() != kv_dtype || v_dims.size() != 4 ||
       !std::equal(v_dims.begin(), v_dims.end(), k_dims.begin())) {
-    return InvalidArgument(kOp, "v must be float32 with k's shape " + ShapeString(k_dims) +
-                                    ", got shape " + ShapeString(v_dims));
+    return InvalidArgument(kOp, "v must have k's dtype (" + DtypeName(kv_dtype) +
+                                    ") and shape " + ShapeString(k_dims) + ", got shape " +
+                                    ShapeString(v_dims));
   }
   if (length.element_type() != ffi::DataType::S32 || length.dimensions().size() != 0) {
     return InvalidArgument(kOp, "length must be an int32 scalar, got shape " +
@@ -386,12 +620,19 @@ ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuf
   const HostSetup setup = ChooseHostSetup(&xla_pool);
   if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
 
-  const AttentionProblem problem{B, T, H, G, A, S, valid_rows, window, scale,
-                                 q.typed_data<float>(), k.typed_data<float>(),
-                                 v.typed_data<float>(),
-                                 use_sinks ? sinks.typed_data<float>() : nullptr,
-                                 out->typed_data()};
-  Attention(problem, *setup.kernels, setup.workers);
+  const float* sinks_h = use_sinks ? sinks.typed_data<float>() : nullptr;
+  if (kv_dtype == ffi::DataType::BF16) {
+    const AttentionProblem<Bf16Bits> problem{
+        B, T, H, G, A, S, valid_rows, window, scale, q.typed_data<float>(),
+        k.reinterpret_data<Bf16Bits>(),
+        v.reinterpret_data<Bf16Bits>(), sinks_h, out->typed_data()};
+    Attention(problem, *setup.kernels, setup.workers);
+  } else {
+    const AttentionProblem<float> problem{B, T, H, G, A, S, valid_rows, window, scale,
+                                          q.typed_data<float>(), k.typed_data<float>(),
+                                          v.typed_data<float>(), sinks_h, out->typed_data()};
+    Attention(problem, *setup.kernels, setup.workers);
+  }
   return ffi::Error::Success();
 }
 
@@ -403,8 +644,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxAttention, ftjax::AttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()   // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()    // q [B, T, H, A] f32, unscaled
-                                  .Arg<ffi::AnyBuffer>()    // k [B, S, G, A] f32, the cache
-                                  .Arg<ffi::AnyBuffer>()    // v [B, S, G, A] f32, the cache
+                                  .Arg<ffi::AnyBuffer>()    // k [B, S, G, A] f32 or bf16, the cache
+                                  .Arg<ffi::AnyBuffer>()    // v [B, S, G, A] k's dtype, the cache
                                   .Arg<ffi::AnyBuffer>()    // length: int32 scalar, valid rows
                                   .Arg<ffi::AnyBuffer>()    // sinks [H] f32 (or [0] unused)
                                   .Attr<float>("scale")     // multiplies q . k

@@ -1,4 +1,9 @@
-"""ftjax_attention (xla_ffi/attention.cc) against the float64 reference, on every ISA."""
+"""ftjax_attention (xla_ffi/attention.cc) against the float64 reference, on every ISA, with float32
+and bfloat16 KV caches.
+
+A bfloat16 cache is compared with the reference computed from the same bf16-rounded k and v
+widened exactly (float32 tolerance: only the kernel's float32 arithmetic differs), and with the
+kernel's output for the float32 cache it was rounded from (bf16 tolerance)."""
 
 import dataclasses
 import functools
@@ -14,6 +19,9 @@ import pytest
 import reference
 import tolerances
 from ftjax.kernels import attention
+
+BF16 = np.dtype(jnp.bfloat16)
+KV_DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16}
 
 # Cache rows from `length` on hold this; one of them read would swamp the softmax and the output.
 GARBAGE = 1e4
@@ -64,11 +72,29 @@ CASES = {
   # More query positions than one tile holds (256 queries): several tiles per sequence.
   "prefill_tiles": Case(B=1, T=300, H=2, G=1, A=16, S=400, length=390),
   "prefill_tiles_gqa_r8_window": Case(B=2, T=40, H=16, G=2, A=32, S=64, length=50, window=9),
+  # Prefill chunks: T queries at rows [length - T, length), a fresh prefill (length = T) or a
+  # later chunk (length > T). T * H > 256 takes the prefill form (one kv head per tile, blocks
+  # above the diagonal or before the window skipped), smaller ones the decode form.
+  "chunk_1_fresh": Case(B=1, T=1, H=4, G=1, A=16, S=8, length=1),
+  "chunk_15_fresh_gqa_r4": Case(B=2, T=15, H=8, G=2, A=32, S=20, length=15),
+  "chunk_15_later_gqa_r8": Case(B=1, T=15, H=32, G=4, A=16, S=100, length=80),
+  "chunk_16_fresh_gqa_r8": Case(B=1, T=16, H=32, G=4, A=16, S=16, length=16),
+  "chunk_16_later_window": Case(B=2, T=16, H=32, G=4, A=24, S=200, length=150, window=20),
+  "chunk_17_fresh_sinks": Case(B=1, T=17, H=16, G=16, A=8, S=30, length=17, sinks=True),
+  "chunk_17_later_gqa_r4_window_sinks": Case(B=1, T=17, H=16, G=4, A=20, S=200, length=150,
+                                             window=40, sinks=True),
+  "chunk_511_fresh_gqa_r4": Case(B=1, T=511, H=8, G=2, A=32, S=520, length=511),
+  "chunk_511_later_gqa_r8_window_sinks": Case(B=1, T=511, H=8, G=1, A=16, S=1200, length=1100,
+                                              window=300, sinks=True),
+  "chunk_4097_fresh": Case(B=1, T=4097, H=4, G=1, A=16, S=4097, length=4097),
+  "chunk_4097_later_window": Case(B=1, T=4097, H=4, G=4, A=16, S=4600, length=4500,
+                                  window=1000),
 }
 
 
-def make_inputs(case, *labels, garbage=GARBAGE):
-  """q, k, v, sinks (or None); rows of k and v from `length` on hold +-garbage."""
+def make_inputs(case, *labels, garbage=GARBAGE, kv_dtype=np.float32):
+  """q, k, v, sinks (or None); rows of k and v from `length` on hold +-garbage; k and v rounded
+  to kv_dtype."""
   rng = rng_for(case, *labels)
   q = (case.q_scale * rng.standard_normal((case.B, case.T, case.H, case.A))).astype(np.float32)
   k = rng.standard_normal((case.B, case.S, case.G, case.A)).astype(np.float32)
@@ -77,7 +103,7 @@ def make_inputs(case, *labels, garbage=GARBAGE):
     tail = cache[:, case.length:]
     tail[...] = garbage * np.sign(rng.standard_normal(tail.shape))
   sinks = (2 * rng.standard_normal(case.H)).astype(np.float32) if case.sinks else None
-  return q, k, v, sinks
+  return q, k.astype(kv_dtype), v.astype(kv_dtype), sinks
 
 
 def run_case(case, q, k, v, sinks, length=None):
@@ -91,28 +117,54 @@ def reference_case(case, q, k, v, sinks):
                              sinks=sinks)
 
 
-@pytest.mark.parametrize("case_name", CASES)
-def test_matches_reference(case_name, isa):
+@functools.lru_cache(maxsize=None)
+def cached_reference(case_name, kv_name):
+  """The float64 reference of a case (computed once for all ISAs: the large ones take a while),
+  from k and v as the kernel sees them (a bf16 cache widened exactly)."""
   case = CASES[case_name]
-  q, k, v, sinks = make_inputs(case)
+  q, k, v, sinks = make_inputs(case, kv_dtype=KV_DTYPES[kv_name])
+  return reference_case(case, q, k, v, sinks)
+
+
+@pytest.mark.parametrize("kv_name", KV_DTYPES)
+@pytest.mark.parametrize("case_name", CASES)
+def test_matches_reference(case_name, kv_name, isa):
+  case = CASES[case_name]
+  q, k, v, sinks = make_inputs(case, kv_dtype=KV_DTYPES[kv_name])
   out = run_case(case, q, k, v, sinks)
   assert out.shape == q.shape and out.dtype == jnp.float32
-  tolerances.assert_close(out, reference_case(case, q, k, v, sinks), tolerances.F32)
+  tolerances.assert_close(out, cached_reference(case_name, kv_name), tolerances.F32)
 
 
-def test_threads_do_not_change_the_result(monkeypatch):
-  """The work split depends on the shapes only: one thread gives the same bits as all."""
-  case = CASES["long_window_sinks"]
+@pytest.mark.parametrize("case_name", [name for name, case in CASES.items() if case.q_scale == 1])
+def test_bf16_cache_close_to_f32_cache(case_name):
+  """Rounding the cache to bf16 moves the output by about bf16's precision, no more. (Not the
+  peaked cases: there a score's rounding error, times q_scale, moves the softmax's weights.)"""
+  case = CASES[case_name]
   q, k, v, sinks = make_inputs(case)
+  out_f32 = run_case(case, q, k, v, sinks)
+  out_bf16 = run_case(case, q, k.astype(BF16), v.astype(BF16), sinks)
+  tolerances.assert_close(out_bf16, out_f32, tolerances.BF16_KV_CACHE)
+
+
+@pytest.mark.parametrize("case_name", ["long_window_sinks", "chunk_511_fresh_gqa_r4",
+                                       "chunk_511_later_gqa_r8_window_sinks"])
+def test_threads_do_not_change_the_result(case_name, monkeypatch):
+  """The work split depends on the shapes only: one thread gives the same bits as all."""
+  case = CASES[case_name]
+  q, k, v, sinks = make_inputs(case, kv_dtype=BF16)
   all_threads = np.asarray(run_case(case, q, k, v, sinks))
   monkeypatch.setenv("FTJAX_NUM_THREADS", "1")
   np.testing.assert_array_equal(np.asarray(run_case(case, q, k, v, sinks)), all_threads)
 
 
-def test_rows_past_length_are_not_read():
+@pytest.mark.parametrize("kv_name", KV_DTYPES)
+@pytest.mark.parametrize("case_name", ["queries_5_gqa_r2", "chunk_15_later_gqa_r8",
+                                       "chunk_16_later_window"])
+def test_rows_past_length_are_not_read(case_name, kv_name, isa):
   """NaN past `length`: any read of those rows would spread into the output."""
-  case = CASES["queries_5_gqa_r2"]
-  q, k, v, _ = make_inputs(case, garbage=np.nan)
+  case = CASES[case_name]
+  q, k, v, _ = make_inputs(case, garbage=np.nan, kv_dtype=KV_DTYPES[kv_name])
   out = np.asarray(run_case(case, q, k, v, None))
   assert np.all(np.isfinite(out))
   tolerances.assert_close(out, reference_case(case, q, k, v, None), tolerances.F32)
@@ -253,16 +305,19 @@ PYTHON_ERRORS = {
   "q_not_4d": (dict(q=np.zeros((3, 4, 8), np.float32)), "q must be float32 [B, T, H, A]"),
   "q_dtype": (dict(q=np.zeros((2, 3, 4, 8), np.float64)), "q must be float32 [B, T, H, A]"),
   "k_wrong_width": (dict(k=np.zeros((2, 10, 2, 9), np.float32)),
-                    "k must be float32 [B, S, G, A] with B = 2 and A = 8 from q"),
+                    "k must be float32 or bfloat16 [B, S, G, A] with B = 2 and A = 8 from q"),
   "k_wrong_batch": (dict(k=np.zeros((1, 10, 2, 8), np.float32)),
-                    "k must be float32 [B, S, G, A] with B = 2 and A = 8 from q"),
-  "k_dtype": (dict(k=np.zeros((2, 10, 2, 8), jnp.bfloat16)),
-              "k must be float32 [B, S, G, A]"),
+                    "k must be float32 or bfloat16 [B, S, G, A] with B = 2 and A = 8 from q"),
+  "k_dtype": (dict(k=np.zeros((2, 10, 2, 8), np.float16)),
+              "k must be float32 or bfloat16 [B, S, G, A]"),
   "kv_heads_do_not_divide": (dict(k=np.zeros((2, 10, 3, 8), np.float32)),
                              "k's kv heads G = 3 must divide q's heads H = 4"),
-  "v_shape": (dict(v=np.zeros((2, 9, 2, 8), np.float32)),
-              "v must be float32 with k's shape (2, 10, 2, 8)"),
-  "v_dtype": (dict(v=np.zeros((2, 10, 2, 8), np.float16)), "v must be float32"),
+  "v_shape": (dict(v=np.zeros((2, 9, 2, 8), np.float32)), "v must have k's shape (2, 10, 2, 8)"),
+  "v_dtype": (dict(v=np.zeros((2, 10, 2, 8), np.float16)), "v must have k's dtype float32"),
+  "v_bf16_k_f32": (dict(v=np.zeros((2, 10, 2, 8), jnp.bfloat16)),
+                   "v must have k's dtype float32 (one cache dtype for both"),
+  "k_bf16_v_f32": (dict(k=np.zeros((2, 10, 2, 8), jnp.bfloat16)),
+                   "v must have k's dtype bfloat16 (one cache dtype for both"),
   "length_below_queries": (dict(length=np.int32(2)), "length must be in [T, S] = [3, 10], got 2"),
   "length_above_rows": (dict(length=11), "length must be in [T, S] = [3, 10], got 11"),
   "length_dtype": (dict(length=np.zeros((), np.int64)), "length must be an int32 scalar"),
@@ -299,12 +354,16 @@ KERNEL_ERRORS = {
                "q must be float32 [B, T, H, A], got shape [3, 4, 8]"),
   "q_dtype": (dict(q=np.zeros((2, 3, 4, 8), np.int32)), "q must be float32 [B, T, H, A]"),
   "k_wrong_width": (dict(k=np.zeros((2, 10, 2, 9), np.float32)),
-                    "k must be float32 [B, S, G, A] with B = 2 and A = 8 from q, got shape "
-                    "[2, 10, 2, 9]"),
+                    "k must be float32 or bfloat16 [B, S, G, A] with B = 2 and A = 8 from q, got "
+                    "shape [2, 10, 2, 9]"),
+  "k_dtype": (dict(k=np.zeros((2, 10, 2, 8), np.float16)),
+              "k must be float32 or bfloat16 [B, S, G, A]"),
   "kv_heads_do_not_divide": (dict(k=np.zeros((2, 10, 3, 8), np.float32)),
                              "k's kv heads G = 3 must divide q's heads H = 4"),
   "v_shape": (dict(v=np.zeros((2, 9, 2, 8), np.float32)),
-              "v must be float32 with k's shape [2, 10, 2, 8], got shape [2, 9, 2, 8]"),
+              "v must have k's dtype (float32) and shape [2, 10, 2, 8], got shape [2, 9, 2, 8]"),
+  "v_dtype_mixed": (dict(v=np.zeros((2, 10, 2, 8), jnp.bfloat16)),
+                    "v must have k's dtype (float32) and shape [2, 10, 2, 8]"),
   "length_dtype": (dict(length=np.float32(6)), "length must be an int32 scalar"),
   "length_below_queries": (dict(length=np.int32(2)),
                            "length must be in [T, S] = [3, 10], got 2"),

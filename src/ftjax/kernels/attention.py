@@ -1,4 +1,5 @@
-"""Host decode attention over a KV cache: the XLA FFI op `ftjax_attention` (xla_ffi/attention.cc).
+"""Host attention over a KV cache, for decode and prefill chunks: the XLA FFI op
+`ftjax_attention` (xla_ffi/attention.cc).
 
     out[b, t, h] = softmax_s(scale · q[b, t, h] · k[b, s, h // R] [, sinks[h]]) · v[b, s, h // R]
 
@@ -8,12 +9,16 @@ attends the rows up to its own (causal), with a sliding ``window`` only the last
 them; rows from ``length`` on are never read. ``sinks`` [H] are learned logits that join each
 head's softmax denominator but carry no value.
 
+The cache is float32 or bfloat16 (k and v alike, widened exactly in the kernel); queries, the
+softmax and the accumulation are float32.
+
 Why an op: inside the decode loop (a ``lax.while_loop``) XLA:CPU's einsum attention over the
 loop-carried cache copies and transposes all of K and V at every step. This op reads the cache
 in place in its own layout, so a cache updated by ``dynamic_update_slice`` of a donated buffer
-is neither copied nor transposed. Each K and V row is read once for all R heads of its group and
-all T queries; accumulation is float32 with an online softmax. Meant for decode and short query
-chunks: long chunks (prefill) work, but read the cache again for every 256 / H positions.
+is neither copied nor transposed; each K and V row is read once for all R heads of its group and
+all T queries, with an online softmax. Prefill chunks (T up to thousands) run as a blocked flash
+attention that skips the blocks masked for a whole tile of queries (the causal upper triangle,
+rows before the window): ~half of T x length for a causal chunk, ~T x window with a window.
 """
 
 from __future__ import annotations
@@ -24,14 +29,18 @@ import numpy as np
 
 from ftjax.kernels._registration import require, shape_and_dtype
 
+# The dtypes of the KV cache: k and v share one.
+KV_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
 
 def attention(q, k, v, length, *, scale, window=None, sinks=None):
   """Attention of T queries per sequence against the first ``length`` rows of a KV cache.
 
   Args:
     q: [B, T, H, A] float32 queries (rotary embedding applied, not scaled).
-    k: [B, S, G, A] float32 key cache, G dividing H; query head h uses kv head h // (H / G).
-    v: [B, S, G, A] float32 value cache.
+    k: [B, S, G, A] key cache, float32 or bfloat16 (read as is, widened exactly to float32 in
+      the kernel), G dividing H; query head h uses kv head h // (H / G).
+    v: [B, S, G, A] value cache, k's dtype.
     length: int32 scalar (array or Python int; may be traced): the number of valid cache rows,
       this step's T included, in [T, S]. A concrete value is checked here, a traced one by the
       kernel at run time.
@@ -40,7 +49,7 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
     sinks: None, or [H] float32 per-head sink logits.
 
   Returns:
-    out: [B, T, H, A] float32.
+    out: [B, T, H, A] float32 (float32 accumulation, also for a bfloat16 cache).
 
   Raises:
     ValueError: naming the argument whose shape, dtype or value is wrong.
@@ -53,15 +62,17 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
   if len(q_shape) != 4 or q_dtype != np.float32:
     raise ValueError(f"q must be float32 [B, T, H, A], got {q_dtype} of shape {q_shape}")
   B, T, H, A = q_shape
-  if len(k_shape) != 4 or k_dtype != np.float32 or k_shape[0] != B or k_shape[3] != A:
-    raise ValueError(f"k must be float32 [B, S, G, A] with B = {B} and A = {A} from q, got "
-                     f"{k_dtype} of shape {k_shape}")
+  if len(k_shape) != 4 or k_dtype not in KV_DTYPES or k_shape[0] != B or k_shape[3] != A:
+    raise ValueError(f"k must be float32 or bfloat16 [B, S, G, A] with B = {B} and A = {A} from "
+                     f"q, got {k_dtype} of shape {k_shape}")
   S, G = k_shape[1], k_shape[2]
   if G == 0 or H % G != 0:
     raise ValueError(f"k's kv heads G = {G} must divide q's heads H = {H}")
-  if v_shape != k_shape or v_dtype != np.float32:
-    raise ValueError(f"v must be float32 with k's shape {k_shape}, got {v_dtype} of shape "
-                     f"{v_shape}")
+  if v_shape != k_shape:
+    raise ValueError(f"v must have k's shape {k_shape}, got {v_dtype} of shape {v_shape}")
+  if v_dtype != k_dtype:
+    raise ValueError(f"v must have k's dtype {k_dtype} (one cache dtype for both: cast one, e.g. "
+                     f"v.astype(k.dtype)), got {v_dtype}")
   length = _checked_length(length, T, S)
   if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
     raise ValueError(f"scale must be a Python or numpy number, got {scale!r}")
