@@ -235,10 +235,12 @@ class Attention(nnx.Module):
                *, kernels: str = "xla", fresh: bool = False) -> tuple[KVCache, jax.Array]:
     """x [B, T, D]; writes the T new keys/values at cache rows [length, length + T).
 
-    ``fresh`` (static) promises ``length == 0``: the queries then attend to this chunk's
-    keys only, not to the whole (empty) cache, which saves most of a long prefill's work.
-    Otherwise, with the FFI kernels, the host attention op reads the cache in place (in the
-    decode loop, XLA's einsums would copy and transpose the whole cache at every step).
+    With the FFI kernels the host attention op (``ftjax.kernels.attention``, blocked flash
+    form) reads the cache in place: in the decode loop XLA's einsums would copy and transpose
+    the whole cache at every step, and a prefill chunk never holds its T x S scores. On the
+    XLA path ``fresh`` (static) promises ``length == 0``: the queries then attend to this
+    chunk's keys only (T x T scores), not to the whole (empty) cache; a later chunk walks
+    the cache in blocks (``blocked_attention``).
     """
     _, t, _ = x.shape
     q, k, v = self._project(x, kernels)
@@ -253,7 +255,7 @@ class Attention(nnx.Module):
     cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, start),
                     v=jax.lax.dynamic_update_slice(cache.v, v, start))
     sinks = _f32(self.sinks_h) if self.sinks else None
-    if not fresh and kernels in ("ffi", "ffi_bf16"):
+    if kernels in ("ffi", "ffi_bf16"):  # fresh or not: no T x S scores in memory
       out = attention(q, cache.k, cache.v, length + t,
                       scale=self.head_dim ** -0.5, window=self.window, sinks=sinks)
     # XLA (float32 einsums; keys and values widened from the cache's dtype).
