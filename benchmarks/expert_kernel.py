@@ -12,6 +12,9 @@ a copy, and pre-faulted (read twice) before any timing. Each round measures, one
              32 MiB L3; with ftjax's own pool and with XLA's intra-op pool
   gemv       ftjax.kernels.dense, x [1, 2048] @ lm_head [151936, 2048].T; both pools
   prefill    ftjax.kernels.expert_ffn at T = 512, top-8 over 128 experts (grouped form)
+  dense      ftjax.kernels.dense at T = 512 against a [4096, 2048] bf16 weight (the prefill GEMM
+             of a q projection), and the same x @ w.T as an XLA:CPU einsum (bf16 operands,
+             float32 accumulation) as its peer, every round
   peak       ftjax.kernels.peak_probe, a register-only vdpbf16ps loop on all threads
 
 GB/s = weight bytes read / seconds (1 GB = 1e9 bytes). Every ratio is taken within one round and
@@ -117,6 +120,7 @@ def main(argv=None):
   decode_bytes = TOP_K * expert_bytes
   head_bytes = VOCAB * D * 2
   prefill_flops = 2 * 3 * F * D * PREFILL_TOKENS * TOP_K
+  dense_flops = 2 * PREFILL_TOKENS * 2 * D * D
 
   with tempfile.TemporaryDirectory(prefix="ftjax_bench_") as directory:
     t0 = time.perf_counter()
@@ -127,6 +131,7 @@ def main(argv=None):
     read_probe = jax.jit(kernels.read_probe)
     expert = jax.jit(kernels.expert_ffn, static_argnames=("ffn_dim", "bf16_activations"))
     dense = jax.jit(kernels.dense)
+    dense_prefill = jax.jit(kernels.dense, static_argnames=("bf16_activations",))
 
     @jax.jit
     def jnp_expert(x, ids, w, bank, layer):  # the same math in plain jnp, for XLA:CPU
@@ -228,6 +233,14 @@ def main(argv=None):
       return expert(xp, prefill_ids, prefill_w, bank, jnp.int32(i % LAYERS), ffn_dim=F,
                     bf16_activations=fast)
 
+    xd = jnp.asarray(rng.standard_normal((PREFILL_TOKENS, D), dtype=np.float32))
+
+    def run_dense_prefill(i, fast=False):
+      return dense_prefill(xd, q_w, bf16_activations=fast)
+
+    def run_jnp_dense_prefill(i):
+      return jnp_gemv(xd, q_w)
+
     def run_peak(i):
       return kernels.peak_probe(tasks=4 * info["ftjax_kernels"]["threads"], iterations=2_000_000)
 
@@ -243,15 +256,17 @@ def main(argv=None):
       jax.block_until_ready((read_probe(bank), read_probe(head)))
     for pool in ("own", "xla"):
       set_pool(pool)
-      for fn in (run_decode, run_gemv, run_prefill, run_o_proj, run_router, run_interleaved):
+      for fn in (run_decode, run_gemv, run_prefill, run_dense_prefill, run_o_proj, run_router,
+                 run_interleaved):
         timed(fn, 2)
-        timed(functools.partial(fn, fast=True) if fn in (run_decode, run_gemv, run_prefill)
-              else fn, 2)
+        timed(functools.partial(fn, fast=True)
+              if fn in (run_decode, run_gemv, run_prefill, run_dense_prefill) else fn, 2)
     set_pool("xla")
     peak_result = np.asarray(run_peak(0))
     peak_flops = float(peak_result[1])
     timed(run_jnp_decode, 1)
     timed(run_jnp_gemv, 1)
+    timed(run_jnp_dense_prefill, 1)
 
     rounds = []
     for r in range(args.rounds):
@@ -296,6 +311,9 @@ def main(argv=None):
       m["interleaved_own_over_xla"] = m["interleaved_xla_ms"] / m["interleaved_own_ms"]
       m["prefill_s"] = median_of(run_prefill, 1, 2)
       m["prefill_fast_s"] = median_of(functools.partial(run_prefill, fast=True), 1, 2)
+      m["dense_prefill_s"] = median_of(run_dense_prefill, 2, 2)
+      m["dense_prefill_fast_s"] = median_of(functools.partial(run_dense_prefill, fast=True), 2, 2)
+      m["jnp_dense_prefill_s"] = median_of(run_jnp_dense_prefill, 2, 2)
       m["peak_s"] = timed(run_peak, 1)
       if r < args.peer_rounds:
         m["jnp_decode_s"] = timed(run_jnp_decode, 4)
@@ -307,6 +325,9 @@ def main(argv=None):
       m["prefill_fast_tokens_per_s"] = PREFILL_TOKENS / m["prefill_fast_s"]
       m["prefill_fast_GFLOPps"] = prefill_flops / m["prefill_fast_s"] / 1e9
       m["prefill_fast_over_peak"] = m["prefill_fast_GFLOPps"] / m["peak_GFLOPps"]
+      for key in ("dense_prefill", "dense_prefill_fast", "jnp_dense_prefill"):
+        m[f"{key}_GFLOPps"] = dense_flops / m[f"{key}_s"] / 1e9
+      m["dense_prefill_over_jnp"] = m["jnp_dense_prefill_s"] / m["dense_prefill_s"]
       if "jnp_decode_s" in m:
         m["jnp_decode_GBps"] = decode_bytes / m["jnp_decode_s"] / 1e9
         m["jnp_gemv_GBps"] = head_bytes / m["jnp_gemv_s"] / 1e9
@@ -326,7 +347,9 @@ def main(argv=None):
         f"prefill {m['prefill_tokens_per_s']:5.0f} tok/s {m['prefill_GFLOPps']:4.0f} GFLOP/s "
         f"({m['prefill_over_peak']:.2f}), fast {m['prefill_fast_tokens_per_s']:5.0f} tok/s "
         f"{m['prefill_fast_GFLOPps']:4.0f} GFLOP/s ({m['prefill_fast_over_peak']:.2f}) of peak "
-        f"{m['peak_GFLOPps']:.0f}"
+        f"{m['peak_GFLOPps']:.0f} | dense T={PREFILL_TOKENS} {m['dense_prefill_GFLOPps']:4.0f} "
+        f"GFLOP/s, fast {m['dense_prefill_fast_GFLOPps']:4.0f}, XLA einsum "
+        f"{m['jnp_dense_prefill_GFLOPps']:4.0f}"
         + (f" | jnp decode {m['jnp_decode_s'] * 1e3:.1f} ms, gemv {m['jnp_gemv_s'] * 1e3:.1f} ms"
            if "jnp_decode_s" in m else ""),
         flush=True,
@@ -380,6 +403,10 @@ def main(argv=None):
     "prefill_bf16_activations_tokens_per_s": medians["prefill_fast_tokens_per_s"],
     "prefill_bf16_activations_GFLOPps": medians["prefill_fast_GFLOPps"],
     "prefill_bf16_activations_ratio_to_peak": medians["prefill_fast_over_peak"],
+    "dense_prefill_GFLOPps": medians["dense_prefill_GFLOPps"],
+    "dense_prefill_bf16_activations_GFLOPps": medians["dense_prefill_fast_GFLOPps"],
+    "jnp_dense_prefill_GFLOPps": medians["jnp_dense_prefill_GFLOPps"],
+    "dense_prefill_speedup_over_jnp": medians["dense_prefill_over_jnp"],
     "peak_bf16_GFLOPps": medians["peak_GFLOPps"],
     "jnp_decode_ms": medians.get("jnp_decode_s", float("nan")) * 1e3,
     "decode_speedup_over_jnp": medians.get("decode_speedup_over_jnp"),
@@ -401,9 +428,10 @@ def main(argv=None):
     "load_average_before": load_before,
     "load_average_after": os.getloadavg(),
     "shapes": {"D": D, "F": F, "top_k": TOP_K, "experts": EXPERTS, "layers": LAYERS,
-               "vocab": VOCAB, "prefill_tokens": PREFILL_TOKENS, "dtype": "bfloat16"},
+               "vocab": VOCAB, "prefill_tokens": PREFILL_TOKENS, "dtype": "bfloat16",
+               "dense_prefill_weight": [2 * D, D]},
     "bytes": {"decode_call": decode_bytes, "gemv_call": head_bytes, "bank": LAYERS * EXPERTS *
-              expert_bytes, "prefill_flops": prefill_flops},
+              expert_bytes, "prefill_flops": prefill_flops, "dense_prefill_flops": dense_flops},
     "zero_copy_mapping": zero_copy,
     "summary_medians": summary,
     "rounds": rounds,

@@ -110,12 +110,20 @@ struct KernelTable {
   // bf16 weights x bf16 activations (vdpbf16ps); null unless the ISA has AVX-512-BF16. When it is
   // set, ops round float32 activations to bf16 once and use it for bf16 weights.
   DotBf16Bf16Fn dot_bf16_bf16;
-  // Packed-activation GEMMs, faster than the dot kernels from ~17 tokens per weight row on; null
-  // where the ISA lacks them. bf16 x bf16 pairs (vdpbf16ps) needs AVX-512-BF16; bf16 weights
-  // widened to float32 and float32 weights, both against float32 activations (FMA), AVX-512.
+  // Packed-activation GEMMs, faster than the dot kernels above packed_min_tokens tokens per
+  // weight row; null where the ISA lacks them. bf16 x bf16 pairs (vdpbf16ps) needs AVX-512-BF16;
+  // bf16 weights widened to float32 and float32 weights, both against float32 activations (FMA),
+  // AVX2 and AVX-512.
   void (*packed_dot_bf16)(const PackedDotProblem<Bf16Bits, Bf16Bits>&);
   void (*packed_dot_bf16_f32)(const PackedDotProblem<Bf16Bits, float>&);
   void (*packed_dot_f32)(const PackedDotProblem<float, float>&);
+  // Ops use the packed GEMMs for a weight multiplied with more than this many tokens (the dot
+  // kernels below), measured per ISA on one core of the Zen 4 VM, [1024, 2048] weights, packing
+  // included. AVX-512: the packed GEMM wins from 12-16 tokens with float32 weights and from ~24
+  // with bf16 weights widened (16 kept). AVX2: bf16 weights 1.2-1.3x faster packed at 8-12
+  // tokens, 1.8x at 16; float32 weights lose ~8% at 12 tokens and win from 16 on (8 chosen, bf16
+  // being what ftjax serves).
+  int64_t packed_min_tokens;
   // bf16 weights widened to float32, float32 activations, float32 FMA.
   DotBf16F32Fn dot_bf16_f32;
   // float32 weights and activations, float32 FMA.

@@ -98,6 +98,100 @@ void DotBf16F32Avx2(const DotProblem<Bf16Bits, float>& p) {
 }
 void DotF32F32Avx2(const DotProblem<float, float>& p) { cpu_kernels_impl::Dot<F32F32Ops256>(p); }
 
+// Weight i of a row, in all 8 lanes as float32. bf16: the 32 bits at p (weights i and i + 1) are
+// broadcast and shifted left by 16, which leaves weight i widened; so p[1] must exist (the last
+// weight of a row goes through LastWeight256).
+inline __m256 Weight256(const float* p) { return _mm256_broadcast_ss(p); }
+inline __m256 Weight256(const Bf16Bits* p) {
+  int32_t pair;
+  __builtin_memcpy(&pair, p, sizeof(pair));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi32(pair), 16));
+}
+inline __m256 LastWeight256(const float* p) { return _mm256_broadcast_ss(p); }
+inline __m256 LastWeight256(const Bf16Bits* p) {
+  return _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(uint32_t{*p} << 16)));
+}
+
+// The packed-activation GEMM (cpu_kernels.h) against float32 activations, float32 FMA, in 256-bit
+// vectors: a group of 16 tokens is two vectors, each multiply-add takes one broadcast weight and
+// 8 tokens. kRows weight rows x kGroups (0 or 1) groups, plus with kHalf the first 8 tokens of one
+// more group: 6 rows x 1 group is 12 accumulators, 2 activation vectors and the broadcast weight,
+// 15 of the 16 registers, and 12 independent FMA chains hide the FMA latency (4-5 cycles at 2 per
+// cycle). Plain loops over constant bounds (no lambdas), so that the compiler keeps the
+// accumulators in registers: with them captured by a lambda, GCC 12 stored all 12 to the stack
+// on every input and the kernel ran at 2/3 of this speed.
+template <typename WeightT, int kRows, int kGroups, bool kHalf>
+inline void PackedMicroKernel256(const WeightT* w, int64_t w_stride, const float* packed,
+                                 int64_t n, float* ct, int64_t c_stride) {
+  constexpr int kVectors = 2 * kGroups + (kHalf ? 1 : 0);  // 8-token vectors per row
+  __m256 acc[kRows][kVectors];
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  const int64_t last = n - 1;  // input n - 1 is read by LastWeight256
+  for (int64_t i = 0; i < last; ++i) {
+    __m256 x[kVectors];
+    for (int v = 0; v < kVectors; ++v) x[v] = _mm256_loadu_ps(packed + i * 16 + 8 * v);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 w_r = Weight256(w + r * w_stride + i);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm256_fmadd_ps(w_r, x[v], acc[r][v]);
+    }
+  }
+  if (last >= 0) {
+    __m256 x[kVectors];
+    for (int v = 0; v < kVectors; ++v) x[v] = _mm256_loadu_ps(packed + last * 16 + 8 * v);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 w_r = LastWeight256(w + r * w_stride + last);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm256_fmadd_ps(w_r, x[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(ct + r * c_stride + 8 * v, acc[r][v]);
+  }
+}
+
+// Rows of w per micro-kernel call of the packed GEMM.
+constexpr int kPackedRows256 = 6;
+
+// PackedMicroKernel256 for `rows` <= kPackedRows256 rows.
+template <typename WeightT, int kGroups, bool kHalf>
+inline void PackedRows256(int64_t rows, const WeightT* w, int64_t w_stride, const float* packed,
+                          int64_t n, float* ct, int64_t c_stride) {
+  switch (rows) {
+    case 6: PackedMicroKernel256<WeightT, 6, kGroups, kHalf>(w, w_stride, packed, n, ct, c_stride); break;
+    case 5: PackedMicroKernel256<WeightT, 5, kGroups, kHalf>(w, w_stride, packed, n, ct, c_stride); break;
+    case 4: PackedMicroKernel256<WeightT, 4, kGroups, kHalf>(w, w_stride, packed, n, ct, c_stride); break;
+    case 3: PackedMicroKernel256<WeightT, 3, kGroups, kHalf>(w, w_stride, packed, n, ct, c_stride); break;
+    case 2: PackedMicroKernel256<WeightT, 2, kGroups, kHalf>(w, w_stride, packed, n, ct, c_stride); break;
+    default: PackedMicroKernel256<WeightT, 1, kGroups, kHalf>(w, w_stride, packed, n, ct, c_stride); break;
+  }
+}
+
+// Runs the packed GEMM with PackedMicroKernel256: weight rows in blocks of kPackedRows256; for each
+// block the groups go past one at a time (the block's rows stay in L1 after the first), then the
+// half group, if any, as its own pass.
+template <typename WeightT>
+void PackedDot256(const PackedDotProblem<WeightT, float>& p) {
+  const int64_t group_stride = PackedGroupElements<float>(p.n);
+  const int64_t full_groups = p.groups - (p.half_last_group ? 1 : 0);
+  for (int64_t r = 0; r < p.rows; r += kPackedRows256) {
+    const int64_t rows = p.rows - r < kPackedRows256 ? p.rows - r : kPackedRows256;
+    const WeightT* w = p.w + r * p.w_stride;
+    float* ct = p.ct + r * p.c_stride;
+    for (int64_t g = 0; g < full_groups; ++g) {
+      PackedRows256<WeightT, 1, false>(rows, w, p.w_stride, p.packed + g * group_stride, p.n,
+                                       ct + 16 * g, p.c_stride);
+    }
+    if (p.half_last_group) {
+      PackedRows256<WeightT, 0, true>(rows, w, p.w_stride, p.packed + full_groups * group_stride,
+                                      p.n, ct + 16 * full_groups, p.c_stride);
+    }
+  }
+}
+
+void PackedDotBf16F32Avx2(const PackedDotProblem<Bf16Bits, float>& p) { PackedDot256(p); }
+void PackedDotF32Avx2(const PackedDotProblem<float, float>& p) { PackedDot256(p); }
+
 void RoundToBf16Avx2(const float* in, Bf16Bits* out, int64_t n) {
   cpu_kernels_impl::RoundToBf16Loop(in, out, n);
 }
@@ -135,20 +229,36 @@ void SiluMulAvx2(const float* gate, const float* up, float* h, int64_t n) {
 
 void WeightedRowSumAvx2(const RowSumProblem& p) { cpu_kernels_impl::WeightedRowSumLoop(p); }
 
+// The read probe's loop (read_probe.cc), written to read as fast as the kernels can: 8 independent
+// 32-byte loads per round (256 bytes, as many as the AVX-512 form's 4 x 64), and the same software
+// prefetch as the one-token dot kernels (cpu_kernels_impl.h: prefetcht1 kPrefetchBytes ahead,
+// never past the end). Earlier, with 4 loads per round and no prefetch, the AVX2 kernels measured
+// 1.04-1.07 of this probe on a Xeon VM (whose hardware prefetcher alone does not reach the read
+// bandwidth), so it was no ceiling. On the 2-core Zen 4 VM, 4 or 8 loads, with or without the
+// prefetch, measured within the noise of each other (2 threads, 512 MiB, 40 alternating rounds).
 uint32_t XorWordsAvx2(const void* data, int64_t n_words) {
   const unsigned char* bytes = static_cast<const unsigned char*>(data);
-  __m256i x0 = _mm256_setzero_si256(), x1 = x0, x2 = x0, x3 = x0;
+  constexpr int kChains = 8;
+  constexpr int64_t kRoundBytes = kChains * 32;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes + 4 * n_words);
+  __m256i x[kChains];
+  for (int j = 0; j < kChains; ++j) x[j] = _mm256_setzero_si256();
   int64_t i = 0;
-  for (; i + 32 <= n_words; i += 32) {  // 128 bytes per round, 4 independent chains
-    const __m256i* p = reinterpret_cast<const __m256i*>(bytes + 4 * i);
-    x0 = _mm256_xor_si256(x0, _mm256_loadu_si256(p));
-    x1 = _mm256_xor_si256(x1, _mm256_loadu_si256(p + 1));
-    x2 = _mm256_xor_si256(x2, _mm256_loadu_si256(p + 2));
-    x3 = _mm256_xor_si256(x3, _mm256_loadu_si256(p + 3));
+  for (; i + kRoundBytes / 4 <= n_words; i += kRoundBytes / 4) {
+    const unsigned char* p = bytes + 4 * i;
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(p) + cpu_kernels_impl::kPrefetchBytes;
+    if (ahead + kRoundBytes <= end) {
+      for (int64_t b = 0; b < kRoundBytes; b += cpu_kernels_impl::kCacheLine) {
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead + b), 0, 2);
+      }
+    }
+    for (int j = 0; j < kChains; ++j) {
+      x[j] = _mm256_xor_si256(x[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + j));
+    }
   }
-  const __m256i x = _mm256_xor_si256(_mm256_xor_si256(x0, x1), _mm256_xor_si256(x2, x3));
+  for (int j = 1; j < kChains; ++j) x[0] = _mm256_xor_si256(x[0], x[j]);
   alignas(32) uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), x);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), x[0]);
   uint32_t result = cpu_kernels_impl::XorWordsLoop(bytes + 4 * i, n_words - i);
   for (int j = 0; j < 8; ++j) result ^= lanes[j];
   return result;
@@ -172,8 +282,9 @@ const KernelTable kAvx2Table = {
     /*name=*/"avx2",
     /*dot_bf16_bf16=*/nullptr,
     /*packed_dot_bf16=*/nullptr,
-    /*packed_dot_bf16_f32=*/nullptr,
-    /*packed_dot_f32=*/nullptr,
+    /*packed_dot_bf16_f32=*/PackedDotBf16F32Avx2,
+    /*packed_dot_f32=*/PackedDotF32Avx2,
+    /*packed_min_tokens=*/8,
     /*dot_bf16_f32=*/DotBf16F32Avx2,
     /*dot_f32_f32=*/DotF32F32Avx2,
     /*round_to_bf16=*/RoundToBf16Avx2,

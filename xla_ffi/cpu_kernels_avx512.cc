@@ -22,6 +22,7 @@ const KernelTable kAvx512Table = {
     /*packed_dot_bf16=*/nullptr,
     /*packed_dot_bf16_f32=*/PackedDotBf16F32Avx512,
     /*packed_dot_f32=*/PackedDotF32Avx512,
+    /*packed_min_tokens=*/kPackedGroup,
     /*dot_bf16_f32=*/DotBf16F32Avx512,
     /*dot_f32_f32=*/DotF32F32Avx512,
     /*round_to_bf16=*/RoundToBf16Avx512,

@@ -109,6 +109,7 @@ const KernelTable kScalarTable = {
     /*packed_dot_bf16=*/nullptr,
     /*packed_dot_bf16_f32=*/nullptr,
     /*packed_dot_f32=*/nullptr,
+    /*packed_min_tokens=*/0,
     /*dot_bf16_f32=*/DotBf16F32,
     /*dot_f32_f32=*/DotF32F32,
     /*round_to_bf16=*/RoundToBf16,

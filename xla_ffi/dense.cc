@@ -13,8 +13,12 @@
 //
 // Work split: one task per tile of kRowTile rows of w (N split across the threads); a task runs
 // all tokens against its rows in tiles of kTokenTile tokens, so its weight rows (kRowTile * K
-// elements, 256 KiB for K = 2048 bf16) stay in L2 while the tokens go past, and inside the dot
-// kernel 4 rows at a time stay in L1. Each weight element is read from memory once.
+// elements, 256 KiB for K = 2048 bf16) stay in L2 while the tokens go past. Each weight element
+// is read from memory once. Up to KernelTable::packed_min_tokens tokens the tiles run the dot
+// kernels (4 rows at a time stay in L1; T = 1 is one sequential stream); above it, where the ISA
+// has one (AVX2, AVX-512), the packed-activation GEMM (cpu_kernels.h) on x packed once per call
+// in groups of 16 tokens. Scratch (packed x, row pointers, bf16-rounded x, output tiles) comes
+// from one grow-only buffer reused across calls (packing.h).
 // Accumulation is float32. bf16 weights are widened to float32 in registers (float32 FMA, exact
 // products). With the attribute bf16_activations and an AVX-512-BF16 CPU, x is rounded to bf16
 // once and multiplied with vdpbf16ps instead: twice the multiply-add rate for the compute-bound
@@ -25,10 +29,10 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <vector>
 
 #include "cpu_kernels.h"
 #include "ffi_util.h"
+#include "packing.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,6 +45,7 @@ namespace {
 // Kernel (no XLA types).
 
 constexpr int64_t kTokenTile = 64;
+constexpr int64_t kGroupsPerTile = kTokenTile / kPackedGroup;
 
 // Rows of w per task: about 256 KiB of weights, a multiple of 8 rows, at least 8.
 int64_t RowTile(int64_t k, int64_t weight_bytes) {
@@ -48,11 +53,12 @@ int64_t RowTile(int64_t k, int64_t weight_bytes) {
   return std::max<int64_t>(8, rows / 8 * 8);
 }
 
+// The dot-product kernels (decode, and prefill at or below KernelTable::packed_min_tokens tokens
+// or where the ISA has no packed GEMM). x_rows: the scratch for `tokens` row pointers.
 template <typename WeightT, typename ActivationT>
 void RunDense(int64_t tokens, int64_t n_out, int64_t k, const ActivationT* x_tk,
               const WeightT* w_nk, void (*dot)(const DotProblem<WeightT, ActivationT>&),
-              const Workers& workers, float* y_tn) {
-  std::vector<const ActivationT*> x_rows(tokens);
+              const Workers& workers, const ActivationT** x_rows, float* y_tn) {
   for (int64_t t = 0; t < tokens; ++t) x_rows[t] = x_tk + t * k;
   const int64_t row_tile = RowTile(k, sizeof(WeightT));
   workers.ParallelFor(CeilDiv(n_out, row_tile), [&](int64_t task, int /*worker*/) {
@@ -60,9 +66,89 @@ void RunDense(int64_t tokens, int64_t n_out, int64_t k, const ActivationT* x_tk,
     const int64_t rows = std::min(row_tile, n_out - n0);
     for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
       const int64_t tile = std::min(kTokenTile, tokens - t0);
-      dot({w_nk + n0 * k, k, rows, x_rows.data() + t0, tile, k, y_tn + t0 * n_out + n0, n_out});
+      dot({w_nk + n0 * k, k, rows, x_rows + t0, tile, k, y_tn + t0 * n_out + n0, n_out});
     }
   });
+}
+
+// The scratch regions of the packed path.
+struct PackedScratch {
+  int64_t x_rows;  // [T] row pointers
+  int64_t packed;  // ceil(T / 16) groups of x, packed (cpu_kernels.h)
+  int64_t ct;      // per worker: [row tile, kTokenTile], the transposed output of one tile
+};
+
+// The packed-activation GEMM (prefill above KernelTable::packed_min_tokens tokens): x is packed once, in groups
+// of 16 tokens (split across the workers by group); then each task takes a tile of rows of w, as
+// RunDense does, and runs all token tiles against it, so each weight row is read from memory
+// once. The packed GEMM writes the tile transposed (ct[row][token]); the task copies it into y.
+// Every element of y is computed by one call in one order, whatever the number of threads.
+template <typename WeightT, typename PackedT>
+void RunDensePacked(int64_t tokens, int64_t n_out, int64_t k, const PackedT* x_tk,
+                    const WeightT* w_nk,
+                    void (*packed_dot)(const PackedDotProblem<WeightT, PackedT>&),
+                    const Workers& workers, unsigned char* scratch, const PackedScratch& at,
+                    float* y_tn) {
+  const PackedT** x_rows = At<const PackedT*>(scratch, at.x_rows);
+  PackedT* packed = At<PackedT>(scratch, at.packed);
+  for (int64_t t = 0; t < tokens; ++t) x_rows[t] = x_tk + t * k;
+  const int64_t groups = CeilDiv(tokens, kPackedGroup);
+  const int64_t group_elements = PackedGroupElements<PackedT>(k);
+  workers.ParallelFor(groups, [&](int64_t g, int /*worker*/) {
+    PackRows(x_rows + g * kPackedGroup, std::min(kPackedGroup, tokens - g * kPackedGroup), 1, k,
+             packed + g * group_elements);
+  });
+  const int64_t row_tile = RowTile(k, sizeof(WeightT));
+  workers.ParallelFor(CeilDiv(n_out, row_tile), [&](int64_t task, int worker) {
+    const int64_t n0 = task * row_tile;
+    const int64_t rows = std::min(row_tile, n_out - n0);
+    float* ct = At<float>(scratch, at.ct) + worker * row_tile * kTokenTile;
+    for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerTile) {
+      const int64_t tile_groups = std::min(kGroupsPerTile, groups - g0);
+      const int64_t t0 = g0 * kPackedGroup;
+      const int64_t tile = std::min(tile_groups * kPackedGroup, tokens - t0);
+      const bool half = tile - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+      packed_dot({w_nk + n0 * k, k, rows, packed + g0 * group_elements, tile_groups, half, k, ct,
+                  kTokenTile});
+      for (int64_t t = 0; t < tile; ++t) {
+        float* y = y_tn + (t0 + t) * n_out + n0;
+        for (int64_t r = 0; r < rows; ++r) y[r] = ct[r * kTokenTile + t];
+      }
+    }
+  });
+}
+
+template <typename WeightT, typename ActivationT>
+void DenseWith(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const WeightT* w_nk,
+               void (*dot)(const DotProblem<WeightT, ActivationT>&), const KernelTable& kernels,
+               const Workers& workers, float* y_tn) {
+  constexpr bool kRound = std::is_same_v<ActivationT, Bf16Bits>;  // x rounded to bf16 first
+  const auto packed_dot = PackedDotFor<WeightT, ActivationT>(kernels);
+  const bool use_packed = packed_dot != nullptr && tokens > kernels.packed_min_tokens;
+  // The plan: every scratch region of this call, from one reused buffer (packing.h).
+  ScratchPlan plan;
+  const int64_t rounded = kRound ? plan.Add<Bf16Bits>(tokens * k) : 0;
+  PackedScratch at{};
+  at.x_rows = plan.Add<const ActivationT*>(tokens);
+  if (use_packed) {
+    at.packed = plan.Add<ActivationT>(CeilDiv(tokens, kPackedGroup) *
+                                      PackedGroupElements<ActivationT>(k));
+    at.ct = plan.Add<float>(workers.num_workers() * RowTile(k, sizeof(WeightT)) * kTokenTile);
+  }
+  unsigned char* scratch = Scratch(plan);
+  const ActivationT* x;
+  if constexpr (kRound) {
+    kernels.round_to_bf16(x_tk, At<Bf16Bits>(scratch, rounded), tokens * k);
+    x = At<Bf16Bits>(scratch, rounded);
+  } else {
+    x = x_tk;
+  }
+  if (use_packed) {
+    RunDensePacked(tokens, n_out, k, x, w_nk, packed_dot, workers, scratch, at, y_tn);
+  } else {
+    RunDense(tokens, n_out, k, x, w_nk, dot, workers, At<const ActivationT*>(scratch, at.x_rows),
+             y_tn);
+  }
 }
 
 template <typename WeightT>
@@ -75,14 +161,15 @@ void Dense(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const We
   }
   if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
     if (bf16_activations && kernels.dot_bf16_bf16 != nullptr) {
-      std::vector<Bf16Bits> x_bf16(tokens * k);
-      kernels.round_to_bf16(x_tk, x_bf16.data(), tokens * k);
-      RunDense(tokens, n_out, k, x_bf16.data(), w_nk, kernels.dot_bf16_bf16, workers, y_tn);
+      DenseWith<Bf16Bits, Bf16Bits>(tokens, n_out, k, x_tk, w_nk, kernels.dot_bf16_bf16, kernels,
+                                    workers, y_tn);
     } else {
-      RunDense(tokens, n_out, k, x_tk, w_nk, kernels.dot_bf16_f32, workers, y_tn);
+      DenseWith<Bf16Bits, float>(tokens, n_out, k, x_tk, w_nk, kernels.dot_bf16_f32, kernels,
+                                 workers, y_tn);
     }
   } else {
-    RunDense(tokens, n_out, k, x_tk, w_nk, kernels.dot_f32_f32, workers, y_tn);
+    DenseWith<float, float>(tokens, n_out, k, x_tk, w_nk, kernels.dot_f32_f32, kernels, workers,
+                            y_tn);
   }
 }
 

@@ -21,8 +21,9 @@
 //                     are skipped; each expert runs as a blocked GEMM over its routes, in tiles
 //                     of kTokenTile routes.
 // Both run the same parallel phases, each expert's rows split across the threads:
-//   0. (grouped, AVX-512) pack the x rows of every expert with more than 16 routes for the
-//      packed-activation GEMM (cpu_kernels.h): broadcast weights times 16 routes per vector, no
+//   0. (grouped, AVX2 and AVX-512) pack the x rows of every expert with more than
+//      KernelTable::packed_min_tokens routes (8 on AVX2, 16 on AVX-512) for the packed-activation
+//      GEMM (cpu_kernels.h): broadcast weights times 16 routes per vector, no
 //      horizontal sums; experts with fewer routes, and other ISAs, use the dot-product kernels;
 //   1. gate/up: task (expert, chunk of kFfnChunk rows of F): h[route, f] = silu(g) * u for all
 //      of the expert's routes, g and u from one pass over those gate and up rows;
@@ -31,7 +32,8 @@
 //               add into the same element and the sum order does not depend on the threads.
 // A T = 1 call reads each weight row once, as one sequential stream (cpu_kernels_impl.h), and
 // runs at the host's read bandwidth (benchmarks/README.md).
-// All scratch is planned and allocated before phase 0. Accumulation is float32. bf16 weights are
+// All scratch is planned before phase 0 and taken from one grow-only buffer reused across calls
+// (packing.h). Accumulation is float32. bf16 weights are
 // widened to float32 in registers and multiplied with float32 FMA (exact products: relative error
 // ~1e-6). With the attribute bf16_activations and an AVX-512-BF16 CPU, x and h are rounded to
 // bf16 instead and multiplied with vdpbf16ps: twice the multiply-add rate, which the compute-bound
@@ -50,6 +52,7 @@
 #include "cpu_kernels.h"
 #include "expert_ffn.h"
 #include "ffi_util.h"
+#include "packing.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -146,28 +149,6 @@ ExpertGroups GroupByCounting(const ExpertFfnDims& dims, const int32_t* ids_tk,
   return groups;
 }
 
-// Packs `count` rows of n activations into `groups` groups of 16 (layouts in cpu_kernels.h),
-// zero past the last row (and past n, bf16 pairs).
-template <typename PackedT>
-void PackRows(const PackedT* const* rows, int64_t count, int64_t groups, int64_t n,
-              PackedT* packed) {
-  for (int64_t g = 0; g < groups; ++g) {
-    PackedT* out = packed + g * PackedGroupElements<PackedT>(n);
-    for (int64_t j = 0; j < kPackedGroup; ++j) {
-      const int64_t row = g * kPackedGroup + j;
-      const PackedT* x = row < count ? rows[row] : nullptr;
-      if constexpr (std::is_same_v<PackedT, Bf16Bits>) {
-        for (int64_t p = 0; p < (n + 1) / 2; ++p) {
-          out[p * 2 * kPackedGroup + 2 * j] = x != nullptr ? x[2 * p] : 0;
-          out[p * 2 * kPackedGroup + 2 * j + 1] = x != nullptr && 2 * p + 1 < n ? x[2 * p + 1] : 0;
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) out[i * kPackedGroup + j] = x != nullptr ? x[i] : 0.0f;
-      }
-    }
-  }
-}
-
 // Stores rows f0 .. f0 + rows of a transposed tile h_ft[f][t] (t < 16 * tile_groups, row stride
 // `stride`) into the packed h of one expert (groups of 16 routes over F inputs), starting at
 // group g0. Routes at or past `real` are padding and stored as zero (and so is input F when F
@@ -194,31 +175,18 @@ void StorePackedRows(const PackedT* h_ft, int64_t stride, int64_t rows, int64_t 
   }
 }
 
-// The packed-activation GEMM for a weight and activation type, or null when the ISA lacks it.
-template <typename WeightT, typename ActivationT>
-auto PackedDotFor(const KernelTable& kernels) {
-  if constexpr (std::is_same_v<WeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>) {
-    return kernels.packed_dot_bf16;
-  } else if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
-    return kernels.packed_dot_bf16_f32;
-  } else {
-    return kernels.packed_dot_f32;
-  }
-}
-
-// Per-worker scratch, allocated once per call before the phases start.
+// Per-worker scratch, planned before the phases start (regions of the call's scratch buffer).
 struct WorkerScratch {
-  std::unique_ptr<float[]> gate;         // [kTokenTile, kFfnChunk] (or transposed)
-  std::unique_ptr<float[]> up;           // [kTokenTile, kFfnChunk] (or transposed)
-  std::unique_ptr<float[]> down;         // [kTokenTile, kModelChunk] (or transposed)
-  std::unique_ptr<Bf16Bits[]> rounded;   // [kFfnChunk, kTokenTile], packed bf16 experts only
+  float* gate;         // [kTokenTile, kFfnChunk] (or transposed)
+  float* up;           // [kTokenTile, kFfnChunk] (or transposed)
+  float* down;         // [kTokenTile, kModelChunk] (or transposed)
+  Bf16Bits* rounded;   // [kFfnChunk, kTokenTile], packed bf16 experts only
 };
 
-// Where one active expert's activations live. Experts with more than kPackedMinTokens routes
-// use the packed-activation GEMM when the ISA has it (AVX-512): x and h are stored packed
-// (cpu_kernels.h) in groups of 16 routes; the others use the dot-product kernels on rows of x
-// and h.
-constexpr int64_t kPackedMinTokens = kPackedGroup;
+// Where one active expert's activations live. Experts with more than
+// KernelTable::packed_min_tokens routes use the packed-activation GEMM when the ISA has it (AVX2,
+// AVX-512): x and h are stored packed (cpu_kernels.h) in groups of 16 routes; the others use the
+// dot-product kernels on rows of x and h.
 struct ExpertStorage {
   bool packed = false;
   int64_t groups = 0;         // ceil(routes / 16) when packed
@@ -227,9 +195,9 @@ struct ExpertStorage {
 };
 
 // Runs both phases for one weight type and activation type (ActivationT is float, or bf16 bits
-// when the ISA multiplies bf16 pairs).
+// when the ISA multiplies bf16 pairs: then x is rounded to bf16 first).
 template <typename WeightT, typename ActivationT>
-void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const ActivationT* x_td,
+void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const float* x_f32,
                 const WeightT* bank_ep, const KernelTable& kernels,
                 void (*dot)(const DotProblem<WeightT, ActivationT>&), const Workers& workers,
                 float* y_td) {
@@ -237,41 +205,77 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
   const int64_t num_experts = static_cast<int64_t>(groups.experts.size());
   const int64_t token_tile = std::min(kTokenTile, std::max<int64_t>(groups.largest_group(), 1));
   constexpr int64_t kGroupsPerTile = kTokenTile / kPackedGroup;
+  constexpr bool kRound = std::is_same_v<ActivationT, Bf16Bits>;
   const auto packed_dot = PackedDotFor<WeightT, ActivationT>(kernels);
+  const int num_workers = workers.num_workers();
 
-  // The plan: storage of every expert's activations, all scratch sized up front.
-  std::vector<ExpertStorage> storage(num_experts);
+  // The plan: storage of every expert's activations, all scratch sized up front and taken from
+  // one buffer reused across calls (packing.h).
+  auto is_packed = [&](int64_t i) {
+    const int64_t routes_of_expert = groups.offsets[i + 1] - groups.offsets[i];
+    return packed_dot != nullptr && routes_of_expert > kernels.packed_min_tokens;
+  };
   int64_t packed_x_size = 0, packed_hidden_size = 0;
   for (int64_t i = 0; i < num_experts; ++i) {
-    const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
-    if (packed_dot != nullptr && n > kPackedMinTokens) {
-      ExpertStorage& e = storage[i];
-      e.packed = true;
-      e.groups = CeilDiv(n, kPackedGroup);
-      e.x_offset = packed_x_size;
-      e.hidden_offset = packed_hidden_size;
-      packed_x_size += e.groups * PackedGroupElements<ActivationT>(D);
-      packed_hidden_size += e.groups * PackedGroupElements<ActivationT>(F);
-    }
+    if (!is_packed(i)) continue;
+    const int64_t n_groups = CeilDiv(groups.offsets[i + 1] - groups.offsets[i], kPackedGroup);
+    packed_x_size += n_groups * PackedGroupElements<ActivationT>(D);
+    packed_hidden_size += n_groups * PackedGroupElements<ActivationT>(F);
   }
-  std::unique_ptr<ActivationT[]> packed_x(new ActivationT[std::max<int64_t>(packed_x_size, 1)]);
-  std::unique_ptr<ActivationT[]> packed_hidden(
-      new ActivationT[std::max<int64_t>(packed_hidden_size, 1)]);
+  ScratchPlan plan;
+  const int64_t at_rounded_x = kRound ? plan.Add<Bf16Bits>(dims.tokens * D) : 0;
+  const int64_t at_storage = plan.Add<ExpertStorage>(num_experts);
+  const int64_t at_packed_x = plan.Add<ActivationT>(packed_x_size);
+  const int64_t at_packed_hidden = plan.Add<ActivationT>(packed_hidden_size);
   // h [routes, F] in the activation type for the other experts: phase 1 writes, phase 2 reads.
-  std::unique_ptr<ActivationT[]> hidden_rf(new ActivationT[std::max<int64_t>(routes * F, 1)]);
-  std::vector<const ActivationT*> route_x(routes), route_hidden(routes);
+  const int64_t at_hidden = plan.Add<ActivationT>(routes * F);
+  const int64_t at_route_x = plan.Add<const ActivationT*>(routes);
+  const int64_t at_route_hidden = plan.Add<const ActivationT*>(routes);
+  const int64_t at_workers = plan.Add<WorkerScratch>(num_workers);
+  const int64_t worker_floats = 2 * kTokenTile * kFfnChunk + kTokenTile * kModelChunk;
+  const int64_t at_worker_floats = plan.Add<float>(num_workers * worker_floats);
+  const bool round_hidden = packed_x_size > 0 && kRound;
+  const int64_t at_worker_rounded =
+      plan.Add<Bf16Bits>(round_hidden ? num_workers * kTokenTile * kFfnChunk : 0);
+  unsigned char* buffer = Scratch(plan);
+
+  const ActivationT* x_td;
+  if constexpr (kRound) {
+    kernels.round_to_bf16(x_f32, At<Bf16Bits>(buffer, at_rounded_x), dims.tokens * D);
+    x_td = At<Bf16Bits>(buffer, at_rounded_x);
+  } else {
+    x_td = x_f32;
+  }
+  ExpertStorage* storage = At<ExpertStorage>(buffer, at_storage);
+  for (int64_t i = 0, x_offset = 0, hidden_offset = 0; i < num_experts; ++i) {
+    ExpertStorage& e = storage[i];
+    e = ExpertStorage{};
+    if (!is_packed(i)) continue;
+    e.packed = true;
+    e.groups = CeilDiv(groups.offsets[i + 1] - groups.offsets[i], kPackedGroup);
+    e.x_offset = x_offset;
+    e.hidden_offset = hidden_offset;
+    x_offset += e.groups * PackedGroupElements<ActivationT>(D);
+    hidden_offset += e.groups * PackedGroupElements<ActivationT>(F);
+  }
+  ActivationT* packed_x = At<ActivationT>(buffer, at_packed_x);
+  ActivationT* packed_hidden = At<ActivationT>(buffer, at_packed_hidden);
+  ActivationT* hidden_rf = At<ActivationT>(buffer, at_hidden);
+  const ActivationT** route_x = At<const ActivationT*>(buffer, at_route_x);
+  const ActivationT** route_hidden = At<const ActivationT*>(buffer, at_route_hidden);
   for (int64_t r = 0; r < routes; ++r) {
     route_x[r] = x_td + groups.route_token[r] * D;
-    route_hidden[r] = hidden_rf.get() + r * F;
+    route_hidden[r] = hidden_rf + r * F;
   }
-  std::vector<WorkerScratch> scratch(workers.num_workers());
-  for (WorkerScratch& s : scratch) {
-    s.gate.reset(new float[kTokenTile * kFfnChunk]);
-    s.up.reset(new float[kTokenTile * kFfnChunk]);
-    s.down.reset(new float[kTokenTile * kModelChunk]);
-    if (packed_x_size > 0 && std::is_same_v<ActivationT, Bf16Bits>) {
-      s.rounded.reset(new Bf16Bits[kTokenTile * kFfnChunk]);
-    }
+  WorkerScratch* scratch = At<WorkerScratch>(buffer, at_workers);
+  for (int w = 0; w < num_workers; ++w) {
+    float* floats = At<float>(buffer, at_worker_floats) + w * worker_floats;
+    scratch[w].gate = floats;
+    scratch[w].up = floats + kTokenTile * kFfnChunk;
+    scratch[w].down = floats + 2 * kTokenTile * kFfnChunk;
+    scratch[w].rounded = round_hidden
+                             ? At<Bf16Bits>(buffer, at_worker_rounded) + w * kTokenTile * kFfnChunk
+                             : nullptr;
   }
 
   // Phase 0 (packed experts only): pack each expert's x rows.
@@ -279,8 +283,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     workers.ParallelFor(num_experts, [&](int64_t i, int /*worker*/) {
       if (!storage[i].packed) return;
       const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
-      PackRows(route_x.data() + groups.offsets[i], n, storage[i].groups, D,
-               packed_x.get() + storage[i].x_offset);
+      PackRows(route_x + groups.offsets[i], n, storage[i].groups, D,
+               packed_x + storage[i].x_offset);
     });
   }
 
@@ -300,19 +304,19 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
       for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
         const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
         const ActivationT* x =
-            packed_x.get() + e.x_offset + g0 * PackedGroupElements<ActivationT>(D);
+            packed_x + e.x_offset + g0 * PackedGroupElements<ActivationT>(D);
         const bool half = n - (g0 + tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
         // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
-        packed_dot({gate_fd, D, rows, x, tile_groups, half, D, s.gate.get(), kTokenTile});
-        packed_dot({up_fd, D, rows, x, tile_groups, half, D, s.up.get(), kTokenTile});
-        kernels.silu_mul(s.gate.get(), s.up.get(), s.gate.get(), rows * kTokenTile);
-        ActivationT* hidden = packed_hidden.get() + e.hidden_offset;
+        packed_dot({gate_fd, D, rows, x, tile_groups, half, D, s.gate, kTokenTile});
+        packed_dot({up_fd, D, rows, x, tile_groups, half, D, s.up, kTokenTile});
+        kernels.silu_mul(s.gate, s.up, s.gate, rows * kTokenTile);
+        ActivationT* hidden = packed_hidden + e.hidden_offset;
         if constexpr (std::is_same_v<ActivationT, Bf16Bits>) {
-          kernels.round_to_bf16(s.gate.get(), s.rounded.get(), rows * kTokenTile);
-          StorePackedRows(s.rounded.get(), kTokenTile, rows, f0, F, g0, tile_groups,
+          kernels.round_to_bf16(s.gate, s.rounded, rows * kTokenTile);
+          StorePackedRows(s.rounded, kTokenTile, rows, f0, F, g0, tile_groups,
                           n - g0 * kPackedGroup, hidden);
         } else {
-          StorePackedRows(s.gate.get(), kTokenTile, rows, f0, F, g0, tile_groups,
+          StorePackedRows(s.gate, kTokenTile, rows, f0, F, g0, tile_groups,
                           n - g0 * kPackedGroup, hidden);
         }
       }
@@ -320,12 +324,12 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     }
     for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
-      dot({gate_fd, D, rows, route_x.data() + r0, tokens, D, s.gate.get(), rows});
-      dot({up_fd, D, rows, route_x.data() + r0, tokens, D, s.up.get(), rows});
+      dot({gate_fd, D, rows, route_x + r0, tokens, D, s.gate, rows});
+      dot({up_fd, D, rows, route_x + r0, tokens, D, s.up, rows});
       for (int64_t j = 0; j < tokens; ++j) {
-        float* h = s.gate.get() + j * rows;
-        kernels.silu_mul(h, s.up.get() + j * rows, h, rows);
-        ActivationT* out = hidden_rf.get() + (r0 + j) * F + f0;
+        float* h = s.gate + j * rows;
+        kernels.silu_mul(h, s.up + j * rows, h, rows);
+        ActivationT* out = hidden_rf + (r0 + j) * F + f0;
         if constexpr (std::is_same_v<ActivationT, float>) {
           std::memcpy(out, h, rows * sizeof(float));
         } else {
@@ -340,7 +344,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
     const int64_t d0 = task * kModelChunk;
     const int64_t rows = std::min(kModelChunk, D - d0);
     for (int64_t t = 0; t < dims.tokens; ++t) std::fill_n(y_td + t * D + d0, rows, 0.0f);
-    float* z = scratch[worker].down.get();
+    float* z = scratch[worker].down;
     for (int64_t i = 0; i < num_experts; ++i) {
       const WeightT* down_df = bank_ep + groups.experts[i] * dims.block_size + 2 * F * D;
       if (storage[i].packed) {
@@ -348,7 +352,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
         for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
           const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
           const ActivationT* h =
-              packed_hidden.get() + e.hidden_offset + g0 * PackedGroupElements<ActivationT>(F);
+              packed_hidden + e.hidden_offset + g0 * PackedGroupElements<ActivationT>(F);
           const int64_t r0 = groups.offsets[i] + g0 * kPackedGroup;
           const int64_t tokens = std::min(tile_groups * kPackedGroup, groups.offsets[i + 1] - r0);
           const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
@@ -364,7 +368,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const Act
       }
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
-        dot({down_df + d0 * F, F, rows, route_hidden.data() + r0, tokens, F, z, rows});
+        dot({down_df + d0 * F, F, rows, route_hidden + r0, tokens, F, z, rows});
         for (int64_t j = 0; j < tokens; ++j) {
           const float weight = groups.route_weight[r0 + j];
           float* y = y_td + groups.route_token[r0 + j] * D + d0;
@@ -391,10 +395,7 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
   }
   if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
     if (bf16_activations && kernels.dot_bf16_bf16 != nullptr) {
-      std::vector<Bf16Bits> x_bf16(dims.tokens * dims.model_dim);
-      kernels.round_to_bf16(x_td, x_bf16.data(), dims.tokens * dims.model_dim);
-      RunExperts(dims, groups, x_bf16.data(), bank_ep, kernels, kernels.dot_bf16_bf16, workers,
-                 y_td);
+      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_bf16, workers, y_td);
     } else {
       RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_f32, workers, y_td);
     }

@@ -39,9 +39,18 @@ CASES = {
   "tokens_1_rows_not_multiple_of_8": Case((1, 2048), 1003),
   "tokens_1_odd_k": Case((1, 67), 37),
   "tokens_1_k_below_vector": Case((1, 5), 9),
-  # small batches and GEMM (prefill)
+  # small batches and GEMM (prefill): the dot kernels up to 8 tokens (AVX2) or 16 (AVX-512), the
+  # packed-activation GEMM above, in groups of 16 tokens (the last one at most 8: a half group)
+  # and tiles of 64; rows in blocks of 6 (AVX2) and 8 (AVX-512)
   "tokens_5": Case((5, 130), 70),
   "tokens_5_odd_k": Case((5, 33), 19),
+  "tokens_9_odd_k": Case((9, 35), 31),
+  "tokens_16": Case((16, 37), 23),
+  "tokens_17_half_group": Case((17, 37), 23),
+  "tokens_24_half_group": Case((24, 64), 13),
+  "tokens_33_odd_k": Case((33, 19), 29),
+  "tokens_65_second_tile": Case((65, 40), 11),
+  "tokens_100_odd": Case((100, 51), 47),
   "tokens_300": Case((300, 96), 200),
   "tokens_300_odd": Case((300, 131), 77),
   "leading_dims": Case((2, 3, 48), 17),

@@ -97,12 +97,14 @@ def test_thread_count_from_the_environment(pool, threads, tmp_path):
 def test_concurrent_callers_get_correct_results(pool, monkeypatch):
   monkeypatch.setenv("FTJAX_THREAD_POOL", pool)
   """Calls from several Python threads at once, on both pools (a busy own pool runs the caller's
-  tasks on the caller's own thread)."""
-  step = jax.jit(lambda x, ids, weights, bank: expert_ffn(x, ids, weights, bank, 0, ffn_dim=F))
+  tasks on the caller's own thread), each caller with its own reused scratch (packing.h)."""
+  step = jax.jit(lambda x, ids, weights, bank: (expert_ffn(x, ids, weights, bank, 0, ffn_dim=F),
+                                                dense(x, bank[0, :, : 3 * D].reshape(-1, D))))
   inputs = [make_inputs(T, seed) for seed, T in enumerate([1, 3, 40, 200] * 3)]
-  expected = [np.asarray(step(*inp)) for inp in inputs]
+  expected = [[np.asarray(y) for y in step(*inp)] for inp in inputs]
   with concurrent.futures.ThreadPoolExecutor(4) as executor:
     for _ in range(3):
-      got = list(executor.map(lambda inp: np.asarray(step(*inp)), inputs))
+      got = list(executor.map(lambda inp: [np.asarray(y) for y in step(*inp)], inputs))
       for g, e in zip(got, expected):
-        np.testing.assert_array_equal(g, e)
+        for g_y, e_y in zip(g, e):
+          np.testing.assert_array_equal(g_y, e_y)
