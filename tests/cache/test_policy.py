@@ -70,6 +70,24 @@ def test_ties_in_recency_go_to_the_lower_expert_id():
   assert p.fill_expert.tolist() == [4] and p.route_slot.tolist() == [[-1, 0]]
 
 
+def test_a_prefill_step_fills_its_most_routed_misses():
+  """Several tokens: the misses most of them route to are filled first (here 1 slot:
+  e6, routed by three tokens, over e2, routed by one but more recently before the step);
+  equal counts fall back to recency, then the lower id."""
+  cache = _cache(1)
+  cache, _ = _step(cache, 0, [[2, -1]], "cpu_only")  # e2 routed (not filled): more recent
+  cache, p = _step(cache, 0, [[2, 6], [6, 5], [6, 3]])
+  assert p.fill_expert.tolist() == [6] and int(p.host) == 3
+  cache, p = _step(_cache(2), 0, [[2, 7], [7, 2], [4, 5]])  # e2, e7 twice: both filled
+  assert sorted(p.fill_expert.tolist()) == [2, 7]
+  cache = _cache(1)
+  cache, _ = _step(cache, 0, [[5, -1]], "cpu_only")
+  cache, p = _step(cache, 0, [[3, 5], [1, 6]])  # all once: e5 (recent), not the lower e1
+  assert p.fill_expert.tolist() == [5]
+  cache, p = _step(_cache(1), 0, [[6, 3], [1, 4]])  # all once, never routed: e1
+  assert p.fill_expert.tolist() == [1]
+
+
 def test_a_slot_used_in_this_step_is_never_evicted():
   cache = _cache(2)
   cache, _ = _step(cache, 0, [[0, 1]])

@@ -17,7 +17,9 @@ replacement, preload) registered by name in ``POLICIES``:
 * ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below).
 
 Which misses are filled: the most recently routed before this step (``expert_stamp``), ties
-to the lower expert id. Victims: the least recently used slots not used in this step (empty
+to the lower expert id; in a step of several tokens (a prefill chunk, a batch) first those
+that most of its tokens route to, so that a prompt leaves its hottest experts in the cache
+when decode starts. Victims: the least recently used slots not used in this step (empty
 slots first, ties to the lower slot), chosen in one pass for the whole layer-step. Recency
 changes only through router selections (``expert_stamp``) and slot use (``slot_stamp``).
 
@@ -250,8 +252,18 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
                                      jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
     else:
       prev_stamp = cache.expert_stamp[layer]
-      # Most recently routed misses first; ties toward the lower index.
-      fill_cand = top_indices(jnp.where(miss, prev_stamp, jnp.iinfo(jnp.int32).min), q_max)
+      if t == 1:
+        # Most recently routed misses first; ties toward the lower index.
+        key = prev_stamp
+      else:
+        # Several tokens (a prefill chunk, a batch): the misses most of them route to first,
+        # then the most recent, then the lower index, so that a prompt leaves its hottest
+        # experts in the cache. recency: E - 1 for the latest stamp, lower ids first on ties.
+        routes = jnp.sum(ids.reshape(-1, 1) == expert_range, axis=0, dtype=jnp.int32)  # [E]
+        latest_first = jnp.argsort(-prev_stamp, stable=True)
+        recency = num_experts - 1 - jnp.argsort(latest_first, stable=True).astype(jnp.int32)
+        key = routes * num_experts + recency
+      fill_cand = top_indices(jnp.where(miss, key, jnp.iinfo(jnp.int32).min), q_max)
       victim = top_indices(
           jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
     active = jnp.arange(q_max) < q
