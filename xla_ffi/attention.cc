@@ -27,8 +27,9 @@
 // exponentials, accumulator; float32), and adds the weighted value rows. Two tile forms:
 // - Decode form (T * H <= kTileQueries: decode, short chunks): one tile holds all H heads of all
 //   T positions, so each K and V row is read from memory once (memory-bound), in place: scores
-//   by KernelTable::dot_f32_f32 / dot_bf16_f32, values by weighted_row_sum (bf16 value rows
-//   widened per block into scratch).
+//   by KernelTable::score_f32_f32 / score_bf16_f32 (each key row loaded and widened once for
+//   the R query heads of its kv head), weights by exp_sub_sum, values by weighted_row_sum(_bf16)
+//   (each value row loaded and widened once for up to 8 queries).
 // - Prefill form (longer chunks): a tile holds the R query heads of one kv head at
 //   kPrefillQueries / R positions. A tile needs the rows from its first query's window start to
 //   its last query's row, and within those, per block, only the queries that may attend the
@@ -36,7 +37,7 @@
 //   nothing, so a causal chunk does ~half of T x length, a window ~T x w. Compute-bound: where
 //   the ISA has the packed GEMM (AVX-512), the attended rows are first widened and packed once
 //   for all tiles (PackedCache), and both the scores and the value sums run on packed_dot_f32;
-//   elsewhere on the dot kernels as in the decode form.
+//   elsewhere on the score and row-sum kernels as in the decode form.
 // Tasks are claimed in order of decreasing cost (last positions first), which balances the
 // causal tiles. When there are fewer (b, tile) units than kTargetTasks, the rows are split into
 // slices whose partial (max, sum, acc) are merged exactly afterwards. The split depends on the
@@ -155,44 +156,6 @@ float ScaleAndMax(float* x, int64_t n, float scale) {
   return *std::max_element(lanes, lanes + 8);
 }
 
-// x[s] = exp(x[s] - shift) for s < n, where every x[s] <= shift; returns their sum. Cephes'
-// single-precision exp (relative error below 2e-7) in plain float arithmetic, so that the loop
-// vectorises, unlike calls of std::exp. Arguments below -87 count as -87: e^-87 ~ 1.6e-38 (the
-// smallest normal float) instead of a smaller number or 0, next to the largest weight, 1.
-float ExpShiftedSum(float* x, int64_t n, float shift) {
-  constexpr float kLowest = -87.0f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: (y + kRound) - kRound rounds y
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2High = 0.693359375f;  // ln 2 = kLn2High + kLn2Low
-  constexpr float kLn2Low = -2.12194440e-4f;
-  // (Two loops: GCC 12 vectorises neither with the clamp inside the second.)
-  for (int64_t s = 0; s < n; ++s) x[s] = std::max(x[s] - shift, kLowest);
-  for (int64_t s = 0; s < n; ++s) {
-    const float y = x[s];
-    const float k = (y * kLog2e + kRound) - kRound;  // exp(y) = 2^k exp(r), |r| <= ln2 / 2
-    const float r = (y - k * kLn2High) - k * kLn2Low;
-    float poly = 1.9875691500e-4f;
-    poly = poly * r + 1.3981999507e-3f;
-    poly = poly * r + 8.3334519073e-3f;
-    poly = poly * r + 4.1665795894e-2f;
-    poly = poly * r + 1.6666665459e-1f;
-    poly = poly * r + 5.0000001201e-1f;
-    const float exp_r = poly * r * r + r + 1.0f;
-    const int32_t exponent_bits = (static_cast<int32_t>(k) + 127) * (1 << 23);  // 2^k, k >= -126
-    float two_to_k;
-    std::memcpy(&two_to_k, &exponent_bits, sizeof(two_to_k));
-    x[s] = exp_r * two_to_k;
-  }
-  float lanes[8] = {};
-  int64_t s = 0;
-  for (; s + 8 <= n; s += 8) {
-    for (int i = 0; i < 8; ++i) lanes[i] += x[s + i];
-  }
-  for (; s < n; ++s) lanes[0] += x[s];
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
-
 // The queries of one tile: batch b, positions [t0, t1), kv heads [g0, g1) and their R query heads
 // each. They are numbered by kv head first, j = ((g - g0) * positions + t - t0) * R + r for head
 // h = g * R + r, so that the queries of kv head g are the `per_head` = positions * R queries from
@@ -216,37 +179,28 @@ TileQuery QueryOf(const AttentionProblem<KvT>& p, const QueryTile& tile, int64_t
 }
 
 // scores[t * kBlockRows + s] = k[s] . q_rows[t] for s < rows, t < tokens; k rows `row_stride`
-// elements apart.
+// elements apart. The score kernels load each key row once for up to 8 queries.
 void ScoreRows(const KernelTable& kernels, const float* k, int64_t row_stride, int64_t rows,
                const float* const* q_rows, int64_t tokens, int64_t width, float* scores) {
-  kernels.dot_f32_f32({k, row_stride, rows, q_rows, tokens, width, scores, kBlockRows});
+  kernels.score_f32_f32({k, row_stride, rows, q_rows, tokens, width, scores, kBlockRows});
 }
 
 void ScoreRows(const KernelTable& kernels, const Bf16Bits* k, int64_t row_stride, int64_t rows,
                const float* const* q_rows, int64_t tokens, int64_t width, float* scores) {
-  kernels.dot_bf16_f32({k, row_stride, rows, q_rows, tokens, width, scores, kBlockRows});
+  kernels.score_bf16_f32({k, row_stride, rows, q_rows, tokens, width, scores, kBlockRows});
 }
 
-// `rows` rows of v (`row_stride` apart) as float32 rows: `v` itself (float32; *stride unchanged),
-// or widened into `wide` [rows, width] (bfloat16 to float32 is exact: the bits shifted left by
-// 16), with *stride set to width.
-const float* FloatRows(const float* v, int64_t /*rows*/, int64_t /*width*/, int64_t* /*stride*/,
-                       float* /*wide*/) {
-  return v;
+// acc[j * width + i] += sum_{s < rows} weight[j * kBlockRows + s] * v[s * row_stride + i] for
+// j < n, the value rows read in place (bfloat16 widened in registers).
+void AddWeightedRows(const KernelTable& kernels, const float* weight, int64_t n, const float* v,
+                     int64_t row_stride, int64_t rows, int64_t width, float* acc) {
+  kernels.weighted_row_sum({weight, kBlockRows, n, v, row_stride, rows, width, acc, width});
 }
 
-const float* FloatRows(const Bf16Bits* v, int64_t rows, int64_t width, int64_t* stride,
-                       float* wide) {
-  for (int64_t s = 0; s < rows; ++s) {
-    const Bf16Bits* in = v + s * *stride;
-    float* out = wide + s * width;
-    for (int64_t i = 0; i < width; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
-      std::memcpy(&out[i], &bits, sizeof(bits));
-    }
-  }
-  *stride = width;
-  return wide;
+void AddWeightedRows(const KernelTable& kernels, const float* weight, int64_t n,
+                     const Bf16Bits* v, int64_t row_stride, int64_t rows, int64_t width,
+                     float* acc) {
+  kernels.weighted_row_sum_bf16({weight, kBlockRows, n, v, row_stride, rows, width, acc, width});
 }
 
 // The prefill form's copy of the cache rows it attends, widened to float32 and packed for
@@ -304,11 +258,29 @@ void PackBlock(const AttentionProblem<KvT>& p, int64_t b, int64_t g, int64_t blo
   }
 }
 
+// Asks for kv head g's keys and values of cache rows [s0, s1) of sequence b, into L2: the decode
+// form calls it for the next block while it works on this one, so that the rows' memory latency
+// (kv heads' rows lie G * A elements apart, a stride the hardware prefetcher follows slowly) is
+// hidden behind the work.
+template <typename KvT>
+void PrefetchRows(const AttentionProblem<KvT>& p, int64_t b, int64_t g, int64_t s0, int64_t s1) {
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = p.width * static_cast<int64_t>(sizeof(KvT));
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t offset = ((b * p.rows + s) * p.kv_heads + g) * p.width;
+    const char* k = reinterpret_cast<const char*>(p.k + offset);
+    const char* v = reinterpret_cast<const char*>(p.v + offset);
+    for (int64_t i = 0; i < bytes; i += kLine) {
+      __builtin_prefetch(k + i, 0, 2);
+      __builtin_prefetch(v + i, 0, 2);
+    }
+  }
+}
+
 // Per-worker scratch of AttendRows.
 struct AttendScratch {
   const float** q_rows;  // [queries of a tile]
   float* scores;         // [queries of one kv head in a tile, kBlockRows]
-  float* wide_v;         // dot path: [kBlockRows, A], bfloat16 value rows widened
   float* q_tile;         // packed path: [queries of a tile, A], the tile's queries side by side
   float* sums;           // packed path: [queries of one kv head in a tile, 16 * ceil(A / 16)]
 };
@@ -367,6 +339,7 @@ void AttendRows(const AttentionProblem<KvT>& p, const QueryTile& tile, int64_t s
                                 key_columns - (key_groups - 1) * kPackedGroup <= 8, width,
                                 scores, kBlockRows});
       } else {
+        PrefetchRows(p, tile.b, g, hi, std::min(hi + kBlockRows, s1));
         ScoreRows(kernels, p.k + offset, row_stride, hi - lo, scratch.q_rows + j0 + jj0,
                   jj1 - jj0, width, scores);
       }
@@ -389,7 +362,8 @@ void AttendRows(const AttentionProblem<KvT>& p, const QueryTile& tile, int64_t s
           for (int64_t i = 0; i < width; ++i) acc[i] *= correction;
           state.max[j] = new_max;
         }
-        state.sum[j] += ExpShiftedSum(weight + first, last - first, new_max);
+        state.sum[j] +=
+            kernels.exp_sub_sum(weight + first, new_max, weight + first, last - first);
       }
       // acc[j0 + jj] += sum_c weight[jj, c] * v[base + c, g]
       float* acc = state.acc + (j0 + jj0) * width;
@@ -402,10 +376,8 @@ void AttendRows(const AttentionProblem<KvT>& p, const QueryTile& tile, int64_t s
           for (int64_t i = 0; i < width; ++i) acc[jj * width + i] += sum[i];
         }
       } else {
-        int64_t v_stride = row_stride;
-        const float* v = FloatRows(p.v + offset, hi - lo, width, &v_stride, scratch.wide_v);
-        kernels.weighted_row_sum(
-            {scores, kBlockRows, jj1 - jj0, v, v_stride, hi - lo, width, acc, width});
+        AddWeightedRows(kernels, scores, jj1 - jj0, p.v + offset, row_stride, hi - lo, width,
+                        acc);
       }
     }
   }
@@ -497,12 +469,10 @@ void Attention(const AttentionProblem<KvT>& p, const KernelTable& kernels,
   }
 
   // Per-worker scratch (AttendScratch) and, with one slice, the softmax state.
-  const int64_t wide_v_floats =
-      use_packed || std::is_same_v<KvT, float> ? 0 : kBlockRows * p.width;
   const int64_t q_tile_floats = use_packed ? tile_queries * p.width : 0;
   const int64_t sums_floats =
       use_packed ? tile_positions * group * kPackedGroup * CeilDiv(p.width, kPackedGroup) : 0;
-  const int64_t scratch_floats = scores_floats + wide_v_floats + q_tile_floats + sums_floats +
+  const int64_t scratch_floats = scores_floats + q_tile_floats + sums_floats +
                                  (slices == 1 ? state_floats : 0);
   std::vector<float> scratch(workers.num_workers() * scratch_floats);
   std::vector<const float*> q_rows(workers.num_workers() * tile_queries);
@@ -526,7 +496,6 @@ void Attention(const AttentionProblem<KvT>& p, const KernelTable& kernels,
     AttendScratch attend;
     attend.q_rows = q_rows.data() + worker * tile_queries;
     attend.scores = take(scores_floats);
-    attend.wide_v = take(wide_v_floats);
     attend.q_tile = take(q_tile_floats);
     attend.sums = take(sums_floats);
     const int64_t n = tile.positions() * group * heads_per_tile;

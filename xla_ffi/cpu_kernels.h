@@ -86,14 +86,15 @@ struct PackedDotProblem {
 //
 //   acc[j * acc_stride + i] += sum_{s < rows} weight[j * weight_stride + s] * v[s * v_stride + i]
 //
-// for j < n, i < width, in float32. Each row of v is read once for all n weight vectors; the
-// kernels take 4 rows at a time (each accumulator is loaded and stored once per 4 rows) and skip
-// groups of 4 zero weights.
+// for j < n, i < width, in float32; v is float32 or bfloat16 (widened exactly). Each row of v is
+// read once for all n weight vectors (up to 8 at a time on the SIMD ISAs, whose accumulators stay
+// in registers for a strip of columns over all rows).
+template <typename ValueT>
 struct RowSumProblem {
   const float* weight;
   int64_t weight_stride;  // elements from one weight vector to the next
   int64_t n;
-  const float* v;
+  const ValueT* v;
   int64_t v_stride;  // elements from one row of v to the next
   int64_t rows;
   int64_t width;
@@ -133,8 +134,18 @@ struct KernelTable {
   void (*round_to_bf16)(const float* in, Bf16Bits* out, int64_t n);
   // h[i] = silu(gate[i]) * up[i] with silu(g) = g / (1 + exp(-g)).
   void (*silu_mul)(const float* gate, const float* up, float* h, int64_t n);
-  // Weighted sums of rows into accumulators (RowSumProblem).
-  void (*weighted_row_sum)(const RowSumProblem& p);
+  // Weighted sums of float32 or bfloat16 rows into accumulators (RowSumProblem).
+  void (*weighted_row_sum)(const RowSumProblem<float>& p);
+  void (*weighted_row_sum_bf16)(const RowSumProblem<Bf16Bits>& p);
+  // Attention scores: the DotProblem of a few tokens (query vectors) against many rows (cache
+  // rows). The SIMD ISAs load (and widen) each row once for up to 8 tokens, where dot_* above
+  // reload it for every 4; same results up to float32 rounding.
+  DotF32F32Fn score_f32_f32;
+  DotBf16F32Fn score_bf16_f32;
+  // out[i] = exp(in[i] - max) for i < n (out may be in), 0 where in[i] - max < -87 (below
+  // float32's normal range; -inf included); returns the sum of the out[i]. A polynomial exp with
+  // relative error below 1e-6 for in[i] - max in [-87, 88].
+  float (*exp_sub_sum)(const float* in, float max, float* out, int64_t n);
   // XOR of the n_words little-endian 32-bit words at `data` (no alignment needed).
   uint32_t (*xor_words)(const void* data, int64_t n_words);
   // Runs `iterations` rounds of a register-only multiply-add loop at the ISA's widest

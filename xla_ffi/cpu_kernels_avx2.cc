@@ -227,7 +227,165 @@ void SiluMulAvx2(const float* gate, const float* up, float* h, int64_t n) {
   for (; i < n; ++i) h[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-void WeightedRowSumAvx2(const RowSumProblem& p) { cpu_kernels_impl::WeightedRowSumLoop(p); }
+// 8 elements of a float32 or bfloat16 row as float32: all 8, or the first `count` < 8 (the rest 0,
+// not read).
+inline __m256 LoadFloats256(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 LoadFloats256(const Bf16Bits* p) {
+  return WidenBf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <typename T>
+inline __m256 LoadFloats256(const T* p, int64_t count) {
+  if (count >= 8) return LoadFloats256(p);
+  T padded[8];
+  CopyTail(p, count, padded);
+  return LoadFloats256(padded);
+}
+
+// The weighted row sums (RowSumProblem) of kQueries weight vectors over kVecs x 8 columns from
+// `v` (the last vector's first `last` columns): the kQueries x kVecs accumulators stay in
+// registers over all rows; per row, kVecs loads of v and kQueries broadcast weights.
+template <typename ValueT, int kQueries, int kVecs>
+inline void RowSumStrip256(const float* weight, int64_t weight_stride, const ValueT* v,
+                           int64_t v_stride, int64_t rows, int64_t last, float* acc,
+                           int64_t acc_stride) {
+  __m256 sum[kQueries][kVecs];
+  for (int j = 0; j < kQueries; ++j) {
+    for (int c = 0; c < kVecs; ++c) {
+      sum[j][c] = LoadFloats256(acc + j * acc_stride + 8 * c, c == kVecs - 1 ? last : 8);
+    }
+  }
+  for (int64_t s = 0; s < rows; ++s) {
+    __m256 x[kVecs];
+    for (int c = 0; c < kVecs; ++c) {
+      x[c] = LoadFloats256(v + s * v_stride + 8 * c, c == kVecs - 1 ? last : 8);
+    }
+    for (int j = 0; j < kQueries; ++j) {
+      const __m256 w = _mm256_broadcast_ss(weight + j * weight_stride + s);
+      for (int c = 0; c < kVecs; ++c) sum[j][c] = _mm256_fmadd_ps(w, x[c], sum[j][c]);
+    }
+  }
+  for (int j = 0; j < kQueries; ++j) {
+    for (int c = 0; c < kVecs; ++c) {
+      float* out = acc + j * acc_stride + 8 * c;
+      if (c < kVecs - 1 || last == 8) {
+        _mm256_storeu_ps(out, sum[j][c]);
+      } else {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, sum[j][c]);
+        for (int64_t i = 0; i < last; ++i) out[i] = lanes[i];
+      }
+    }
+  }
+}
+
+template <typename ValueT, int kVecs>
+inline void RowSumStrips256(int queries, const float* weight, int64_t weight_stride,
+                            const ValueT* v, int64_t v_stride, int64_t rows, int64_t last,
+                            float* acc, int64_t acc_stride) {
+  switch (queries) {
+    case 4: RowSumStrip256<ValueT, 4, kVecs>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    case 3: RowSumStrip256<ValueT, 3, kVecs>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    case 2: RowSumStrip256<ValueT, 2, kVecs>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    default: RowSumStrip256<ValueT, 1, kVecs>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+  }
+}
+
+// RowSumProblem in strips of 4 weight vectors x 16 columns (8 of the 16 registers accumulate).
+template <typename ValueT>
+void WeightedRowSum256(const RowSumProblem<ValueT>& p) {
+  for (int64_t j = 0; j < p.n; j += 4) {
+    const int queries = p.n - j < 4 ? static_cast<int>(p.n - j) : 4;
+    const float* weight = p.weight + j * p.weight_stride;
+    float* acc = p.acc + j * p.acc_stride;
+    for (int64_t i = 0; i < p.width; i += 16) {
+      const int64_t columns = p.width - i < 16 ? p.width - i : 16;
+      const int64_t last = columns % 8 == 0 ? 8 : columns % 8;
+      if (columns > 8) {
+        RowSumStrips256<ValueT, 2>(queries, weight, p.weight_stride, p.v + i, p.v_stride, p.rows,
+                                   last, acc + i, p.acc_stride);
+      } else {
+        RowSumStrips256<ValueT, 1>(queries, weight, p.weight_stride, p.v + i, p.v_stride, p.rows,
+                                   last, acc + i, p.acc_stride);
+      }
+    }
+  }
+}
+
+void WeightedRowSumAvx2(const RowSumProblem<float>& p) { WeightedRowSum256(p); }
+void WeightedRowSumBf16Avx2(const RowSumProblem<Bf16Bits>& p) { WeightedRowSum256(p); }
+
+// Attention scores (KernelTable::score_*): c[t * c_stride] = row . a[t] for one row x kTokens
+// tokens, each 8 elements of the row loaded (and widened) once for all kTokens tokens.
+template <typename RowT, int kTokens>
+inline void ScoreMicroKernel256(const RowT* w, const float* const* a, int64_t n, float* c,
+                                int64_t c_stride) {
+  __m256 acc[kTokens];
+  for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 row = LoadFloats256(w + i);
+    for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_fmadd_ps(row, _mm256_loadu_ps(a[t] + i), acc[t]);
+  }
+  if (i < n) {
+    const __m256 row = LoadFloats256(w + i, n - i);
+    for (int t = 0; t < kTokens; ++t) {
+      acc[t] = _mm256_fmadd_ps(row, LoadFloats256(a[t] + i, n - i), acc[t]);
+    }
+  }
+  float sums[kTokens];
+  int t = 0;
+  for (; t + 4 <= kTokens; t += 4) Sum4x256(acc[t], acc[t + 1], acc[t + 2], acc[t + 3], sums + t);
+  for (; t < kTokens; ++t) sums[t] = Sum256(acc[t]);
+  for (t = 0; t < kTokens; ++t) c[t * c_stride] = sums[t];
+}
+
+// Tokens in groups of 8, rows one at a time (8 accumulators).
+template <typename RowT>
+void ScoreRows256(const DotProblem<RowT, float>& p) {
+  for (int64_t t = 0; t < p.tokens; t += 8) {
+    const int tokens = p.tokens - t < 8 ? static_cast<int>(p.tokens - t) : 8;
+    const float* const* a = p.a + t;
+    float* c = p.c + t * p.c_stride;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const RowT* w = p.w + r * p.w_stride;
+      switch (tokens) {
+        case 8: ScoreMicroKernel256<RowT, 8>(w, a, p.n, c + r, p.c_stride); break;
+        case 7: ScoreMicroKernel256<RowT, 7>(w, a, p.n, c + r, p.c_stride); break;
+        case 6: ScoreMicroKernel256<RowT, 6>(w, a, p.n, c + r, p.c_stride); break;
+        case 5: ScoreMicroKernel256<RowT, 5>(w, a, p.n, c + r, p.c_stride); break;
+        case 4: ScoreMicroKernel256<RowT, 4>(w, a, p.n, c + r, p.c_stride); break;
+        case 3: ScoreMicroKernel256<RowT, 3>(w, a, p.n, c + r, p.c_stride); break;
+        case 2: ScoreMicroKernel256<RowT, 2>(w, a, p.n, c + r, p.c_stride); break;
+        default: ScoreMicroKernel256<RowT, 1>(w, a, p.n, c + r, p.c_stride); break;
+      }
+    }
+  }
+}
+
+void ScoreF32Avx2(const DotProblem<float, float>& p) { ScoreRows256(p); }
+void ScoreBf16Avx2(const DotProblem<Bf16Bits, float>& p) { ScoreRows256(p); }
+
+// KernelTable::exp_sub_sum with Exp256, 8 lanes at a time (the tail through a padded copy).
+float ExpSubSumAvx2(const float* in, float max, float* out, int64_t n) {
+  const __m256 shift = _mm256_set1_ps(max), lowest = _mm256_set1_ps(-87.0f);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t count = n - i < 8 ? n - i : 8;
+    const __m256 x = _mm256_sub_ps(LoadFloats256(in + i, count), shift);
+    __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, lowest, _CMP_GE_OQ), Exp256(x));
+    if (count == 8) {
+      _mm256_storeu_ps(out + i, e);
+    } else {
+      float lanes[8];
+      _mm256_storeu_ps(lanes, e);
+      for (int64_t j = 0; j < count; ++j) out[i + j] = lanes[j];
+      for (int64_t j = count; j < 8; ++j) lanes[j] = 0.0f;
+      e = _mm256_loadu_ps(lanes);
+    }
+    sum = _mm256_add_ps(sum, e);
+  }
+  return Sum256(sum);
+}
 
 // The read probe's loop (read_probe.cc), written to read as fast as the kernels can: 8 independent
 // 32-byte loads per round (256 bytes, as many as the AVX-512 form's 4 x 64), and the same software
@@ -290,6 +448,10 @@ const KernelTable kAvx2Table = {
     /*round_to_bf16=*/RoundToBf16Avx2,
     /*silu_mul=*/SiluMulAvx2,
     /*weighted_row_sum=*/WeightedRowSumAvx2,
+    /*weighted_row_sum_bf16=*/WeightedRowSumBf16Avx2,
+    /*score_f32_f32=*/ScoreF32Avx2,
+    /*score_bf16_f32=*/ScoreBf16Avx2,
+    /*exp_sub_sum=*/ExpSubSumAvx2,
     /*xor_words=*/XorWordsAvx2,
     /*peak_loop=*/PeakLoopFma256,
     /*peak_flops_per_iteration=*/kPeakChains * 8 * 2,

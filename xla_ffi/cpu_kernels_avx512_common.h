@@ -284,8 +284,184 @@ inline void SiluMulAvx512(const float* gate, const float* up, float* h, int64_t 
   }
 }
 
-inline void WeightedRowSumAvx512(const RowSumProblem& p) {
-  cpu_kernels_impl::WeightedRowSumLoop(p);
+// 16 elements of a float32 or bfloat16 row as float32, the lanes outside `mask` 0 (not read).
+inline __m512 LoadFloats512(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 LoadFloats512(const Bf16Bits* p) {
+  return WidenBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 LoadFloats512(const float* p, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+inline __m512 LoadFloats512(const Bf16Bits* p, __mmask16 mask) {
+  return WidenBf16(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// The weighted row sums (RowSumProblem) of kQueries weight vectors over the kVecs x 16 columns
+// from `v` (the last vector's lanes in `last`): the kQueries x kVecs accumulators stay in
+// registers over all rows; per row, kVecs loads of v and kQueries broadcast weights.
+template <typename ValueT, int kQueries, int kVecs, bool kMasked>
+inline void RowSumStrip512(const float* weight, int64_t weight_stride, const ValueT* v,
+                           int64_t v_stride, int64_t rows, __mmask16 last, float* acc,
+                           int64_t acc_stride) {
+  __m512 sum[kQueries][kVecs];
+  for (int j = 0; j < kQueries; ++j) {
+    for (int c = 0; c < kVecs; ++c) {
+      sum[j][c] = _mm512_maskz_loadu_ps(kMasked && c == kVecs - 1 ? last : 0xffff,
+                                        acc + j * acc_stride + 16 * c);
+    }
+  }
+  for (int64_t s = 0; s < rows; ++s) {
+    __m512 x[kVecs];
+    for (int c = 0; c < kVecs; ++c) {
+      x[c] = kMasked && c == kVecs - 1 ? LoadFloats512(v + s * v_stride + 16 * c, last)
+                                       : LoadFloats512(v + s * v_stride + 16 * c);
+    }
+    for (int j = 0; j < kQueries; ++j) {
+      const __m512 w = _mm512_set1_ps(weight[j * weight_stride + s]);
+      for (int c = 0; c < kVecs; ++c) sum[j][c] = _mm512_fmadd_ps(w, x[c], sum[j][c]);
+    }
+  }
+  for (int j = 0; j < kQueries; ++j) {
+    for (int c = 0; c < kVecs; ++c) {
+      _mm512_mask_storeu_ps(acc + j * acc_stride + 16 * c,
+                            kMasked && c == kVecs - 1 ? last : 0xffff, sum[j][c]);
+    }
+  }
+}
+
+template <typename ValueT, int kVecs, bool kMasked>
+inline void RowSumStrips512(int queries, const float* weight, int64_t weight_stride,
+                            const ValueT* v, int64_t v_stride, int64_t rows, __mmask16 last,
+                            float* acc, int64_t acc_stride) {
+  switch (queries) {
+    case 8: RowSumStrip512<ValueT, 8, kVecs, kMasked>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    case 7: RowSumStrip512<ValueT, 7, kVecs, kMasked>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    case 6: RowSumStrip512<ValueT, 6, kVecs, kMasked>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    case 5: RowSumStrip512<ValueT, 5, kVecs, kMasked>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    case 4: RowSumStrip512<ValueT, 4, kVecs, kMasked>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    case 3: RowSumStrip512<ValueT, 3, kVecs, kMasked>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    case 2: RowSumStrip512<ValueT, 2, kVecs, kMasked>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+    default: RowSumStrip512<ValueT, 1, kVecs, kMasked>(weight, weight_stride, v, v_stride, rows, last, acc, acc_stride); break;
+  }
+}
+
+// RowSumProblem in strips of 8 weight vectors x 32 columns (16 accumulators).
+template <typename ValueT>
+inline void WeightedRowSum512(const RowSumProblem<ValueT>& p) {
+  for (int64_t j = 0; j < p.n; j += 8) {
+    const int queries = p.n - j < 8 ? static_cast<int>(p.n - j) : 8;
+    const float* weight = p.weight + j * p.weight_stride;
+    float* acc = p.acc + j * p.acc_stride;
+    for (int64_t i = 0; i < p.width; i += 32) {
+      const int64_t columns = p.width - i < 32 ? p.width - i : 32;
+      const __mmask16 last = columns % 16 == 0 ? 0xffff : FirstLanes16(columns % 16);
+      const ValueT* v = p.v + i;
+      if (columns == 32) {
+        RowSumStrips512<ValueT, 2, false>(queries, weight, p.weight_stride, v, p.v_stride, p.rows,
+                                          last, acc + i, p.acc_stride);
+      } else if (columns > 16) {
+        RowSumStrips512<ValueT, 2, true>(queries, weight, p.weight_stride, v, p.v_stride, p.rows,
+                                         last, acc + i, p.acc_stride);
+      } else {
+        RowSumStrips512<ValueT, 1, true>(queries, weight, p.weight_stride, v, p.v_stride, p.rows,
+                                         last, acc + i, p.acc_stride);
+      }
+    }
+  }
+}
+
+inline void WeightedRowSumAvx512(const RowSumProblem<float>& p) { WeightedRowSum512(p); }
+inline void WeightedRowSumBf16Avx512(const RowSumProblem<Bf16Bits>& p) { WeightedRowSum512(p); }
+
+// Attention scores (KernelTable::score_*): c[t * c_stride + r] = row r . a[t] for kRows rows x
+// kTokens tokens, each row's 16 elements loaded (and widened) once for all kTokens tokens.
+template <typename RowT, int kRows, int kTokens>
+inline void ScoreMicroKernel512(const RowT* w, int64_t w_stride, const float* const* a, int64_t n,
+                                float* c, int64_t c_stride) {
+  __m512 acc[kRows][kTokens];
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < kTokens; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  const float* q[kTokens];
+  for (int t = 0; t < kTokens; ++t) q[t] = a[t];
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 row[kRows];
+    for (int r = 0; r < kRows; ++r) row[r] = LoadFloats512(w + r * w_stride + i);
+    for (int t = 0; t < kTokens; ++t) {
+      const __m512 q_t = _mm512_loadu_ps(q[t] + i);
+      for (int r = 0; r < kRows; ++r) acc[r][t] = _mm512_fmadd_ps(row[r], q_t, acc[r][t]);
+    }
+  }
+  if (i < n) {
+    const __mmask16 mask = FirstLanes16(n - i);
+    __m512 row[kRows];
+    for (int r = 0; r < kRows; ++r) row[r] = LoadFloats512(w + r * w_stride + i, mask);
+    for (int t = 0; t < kTokens; ++t) {
+      const __m512 q_t = _mm512_maskz_loadu_ps(mask, q[t] + i);
+      for (int r = 0; r < kRows; ++r) acc[r][t] = _mm512_fmadd_ps(row[r], q_t, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    float sums[kTokens];
+    int t = 0;
+    for (; t + 4 <= kTokens; t += 4) {
+      Sum4x512(acc[r][t], acc[r][t + 1], acc[r][t + 2], acc[r][t + 3], sums + t);
+    }
+    for (; t < kTokens; ++t) sums[t] = Sum512(acc[r][t]);
+    for (t = 0; t < kTokens; ++t) c[t * c_stride + r] = sums[t];
+  }
+}
+
+template <typename RowT, int kRows>
+inline void ScoreRowBlock512(int tokens, const RowT* w, int64_t w_stride, const float* const* a,
+                             int64_t n, float* c, int64_t c_stride) {
+  switch (tokens) {
+    case 8: ScoreMicroKernel512<RowT, kRows, 8>(w, w_stride, a, n, c, c_stride); break;
+    case 7: ScoreMicroKernel512<RowT, kRows, 7>(w, w_stride, a, n, c, c_stride); break;
+    case 6: ScoreMicroKernel512<RowT, kRows, 6>(w, w_stride, a, n, c, c_stride); break;
+    case 5: ScoreMicroKernel512<RowT, kRows, 5>(w, w_stride, a, n, c, c_stride); break;
+    case 4: ScoreMicroKernel512<RowT, kRows, 4>(w, w_stride, a, n, c, c_stride); break;
+    case 3: ScoreMicroKernel512<RowT, kRows, 3>(w, w_stride, a, n, c, c_stride); break;
+    case 2: ScoreMicroKernel512<RowT, kRows, 2>(w, w_stride, a, n, c, c_stride); break;
+    default: ScoreMicroKernel512<RowT, kRows, 1>(w, w_stride, a, n, c, c_stride); break;
+  }
+}
+
+// Tokens in groups of 8, rows in pairs (16 accumulators).
+template <typename RowT>
+inline void ScoreRows512(const DotProblem<RowT, float>& p) {
+  for (int64_t t = 0; t < p.tokens; t += 8) {
+    const int tokens = p.tokens - t < 8 ? static_cast<int>(p.tokens - t) : 8;
+    float* c = p.c + t * p.c_stride;
+    int64_t r = 0;
+    for (; r + 2 <= p.rows; r += 2) {
+      ScoreRowBlock512<RowT, 2>(tokens, p.w + r * p.w_stride, p.w_stride, p.a + t, p.n, c + r,
+                                p.c_stride);
+    }
+    if (r < p.rows) {
+      ScoreRowBlock512<RowT, 1>(tokens, p.w + r * p.w_stride, p.w_stride, p.a + t, p.n, c + r,
+                                p.c_stride);
+    }
+  }
+}
+
+inline void ScoreF32Avx512(const DotProblem<float, float>& p) { ScoreRows512(p); }
+inline void ScoreBf16Avx512(const DotProblem<Bf16Bits, float>& p) { ScoreRows512(p); }
+
+// KernelTable::exp_sub_sum with Exp512, 16 lanes at a time (the tail masked).
+inline float ExpSubSumAvx512(const float* in, float max, float* out, int64_t n) {
+  const __m512 shift = _mm512_set1_ps(max), lowest = _mm512_set1_ps(-87.0f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? 0xffff : FirstLanes16(n - i);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, in + i), shift);
+    const __m512 e =
+        _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ) & mask, Exp512(x));
+    _mm512_mask_storeu_ps(out + i, mask, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return Sum512(sum);
 }
 
 inline uint32_t XorWordsAvx512(const void* data, int64_t n_words) {

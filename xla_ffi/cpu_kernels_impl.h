@@ -186,32 +186,43 @@ static inline void RoundToBf16Loop(const float* in, Bf16Bits* out, int64_t n) {
   }
 }
 
-// The weighted row sums of RowSumProblem (cpu_kernels.h), 4 rows of v at a time; the loops over
-// i vectorise to the ISA's width.
-static inline void WeightedRowSumLoop(const RowSumProblem& p) {
+// A float32 or bfloat16 element as float32 (bfloat16 widened exactly: its bits shifted left 16).
+static inline float ToFloat32(float x) { return x; }
+static inline float ToFloat32(Bf16Bits x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float out;
+  __builtin_memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// The weighted row sums of RowSumProblem (cpu_kernels.h), 4 rows of v at a time (skipping groups
+// of 4 zero weights); the loops over i vectorise to the ISA's width.
+template <typename ValueT>
+static inline void WeightedRowSumLoop(const RowSumProblem<ValueT>& p) {
   int64_t s = 0;
   for (; s + 4 <= p.rows; s += 4) {
-    const float* v0 = p.v + s * p.v_stride;
-    const float* v1 = v0 + p.v_stride;
-    const float* v2 = v1 + p.v_stride;
-    const float* v3 = v2 + p.v_stride;
+    const ValueT* v0 = p.v + s * p.v_stride;
+    const ValueT* v1 = v0 + p.v_stride;
+    const ValueT* v2 = v1 + p.v_stride;
+    const ValueT* v3 = v2 + p.v_stride;
     for (int64_t j = 0; j < p.n; ++j) {
       const float* w = p.weight + j * p.weight_stride + s;
       const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
       if (w0 == 0.0f && w1 == 0.0f && w2 == 0.0f && w3 == 0.0f) continue;
       float* acc = p.acc + j * p.acc_stride;
       for (int64_t i = 0; i < p.width; ++i) {
-        acc[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i]);
+        acc[i] += (w0 * ToFloat32(v0[i]) + w1 * ToFloat32(v1[i])) +
+                  (w2 * ToFloat32(v2[i]) + w3 * ToFloat32(v3[i]));
       }
     }
   }
   for (; s < p.rows; ++s) {
-    const float* v0 = p.v + s * p.v_stride;
+    const ValueT* v0 = p.v + s * p.v_stride;
     for (int64_t j = 0; j < p.n; ++j) {
       const float w0 = p.weight[j * p.weight_stride + s];
       if (w0 == 0.0f) continue;
       float* acc = p.acc + j * p.acc_stride;
-      for (int64_t i = 0; i < p.width; ++i) acc[i] += w0 * v0[i];
+      for (int64_t i = 0; i < p.width; ++i) acc[i] += w0 * ToFloat32(v0[i]);
     }
   }
 }

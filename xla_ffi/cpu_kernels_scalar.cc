@@ -69,7 +69,46 @@ void SiluMul(const float* gate, const float* up, float* h, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
-void WeightedRowSum(const RowSumProblem& p) { cpu_kernels_impl::WeightedRowSumLoop(p); }
+void WeightedRowSum(const RowSumProblem<float>& p) { cpu_kernels_impl::WeightedRowSumLoop(p); }
+void WeightedRowSumBf16(const RowSumProblem<Bf16Bits>& p) {
+  cpu_kernels_impl::WeightedRowSumLoop(p);
+}
+
+// exp(in[i] - max): Cephes' single-precision exp (relative error below 2e-7) in plain float
+// arithmetic, so that the loops vectorise (to SSE2 here), unlike calls of std::exp.
+float ExpSubSum(const float* in, float max, float* out, int64_t n) {
+  constexpr float kLowest = -87.0f;      // below: 0
+  constexpr float kHighest = 88.0f;      // above: clamped (e^88 < float32's largest)
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: (y + kRound) - kRound rounds y
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2High = 0.693359375f;  // ln 2 = kLn2High + kLn2Low
+  constexpr float kLn2Low = -2.12194440e-4f;
+  float lanes[8] = {};
+  for (int64_t s0 = 0; s0 < n; s0 += 8) {
+    const int64_t count = n - s0 < 8 ? n - s0 : 8;
+    for (int64_t i = 0; i < count; ++i) {
+      const float x = in[s0 + i] - max;
+      const float y = x < kLowest ? kLowest : (x > kHighest ? kHighest : x);
+      const float k = (y * kLog2e + kRound) - kRound;  // exp(y) = 2^k exp(r), |r| <= ln2 / 2
+      const float r = (y - k * kLn2High) - k * kLn2Low;
+      float poly = 1.9875691500e-4f;
+      poly = poly * r + 1.3981999507e-3f;
+      poly = poly * r + 8.3334519073e-3f;
+      poly = poly * r + 4.1665795894e-2f;
+      poly = poly * r + 1.6666665459e-1f;
+      poly = poly * r + 5.0000001201e-1f;
+      const float exp_r = poly * r * r + r + 1.0f;
+      const int32_t exponent_bits = (static_cast<int32_t>(k) + 127) * (1 << 23);  // 2^k
+      float two_to_k;
+      std::memcpy(&two_to_k, &exponent_bits, sizeof(two_to_k));
+      const float e = x >= kLowest ? exp_r * two_to_k : 0.0f;
+      out[s0 + i] = e;
+      lanes[i] += e;
+    }
+  }
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
 
 uint32_t XorWords(const void* data, int64_t n_words) {
   const unsigned char* bytes = static_cast<const unsigned char*>(data);
@@ -115,6 +154,10 @@ const KernelTable kScalarTable = {
     /*round_to_bf16=*/RoundToBf16,
     /*silu_mul=*/SiluMul,
     /*weighted_row_sum=*/WeightedRowSum,
+    /*weighted_row_sum_bf16=*/WeightedRowSumBf16,
+    /*score_f32_f32=*/DotF32F32,
+    /*score_bf16_f32=*/DotBf16F32,
+    /*exp_sub_sum=*/ExpSubSum,
     /*xor_words=*/XorWords,
     /*peak_loop=*/PeakLoop,
     /*peak_flops_per_iteration=*/2 * kPeakChains,

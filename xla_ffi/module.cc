@@ -16,6 +16,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxAttention);  // attention.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxReadProbe);  // read_probe.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxPeakProbe);  // peak_probe.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxCpuInfo);    // cpu_info.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpSubSum);  // exp_sub_sum.cc
 
 namespace {
 
@@ -38,6 +39,7 @@ NB_MODULE(_ffi, m) {
     registrations["ftjax_read_probe"] = EncapsulateHandler(FtjaxReadProbe);
     registrations["ftjax_peak_probe"] = EncapsulateHandler(FtjaxPeakProbe);
     registrations["ftjax_cpu_info"] = EncapsulateHandler(FtjaxCpuInfo);
+    registrations["ftjax_exp_sub_sum"] = EncapsulateHandler(FtjaxExpSubSum);
     return registrations;
   });
 }

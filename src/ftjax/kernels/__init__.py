@@ -13,6 +13,8 @@ Ops:
   read_probe(buf)                                        host read-bandwidth probe
   peak_probe(*, tasks, iterations)                       host multiply-add peak probe
   cpu_info()                                             ISA and threads in use
+  exp_sub_sum(x, max)                                    exp(x - max) per row and its sums (the
+                                                         softmax primitive of attention)
   slot_fill(slots, bank, src, dst)                       copy experts into cache slots in place
 
 Environment (read by the C++ kernels):
@@ -32,10 +34,11 @@ from ftjax.kernels._registration import KernelsUnavailable, available, load_erro
 from ftjax.kernels.attention import attention
 from ftjax.kernels.cpu_info import cpu_info
 from ftjax.kernels.dense import dense
+from ftjax.kernels.exp_sub_sum import exp_sub_sum
 from ftjax.kernels.expert_ffn import expert_ffn
 from ftjax.kernels.peak_probe import peak_probe
 from ftjax.kernels.read_probe import read_probe
 from ftjax.kernels.slot_fill import slot_fill
 
 __all__ = ["KernelsUnavailable", "available", "load_error", "require", "attention", "cpu_info",
-           "dense", "expert_ffn", "peak_probe", "read_probe", "slot_fill"]
+           "dense", "exp_sub_sum", "expert_ffn", "peak_probe", "read_probe", "slot_fill"]
