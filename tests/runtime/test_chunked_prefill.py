@@ -20,7 +20,7 @@ LENGTHS = (CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK, 2 * CHUNK + 1)
 
 @pytest.fixture(scope="module")
 def model(tiny_config):
-  return scaled_params(model_lib.random_model(tiny_config, seed=3, dtype="float32"), 8.0)
+  return scaled_params(model_lib.random_model(tiny_config, seed=3, dtype="float32"), 4.0)
 
 
 @pytest.fixture(scope="module")

@@ -638,7 +638,8 @@ class Engine:
     self._check_ids(ids)
     self.check_context(len(ids), 0)
     plan = self._prefill_plan(len(ids))
-    state = self._engine_state(self._new_state(1, plan.rows))
+    state = self._engine_state(self._new_state(
+        1, -(-plan.rows // _STATE_BUCKET) * _STATE_BUCKET))
     stop_ids, sampling = self._put((np.full(_STOP_BUCKET, -1, np.int32),
                                          Sampling.make(greedy=True)))
     sizes = (state.decode.capacity, self._slot_capacity(), _STOP_BUCKET, True, False)
@@ -662,8 +663,8 @@ class Engine:
     params, bank = self.params, self.bank
     n = len(ids)
     chunk_args = self._put((np.zeros((1, plan.chunk), np.int32), np.int32(plan.chunk)))
-    extend = {}
-    for fresh in ((True, False) if plan.full > 1 else (True,)) if plan.full else ():
+    extend = {}  # by `fresh`: the first whole chunk, then the others
+    for fresh in [True, False][:plan.full]:
       extend[fresh] = self._compiled(("prefill_chunk", plan.chunk, fresh, *sizes[:2]),
                                      programs.extend_program, params, bank, state,
                                      *chunk_args, fresh=fresh)
