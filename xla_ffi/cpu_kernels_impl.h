@@ -94,9 +94,27 @@ inline void RowBlock(const DotProblem<typename Ops::Weight, typename Ops::Activa
 // read probe (lm_head) and the decode expert FFN at 0.85; 3 KiB ahead into L2 gave 0.92 and 0.98
 // (benchmarks/expert_kernel.py; 2 and 4 KiB within noise of 3, 1.5 KiB into L1 worse, NTA far
 // worse). With FTJAX_ISA=avx2 on that machine: 0.81 -> 1.07 and 0.84 -> 1.04 of the AVX2 read
-// probe. Prefetches stop at the end of the problem's weights, so no line past them is read.
-constexpr int64_t kPrefetchBytes = 3072;
+// probe. On the 2-core AMD EPYC (Zen 5) VM one core streams ~40 GB/s, so ~5 KiB must be in flight
+// at ~120 ns latency, more than 3 KiB ahead covers: a [32768, 2048] bf16 GEMV on 64-row tiles
+// (medians of 41 rounds, each paired with the read probe, per-thread CPU time because another
+// process shared the cores) went from 0.93 to 0.96-0.98 of the read probe with 6 KiB (AVX-512),
+// 8 KiB within noise of 6, 1 KiB 0.85, none 0.89-0.91, prefetcht0 within noise of prefetcht1;
+// AVX2 from 0.88 (4 accumulators, 3 KiB) to 0.96-0.97 (6 KiB) and 0.975-0.985 with 8
+// accumulators (kRowPassBytes below). Prefetches stop at the end of the problem's weights, so no
+// line past them is read.
+constexpr int64_t kPrefetchBytes = 6144;
 constexpr int64_t kCacheLine = 64;
+
+// RowTimesVector's accumulators: enough for kRowPassBytes of weights per pass of its loop, within
+// [4, 8] (at least 4 hide the multiply-add latency). AVX2's 16-byte bf16 steps take 8: 0.96 ->
+// 0.98 of the read probe on the Zen 5 VM (the loop and its prefetch cost less per byte); the
+// AVX-512 ops, 32- and 64-byte steps, keep 4.
+constexpr int64_t kRowPassBytes = 128;
+template <typename Ops>
+constexpr int RowAccumulators() {
+  constexpr int64_t by_bytes = kRowPassBytes / (Ops::kStep * sizeof(typename Ops::Weight));
+  return by_bytes < 4 ? 4 : by_bytes > 8 ? 8 : static_cast<int>(by_bytes);
+}
 
 // The lane-wise partial sums of row . a (one token) over n: kSplit accumulators along i, so that
 // the multiply-add latency is hidden. Ops::Sum of the result is the dot product. Lines
@@ -145,19 +163,20 @@ template <typename Ops>
 void Dot(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p) {
   if (p.rows <= 0) return;
   if (p.tokens == 1) {
+    constexpr int kSplit = RowAccumulators<Ops>();
     const typename Ops::Activation* a = p.a[0];
     const uintptr_t end = reinterpret_cast<uintptr_t>(p.w + (p.rows - 1) * p.w_stride + p.n);
     int64_t row = 0;
     for (; row + 4 <= p.rows; row += 4) {  // rows one by one, lanes summed 4 rows at a time
       const typename Ops::Weight* w = p.w + row * p.w_stride;
-      const typename Ops::Acc v0 = RowTimesVector<Ops, 4>(w, a, p.n, end);
-      const typename Ops::Acc v1 = RowTimesVector<Ops, 4>(w + p.w_stride, a, p.n, end);
-      const typename Ops::Acc v2 = RowTimesVector<Ops, 4>(w + 2 * p.w_stride, a, p.n, end);
-      const typename Ops::Acc v3 = RowTimesVector<Ops, 4>(w + 3 * p.w_stride, a, p.n, end);
+      const typename Ops::Acc v0 = RowTimesVector<Ops, kSplit>(w, a, p.n, end);
+      const typename Ops::Acc v1 = RowTimesVector<Ops, kSplit>(w + p.w_stride, a, p.n, end);
+      const typename Ops::Acc v2 = RowTimesVector<Ops, kSplit>(w + 2 * p.w_stride, a, p.n, end);
+      const typename Ops::Acc v3 = RowTimesVector<Ops, kSplit>(w + 3 * p.w_stride, a, p.n, end);
       Ops::Sum4(v0, v1, v2, v3, p.c + row);
     }
     for (; row < p.rows; ++row) {
-      p.c[row] = Ops::Sum(RowTimesVector<Ops, 4>(p.w + row * p.w_stride, a, p.n, end));
+      p.c[row] = Ops::Sum(RowTimesVector<Ops, kSplit>(p.w + row * p.w_stride, a, p.n, end));
     }
     return;
   }
