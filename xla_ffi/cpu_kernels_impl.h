@@ -95,13 +95,17 @@ inline void RowBlock(const DotProblem<typename Ops::Weight, typename Ops::Activa
 // (benchmarks/expert_kernel.py; 2 and 4 KiB within noise of 3, 1.5 KiB into L1 worse, NTA far
 // worse). With FTJAX_ISA=avx2 on that machine: 0.81 -> 1.07 and 0.84 -> 1.04 of the AVX2 read
 // probe. On the 2-core AMD EPYC (Zen 5) VM one core streams ~40 GB/s, so ~5 KiB must be in flight
-// at ~120 ns latency, more than 3 KiB ahead covers: a [32768, 2048] bf16 GEMV on 64-row tiles
-// (medians of 41 rounds, each paired with the read probe, per-thread CPU time because another
-// process shared the cores) went from 0.93 to 0.96-0.98 of the read probe with 6 KiB (AVX-512),
-// 8 KiB within noise of 6, 1 KiB 0.85, none 0.89-0.91, prefetcht0 within noise of prefetcht1;
-// AVX2 from 0.88 (4 accumulators, 3 KiB) to 0.96-0.97 (6 KiB) and 0.975-0.985 with 8
-// accumulators (kRowPassBytes below). Prefetches stop at the end of the problem's weights, so no
-// line past them is read.
+// at ~120 ns latency, more than 3 KiB ahead covers. A [32768, 2048] bf16 GEMV on 64-row tiles, 2
+// threads (medians of 31-61 rounds, each paired with the read probe, per-thread CPU time because
+// another process shared the cores): on 2 MiB pages 0.93 -> 0.96-0.99 of the read probe with
+// 6 KiB (AVX-512; 8 KiB within noise of 6, 1 KiB 0.85, none 0.89-0.91, prefetcht0 within noise
+// of prefetcht1), AVX2 0.88 -> 0.96-0.97, and 0.98-1.0 with 8 accumulators (kRowPassBytes
+// below); on 4 KiB pages (jax buffers, mapped files) all lower: AVX-512 0.78 none, 0.87 at 3 KiB,
+// 0.89-0.91 at 6 KiB, 0.90 at 12 KiB; AVX2 0.82 -> 0.87-0.89. There prefetchnta measured 0.93
+// on both widths (the Xeon VM: far worse), not adopted without a per-vendor choice. The ops
+// themselves, same process, ISAs alternating: lm_head GEMV 0.78 -> 0.79-0.83 (AVX-512), 0.61 ->
+// 0.91-0.93 (AVX2); decode expert FFN 0.71 -> 0.77 and 0.55 -> 0.84-0.88. Prefetches stop at the
+// end of the problem's weights, so no line past them is read.
 constexpr int64_t kPrefetchBytes = 6144;
 constexpr int64_t kCacheLine = 64;
 
@@ -128,7 +132,7 @@ inline typename Ops::Acc RowTimesVector(const typename Ops::Weight* row,
   for (int s = 0; s < kSplit; ++s) acc[s] = Ops::Zero();
   int64_t i = 0;
   for (; i + kSplit * Ops::kStep <= n; i += kSplit * Ops::kStep) {
-    if constexpr (kPassBytes >= kCacheLine) {  // not the scalar fallback's 8-byte passes
+    if constexpr (kPassBytes >= kCacheLine) {  // not the scalar fallback's short passes
       const uintptr_t ahead = reinterpret_cast<uintptr_t>(row + i) + kPrefetchBytes;
       if (ahead + kPassBytes <= prefetch_end) {
         for (int64_t b = 0; b < kPassBytes; b += kCacheLine) {
