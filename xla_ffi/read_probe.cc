@@ -3,8 +3,8 @@
 // cannot be optimised away. Timing it gives the host's read-bandwidth ceiling, against which the
 // expert kernel and the GEMV are reported (benchmarks/expert_kernel.py, python -m ftjax.profile).
 // The ISA's xor_words does the reading: several independent vector loads per round, and on AVX2
-// the same software prefetch as the one-token dot kernels (cpu_kernels_avx2.cc), so that what
-// the kernels get from prefetching the probe gets too and its GB/s is a ceiling for them.
+// and AVX-512 the same software prefetch as the one-token dot kernels (cpu_kernels_impl.h), so
+// that what the kernels get from prefetching the probe gets too and its GB/s is a ceiling for them.
 //
 // Three layers (STYLE.md section 6): ReadProbe (kernel), ReadProbeImpl, FtjaxReadProbe.
 
