@@ -53,11 +53,25 @@ Isa DetectIsa() {
   return Isa::kScalar;
 }
 
+bool IsAmd() {
+  uint32_t eax, vendor[3];
+  if (!__get_cpuid(0, &eax, &vendor[0], &vendor[2], &vendor[1])) return false;  // ebx, edx, ecx
+  return std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+}
+
 #else
 
 Isa DetectIsa() { return Isa::kScalar; }
+bool IsAmd() { return false; }
 
 #endif
+
+bool DetectPrefetchNonTemporal() {
+  const char* requested = std::getenv("FTJAX_PREFETCH");
+  if (requested != nullptr && std::strcmp(requested, "nta") == 0) return true;
+  if (requested != nullptr && std::strcmp(requested, "l2") == 0) return false;
+  return IsAmd();
+}
 
 const KernelTable* KernelsFor(Isa isa) {
   switch (isa) {
@@ -79,6 +93,11 @@ const char* IsaName(Isa isa) {
     case Isa::kScalar: break;
   }
   return "scalar";
+}
+
+bool PrefetchNonTemporal() {
+  static const bool non_temporal = DetectPrefetchNonTemporal();  // one-time, thread-safe
+  return non_temporal;
 }
 
 Isa BestSupportedIsa() {

@@ -155,6 +155,13 @@ struct KernelTable {
   int64_t peak_flops_per_iteration;
 };
 
+// The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read
+// probe's): true for prefetchnta, false for prefetcht1 (into L2). Chosen once per process from the
+// CPU vendor (cpu_isa.cc): non-temporal on AMD, where it measured 2-7% faster than into L2, into
+// L2 elsewhere (on the Xeon VM prefetchnta was far worse). FTJAX_PREFETCH=nta or l2, read on the
+// first call, overrides the choice (for measurements).
+bool PrefetchNonTemporal();
+
 // Each returns the table of its translation unit, or null when the compiler did not build that
 // ISA (a non-x86 target). Callers must check the CPU first: see cpu_isa.h.
 const KernelTable* ScalarKernels();

@@ -389,8 +389,8 @@ float ExpSubSumAvx2(const float* in, float max, float* out, int64_t n) {
 
 // The read probe's loop (read_probe.cc), written to read as fast as the kernels can: 8 independent
 // 32-byte loads per round (256 bytes, as many as the AVX-512 form's 4 x 64), and the same software
-// prefetch as the one-token dot kernels (cpu_kernels_impl.h: prefetcht1 kPrefetchBytes ahead,
-// never past the end). Earlier, with 4 loads per round and no prefetch, the AVX2 kernels measured
+// prefetch as the one-token dot kernels (cpu_kernels_impl.h: kPrefetchBytes ahead with the hint
+// of PrefetchNonTemporal, never past the end). Earlier, with 4 loads per round and no prefetch, the AVX2 kernels measured
 // 1.04-1.07 of this probe on a Xeon VM (whose hardware prefetcher alone does not reach the read
 // bandwidth), so it was no ceiling. On the 2-core Zen 4 VM, 4 or 8 loads, with or without the
 // prefetch, measured within the noise of each other (2 threads, 512 MiB, 40 alternating rounds).
@@ -399,6 +399,7 @@ uint32_t XorWordsAvx2(const void* data, int64_t n_words) {
   constexpr int kChains = 8;
   constexpr int64_t kRoundBytes = kChains * 32;
   const uintptr_t end = reinterpret_cast<uintptr_t>(bytes + 4 * n_words);
+  const bool non_temporal = PrefetchNonTemporal();
   __m256i x[kChains];
   for (int j = 0; j < kChains; ++j) x[j] = _mm256_setzero_si256();
   int64_t i = 0;
@@ -407,7 +408,11 @@ uint32_t XorWordsAvx2(const void* data, int64_t n_words) {
     const uintptr_t ahead = reinterpret_cast<uintptr_t>(p) + cpu_kernels_impl::kPrefetchBytes;
     if (ahead + kRoundBytes <= end) {
       for (int64_t b = 0; b < kRoundBytes; b += cpu_kernels_impl::kCacheLine) {
-        __builtin_prefetch(reinterpret_cast<const void*>(ahead + b), 0, 2);
+        if (non_temporal) {
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead + b), 0, 0);
+        } else {
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead + b), 0, 2);
+        }
       }
     }
     for (int j = 0; j < kChains; ++j) {

@@ -89,19 +89,44 @@ inline void RowBlock(const DotProblem<typename Ops::Weight, typename Ops::Activa
 }
 
 // Software prefetch on the one-token path: each pass of RowTimesVector's main loop asks for the
-// cache lines kPrefetchBytes ahead of what it reads, into L2 (prefetcht1). On the 2-core Xeon
-// (Sapphire Rapids class) VM the hardware prefetcher alone ran the row-by-row GEMV at 0.75 of the
-// read probe (lm_head) and the decode expert FFN at 0.85; 3 KiB ahead into L2 gave 0.92 and 0.98
-// (benchmarks/expert_kernel.py; 2 and 4 KiB within noise of 3, 1.5 KiB into L1 worse, NTA far
-// worse). With FTJAX_ISA=avx2 on that machine: 0.81 -> 1.07 and 0.84 -> 1.04 of the AVX2 read
-// probe. Prefetches stop at the end of the problem's weights, so no line past them is read.
-constexpr int64_t kPrefetchBytes = 3072;
+// cache lines kPrefetchBytes ahead of what it reads, non-temporally on AMD and into L2 elsewhere
+// (PrefetchNonTemporal, cpu_kernels.h). On the 2-core Xeon (Sapphire Rapids class) VM the
+// hardware prefetcher alone ran the row-by-row GEMV at 0.75 of the read probe (lm_head) and the
+// decode expert FFN at 0.85; 3 KiB ahead into L2 gave 0.92 and 0.98 (benchmarks/expert_kernel.py;
+// 2 and 4 KiB within noise of 3, 1.5 KiB into L1 worse, NTA far worse). With FTJAX_ISA=avx2 on
+// that machine: 0.81 -> 1.07 and 0.84 -> 1.04 of the AVX2 read probe.
+// On the 2-core AMD EPYC (Zen 5) VM one core streams ~40 GB/s, so ~5 KiB must be in flight at
+// ~120 ns latency, more than 3 KiB ahead covers. A [32768, 2048] bf16 GEMV on 64-row tiles, 2
+// threads, medians of 31-61 rounds each paired with the read probe:
+//   - per-thread CPU time (another process shared the cores), 2 MiB pages: 0.93 -> 0.96-0.99 of
+//     the read probe with 6 KiB into L2 (AVX-512; 8 KiB within noise of 6, 1 KiB 0.85, none
+//     0.89-0.91, prefetcht0 within noise of prefetcht1), AVX2 0.88 -> 0.96-0.97, 0.98-1.0 with 8
+//     accumulators (kRowPassBytes below); 4 KiB pages (jax buffers, mapped files), all lower:
+//     AVX-512 0.78 none, 0.87 at 3 KiB, 0.89-0.91 at 6 KiB, 0.90 at 12 KiB;
+//   - wall time on the quiet machine, 4 KiB pages, 6 KiB ahead: prefetchnta over prefetcht1
+//     1.07 vs 1.03, 1.02 vs 1.02, 0.92 vs 0.87 of the read probe in three runs (AVX2 8
+//     accumulators: 1.03-1.07 with NTA); 4, 8 and 12 KiB non-temporal no better than 6, 12 and
+//     16 KiB into L2 worse than 6.
+// Prefetches stop at the end of the problem's weights, so no line past them is read.
+constexpr int64_t kPrefetchBytes = 6144;
 constexpr int64_t kCacheLine = 64;
+
+// RowTimesVector's accumulators: enough for kRowPassBytes of weights per pass of its loop, within
+// [4, 8] (at least 4 hide the multiply-add latency). AVX2's 16-byte bf16 steps take 8: 0.96 ->
+// 0.98 of the read probe on the Zen 5 VM (the loop and its prefetch cost less per byte); the
+// AVX-512 ops, 32- and 64-byte steps, keep 4.
+constexpr int64_t kRowPassBytes = 128;
+template <typename Ops>
+constexpr int RowAccumulators() {
+  constexpr int64_t by_bytes = kRowPassBytes / (Ops::kStep * sizeof(typename Ops::Weight));
+  return by_bytes < 4 ? 4 : by_bytes > 8 ? 8 : static_cast<int>(by_bytes);
+}
 
 // The lane-wise partial sums of row . a (one token) over n: kSplit accumulators along i, so that
 // the multiply-add latency is hidden. Ops::Sum of the result is the dot product. Lines
-// kPrefetchBytes ahead of the reads are prefetched while they lie before `prefetch_end`.
-template <typename Ops, int kSplit>
+// kPrefetchBytes ahead of the reads are prefetched, with __builtin_prefetch's locality kLocality
+// (0: prefetchnta, 2: prefetcht1), while they lie before `prefetch_end`.
+template <typename Ops, int kSplit, int kLocality>
 inline typename Ops::Acc RowTimesVector(const typename Ops::Weight* row,
                                         const typename Ops::Activation* a, int64_t n,
                                         uintptr_t prefetch_end) {
@@ -110,11 +135,11 @@ inline typename Ops::Acc RowTimesVector(const typename Ops::Weight* row,
   for (int s = 0; s < kSplit; ++s) acc[s] = Ops::Zero();
   int64_t i = 0;
   for (; i + kSplit * Ops::kStep <= n; i += kSplit * Ops::kStep) {
-    if constexpr (kPassBytes >= kCacheLine) {  // not the scalar fallback's 8-byte passes
+    if constexpr (kPassBytes >= kCacheLine) {  // not the scalar fallback's short passes
       const uintptr_t ahead = reinterpret_cast<uintptr_t>(row + i) + kPrefetchBytes;
       if (ahead + kPassBytes <= prefetch_end) {
         for (int64_t b = 0; b < kPassBytes; b += kCacheLine) {
-          __builtin_prefetch(reinterpret_cast<const void*>(ahead + b), 0, 2);
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead + b), 0, kLocality);
         }
       }
     }
@@ -136,28 +161,35 @@ inline typename Ops::Acc RowTimesVector(const typename Ops::Weight* row,
 
 // One token (a GEMV) is bound by reading the weights, so the rows are read one after the other: a
 // single sequential stream, which the hardware prefetcher follows (helped by the software prefetch
-// above, which the Xeon VMs need to get near the read bandwidth). Blocks
-// of 4 or 8 rows read side by side (4-8 interleaved streams) measured 0.75-0.8 of it on the
-// 2-core Zen 4 VM. With 2 or more tokens the 4 x 4 register blocks below win: the row kernel
-// needs one activation load per multiply-add and runs into the load ports (measured on 16 MiB of
-// bf16 weights, one core: 2 tokens 44 vs 34 GB/s, 4 tokens 30 vs 15 GB/s).
+// above, which the Xeon VMs need to get near the read bandwidth). Blocks of 4 or 8 rows read side
+// by side (4-8 interleaved streams) measured 0.75-0.8 of it on the 2-core Zen 4 VM.
+//
+// Each row's lanes are summed as soon as the row is done. Summing 4 rows at a time with Ops::Sum4
+// instead (the 4 rows' loops inlined one after the other) ran the AVX-512 bf16 GEMV at 0.75 of the
+// read probe on the Zen 5 VM against 0.91 this way, with the same inner-loop instructions (one
+// thread, 4 KiB pages, medians of 21-31 paired rounds); AVX2 0.90 either way.
+template <typename Ops, int kLocality>
+void OneToken(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p) {
+  constexpr int kSplit = RowAccumulators<Ops>();
+  const typename Ops::Activation* a = p.a[0];
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p.w + (p.rows - 1) * p.w_stride + p.n);
+  for (int64_t row = 0; row < p.rows; ++row) {
+    p.c[row] = Ops::Sum(RowTimesVector<Ops, kSplit, kLocality>(p.w + row * p.w_stride, a, p.n,
+                                                               end));
+  }
+}
+
+// With 2 or more tokens the 4 x 4 register blocks below win: the row kernel needs one activation
+// load per multiply-add and runs into the load ports (measured on 16 MiB of bf16 weights, one
+// core: 2 tokens 44 vs 34 GB/s, 4 tokens 30 vs 15 GB/s).
 template <typename Ops>
 void Dot(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p) {
   if (p.rows <= 0) return;
   if (p.tokens == 1) {
-    const typename Ops::Activation* a = p.a[0];
-    const uintptr_t end = reinterpret_cast<uintptr_t>(p.w + (p.rows - 1) * p.w_stride + p.n);
-    int64_t row = 0;
-    for (; row + 4 <= p.rows; row += 4) {  // rows one by one, lanes summed 4 rows at a time
-      const typename Ops::Weight* w = p.w + row * p.w_stride;
-      const typename Ops::Acc v0 = RowTimesVector<Ops, 4>(w, a, p.n, end);
-      const typename Ops::Acc v1 = RowTimesVector<Ops, 4>(w + p.w_stride, a, p.n, end);
-      const typename Ops::Acc v2 = RowTimesVector<Ops, 4>(w + 2 * p.w_stride, a, p.n, end);
-      const typename Ops::Acc v3 = RowTimesVector<Ops, 4>(w + 3 * p.w_stride, a, p.n, end);
-      Ops::Sum4(v0, v1, v2, v3, p.c + row);
-    }
-    for (; row < p.rows; ++row) {
-      p.c[row] = Ops::Sum(RowTimesVector<Ops, 4>(p.w + row * p.w_stride, a, p.n, end));
+    if (PrefetchNonTemporal()) {
+      OneToken<Ops, 0>(p);
+    } else {
+      OneToken<Ops, 2>(p);
     }
     return;
   }

@@ -15,7 +15,8 @@
 // all tokens against its rows in tiles of kTokenTile tokens, so its weight rows (kRowTile * K
 // elements, 256 KiB for K = 2048 bf16) stay in L2 while the tokens go past. Each weight element
 // is read from memory once. Up to KernelTable::packed_min_tokens tokens the tiles run the dot
-// kernels (4 rows at a time stay in L1; T = 1 is one sequential stream); above it, where the ISA
+// kernels (4 rows at a time stay in L1; T = 1 is one sequential stream per task, in larger tasks
+// of ~2 MiB: GemvRowTile); above it, where the ISA
 // has one (AVX2, AVX-512), the packed-activation GEMM (cpu_kernels.h) on x packed once per call
 // in groups of 16 tokens. Scratch (packed x, row pointers, bf16-rounded x, output tiles) comes
 // from one grow-only buffer reused across calls (packing.h).
@@ -53,6 +54,18 @@ int64_t RowTile(int64_t k, int64_t weight_bytes) {
   return std::max<int64_t>(8, rows / 8 * 8);
 }
 
+// Rows of w per task for one token (a GEMV), where no weight row is reused: about 2 MiB of
+// weights, fewer when that would leave under 4 tasks per worker (the threads balance by taking
+// tasks), never fewer than RowTile. Each task starts a new stream, whose first lines the hardware
+// and software prefetch (cpu_kernels_impl.h) do not cover: on the Zen 5 VM a [65536, 2048] bf16
+// GEMV read at 0.90-0.98 of the read probe in 256 KiB tasks against 0.99-1.05 in 2 MiB ones
+// (AVX-512; AVX2 0.91-0.97 against 0.99; 2 threads, three runs of 31 paired rounds).
+int64_t GemvRowTile(int64_t n_out, int64_t k, int64_t weight_bytes, int num_workers) {
+  const int64_t by_bytes = (int64_t{2} << 20) / std::max<int64_t>(k * weight_bytes, 1);
+  const int64_t by_tasks = n_out / (4 * std::max(num_workers, 1));
+  return std::max(RowTile(k, weight_bytes), std::min(by_bytes, by_tasks) / 8 * 8);
+}
+
 // The dot-product kernels (decode, and prefill at or below KernelTable::packed_min_tokens tokens
 // or where the ISA has no packed GEMM). x_rows: the scratch for `tokens` row pointers.
 template <typename WeightT, typename ActivationT>
@@ -60,7 +73,9 @@ void RunDense(int64_t tokens, int64_t n_out, int64_t k, const ActivationT* x_tk,
               const WeightT* w_nk, void (*dot)(const DotProblem<WeightT, ActivationT>&),
               const Workers& workers, const ActivationT** x_rows, float* y_tn) {
   for (int64_t t = 0; t < tokens; ++t) x_rows[t] = x_tk + t * k;
-  const int64_t row_tile = RowTile(k, sizeof(WeightT));
+  const int64_t row_tile = tokens == 1
+                               ? GemvRowTile(n_out, k, sizeof(WeightT), workers.num_workers())
+                               : RowTile(k, sizeof(WeightT));
   workers.ParallelFor(CeilDiv(n_out, row_tile), [&](int64_t task, int /*worker*/) {
     const int64_t n0 = task * row_tile;
     const int64_t rows = std::min(row_tile, n_out - n0);

@@ -25,9 +25,11 @@
 //      KernelTable::packed_min_tokens routes (8 on AVX2, 16 on AVX-512) for the packed-activation
 //      GEMM (cpu_kernels.h): broadcast weights times 16 routes per vector, no
 //      horizontal sums; experts with fewer routes, and other ISAs, use the dot-product kernels;
-//   1. gate/up: task (expert, chunk of kFfnChunk rows of F): h[route, f] = silu(g) * u for all
+//   1. gate/up: task (expert, chunk of kFfnChunk rows of F; kDecodeFfnChunk in the decode form):
+//      h[route, f] = silu(g) * u for all
 //      of the expert's routes, g and u from one pass over those gate and up rows;
-//   2. down:    task (chunk of kModelChunk rows of D), over all experts: z = down_e . h, and
+//   2. down:    task (chunk of kModelChunk rows of D; kDecodeModelChunk in the decode form),
+//               over all experts: z = down_e . h, and
 //               y[token] += weight * z. Each task owns its columns of y, so no two threads ever
 //               add into the same element and the sum order does not depend on the threads.
 // A T = 1 call reads each weight row once, as one sequential stream (cpu_kernels_impl.h), and
@@ -77,6 +79,17 @@ constexpr int64_t kDecodeMaxTokens = 8;  // T at or below: decode form
 constexpr int64_t kFfnChunk = 64;        // rows of gate (and of up) per phase-1 task
 constexpr int64_t kModelChunk = 128;     // rows of down per phase-2 task
 constexpr int64_t kTokenTile = 64;       // tokens per GEMM tile in the grouped form
+// The decode form's chunks, larger (when no expert has more than kDecodeMaxTokens routes): no
+// L1/L2 reuse to keep, and each task starts new weight streams that the prefetchers take a while to cover
+// (cpu_kernels_impl.h, dense.cc). 8 Qwen3-30B-A3B experts at T = 1 on the Zen 5 VM, 2 threads,
+// medians of 30 rounds alternating in one process: 0.85-0.98 of the read probe with 64/128-row
+// chunks, 0.91-1.00 with 256/256 (AVX-512), AVX2 0.83-0.96 -> 0.90-0.98; 384 or 768 gate/up
+// rows and 512 down rows no better (and 512 leaves 4 down tasks for the threads to balance).
+constexpr int64_t kDecodeFfnChunk = 256;
+constexpr int64_t kDecodeModelChunk = 256;
+// They reuse the grouped form's per-worker scratch.
+static_assert(kDecodeMaxTokens * kDecodeFfnChunk <= kTokenTile * kFfnChunk);
+static_assert(kDecodeMaxTokens * kDecodeModelChunk <= kTokenTile * kModelChunk);
 
 // The routes of one call bucketed by expert: experts[i] (ascending, none empty) has the routes
 // [offsets[i], offsets[i + 1]), each with its token and weight, in (t, k) order.
@@ -289,11 +302,17 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   }
 
   // Phase 1: h = silu(gate . x) * (up . x), task = (expert, chunk of F).
-  const int64_t ffn_chunks = CeilDiv(F, kFfnChunk);
+  // Decode, with at most kDecodeMaxTokens routes per expert (none packed): larger chunks, whose
+  // tiles still fit the per-worker scratch (the static_asserts above).
+  const bool decode_chunks = dims.tokens <= kDecodeMaxTokens && packed_x_size == 0 &&
+                             groups.largest_group() <= kDecodeMaxTokens;
+  const int64_t ffn_chunk = decode_chunks ? kDecodeFfnChunk : kFfnChunk;
+  const int64_t model_chunk = decode_chunks ? kDecodeModelChunk : kModelChunk;
+  const int64_t ffn_chunks = CeilDiv(F, ffn_chunk);
   workers.ParallelFor(num_experts * ffn_chunks, [&](int64_t task, int worker) {
     const int64_t i = task / ffn_chunks;
-    const int64_t f0 = (task % ffn_chunks) * kFfnChunk;
-    const int64_t rows = std::min(kFfnChunk, F - f0);
+    const int64_t f0 = (task % ffn_chunks) * ffn_chunk;
+    const int64_t rows = std::min(ffn_chunk, F - f0);
     const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
     const WeightT* gate_fd = block + f0 * D;
     const WeightT* up_fd = block + F * D + f0 * D;
@@ -340,9 +359,9 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   });
 
   // Phase 2: y[token, d] = sum over routes of weight * (down . h), task = chunk of D.
-  workers.ParallelFor(CeilDiv(D, kModelChunk), [&](int64_t task, int worker) {
-    const int64_t d0 = task * kModelChunk;
-    const int64_t rows = std::min(kModelChunk, D - d0);
+  workers.ParallelFor(CeilDiv(D, model_chunk), [&](int64_t task, int worker) {
+    const int64_t d0 = task * model_chunk;
+    const int64_t rows = std::min(model_chunk, D - d0);
     for (int64_t t = 0; t < dims.tokens; ++t) std::fill_n(y_td + t * D + d0, rows, 0.0f);
     float* z = scratch[worker].down;
     for (int64_t i = 0; i < num_experts; ++i) {
