@@ -12,7 +12,9 @@ from ftjax.server import SessionPool
 
 @pytest.fixture(scope="module")
 def engine():
-  return ftjax.Engine(ftjax.load("default-hybrid"), kernels="ffi")  # the exact float32 path
+  # The exact float32 path (a float32 KV cache too: forks and fresh sessions prefill in
+  # different splits, and a bfloat16 cache can round a key differently between them).
+  return ftjax.Engine(ftjax.load("default-hybrid"), kernels="ffi", kv_dtype="float32")
 
 
 def ids(seed, n, prefix=()):
