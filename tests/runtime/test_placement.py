@@ -53,4 +53,4 @@ def test_the_cpu_backend_never_streams_unless_asked(tiny_config):
   engine = ftjax.Engine(model, cache_slots=4, policy="lru_fill")
   assert engine.runner.stream_min_tokens == 0 and engine.stream_source.startswith("never")
   engine = ftjax.Engine(model, cache_slots=4, policy="lru_fill", stream_prefill_tokens=64)
-  assert engine.runner.stream_min_tokens == 64 and engine.stream_source == "given"
+  assert engine.runner.stream_min_tokens == 64 and engine.stream_source == "given; every layer"

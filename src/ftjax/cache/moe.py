@@ -29,6 +29,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -44,6 +45,7 @@ from ftjax.utils.arrays import take
 
 FILLS = ("kernels", "slices", "cuda")
 HOSTS = ("kernels", "cuda")
+STREAMS = ("never", "always", "cost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,27 +65,41 @@ class Offload:
     ``cuda``: the CUDA start/done pair on the registered pool, overlapped with the device's
       hit and fill work.
   pool: the registered pool (``ftjax.kernels.cuda.register_pool``) for the CUDA paths.
-  stream: the layer-step moves its whole layer [E, P] to the device (one transfer by the
-    ``fill`` mechanism) and computes every route from it; the plan is made and its fills
+  stream: whether a layer-step moves its whole layer [E, P] to the device (one transfer by
+    the ``fill`` mechanism) and computes every route from it; the plan is made and its fills
     copied from the streamed layer as usual, so the cache ends as warm as the sparse step
-    leaves it (DESIGN section 4). Chosen per program (prompt length) by the engine.
+    leaves it (DESIGN section 4). ``never``; ``always`` (every layer-step of the program,
+    each layer's transfer started during the previous layer-step: double buffering); or
+    ``cost``: each layer-step streams when the cost model (``prefill_layer_times``) makes
+    streaming its layer cheaper than the sparse step, see ``CachedExperts``. The engine sets
+    it per program (prompt length). ``True``/``False`` mean ``always``/``never``.
+  host_gflops: the host expert kernel's grouped rate (multiply-add FLOPs per second / 1e9),
+    which ``cost`` weighs (``python -m ftjax.profile`` measures it).
   """
   fill: str = "kernels"
   host: str = "kernels"
   pool: PoolSpec | None = None
-  stream: bool = False  # whole layers to the device (long prefills): see ``offloaded_moe``
+  stream: str = "never"  # whole layers to the device (prefills): see ``offloaded_moe``
+  host_gflops: float = 0.0
   # Expert-parallel slots: the slot buffer is split along N over this one-axis mesh (one
   # contiguous block of slots per device); see ``offloaded_moe``.
   mesh: Mesh | None = None
 
   def __post_init__(self):
+    if isinstance(self.stream, bool):
+      object.__setattr__(self, "stream", "always" if self.stream else "never")
+    if self.stream not in STREAMS:
+      raise ValueError(f"stream must be one of {STREAMS}, got {self.stream!r}")
+    if self.stream == "cost" and not self.host_gflops > 0:
+      raise ValueError("stream='cost' weighs the host kernel's compute: give host_gflops > 0 "
+                       "(the grouped rate that python -m ftjax.profile measures)")
     if self.fill not in FILLS:
       raise ValueError(f"fill must be one of {FILLS}, got {self.fill!r}")
     if self.host not in HOSTS:
       raise ValueError(f"host must be one of {HOSTS}, got {self.host!r}")
     if "cuda" in (self.fill, self.host) and self.pool is None:
       raise ValueError("the CUDA fill and host paths need a registered pool (pool=)")
-    if self.mesh is not None and self.stream:
+    if self.mesh is not None and self.stream != "never":
       raise ValueError("expert-parallel slots (mesh=) do not stream whole layers: each device "
                        "would fetch the layer for routes it does not hold")
 
@@ -93,6 +109,8 @@ class Inflight:
   """A whole layer on its way to the device: a streamed prefill's prefetch of the next layer."""
   layer: int = struct.field(pytree_node=False)
   block: jax.Array  # [E, P]: the layer, or (CUDA) the buffer its copy is landing in
+  # stream="cost": [] bool, whether the transfer was started (``block`` is zeros otherwise).
+  started: jax.Array | None = None
 
 
 def fetch_layer_start(bank: jax.Array, layer: int, offload: Offload) -> Inflight:
@@ -134,16 +152,64 @@ class StepStats:
   # [L] int32: 1 where the layer-step streamed its whole layer to the device (prefill): its
   # ``host`` misses then ran on the device from the streamed layer, not on the host.
   streamed: jax.Array
+  # [L] int32: routes (token, expert pairs) served by the plan's ``host`` experts; on a
+  # streamed layer-step they ran on the device too.
+  host_routes: jax.Array
 
   @classmethod
   def zeros(cls, num_layers: int, steps: tuple[int, ...] = ()) -> "StepStats":
     # Distinct buffers: the state is donated, and one buffer cannot be donated twice.
-    return cls(*(jnp.zeros((*steps, num_layers), jnp.int32) for _ in range(4)))
+    return cls(*(jnp.zeros((*steps, num_layers), jnp.int32) for _ in range(5)))
 
-  def record(self, layer, p: Plan, streamed: bool = False) -> "StepStats":
+  def record(self, layer, p: Plan, streamed=False, host_routes=0) -> "StepStats":
     return StepStats(hits=self.hits.at[layer].set(p.hits), fills=self.fills.at[layer].set(p.fills),
                      host=self.host.at[layer].set(p.host),
-                     streamed=self.streamed.at[layer].set(int(streamed)))
+                     streamed=self.streamed.at[layer].set(jnp.asarray(streamed, jnp.int32)),
+                     host_routes=self.host_routes.at[layer].set(host_routes))
+
+
+def host_route_count(p: Plan, ids: jax.Array) -> jax.Array:
+  """[] int32: the routes of ``ids [T, K]`` that ``p`` sends to the host."""
+  return jnp.sum((ids >= 0) & (p.route_slot < 0)).astype(jnp.int32)
+
+
+def prefill_layer_times(fills, host, host_routes, *, experts: int, expert_bytes: int,
+                        flops_per_route: float, b_p, b_h, host_gflops: float):
+  """The cost model of one layer-step's expert traffic: ``(sparse, streamed)`` seconds.
+
+  S = ``expert_bytes``, bandwidths in GB/s (1e9 bytes), ``host_gflops`` in 1e9 FLOP/s::
+
+    streamed = E·S / B_P                         # the whole layer over the link
+    sparse   = max(fills·S / B_P,                # the fills over the link
+                   host_read, host_routes·flops_per_route / host_gflops)
+
+  ``host_read`` is the host kernel reading its ``host`` experts while it shares host memory
+  with the fills' DMA: at B_res = B_H − B_P while the DMA runs (DESIGN section 2, the q* rule's
+  derivation), at B_H after it. The device's compute is left out: it is the same routes
+  either way. Takes and returns numpy values (the engine's threshold, the benchmark's
+  modelled times) or jax values (the per-layer choice inside a program).
+
+  Example (tests/cache/test_prefill_stream.py): E = 128 experts of S = 9.44 MB (a
+  Qwen3-30B-A3B layer), B_P 25, B_H 63 GB/s. Streaming takes 48.3 ms. 40 fills take 15.1 ms,
+  during which the host reads 574 MB of its 70 experts (661 MB) at B_res 38 GB/s, and the
+  rest at B_H: 16.5 ms; so the layer stays sparse unless its host routes need more than
+  48.3 ms of compute.
+  """
+  gb = 1e9
+  values = (fills, host, host_routes, b_p, b_h)
+  xp = jnp if any(isinstance(v, jax.Array) for v in values) else np
+  fills, host, host_routes, b_p, b_h = (xp.asarray(v, xp.float32) for v in values)
+  b_p, b_h = b_p * gb, b_h * gb
+  dma = fills * expert_bytes / b_p
+  host_bytes = host * expert_bytes
+  b_res = xp.maximum(b_h - b_p, 0.0)
+  during = dma * b_res  # bytes the host kernel reads while the DMA runs
+  read = xp.where(host_bytes <= during, host_bytes / xp.maximum(b_res, 1.0),
+                  dma + (host_bytes - during) / b_h)
+  compute = host_routes * flops_per_route / (host_gflops * gb)
+  sparse = xp.maximum(dma, xp.maximum(read, compute))
+  streamed = xp.asarray(experts * expert_bytes, xp.float32) / b_p
+  return sparse, streamed
 
 
 def _fill_by_slices(slots, bank, layer, fill_expert, fill_slot):
@@ -204,8 +270,10 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     policy: a ``PolicyConfig`` (``get_policy(name)``); static.
     ffn_dim: F; impl: "xla", "ffi" or "ffi_bf16" (the host kernels), static.
     offload: where the pool lives and how fills and host routes run (``Offload``), static.
-    layer_block: with ``offload.stream``, this layer [E, P] already on the device (a
-      prefetch, see ``CachedExperts``); fetched here when None.
+      With ``stream="cost"`` the layer-step streams when ``prefill_layer_times`` of its own
+      plan says so (``CachedExperts`` also starts the next layer early).
+    layer_block: with ``offload.stream="always"``, this layer [E, P] already on the device
+      (a prefetch, see ``CachedExperts``); fetched here when None.
 
   Returns:
     ``(new_cache, y, plan)``: the cache after this layer-step (plan applied, fills copied
@@ -215,17 +283,63 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   cache, p = plan(cache, layer, ids, bandwidths, policy)
   if offload.mesh is not None:
     return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload)
-  if offload.stream:
-    if layer_block is None:
-      layer_block = fetch_layer(bank, layer, offload)
-    streamed = layer_block[None]  # [1, E, P] on the device
-    slots = fill_slots(cache.slots, streamed, 0, p.fill_expert, p.fill_slot, impl=impl)
-    y = routed_experts(x, ids, weights, streamed, 0, ffn_dim=ffn_dim, impl=impl)
-    return cache.replace(slots=slots), y, p
+  stream = offload.stream != "never"
+  if offload.stream == "cost":
+    stream = worth_streaming(p, ids, bandwidths, experts=bank.shape[1],
+                             expert_bytes=bank.shape[2] * bank.dtype.itemsize,
+                             flops_per_route=6.0 * ffn_dim * x.shape[-1],
+                             host_gflops=offload.host_gflops)
+  slots, y = execute_plan(x, weights, ids, cache.slots, bank, layer, p, stream=stream,
+                          ffn_dim=ffn_dim, impl=impl, offload=offload, layer_block=layer_block)
+  return cache.replace(slots=slots), y, p
+
+
+def worth_streaming(p: Plan, ids: jax.Array, bandwidths: jax.Array, *, experts: int,
+                    expert_bytes: int, flops_per_route: float, host_gflops: float) -> jax.Array:
+  """[] bool: whether the cost model makes streaming the layer cheaper than ``p``'s sparse
+  step (``prefill_layer_times`` of its fills, host experts and host routes)."""
+  sparse, streamed = prefill_layer_times(
+      p.fills, p.host, host_route_count(p, ids), experts=experts, expert_bytes=expert_bytes,
+      flops_per_route=flops_per_route, b_p=bandwidths[0], b_h=bandwidths[1],
+      host_gflops=host_gflops)
+  return streamed < sparse
+
+
+def execute_plan(x, weights, ids, slots, bank, layer, p: Plan, *, stream, ffn_dim: int,
+                 impl: str, offload: Offload, layer_block: jax.Array | None = None):
+  """Runs a planned layer-step: ``(slots, y)``. ``stream`` (a Python bool, or a traced []
+  bool choosing between the two at run time) computes every route from the whole layer
+  (``layer_block`` when it is already on the device, else fetched here) instead of from the
+  slots and the host pool; either way the plan's fills land in their slots."""
+  if isinstance(stream, bool):
+    run = _streamed_step if stream else _sparse_step
+    return run(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block)
+  operands = (x, weights, ids, slots, p)
+
+  def branch(run):
+    return lambda x, weights, ids, slots, p: run(x, weights, ids, slots, bank, layer, p,
+                                                  ffn_dim, impl, offload, layer_block)
+
+  return jax.lax.cond(stream, branch(_streamed_step), branch(_sparse_step), *operands)
+
+
+def _streamed_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block):
+  if offload.fill == "kernels" and layer_block is None:
+    # The pool is in memory the kernels read (the CPU backend): "moving the layer to the
+    # device" moves nothing, so the routes run from the pool in place (same numbers).
+    slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl)
+    return slots, routed_experts(x, ids, weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
+  if layer_block is None:
+    layer_block = fetch_layer(bank, layer, offload)
+  streamed = layer_block[None]  # [1, E, P] on the device
+  slots = fill_slots(slots, streamed, 0, p.fill_expert, p.fill_slot, impl=impl)
+  return slots, routed_experts(x, ids, weights, streamed, 0, ffn_dim=ffn_dim, impl=impl)
+
+
+def _sparse_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block):
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
   host_weights = jnp.where(on_device, 0.0, weights)
-  slots = cache.slots
   if offload.host == "cuda":
     # Posted before the device work: the routes consume the returned x, and the barrier ties
     # the slots to it too, so the fills are also scheduled after the post and the host kernel
@@ -236,14 +350,14 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl,
                      offload=offload)
   y = jnp.zeros(x.shape, jnp.float32)
-  if cache.capacity:
+  if slots.shape[0]:
     y = y + routed_experts(x, p.route_slot, jnp.where(on_device, weights, 0.0), slots[None], 0,
                            ffn_dim=ffn_dim, impl=impl)
   if offload.host == "cuda":
     y = host_experts_done(ticket, y)
   else:
     y = y + routed_experts(x, host_ids, host_weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
-  return cache.replace(slots=slots), y, p
+  return slots, y
 
 
 def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload):
@@ -315,10 +429,13 @@ class CachedExperts:
   inflight: Inflight | None = None  # streamed prefill: the next layer, already on its way
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["CachedExperts", jax.Array]:
+    if self.offload.stream == "cost":
+      return self._chosen_step(x, weights, ids, layer)
     block, inflight = None, None
-    if self.offload.stream:
+    if self.offload.stream == "always" and self.offload.fill != "kernels":
       # Double buffering: this layer was started by the previous layer-step (or starts now),
       # and the next layer starts before this one computes, so its transfer runs meanwhile.
+      # (With the kernels' fill the pool is memory the kernels read in place: nothing moves.)
       current = self.inflight
       if current is None or current.layer != layer:
         current = fetch_layer_start(self.bank, layer, self.offload)
@@ -329,5 +446,62 @@ class CachedExperts:
                                 bandwidths=self.bandwidths, policy=self.policy,
                                 ffn_dim=self.ffn_dim, impl=self.kernels, offload=self.offload,
                                 layer_block=block)
-    return self.replace(cache=cache, stats=self.stats.record(layer, p, self.offload.stream),
-                        inflight=inflight), y
+    return self.replace(cache=cache, stats=self.stats.record(
+        layer, p, self.offload.stream == "always", host_route_count(p, ids)),
+        inflight=inflight), y
+
+  def _chosen_step(self, x, weights, ids, layer: int):
+    """``stream="cost"``: each layer-step streams its layer or runs sparse, as the cost model
+    (``prefill_layer_times``) finds cheaper.
+
+    A layer whose transfer can start early is decided one layer ahead, so that it moves
+    while the previous layer computes (double buffering): right after layer l's plan, layer
+    l+1's counts are predicted from layer l's (its distinct experts, its split between fills
+    and host, its routes per expert) and layer l+1's share of experts in the cache:
+    ``m = distinct_l · (1 − resident_{l+1} / E)`` misses. The first layer of a program, and
+    every layer when the pool is read in place (the kernels' fill: nothing moves early), is
+    decided on its own plan's counts. Either way ``StepStats.streamed`` records what ran.
+    """
+    o, bank = self.offload, self.bank
+    num_experts = bank.shape[1]
+    costs = dict(experts=num_experts, expert_bytes=bank.shape[2] * bank.dtype.itemsize,
+                 flops_per_route=6.0 * self.ffn_dim * x.shape[-1], host_gflops=o.host_gflops)
+    cache, p = plan(self.cache, layer, ids, self.bandwidths, self.policy)
+    routes = host_route_count(p, ids)
+    block, inflight = None, None
+    current = self.inflight
+    if current is not None and current.layer == layer:
+      stream = current.started
+      block = jax.lax.cond(stream, lambda b: fetch_layer_done(Inflight(layer, b), o),
+                           lambda b: b, current.block)
+    else:
+      stream = worth_streaming(p, ids, self.bandwidths, **costs)
+    if o.fill != "kernels" and layer + 1 < cache.num_layers:
+      ahead = self._predict(p, ids, cache, layer + 1, **costs)
+      shape = bank.shape[1:]
+      started = jax.lax.cond(ahead, lambda: fetch_layer_start(bank, layer + 1, o).block,
+                             lambda: jnp.zeros(shape, bank.dtype))
+      inflight = Inflight(layer + 1, started, ahead)
+    slots, y = execute_plan(x, weights, ids, cache.slots, bank, layer, p, stream=stream,
+                            ffn_dim=self.ffn_dim, impl=self.kernels, offload=o,
+                            layer_block=block)
+    return self.replace(cache=cache.replace(slots=slots),
+                        stats=self.stats.record(layer, p, stream, routes), inflight=inflight), y
+
+  def _predict(self, p: Plan, ids, cache: ExpertCache, layer: int, **costs) -> jax.Array:
+    """[] bool: ``_chosen_step``'s early choice for ``layer`` from the previous plan ``p``."""
+    f32 = jnp.float32
+    num_experts = costs["experts"]
+    distinct = (p.hits + p.fills + p.host).astype(f32)
+    misses = p.misses.astype(f32)
+    resident = jnp.sum(cache.slot_of[layer] >= 0).astype(f32)
+    expect = distinct * (1.0 - resident / num_experts)
+    b_p, b_h = self.bandwidths[0], self.bandwidths[1]
+    fill_share = jnp.where(misses > 0, p.fills / jnp.maximum(misses, 1.0),
+                           jnp.minimum(b_p / b_h, 1.0))  # no misses: the q* share
+    routes_per_expert = jnp.sum(ids >= 0).astype(f32) / jnp.maximum(distinct, 1.0)
+    fills = expect * fill_share
+    host = expect - fills
+    sparse, streamed = prefill_layer_times(fills, host, host * routes_per_expert, b_p=b_p,
+                                           b_h=b_h, **costs)
+    return streamed < sparse

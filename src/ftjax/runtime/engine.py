@@ -35,6 +35,7 @@ from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.state import EngineState
 
 KV_DTYPES = ("float32", "bfloat16")
+PREFILL_STREAMS = ("auto", "always", "cost")
 _STATE_BUCKET = 256  # KV capacity is rounded up to this, so nearby lengths share a compile
 _STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
 
@@ -117,6 +118,15 @@ class RuntimeOptions:
     grouped host kernel reads the pool in place. With a ``profile`` that has the host's
     grouped rate, the threshold comes from the cost model instead
     (``ftjax.runtime.placement.prefill_stream_threshold``); ``engine.stream_source`` says which.
+  prefill_stream: how a prefill at or past that threshold streams: "always" (every MoE
+    layer, each layer's transfer started during the previous layer-step) or "cost" (each
+    layer-step streams when the cost model, ``ftjax.cache.moe.prefill_layer_times``, makes
+    streaming that layer cheaper than its sparse fills and host experts: a layer whose
+    experts are in the cache stays sparse; ``ftjax.cache.moe.CachedExperts``). Default
+    "auto": "cost" when the host's grouped rate is known (``host_gflops`` or a ``profile``),
+    else "always". ``engine.stats()`` counts the layer-steps that streamed.
+  host_gflops: the host expert kernel's grouped rate in GFLOP/s, which the cost model weighs
+    against streaming; default: the ``profile``'s ``host_grouped_gflops``.
   devices: split the expert cache's slots over this many local devices (expert-parallel, one
     contiguous block of slots each) and the large dense weights along their first axis, with
     ``jax.sharding``; None or 1: one device. Every placement works (the pool is read by every
@@ -144,6 +154,8 @@ class RuntimeOptions:
   decode_chunk: int = 8
   pool: str = "auto"
   stream_prefill_tokens: int | None = None
+  prefill_stream: str = "auto"
+  host_gflops: float | None = None
   devices: int | None = None
   prefill_chunk: int = 2048
   kv_dtype: str | None = None
@@ -156,6 +168,13 @@ class RuntimeOptions:
     if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"kv_dtype must be one of {KV_DTYPES} (or None: bfloat16 for bfloat16 "
                        f"models), got {self.kv_dtype!r}")
+    if self.prefill_stream not in PREFILL_STREAMS:
+      raise ValueError(f"prefill_stream must be one of {PREFILL_STREAMS}, got "
+                       f"{self.prefill_stream!r}")
+    if self.host_gflops is not None and (isinstance(self.host_gflops, bool) or not isinstance(
+        self.host_gflops, (int, float)) or not self.host_gflops > 0):
+      raise ValueError(f"host_gflops must be a positive number (GFLOP/s of the host expert "
+                       f"kernel's grouped form), got {self.host_gflops!r}")
     if self.stream_prefill_tokens is not None and (
         not isinstance(self.stream_prefill_tokens, int) or self.stream_prefill_tokens < 0):
       raise ValueError(f"stream_prefill_tokens must be an int >= 0 (0: never), got "
@@ -294,12 +313,15 @@ class Engine:
     self._profile: dict | None = None  # the bandwidth profile, when one was given
     self.bandwidths, self.bandwidth_source = self._bandwidths()
     c = model.config
+    stream_min = self._stream_min_tokens()
     self.runner = Runner(
         graphdef=model.graphdef, signature=_signature(model), num_layers=c.num_moe_layers,
         top_k=c.top_k, ffn_dim=c.moe_intermediate_size, kernels=self.kernels,
         policy=self.policy.program() if self.policy is not None else None,
         record_routing=opts.record_routing, chunk=opts.decode_chunk,
-        offload=self.placement.offload, stream_min_tokens=self._stream_min_tokens(),
+        offload=dataclasses.replace(self.placement.offload,
+                                    host_gflops=self._host_gflops() or 0.0),
+        stream_min_tokens=stream_min, prefill_stream=self._prefill_stream(stream_min),
         kv_dtype=self.kv_dtype)
     self.programs = Programs.shared(self.runner)
     self._cache: ExpertCache | None = None
@@ -334,7 +356,7 @@ class Engine:
     if self.mesh is not None:
       self.stream_source = "never (expert-parallel slots)"
       return 0
-    gflops = (self._profile or {}).get("host_grouped_gflops")
+    gflops = self._host_gflops()
     if self.bandwidths is None or not gflops:
       self.stream_source = ("T·K >= E (no profile with the host's grouped rate: run "
                             "python -m ftjax.profile and pass profile=)")
@@ -346,6 +368,27 @@ class Engine:
         experts=c.num_experts, top_k=c.top_k, expert_bytes=self.slot_bytes,
         flops_per_route=6.0 * c.moe_intermediate_size * c.hidden_size, b_p=b_p, b_h=b_h,
         host_gflops=gflops)
+
+  def _host_gflops(self) -> float | None:
+    """The host kernel's grouped rate (GFLOP/s): given, or the profile's; None if unknown."""
+    if self.options.host_gflops is not None:
+      return float(self.options.host_gflops)
+    return (self._profile or {}).get("host_grouped_gflops") or None
+
+  def _prefill_stream(self, stream_min: int) -> str:
+    """How prefills that stream do it (``RuntimeOptions.prefill_stream``); appended to
+    ``self.stream_source``."""
+    mode = self.options.prefill_stream
+    if mode == "auto":
+      mode = "cost" if self._host_gflops() and self.bandwidths is not None else "always"
+    if mode == "cost" and (not self._host_gflops() or self.bandwidths is None):
+      raise ValueError("prefill_stream='cost' weighs fills, host experts and streaming by the "
+                       "cost model: give bandwidths=(B_P, B_H) and host_gflops=, or a profile= "
+                       "from python -m ftjax.profile")
+    if stream_min:
+      self.stream_source += ("; each layer by the cost model" if mode == "cost"
+                             else "; every layer")
+    return mode
 
   # -- Expert cache ---------------------------------------------------------------------------
 
@@ -538,7 +581,7 @@ class Engine:
       if stats is not None:
         self._steps.append({"tokens": tokens, "hits": stats.hits, "fills": stats.fills,
                             "host": stats.host, "streamed": stats.streamed,
-                            "seconds": seconds})
+                            "host_routes": stats.host_routes, "seconds": seconds})
       if routing is not None:
         self._routing.append((routing.ids[:, :tokens], routing.weights[:, :tokens], phase))
       return
@@ -546,7 +589,7 @@ class Engine:
       if stats is not None:
         self._steps.append({"tokens": 1, "hits": stats.hits[i], "fills": stats.fills[i],
                             "host": stats.host[i], "streamed": stats.streamed[i],
-                            "seconds": seconds / steps})
+                            "host_routes": stats.host_routes[i], "seconds": seconds / steps})
       if routing is not None:
         self._routing.append((routing.ids[i], routing.weights[i], phase))
 

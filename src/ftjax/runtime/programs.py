@@ -73,8 +73,11 @@ class Runner:
   record_routing: bool = False
   chunk: int = 8  # decode steps per decode program
   offload: Offload = DEFAULT_OFFLOAD  # where the pool lives; how fills and host experts run
-  # Prefill and extend programs of at least this many tokens stream whole layers (0: never).
+  # Prefill and extend programs of at least this many tokens stream whole layers (0: never),
+  # as ``prefill_stream`` says: "always" (every layer) or "cost" (each layer by the cost
+  # model, which reads ``offload.host_gflops``); see ``ftjax.cache.moe.Offload``.
   stream_min_tokens: int = 0
+  prefill_stream: str = "always"
   kv_dtype: str = "float32"  # the decode state's KV caches (programs of other dtypes differ)
 
   # -- Tracing ---------------------------------------------------------------------------------
@@ -90,7 +93,7 @@ class Runner:
     else:
       offload = self.offload
       if tokens.shape[1] > 1 and 0 < self.stream_min_tokens <= tokens.size:  # prefills only
-        offload = dataclasses.replace(offload, stream=True)
+        offload = dataclasses.replace(offload, stream=self.prefill_stream)
       experts = CachedExperts(bank=bank, cache=state.cache, bandwidths=state.bandwidths,
                               stats=StepStats.zeros(self.num_layers), ffn_dim=self.ffn_dim,
                               policy=self.policy, kernels=self.kernels, offload=offload)
