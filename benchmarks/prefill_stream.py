@@ -15,7 +15,8 @@ model's layer-steps, times 48).
 
 Each setting: a fresh engine (``freetoken``, 37% of the experts cached) reads a 512-token
 warm-up prompt, then the measured prompt of T tokens (a new sequence, the cache warm). Modes,
-on the same plans (the streaming choice never changes a plan):
+on the same plans (the streaming choice never changes a plan, so the static modes are
+modelled on the ``per_layer`` run's counts):
 - ``sparse``: never stream;
 - ``stream_all``: every layer streams (the paper's pipelined full-layer loading);
 - ``threshold``: every layer streams when T reaches the cold-layer threshold
@@ -24,7 +25,8 @@ on the same plans (the streaming choice never changes a plan):
   each layer-step decides on its own counts (its recorded choices are used);
 - ``per_layer_ahead``: the same with the pool in ``pinned_host`` memory: the next layer's
   transfer starts early, decided on a prediction from the previous layer's counts;
-- ``best``: each layer-step's cheaper side (a bound no online rule can beat).
+- ``best``: each layer-step's cheaper side on its own counts (the bound for a rule that
+  decides each layer before its transfer must start).
 
 The device's compute is left out (the same routes in every mode), so the numbers are the
 expert traffic's modelled time, and ``stream_all`` gets no credit for hiding its transfer
@@ -126,14 +128,15 @@ def main() -> None:
       prompt = [int(t) for t in rng.integers(0, c.vocab_size, tokens)]
       common = dict(kernels="ffi", cache_slots=slots, policy="freetoken",
                     bandwidths=(hw.b_p, hw.b_h), host_gflops=rate)
-      counts = run(ftjax.Engine(model, **common), warmup, prompt)
-      own = run(ftjax.Engine(model, stream_prefill_tokens=2, prefill_stream="cost",
-                             pool="device", **common), warmup, prompt)
+      counts = own = run(ftjax.Engine(model, stream_prefill_tokens=2, prefill_stream="cost",
+                                      pool="device", **common), warmup, prompt)
       ahead = run(ftjax.Engine(model, stream_prefill_tokens=2, prefill_stream="cost",
                                pool="pinned_host", **common), warmup, prompt)
-      for other in (own, ahead):  # the choice never changes a plan
-        for key in ("hits", "fills", "host", "host_routes"):
-          np.testing.assert_array_equal(other[key], counts[key], err_msg=key)
+      # The choice never changes a plan, but a streamed layer sums its routes in another
+      # order, so a later layer's router may break a near-tie the other way: the predicted
+      # run's time is modelled on its own counts, and the largest difference is recorded.
+      drift = max(abs(int(ahead[k][i]) - int(own[k][i])) / max(int(own[k][i]), 1)
+                  for k in ("hits", "fills", "host", "host_routes") for i in range(c.num_layers))
       sparse_t, stream_t = prefill_layer_times(
           counts["fills"], counts["host"], counts["host_routes"], experts=c.num_experts,
           expert_bytes=QWEN_EXPERT_BYTES, flops_per_route=float(QWEN_EXPERT_BYTES),
@@ -143,14 +146,18 @@ def main() -> None:
           "threshold": np.full(c.num_layers, float(0 < threshold <= tokens)),
           "per_layer": own["streamed"], "per_layer_ahead": ahead["streamed"],
           "best": (stream_t < sparse_t).astype(np.float64)}
-      seconds = {m: modelled(counts, choices[m], hw, rate, model) for m in MODES}
+      seconds = {m: modelled(ahead if m == "per_layer_ahead" else counts, choices[m], hw, rate,
+                             model) for m in MODES}
       row = {"hardware": hw.name, "b_p": hw.b_p, "b_h": hw.b_h, "tokens": tokens,
              "threshold_tokens": threshold,
              "counts_per_layer": {k: counts[k].tolist() for k in ("hits", "fills", "host",
                                                                    "host_routes")},
              "streamed_layers": {m: int(np.sum(choices[m])) for m in MODES},
+             "count_drift_between_runs": drift,
              "modelled_s": seconds,
              "per_layer_vs_best_static": seconds["per_layer"] / min(
+                 seconds["sparse"], seconds["stream_all"], seconds["threshold"]),
+             "per_layer_ahead_vs_best_static": seconds["per_layer_ahead"] / min(
                  seconds["sparse"], seconds["stream_all"], seconds["threshold"])}
       rows.append(row)
       print(f"[{n + 1}/{len(profiles)}] {hw.name:16s} T={tokens:5d} streamed "

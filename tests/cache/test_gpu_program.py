@@ -168,6 +168,34 @@ def test_the_streamed_prefill_exports_for_cuda(tiny_config):
       assert "pinned_host" in text
 
 
+def test_the_per_layer_stream_choice_exports_for_cuda(tiny_config):
+  """prefill_stream="cost": each layer-step holds both the sparse step (host experts posted
+  and waited for) and the streamed one under a conditional; layer 0 fetches in its branch,
+  the later layers' transfers start (conditionally) one layer-step early."""
+  model = model_lib.random_model(tiny_config, seed=0, dtype="bfloat16")
+  engine = ftjax.Engine(model, kernels="xla", cache_slots=5, policy="freetoken",
+                        bandwidths=(12.0, 24.0))
+  pool = cuda.PoolSpec(handle=0, shape=tuple(model.bank.shape), dtype="bfloat16")
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  runner = dataclasses.replace(engine.runner, stream_min_tokens=16, prefill_stream="cost",
+                               offload=Offload(fill="cuda", host="cuda", pool=pool,
+                                               host_gflops=100.0))
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  fn = jax.jit(lambda *a: programs.prefill_program(runner, *a))
+  checks = [export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS]
+  exported = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+      jax.tree.map(spec, model.params), None,
+      jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256))),
+      jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar, scalar,
+      jax.ShapeDtypeStruct((8,), jnp.int32), jax.tree.map(spec, Sampling.make(greedy=True)))
+  text = exported.mlir_module()
+  layers = tiny_config.num_layers
+  for target in ("ftjax_cuda_host_experts_start", "ftjax_cuda_host_experts_done",
+                 "ftjax_cuda_fetch_layer_start", "ftjax_cuda_fetch_layer_done"):
+    assert text.count(target) == layers, target
+  assert text.count("stablehlo.case") + text.count("stablehlo.if") >= 2 * layers - 1
+
+
 def test_placement_errors_are_clear(model):
   with pytest.raises(ValueError, match="pool must be one of"):
     ftjax.Engine(model, cache_slots=2, policy="lru_fill", pool="hbm")

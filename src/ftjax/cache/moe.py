@@ -73,7 +73,7 @@ class Offload:
     ``cost``: each layer-step streams when the cost model (``prefill_layer_times``) makes
     streaming its layer cheaper than the sparse step, see ``CachedExperts``. The engine sets
     it per program (prompt length). ``True``/``False`` mean ``always``/``never``.
-  host_gflops: the host expert kernel's grouped rate (multiply-add FLOPs per second / 1e9),
+  host_gflops: the host expert kernel's grouped rate (1e9 FLOP/s, a multiply-add being two),
     which ``cost`` weighs (``python -m ftjax.profile`` measures it).
   """
   fill: str = "kernels"
@@ -285,13 +285,25 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload)
   stream = offload.stream != "never"
   if offload.stream == "cost":
-    stream = worth_streaming(p, ids, bandwidths, experts=bank.shape[1],
-                             expert_bytes=bank.shape[2] * bank.dtype.itemsize,
-                             flops_per_route=6.0 * ffn_dim * x.shape[-1],
-                             host_gflops=offload.host_gflops)
+    stream = worth_streaming(p, ids, bandwidths, **_stream_costs(bank, offload, ffn_dim,
+                                                                 x.shape[-1]))
   slots, y = execute_plan(x, weights, ids, cache.slots, bank, layer, p, stream=stream,
                           ffn_dim=ffn_dim, impl=impl, offload=offload, layer_block=layer_block)
   return cache.replace(slots=slots), y, p
+
+
+def _pool_layout(bank, offload: Offload) -> tuple[tuple[int, int, int], jnp.dtype]:
+  """The pool's [L, E, P] and dtype: the bank's, or (a registered pool, no operand) its spec's."""
+  if bank is None:
+    return tuple(offload.pool.shape), jnp.dtype(offload.pool.dtype)
+  return tuple(bank.shape), bank.dtype
+
+
+def _stream_costs(bank, offload: Offload, ffn_dim: int, width: int) -> dict:
+  """``prefill_layer_times``'s shape arguments for this pool and model."""
+  (_, experts, elems), dtype = _pool_layout(bank, offload)
+  return dict(experts=experts, expert_bytes=elems * dtype.itemsize,
+              flops_per_route=6.0 * ffn_dim * width, host_gflops=offload.host_gflops)
 
 
 def worth_streaming(p: Plan, ids: jax.Array, bandwidths: jax.Array, *, experts: int,
@@ -457,15 +469,13 @@ class CachedExperts:
     A layer whose transfer can start early is decided one layer ahead, so that it moves
     while the previous layer computes (double buffering): right after layer l's plan, layer
     l+1's counts are predicted from layer l's (its distinct experts, its split between fills
-    and host, its routes per expert) and layer l+1's share of experts in the cache:
+    and host, the routes per host expert) and layer l+1's share of experts in the cache:
     ``m = distinct_l · (1 − resident_{l+1} / E)`` misses. The first layer of a program, and
     every layer when the pool is read in place (the kernels' fill: nothing moves early), is
     decided on its own plan's counts. Either way ``StepStats.streamed`` records what ran.
     """
     o, bank = self.offload, self.bank
-    num_experts = bank.shape[1]
-    costs = dict(experts=num_experts, expert_bytes=bank.shape[2] * bank.dtype.itemsize,
-                 flops_per_route=6.0 * self.ffn_dim * x.shape[-1], host_gflops=o.host_gflops)
+    costs = _stream_costs(bank, o, self.ffn_dim, x.shape[-1])
     cache, p = plan(self.cache, layer, ids, self.bandwidths, self.policy)
     routes = host_route_count(p, ids)
     block, inflight = None, None
@@ -478,9 +488,9 @@ class CachedExperts:
       stream = worth_streaming(p, ids, self.bandwidths, **costs)
     if o.fill != "kernels" and layer + 1 < cache.num_layers:
       ahead = self._predict(p, ids, cache, layer + 1, **costs)
-      shape = bank.shape[1:]
+      (_, experts, elems), dtype = _pool_layout(bank, o)
       started = jax.lax.cond(ahead, lambda: fetch_layer_start(bank, layer + 1, o).block,
-                             lambda: jnp.zeros(shape, bank.dtype))
+                             lambda: jnp.zeros((experts, elems), dtype))
       inflight = Inflight(layer + 1, started, ahead)
     slots, y = execute_plan(x, weights, ids, cache.slots, bank, layer, p, stream=stream,
                             ffn_dim=self.ffn_dim, impl=self.kernels, offload=o,
@@ -499,9 +509,14 @@ class CachedExperts:
     b_p, b_h = self.bandwidths[0], self.bandwidths[1]
     fill_share = jnp.where(misses > 0, p.fills / jnp.maximum(misses, 1.0),
                            jnp.minimum(b_p / b_h, 1.0))  # no misses: the q* share
-    routes_per_expert = jnp.sum(ids >= 0).astype(f32) / jnp.maximum(distinct, 1.0)
+    # Routes per host expert as the previous layer's host experts had them (the policy fills
+    # the most-routed misses first, so they take fewer routes than the average expert), or
+    # the average over its distinct experts when it ran none on the host.
+    host_prev = p.host.astype(f32)
+    per_host = jnp.where(host_prev > 0, host_route_count(p, ids) / jnp.maximum(host_prev, 1.0),
+                         jnp.sum(ids >= 0).astype(f32) / jnp.maximum(distinct, 1.0))
     fills = expect * fill_share
     host = expect - fills
-    sparse, streamed = prefill_layer_times(fills, host, host * routes_per_expert, b_p=b_p,
-                                           b_h=b_h, **costs)
+    sparse, streamed = prefill_layer_times(fills, host, host * per_host, b_p=b_p, b_h=b_h,
+                                           **costs)
     return streamed < sparse
