@@ -26,6 +26,7 @@ experts on a registered pool (DESIGN section 10).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from ftjax.cache.policy import Plan, PolicyConfig, plan
 from ftjax.cache.state import ExpertCache
-from ftjax.experts import routed_experts
+from ftjax.experts import SWIGLU, ExpertVariant, routed_experts
 from ftjax.kernels import slot_fill
 from ftjax.kernels.cuda import PoolSpec, host_experts_done, host_experts_start, pool_fill
 from ftjax.kernels.cuda import fetch_layer_done as fetch_layer_done_cuda
@@ -193,7 +194,8 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
 def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: ExpertCache,
                   bank: jax.Array, layer, *, bandwidths: jax.Array, policy: PolicyConfig,
                   ffn_dim: int, impl: str = "xla", offload: Offload = DEFAULT_OFFLOAD,
-                  layer_block: jax.Array | None = None) -> tuple[ExpertCache, jax.Array, Plan]:
+                  layer_block: jax.Array | None = None, variant: ExpertVariant = SWIGLU
+                  ) -> tuple[ExpertCache, jax.Array, Plan]:
   """Routed-expert output for x [T, D] with router output ``weights``/``ids`` [T, K].
 
   Args:
@@ -206,21 +208,29 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     offload: where the pool lives and how fills and host routes run (``Offload``), static.
     layer_block: with ``offload.stream``, this layer [E, P] already on the device (a
       prefetch, see ``CachedExperts``); fetched here when None.
+    variant: the experts' activation and biases (``ftjax.experts.ExpertVariant``), static;
+      every path (slots, host pool, streamed layer) computes the same function.
 
   Returns:
     ``(new_cache, y, plan)``: the cache after this layer-step (plan applied, fills copied
     into their slots), ``y`` [T, D] float32 (equal to the dense MoE output), and the
     layer-step's ``Plan`` (routes, fills, and the counts ``hits``, ``fills``, ``host``).
   """
+  if offload.host == "cuda" and variant != SWIGLU:
+    raise NotImplementedError(
+        f"the CUDA host-experts path runs the plain SwiGLU only, not {variant}; serve this model "
+        "with host experts on the step's kernels (Offload(host='kernels'))")
   cache, p = plan(cache, layer, ids, bandwidths, policy)
+  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, impl=impl, variant=variant)
   if offload.mesh is not None:
-    return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload)
+    return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload,
+                            routed)
   if offload.stream:
     if layer_block is None:
       layer_block = fetch_layer(bank, layer, offload)
     streamed = layer_block[None]  # [1, E, P] on the device
     slots = fill_slots(cache.slots, streamed, 0, p.fill_expert, p.fill_slot, impl=impl)
-    y = routed_experts(x, ids, weights, streamed, 0, ffn_dim=ffn_dim, impl=impl)
+    y = routed(x, ids, weights, streamed, 0)
     return cache.replace(slots=slots), y, p
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
@@ -237,16 +247,15 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
                      offload=offload)
   y = jnp.zeros(x.shape, jnp.float32)
   if cache.capacity:
-    y = y + routed_experts(x, p.route_slot, jnp.where(on_device, weights, 0.0), slots[None], 0,
-                           ffn_dim=ffn_dim, impl=impl)
+    y = y + routed(x, p.route_slot, jnp.where(on_device, weights, 0.0), slots[None], 0)
   if offload.host == "cuda":
     y = host_experts_done(ticket, y)
   else:
-    y = y + routed_experts(x, host_ids, host_weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
+    y = y + routed(x, host_ids, host_weights, bank, layer)
   return cache.replace(slots=slots), y, p
 
 
-def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload):
+def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload, routed):
   """The layer-step with the slot buffer split over ``offload.mesh``: each device fills the
   planned slots it holds (by the placement's fill) and computes the routes served by them; the
   host routes run once, posted by the first device; a ``psum`` adds the partial outputs. The
@@ -276,13 +285,12 @@ def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offl
     y = jnp.zeros(x.shape, jnp.float32)
     if n:
       held = (route_slot >= first) & (route_slot < first + n)
-      y = y + routed_experts(x, jnp.where(held, route_slot - first, -1),
-                             jnp.where(held, device_weights, 0.0), slots[None], 0,
-                             ffn_dim=ffn_dim, impl=impl)
+      y = y + routed(x, jnp.where(held, route_slot - first, -1),
+                     jnp.where(held, device_weights, 0.0), slots[None], 0)
     if local_offload.host == "cuda":
       y = host_experts_done(ticket, y)
     else:
-      y = y + routed_experts(x, host_ids, host_weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
+      y = y + routed(x, host_ids, host_weights, bank, layer)
     return slots, jax.lax.psum(y, axis)
 
   operands = (cache.slots, x, p.route_slot, device_weights, host_ids, host_weights,
@@ -313,6 +321,7 @@ class CachedExperts:
   kernels: str = struct.field(pytree_node=False, default="xla")
   offload: Offload = struct.field(pytree_node=False, default=DEFAULT_OFFLOAD)
   inflight: Inflight | None = None  # streamed prefill: the next layer, already on its way
+  variant: ExpertVariant = struct.field(pytree_node=False, default=SWIGLU)
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["CachedExperts", jax.Array]:
     block, inflight = None, None
@@ -328,6 +337,6 @@ class CachedExperts:
     cache, y, p = offloaded_moe(x, weights, ids, self.cache, self.bank, layer,
                                 bandwidths=self.bandwidths, policy=self.policy,
                                 ffn_dim=self.ffn_dim, impl=self.kernels, offload=self.offload,
-                                layer_block=block)
+                                layer_block=block, variant=self.variant)
     return self.replace(cache=cache, stats=self.stats.record(layer, p, self.offload.stream),
                         inflight=inflight), y

@@ -30,7 +30,7 @@ from ftjax.runtime.model import Model
 from ftjax.runtime.placement import (EXPERT_AXIS, POOLS, expert_mesh, prefill_stream_threshold,
                                      resolve_pool, shard_params)
 from ftjax.runtime.profile import ExpertShape, load_profile
-from ftjax.runtime.programs import Programs, Runner
+from ftjax.runtime.programs import Programs, Runner, expert_variant
 from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.state import EngineState
 
@@ -300,7 +300,7 @@ class Engine:
         policy=self.policy.program() if self.policy is not None else None,
         record_routing=opts.record_routing, chunk=opts.decode_chunk,
         offload=self.placement.offload, stream_min_tokens=self._stream_min_tokens(),
-        kv_dtype=self.kv_dtype)
+        kv_dtype=self.kv_dtype, variant=expert_variant(c))
     self.programs = Programs.shared(self.runner)
     self._cache: ExpertCache | None = None
     self._steps: list[dict[str, Any]] = []
