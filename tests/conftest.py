@@ -72,6 +72,15 @@ def build_hf_model(family: str, seed: int = 0):
   return model
 
 
+def hf_greedy(model, ids, new: int) -> list[int]:
+  """transformers' greedy continuation of ``ids``: exactly ``new`` tokens."""
+  import torch  # noqa: PLC0415
+  with torch.no_grad():
+    out = model.generate(torch.tensor(np.asarray(ids)[None]), max_new_tokens=new,
+                         do_sample=False, min_new_tokens=new, pad_token_id=0)
+  return out[0, len(ids):].tolist()
+
+
 def _write_safetensors(tensors: dict[str, np.ndarray], out_dir: str, shards: int) -> None:
   from safetensors.numpy import save_file  # noqa: PLC0415
   for f in os.listdir(out_dir):

@@ -20,7 +20,7 @@ from ftjax.decode import run_decode
 from ftjax.formats.hf import ConversionError
 
 import tolerances
-from conftest import build_gpt_oss_model, save_hf_checkpoint
+from conftest import build_gpt_oss_model, hf_greedy, save_hf_checkpoint
 
 PROMPT = 40  # tokens: several times the sliding window of 6
 NEW = 16
@@ -108,9 +108,7 @@ def test_chunked_prefill_matches_transformers(converted, kernels):
 def test_greedy_tokens_match_transformers(converted):
   hf_model, model = converted
   ids = _prompt(model.config.vocab_size, PROMPT)
-  with torch.no_grad():
-    ref = hf_model.generate(torch.tensor(ids[None]), max_new_tokens=NEW, do_sample=False,
-                            min_new_tokens=NEW, pad_token_id=0)[0, len(ids):].tolist()
+  ref = hf_greedy(hf_model, ids, NEW)
   for kernels in ("xla", "ffi"):
     got = ftjax.Engine(model, kernels=kernels).generate(ids.tolist(), NEW, greedy=True)
     assert got == ref, kernels
@@ -189,7 +187,4 @@ def test_decode_cli_runs_the_converted_model(converted):
                       prefill_chunk=5, out=io.StringIO(), log=io.StringIO())
   ids = list("gpt-oss in ftjax".encode())
   assert result.generation.prompt_tokens == len(ids) > 5
-  with torch.no_grad():
-    ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
-                            min_new_tokens=6, pad_token_id=0)[0, len(ids):].tolist()
-  assert result.generation.tokens == ref
+  assert result.generation.tokens == hf_greedy(hf_model, ids, 6)

@@ -216,15 +216,11 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     into their slots), ``y`` [T, D] float32 (equal to the dense MoE output), and the
     layer-step's ``Plan`` (routes, fills, and the counts ``hits``, ``fills``, ``host``).
   """
-  if offload.host == "cuda" and variant != SWIGLU:
-    raise NotImplementedError(
-        f"the CUDA host-experts path runs the plain SwiGLU only, not {variant}; serve this model "
-        "with host experts on the step's kernels (Offload(host='kernels'))")
   cache, p = plan(cache, layer, ids, bandwidths, policy)
   routed = functools.partial(routed_experts, ffn_dim=ffn_dim, impl=impl, variant=variant)
   if offload.mesh is not None:
     return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload,
-                            routed)
+                            routed, variant)
   if offload.stream:
     if layer_block is None:
       layer_block = fetch_layer(bank, layer, offload)
@@ -241,7 +237,8 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     # the slots to it too, so the fills are also scheduled after the post and the host kernel
     # runs while the device fills and computes its routes.
     ticket, x = host_experts_start(x, host_ids, host_weights, pool=offload.pool, layer=layer,
-                                   ffn_dim=ffn_dim, bf16_activations=impl == "ffi_bf16")
+                                   ffn_dim=ffn_dim, bf16_activations=impl == "ffi_bf16",
+                                   variant=variant)
     slots, x = jax.lax.optimization_barrier((slots, x))
   slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl,
                      offload=offload)
@@ -255,7 +252,8 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   return cache.replace(slots=slots), y, p
 
 
-def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload, routed):
+def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload, routed,
+                     variant):
   """The layer-step with the slot buffer split over ``offload.mesh``: each device fills the
   planned slots it holds (by the placement's fill) and computes the routes served by them; the
   host routes run once, posted by the first device; a ``psum`` adds the partial outputs. The
@@ -277,7 +275,7 @@ def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offl
     if local_offload.host == "cuda":  # posted first, as in offloaded_moe
       ticket, x = host_experts_start(x, host_ids, host_weights, pool=local_offload.pool,
                                      layer=layer, ffn_dim=ffn_dim,
-                                     bf16_activations=impl == "ffi_bf16")
+                                     bf16_activations=impl == "ffi_bf16", variant=variant)
       slots, x = jax.lax.optimization_barrier((slots, x))
     mine = (fill_slot >= first) & (fill_slot < first + n)
     slots = fill_slots(slots, bank, layer, fill_expert, jnp.where(mine, fill_slot - first, -1),
