@@ -72,6 +72,15 @@ def build_hf_model(family: str, seed: int = 0):
   return model
 
 
+def hf_greedy(model, ids, new: int) -> list[int]:
+  """transformers' greedy continuation of ``ids``: exactly ``new`` tokens."""
+  import torch  # noqa: PLC0415
+  with torch.no_grad():
+    out = model.generate(torch.tensor(np.asarray(ids)[None]), max_new_tokens=new,
+                         do_sample=False, min_new_tokens=new, pad_token_id=0)
+  return out[0, len(ids):].tolist()
+
+
 def _write_safetensors(tensors: dict[str, np.ndarray], out_dir: str, shards: int) -> None:
   from safetensors.numpy import save_file  # noqa: PLC0415
   for f in os.listdir(out_dir):
@@ -195,6 +204,53 @@ def hybrid_checkpoints(tmp_path_factory):
     model = build_hybrid_model(name)
     out[name] = (model, save_hf_checkpoint(model, str(tmp_path_factory.mktemp(name)), **layout))
   return out
+
+
+# gpt-oss: alternating sliding (window 6, shorter than the test prompts) and full attention
+# with sinks, q/k/v/o biases, YaRN rope whose ramp covers some of the 8 rotary frequencies
+# (original context 64), the biased router, and biased experts with the clamped SwiGLU. The
+# vocabulary covers the 256 bytes, so the decode CLI runs it with its byte-level tokenizer.
+GPT_OSS = dict(vocab_size=272, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+               intermediate_size=24, sliding_window=6, max_position_embeddings=256,
+               initializer_range=0.15, tie_word_embeddings=False, eos_token_id=None,
+               bos_token_id=None, pad_token_id=None,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                "original_max_position_embeddings": 64})
+GPT_OSS_GATE_UP_STD = 0.35  # x @ gate_up has std ~2.8 (D = 64): some |g|, |u| pass limit 7
+
+
+def build_gpt_oss_model(seed: int = 0):
+  """A random float32 transformers GptOssForCausalLM (eager attention and experts). Norms,
+  biases and sinks get noise; the experts' gate_up projection is scaled so that the clamped
+  SwiGLU's limit (7.0) is reached, and the output projection scaled down to keep the residual
+  stream in range."""
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+  torch.manual_seed(seed)
+  config = transformers.GptOssConfig(**GPT_OSS)
+  model = transformers.GptOssForCausalLM(config).eval().to(torch.float32)
+  model.config._attn_implementation = "eager"
+  model.config._experts_implementation = "eager"
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      elif name.endswith("gate_up_proj"):
+        p.copy_(GPT_OSS_GATE_UP_STD * torch.randn_like(p))
+      elif name.endswith("down_proj"):
+        p.copy_(0.05 * torch.randn_like(p))
+      elif name.endswith("bias") or name.endswith("sinks"):
+        p.copy_(0.5 * torch.randn_like(p))
+  return model
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_checkpoint(tmp_path_factory):
+  """(torch model, checkpoint dir) of the tiny gpt-oss model, saved as transformers does."""
+  model = build_gpt_oss_model()
+  return model, save_hf_checkpoint(model, str(tmp_path_factory.mktemp("gpt_oss")))
 
 
 @pytest.fixture(scope="session")

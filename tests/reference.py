@@ -9,7 +9,8 @@ Straight from the definitions, in loops, with no shortcut shared with the code u
 * ``attention``: grouped-query attention of T queries against a KV cache, one query at a time.
 
 The bank is ``[L, E, P]``: block ``bank[l, e]`` holds ``gate [F, D]`` at element 0, ``up
-[F, D]`` at ``F·D`` and ``down [D, F]`` at ``2·F·D``; the tail up to ``P`` is padding.
+[F, D]`` at ``F·D`` and ``down [D, F]`` at ``2·F·D``; with biases (gpt-oss) the gate bias
+``[F]``, up bias ``[F]`` and down bias ``[D]`` follow; the tail up to ``P`` is padding.
 Inputs are widened to float64 exactly (bfloat16 and float32 values are float64 values), so a
 reference built from the same rounded weights differs from a fast path only by the fast
 path's arithmetic (``tolerances.py``).
@@ -28,9 +29,28 @@ def split_block(block, ffn_dim: int, width: int):
           block[2 * fd:3 * fd].reshape(width, ffn_dim))
 
 
-def routed_experts(x, ids, weights, bank, layer: int, ffn_dim: int) -> np.ndarray:
+def split_biases(block, ffn_dim: int, width: int):
+  """The biases after down in a block with biases: gate [F], up [F], down [D], float64."""
+  block = np.asarray(block).astype(np.float64)
+  start = 3 * ffn_dim * width
+  return (block[start:start + ffn_dim], block[start + ffn_dim:start + 2 * ffn_dim],
+          block[start + 2 * ffn_dim:start + 2 * ffn_dim + width])
+
+
+def gpt_oss_glu(gate, up, *, alpha: float, limit: float):
+  """gpt-oss's clamped SwiGLU, elementwise in float64, as transformers writes it."""
+  gate = np.minimum(gate, limit)
+  up = np.clip(up, -limit, limit)
+  return (up + 1.0) * (gate / (1.0 + np.exp(-gate * alpha)))
+
+
+def routed_experts(x, ids, weights, bank, layer: int, ffn_dim: int, *,
+                   activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0,
+                   bias: bool = False) -> np.ndarray:
   """``y[t] = sum_k weights[t, k] · expert_{ids[t, k]}(x[t])`` over layer ``layer`` of
   ``bank``, with ``expert(x) = down · (silu(gate · x) * (up · x))``; ids -1 = no route.
+  ``activation="clamped_swiglu"`` is gpt-oss's (``gpt_oss_glu``); ``bias`` adds each
+  block's gate, up and down biases.
 
   x [T, D], ids and weights [T, K]. Returns [T, D] float64."""
   x_td = np.asarray(x, np.float64)
@@ -42,9 +62,16 @@ def routed_experts(x, ids, weights, bank, layer: int, ffn_dim: int) -> np.ndarra
   for e in np.unique(ids_tk[ids_tk >= 0]):
     tokens, routes = np.nonzero(ids_tk == e)
     gate_fd, up_fd, down_df = split_block(bank_ep[e], ffn_dim, width)
-    gate_rf = x_td[tokens] @ gate_fd.T
-    hidden_rf = gate_rf / (1.0 + np.exp(-gate_rf)) * (x_td[tokens] @ up_fd.T)
-    np.add.at(y_td, tokens, weights_tk[tokens, routes][:, None] * (hidden_rf @ down_df.T))
+    b_gate, b_up, b_down = (split_biases(bank_ep[e], ffn_dim, width) if bias
+                            else (0.0, 0.0, 0.0))
+    gate_rf = x_td[tokens] @ gate_fd.T + b_gate
+    up_rf = x_td[tokens] @ up_fd.T + b_up
+    if activation == "clamped_swiglu":
+      hidden_rf = gpt_oss_glu(gate_rf, up_rf, alpha=alpha, limit=limit)
+    else:
+      hidden_rf = gate_rf / (1.0 + np.exp(-gate_rf)) * up_rf
+    out_rd = hidden_rf @ down_df.T + b_down
+    np.add.at(y_td, tokens, weights_tk[tokens, routes][:, None] * out_rd)
   return y_td
 
 

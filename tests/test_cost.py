@@ -187,7 +187,8 @@ def test_every_model_file_loads(path):
   assert shape.name == os.path.splitext(os.path.basename(path))[0]
   assert shape.bytes_per_param == 2  # all shipped checkpoints are bfloat16
   assert shape.dense_bytes_per_layer > 0 and shape.head_bytes > 0
-  assert shape.expert_bytes == 3 * shape.hidden * shape.expert_ffn * 2
+  bias = 2 * shape.expert_ffn + shape.hidden if shape.expert_bias else 0
+  assert shape.expert_bytes == (3 * shape.hidden * shape.expert_ffn + bias) * 2
 
 
 def _total_params(shape: ModelShape, vocab: int) -> float:
@@ -205,6 +206,18 @@ def test_qwen3_30b_a3b_matches_its_published_size():
   assert (s.num_layers, s.num_experts, s.top_k, s.hidden, s.expert_ffn) == (48, 128, 8, 2048, 768)
   assert s.dense_bytes_per_layer == 38_281_728 and s.head_bytes == 622_338_048
   assert _total_params(s, 151936) == pytest.approx(30.5e9, rel=0.01)  # model card: 30.5B
+
+
+def test_gpt_oss_20b_matches_its_published_size():
+  # attention: 2880·(4096 + 2·512) + 4096·2880 + q/k/v biases 5120 + o bias 2880 + 64 sinks
+  #   = 26,550,144; router 32·2880 + its bias 32 + two norms 2·2880 = 97,952
+  #   -> 26,648,096 params = 53,296,192 bytes.
+  # expert: 3·2880·2880 + gate, up and down biases 3·2880 = 24,891,840 params.
+  s = ModelShape.load(os.path.join(CONFIGS, "models", "gpt-oss-20b.json"))
+  assert (s.num_layers, s.num_experts, s.top_k, s.hidden, s.expert_ffn) == (24, 32, 4, 2880, 2880)
+  assert s.expert_bias and s.expert_bytes == 24_891_840 * 2
+  assert s.dense_bytes_per_layer == 53_296_192
+  assert _total_params(s, 201088) == pytest.approx(20.91e9, rel=0.001)  # model card: 20.91B
 
 
 def test_qwen35_35b_a3b_hybrid_shape():
@@ -270,8 +283,9 @@ def test_model_shape_equals_the_real_layer_bytes(name, tiny_hybrid_config):
     assert shape.head_bytes == 2 * (head - lm + tied + config.hidden_size)
 
 
-def test_attention_families_match_transformers_parameter_counts(hf_checkpoints):
-  for family, (model, path) in hf_checkpoints.items():
+def test_attention_families_match_transformers_parameter_counts(hf_checkpoints,
+                                                                gpt_oss_checkpoint):
+  for family, (model, path) in hf_checkpoints.items() | {"gpt_oss": gpt_oss_checkpoint}.items():
     shape = ModelShape.load(os.path.join(path, "config.json"))
     want = sum(p.numel() for p in model.parameters())
     assert _total_params(shape, model.config.vocab_size) == want, family

@@ -2,7 +2,9 @@
 //
 //   y[t] = sum_k w[t, k] * down_e(silu(gate_e . x[t]) * (up_e . x[t])),  e = ids[t, k]
 //
-// with route id -1 meaning "skip this route". Axis letters follow the ftjax glossary:
+// with route id -1 meaning "skip this route". The attributes `activation`, `alpha`, `limit`
+// and `biases` choose a variant of the expert (expert_ffn.h: gpt-oss's clamped SwiGLU, and
+// gate/up/down biases stored after down in each block); the default is the plain SwiGLU. Axis letters follow the ftjax glossary:
 // T tokens, D model width, F expert hidden width, E experts, K top-k, L layers; P is the
 // number of elements in one expert block of the bank (P >= 3 * F * D, the rest is padding).
 // Each block holds, row-major and contiguous: gate [F, D] at offset 0, up [F, D] at F*D and
@@ -43,6 +45,7 @@
 // relative error of ~1e-2 of max|y|.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -188,6 +191,46 @@ void StorePackedRows(const PackedT* h_ft, int64_t stride, int64_t rows, int64_t 
   }
 }
 
+float WidenWeight(float w) { return w; }
+float WidenWeight(Bf16Bits w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Phase 1's activation on a tile of g (in `gate`, overwritten by h) and u (in `up`): `rows`
+// rows of F starting at row f0, `tokens` routes; element (f, t) at f * row_stride +
+// t * token_stride. `biases` points at the expert's gate bias [F] (then the up bias [F]), or
+// is null. The plain SwiGLU without biases takes the ISA's vector kernel over the whole tile
+// (`contiguous` elements, padding columns included).
+template <typename WeightT>
+void Activate(const ExpertActivation& act, const KernelTable& kernels, const WeightT* biases,
+              int64_t F, int64_t f0, int64_t rows, int64_t tokens, int64_t row_stride,
+              int64_t token_stride, int64_t contiguous, float* gate, const float* up) {
+  if (act.kind == Activation::kSwiglu && biases == nullptr) {
+    kernels.silu_mul(gate, up, gate, contiguous);
+    return;
+  }
+  const bool clamped = act.kind == Activation::kClampedSwiglu;
+  for (int64_t f = 0; f < rows; ++f) {
+    const float gate_bias = biases != nullptr ? WidenWeight(biases[f0 + f]) : 0.0f;
+    const float up_bias = biases != nullptr ? WidenWeight(biases[F + f0 + f]) : 0.0f;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t i = f * row_stride + t * token_stride;
+      float g = gate[i] + gate_bias;
+      float u = up[i] + up_bias;
+      if (clamped) {
+        g = std::min(g, act.limit);
+        u = std::min(std::max(u, -act.limit), act.limit);
+        gate[i] = (u + 1.0f) * (g / (1.0f + std::exp(-act.alpha * g)));
+      } else {
+        gate[i] = g / (1.0f + std::exp(-g)) * u;
+      }
+    }
+  }
+}
+
 // Per-worker scratch, planned before the phases start (regions of the call's scratch buffer).
 struct WorkerScratch {
   float* gate;         // [kTokenTile, kFfnChunk] (or transposed)
@@ -213,7 +256,7 @@ template <typename WeightT, typename ActivationT>
 void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const float* x_f32,
                 const WeightT* bank_ep, const KernelTable& kernels,
                 void (*dot)(const DotProblem<WeightT, ActivationT>&), const Workers& workers,
-                float* y_td) {
+                const ExpertActivation& act, float* y_td) {
   const int64_t D = dims.model_dim, F = dims.ffn_dim, routes = groups.num_routes();
   const int64_t num_experts = static_cast<int64_t>(groups.experts.size());
   const int64_t token_tile = std::min(kTokenTile, std::max<int64_t>(groups.largest_group(), 1));
@@ -316,6 +359,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
     const WeightT* gate_fd = block + f0 * D;
     const WeightT* up_fd = block + F * D + f0 * D;
+    const WeightT* biases = act.biases ? block + 3 * F * D : nullptr;  // gate [F], up [F]
     WorkerScratch& s = scratch[worker];
     if (storage[i].packed) {
       const ExpertStorage& e = storage[i];
@@ -328,7 +372,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
         // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
         packed_dot({gate_fd, D, rows, x, tile_groups, half, D, s.gate, kTokenTile});
         packed_dot({up_fd, D, rows, x, tile_groups, half, D, s.up, kTokenTile});
-        kernels.silu_mul(s.gate, s.up, s.gate, rows * kTokenTile);
+        Activate(act, kernels, biases, F, f0, rows, kTokenTile, kTokenTile, 1,
+                 rows * kTokenTile, s.gate, s.up);
         ActivationT* hidden = packed_hidden + e.hidden_offset;
         if constexpr (std::is_same_v<ActivationT, Bf16Bits>) {
           kernels.round_to_bf16(s.gate, s.rounded, rows * kTokenTile);
@@ -345,9 +390,9 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
       dot({gate_fd, D, rows, route_x + r0, tokens, D, s.gate, rows});
       dot({up_fd, D, rows, route_x + r0, tokens, D, s.up, rows});
+      Activate(act, kernels, biases, F, f0, rows, tokens, 1, rows, rows * tokens, s.gate, s.up);
       for (int64_t j = 0; j < tokens; ++j) {
         float* h = s.gate + j * rows;
-        kernels.silu_mul(h, s.up + j * rows, h, rows);
         ActivationT* out = hidden_rf + (r0 + j) * F + f0;
         if constexpr (std::is_same_v<ActivationT, float>) {
           std::memcpy(out, h, rows * sizeof(float));
@@ -364,8 +409,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     const int64_t rows = std::min(model_chunk, D - d0);
     for (int64_t t = 0; t < dims.tokens; ++t) std::fill_n(y_td + t * D + d0, rows, 0.0f);
     float* z = scratch[worker].down;
+    float down_bias[std::max(kModelChunk, kDecodeModelChunk)];
     for (int64_t i = 0; i < num_experts; ++i) {
       const WeightT* down_df = bank_ep + groups.experts[i] * dims.block_size + 2 * F * D;
+      if (act.biases) {  // the down bias [D] follows the gate and up biases
+        const WeightT* bias_d = down_df + F * D + 2 * F + d0;
+        for (int64_t d = 0; d < rows; ++d) down_bias[d] = WidenWeight(bias_d[d]);
+      }
       if (storage[i].packed) {
         const ExpertStorage& e = storage[i];
         for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
@@ -380,7 +430,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           for (int64_t j = 0; j < tokens; ++j) {
             const float weight = groups.route_weight[r0 + j];
             float* y = y_td + groups.route_token[r0 + j] * D + d0;
-            for (int64_t d = 0; d < rows; ++d) y[d] += weight * z[d * kTokenTile + j];
+            if (act.biases) {
+              for (int64_t d = 0; d < rows; ++d) {
+                y[d] += weight * (z[d * kTokenTile + j] + down_bias[d]);
+              }
+            } else {
+              for (int64_t d = 0; d < rows; ++d) y[d] += weight * z[d * kTokenTile + j];
+            }
           }
         }
         continue;
@@ -392,19 +448,24 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           const float weight = groups.route_weight[r0 + j];
           float* y = y_td + groups.route_token[r0 + j] * D + d0;
           const float* z_j = z + j * rows;
-          for (int64_t d = 0; d < rows; ++d) y[d] += weight * z_j[d];
+          if (act.biases) {
+            for (int64_t d = 0; d < rows; ++d) y[d] += weight * (z_j[d] + down_bias[d]);
+          } else {
+            for (int64_t d = 0; d < rows; ++d) y[d] += weight * z_j[d];
+          }
         }
       }
     }
   });
 }
 
-// The kernel. The caller guarantees every id is in [-1, E) and P >= 3 * F * D, and that
-// bank_ep points at the E blocks of one layer.
+// The kernel. The caller guarantees every id is in [-1, E) and P >= 3 * F * D (plus 2 * F + D
+// with biases), and that bank_ep points at the E blocks of one layer.
 template <typename WeightT>
 void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_tk,
                const float* weights_tk, const WeightT* bank_ep, bool bf16_activations,
-               const KernelTable& kernels, const Workers& workers, float* y_td) {
+               const ExpertActivation& act, const KernelTable& kernels, const Workers& workers,
+               float* y_td) {
   const ExpertGroups groups = dims.tokens <= kDecodeMaxTokens
                                   ? GroupDecode(dims, ids_tk, weights_tk)
                                   : GroupByCounting(dims, ids_tk, weights_tk);
@@ -414,12 +475,12 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
   }
   if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
     if (bf16_activations && kernels.dot_bf16_bf16 != nullptr) {
-      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_bf16, workers, y_td);
+      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_bf16, workers, act, y_td);
     } else {
-      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_f32, workers, y_td);
+      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_f32, workers, act, y_td);
     }
   } else {
-    RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_f32_f32, workers, y_td);
+    RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_f32_f32, workers, act, y_td);
   }
 }
 
@@ -432,7 +493,8 @@ constexpr std::string_view kOp = "ftjax_expert_ffn";
 ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                          ffi::AnyBuffer bank, ffi::Buffer<ffi::S32> layer, int64_t ffn_dim,
-                         bool bf16_activations, ffi::ResultBuffer<ffi::F32> y) {
+                         bool bf16_activations, std::string_view activation, float alpha,
+                         float limit, bool biases, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) {
     return InvalidArgument(kOp, "x must be 2-D [T, D], got shape " + ShapeString(x_dims));
@@ -471,6 +533,23 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
                                 " is smaller than 3 * ffn_dim * D = 3 * " +
                                 std::to_string(ffn_dim) + " * " + std::to_string(D));
   }
+  ExpertActivation act;
+  if (activation == "swiglu") {
+    act.kind = Activation::kSwiglu;
+  } else if (activation == "clamped_swiglu") {
+    act.kind = Activation::kClampedSwiglu;
+  } else {
+    return InvalidArgument(kOp, "activation must be \"swiglu\" or \"clamped_swiglu\", got \"" +
+                                std::string(activation) + "\"");
+  }
+  act.alpha = alpha;
+  act.limit = limit;
+  act.biases = biases;
+  if (biases && 3 * ffn_dim * D + 2 * ffn_dim + D > P) {
+    return InvalidArgument(kOp, "with biases the expert block needs 3 * F * D + 2 * F + D = " +
+                                std::to_string(3 * ffn_dim * D + 2 * ffn_dim + D) +
+                                " elements, but the bank's P = " + std::to_string(P));
+  }
 
   if (layer.dimensions().size() != 0) {
     return InvalidArgument(kOp, "layer must be an int32 scalar, got shape " +
@@ -508,11 +587,11 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   const int64_t layer_offset = layer_index * E * P;
   if (bank_dtype == ffi::DataType::BF16) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.reinterpret_data<Bf16Bits>() + layer_offset, bf16_activations, *setup.kernels,
-              setup.workers, y->typed_data());
+              bank.reinterpret_data<Bf16Bits>() + layer_offset, bf16_activations, act,
+              *setup.kernels, setup.workers, y->typed_data());
   } else {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.typed_data<float>() + layer_offset, bf16_activations, *setup.kernels,
+              bank.typed_data<float>() + layer_offset, bf16_activations, act, *setup.kernels,
               setup.workers, y->typed_data());
   }
   return ffi::Error::Success();
@@ -532,10 +611,10 @@ std::string HostExpertFfn(const HostExpertProblem& p) {
   const ExpertFfnDims dims{p.tokens, p.model_dim, p.top_k, p.ffn_dim, p.experts, p.block_size};
   if (p.bank_bf16) {
     ExpertFfn(dims, p.x, p.ids, p.weights, static_cast<const Bf16Bits*>(p.bank_ep),
-              p.bf16_activations, *setup.kernels, setup.workers, p.y);
+              p.bf16_activations, p.activation, *setup.kernels, setup.workers, p.y);
   } else {
     ExpertFfn(dims, p.x, p.ids, p.weights, static_cast<const float*>(p.bank_ep),
-              p.bf16_activations, *setup.kernels, setup.workers, p.y);
+              p.bf16_activations, p.activation, *setup.kernels, setup.workers, p.y);
   }
   return "";
 }
@@ -555,5 +634,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, ftjax::ExpertFfnImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [], index into L
                                   .Attr<int64_t>("ffn_dim")      // F
                                   .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 banks
+                                  .Attr<std::string_view>("activation")  // "swiglu", "clamped_swiglu"
+                                  .Attr<float>("alpha")          // clamped_swiglu: sigmoid gain
+                                  .Attr<float>("limit")          // clamped_swiglu: clamp bound
+                                  .Attr<bool>("biases")          // gate, up, down biases in blocks
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, D]
 );

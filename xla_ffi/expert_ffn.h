@@ -9,6 +9,22 @@
 
 namespace ftjax {
 
+// The expert's function between its projections (attributes `activation`, `alpha`, `limit`,
+// `biases` of ftjax_expert_ffn), with g = gate . x (+ gate bias), u = up . x (+ up bias):
+//   kSwiglu         h = silu(g) * u
+//   kClampedSwiglu  g' = min(g, limit), u' = clamp(u, -limit, limit),
+//                   h = (u' + 1) * g' * sigmoid(alpha * g')   (gpt-oss)
+// With biases, each expert block holds after down [D, F] the gate bias [F], the up bias [F]
+// and the down bias [D], in the bank's dtype; the down bias is added to down . h before the
+// route's weight scales it.
+enum class Activation { kSwiglu, kClampedSwiglu };
+struct ExpertActivation {
+  Activation kind = Activation::kSwiglu;
+  float alpha = 1.702f;
+  float limit = 7.0f;
+  bool biases = false;
+};
+
 struct HostExpertProblem {
   int64_t tokens;      // T
   int64_t model_dim;   // D
@@ -23,6 +39,7 @@ struct HostExpertProblem {
   bool bank_bf16;
   bool bf16_activations;
   float* y;  // [T, D], overwritten
+  ExpertActivation activation{};
 };
 
 // y = the weighted routed experts, on ftjax's own worker pool (FTJAX_NUM_THREADS) with the

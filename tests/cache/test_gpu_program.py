@@ -130,6 +130,22 @@ def test_the_gpu_decode_step_exports_for_cuda(tiny_config, policy):
     assert ("pinned_host" in text) == (fill == "slices")
 
 
+def test_gpt_oss_host_experts_export_with_their_variant(tiny_config):
+  """The CUDA host-experts op carries the experts' activation and biases (gpt-oss)."""
+  config = dataclasses.replace(tiny_config, expert_activation="clamped_swiglu", expert_bias=True,
+                               swiglu_limit=6.5)
+  model = model_lib.random_model(config, seed=0, dtype="bfloat16")
+  engine = ftjax.Engine(model, kernels="xla", cache_slots=5, policy="freetoken",
+                        bandwidths=(12.0, 24.0))
+  pool = cuda.PoolSpec(handle=0, shape=tuple(model.bank.shape), dtype="bfloat16")
+  text = _export_decode(engine, Offload(fill="cuda", host="cuda", pool=pool)).mlir_module()
+  starts = [line for line in text.splitlines() if "ftjax_cuda_host_experts_start" in line]
+  assert len(starts) == config.num_layers
+  for line in starts:
+    assert 'activation = "clamped_swiglu"' in line and "biases = true" in line, line
+    assert "limit = 6.5" in line, line
+
+
 def test_the_streamed_prefill_exports_for_cuda(tiny_config):
   model = model_lib.random_model(tiny_config, seed=0, dtype="bfloat16")
   engine = ftjax.Engine(model, kernels="xla", cache_slots=5, policy="freetoken",

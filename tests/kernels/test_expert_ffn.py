@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ftjax.kernels import expert_ffn
+from ftjax.kernels import ExpertVariant, expert_ffn
 
 import reference
 
@@ -256,6 +256,11 @@ PYTHON_ERRORS = {
   "layer_negative": (dict(layer=np.int32(-1)), "layer = -1 is outside [0, L) with L = 2"),
   "layer_not_scalar": (dict(layer=jnp.zeros((1,), jnp.int32)), "layer must be an integer scalar"),
   "layer_float": (dict(layer=jnp.float32(1)), "layer must be an integer scalar"),
+  "no_room_for_biases": (
+    dict(variant=ExpertVariant(bias=True)),
+    "bank's last dimension P = 96 is smaller than 3 * ffn_dim * D = 3 * 4 * 8 plus the biases "
+    "2 * ffn_dim + D = 16",
+  ),
 }
 
 
@@ -267,7 +272,8 @@ def test_python_side_rejects_bad_input(error_name):
     expert_ffn(**arguments)
 
 
-def call_kernel_directly(x, ids, weights, bank, layer, ffn_dim, result_shape=None):
+def call_kernel_directly(x, ids, weights, bank, layer, ffn_dim, result_shape=None,
+                         activation="swiglu", biases=False):
   """Bypasses the Python checks, so that the C++ ones are the ones that fire."""
   call = jax.ffi.ffi_call(
     "ftjax_expert_ffn",
@@ -276,7 +282,8 @@ def call_kernel_directly(x, ids, weights, bank, layer, ffn_dim, result_shape=Non
   )
   y = call(
     x, ids, weights, bank, jnp.asarray(layer, jnp.int32), ffn_dim=np.int64(ffn_dim),
-    bf16_activations=False,
+    bf16_activations=False, activation=activation, alpha=np.float32(1.702),
+    limit=np.float32(7.0), biases=biases,
   )
   return jax.block_until_ready(y)
 
@@ -326,6 +333,15 @@ KERNEL_ERRORS = {
     dict(result_shape=(T, D + 1)),
     "result y must have x's shape [3, 8], got [3, 9]",
   ),
+  "unknown_activation": (
+    dict(activation="gelu"),
+    'activation must be "swiglu" or "clamped_swiglu", got "gelu"',
+  ),
+  "no_room_for_biases": (
+    dict(biases=True),
+    "with biases the expert block needs 3 * F * D + 2 * F + D = 112 elements, but the bank's "
+    "P = 96",
+  ),
 }
 
 
@@ -347,3 +363,57 @@ def test_traced_out_of_range_id_is_caught_by_the_kernel():
     jax.errors.JaxRuntimeError, match=re.escape("ids[2, 0] = 7 is outside [-1, E)")
   ):
     jax.block_until_ready(jitted(**arguments))
+
+
+# --- gpt-oss: the clamped SwiGLU with biases ----------------------------------------------------
+
+GPT_OSS = ExpertVariant(activation="clamped_swiglu", alpha=1.702, limit=7.0, bias=True)
+GPT_OSS_CASES = {
+  "decode_tokens_1": Case(T=1, K=4, E=16, D=64, F=48),
+  "decode_tokens_5": Case(T=5, K=2, E=5, D=67, F=45, skip_fraction=0.2),
+  "grouped_tokens_40": Case(T=40, K=3, E=8, D=67, F=45, L=2, layer=1),
+  "grouped_packed": Case(T=160, K=2, D=64, F=96),  # ~40 routes per expert: packed GEMM
+}
+
+
+def gpt_oss_inputs(case, bank_dtype):
+  """Inputs whose gate and up pre-activations pass the limit (7) both ways: x has unit rows, the
+  weights std 3 / sqrt(D), so g and u have std ~3; biases std 1. Returns the inputs and the
+  pre-activations of the routed experts (float64, from the reference's split)."""
+  rng = rng_for("gpt-oss", case, bank_dtype.name)
+  x = rng.standard_normal((case.T, case.D)).astype(np.float32)
+  ids, weights = make_routes(rng, T=case.T, E=case.E, K=case.K, skip_fraction=case.skip_fraction)
+  F, D = case.F, case.D
+  pad = rng.integers(0, 5)
+  blocks = np.concatenate([3 * rng.standard_normal((case.L, case.E, 2 * F * D)) / np.sqrt(D),
+                           rng.standard_normal((case.L, case.E, D * F)) / np.sqrt(F),
+                           rng.standard_normal((case.L, case.E, 2 * F + D)),
+                           np.full((case.L, case.E, pad), np.nan)], axis=-1)
+  bank = blocks.astype(np.float32).astype(bank_dtype)
+  routed = np.unique(ids[ids >= 0])
+  pre = []
+  for e in routed:
+    gate, up, _ = reference.split_block(bank[case.layer, e], F, D)
+    b_gate, b_up, _ = reference.split_biases(bank[case.layer, e], F, D)
+    pre.append((x @ gate.T + b_gate, x @ up.T + b_up))
+  return (x, ids, weights, bank), pre
+
+
+@pytest.mark.parametrize("bank_dtype", BANK_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("case_name", GPT_OSS_CASES)
+def test_gpt_oss_variant_matches_reference(case_name, bank_dtype, bf16_activations, isa,
+                                           assert_close):
+  case = GPT_OSS_CASES[case_name]
+  (x, ids, weights, bank), pre = gpt_oss_inputs(case, bank_dtype)
+  # The clamps are reached: the gate above the limit, the up on both sides.
+  assert max(g.max() for g, _ in pre) > 7 and max(u.max() for _, u in pre) > 7
+  assert min(u.min() for _, u in pre) < -7
+  y = expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F,
+                 bf16_activations=bf16_activations, variant=GPT_OSS)
+  ref = reference.routed_experts(x, ids, weights, bank, case.layer, case.F,
+                                 activation="clamped_swiglu", alpha=1.702, limit=7.0, bias=True)
+  assert_close(y, ref, bank_dtype, bf16_activations)
+  # Not the plain SwiGLU, and not the clamped one without biases: the test can tell.
+  for other in (dict(), dict(activation="clamped_swiglu")):
+    wrong = reference.routed_experts(x, ids, weights, bank, case.layer, case.F, **other)
+    assert np.max(np.abs(wrong - ref)) > 0.1 * np.max(np.abs(ref))

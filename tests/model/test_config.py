@@ -1,6 +1,7 @@
 import dataclasses
 import glob
 import json
+import math
 import os
 
 import pytest
@@ -123,7 +124,7 @@ def test_hybrid_unsupported_variants_name_the_field(change, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"mlp_only_layers": [0]}, "dense MLP layers"),
     ({"num_experts_per_tok": 200}, "top_k"),
@@ -131,6 +132,32 @@ def test_hybrid_unsupported_variants_name_the_field(change, message):
 def test_unsupported_options_are_clear_errors(change, message):
   with pytest.raises(UnsupportedModelError, match=message):
     from_hf_config(_load("qwen3-30b-a3b.json") | change)
+
+
+def test_gpt_oss_20b():
+  c = from_hf_config(_load("gpt-oss-20b.json"))
+  assert (c.num_layers, c.num_experts, c.top_k, c.hidden_size, c.moe_intermediate_size,
+          c.head_dim, c.num_heads, c.num_kv_heads) == (24, 32, 4, 2880, 2880, 64, 64, 8)
+  assert c.layer_types[:2] == ("sliding_attention", "full_attention") and c.sliding_window == 128
+  assert c.attn_sinks and c.qkv_bias and c.o_bias and c.router == "topk_softmax"
+  assert c.router_bias and c.expert_bias and c.expert_activation == "clamped_swiglu"
+  assert (c.swiglu_alpha, c.swiglu_limit, c.rope_theta) == (1.702, 7.0, 150000.0)
+  assert c.yarn.factor == 32.0 and c.yarn.original_max_position == 4096 and not c.yarn.truncate
+  assert c.yarn.attention_factor == pytest.approx(0.1 * math.log(32.0) + 1.0)
+  assert c.expert_block_elems == 3 * 2880 * 2880 + 3 * 2880
+
+
+def test_yarn_defaults_follow_transformers():
+  """No truncate key means truncate; no factor means max / original positions; no rope keys
+  at all give gpt-oss transformers' default YaRN."""
+  hf = _load("gpt-oss-20b.json")
+  yarn = from_hf_config(hf | {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}).yarn
+  assert yarn.truncate and yarn.original_max_position == hf["max_position_embeddings"]
+  yarn = from_hf_config(hf | {"rope_scaling": {"rope_type": "yarn",
+                                               "original_max_position_embeddings": 4096}}).yarn
+  assert yarn.factor == 131072 / 4096
+  bare = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")}
+  assert from_hf_config(bare).yarn == from_hf_config(hf).yarn
 
 
 def test_linear_attention_layers_are_refused_outside_the_hybrid_families():

@@ -37,6 +37,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -128,6 +129,7 @@ struct Job {
   const Pool* pool;
   int64_t layer, tokens, model_dim, top_k, ffn_dim;
   bool bf16_activations;
+  ExpertActivation activation;
   float* x;
   int32_t* ids;
   float* weights;
@@ -145,8 +147,8 @@ class HostExperts {
 
   ffi::Error Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                    ffi::Buffer<ffi::F32> weights, int64_t pool_handle, int64_t layer,
-                   int64_t ffn_dim, bool bf16_activations, ffi::ResultBuffer<ffi::S32> ticket,
-                   ffi::ResultBuffer<ffi::F32> x_out);
+                   int64_t ffn_dim, bool bf16_activations, const ExpertActivation& activation,
+                   ffi::ResultBuffer<ffi::S32> ticket, ffi::ResultBuffer<ffi::F32> x_out);
   ffi::Error Done(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, ffi::Buffer<ffi::F32> y,
                   ffi::ResultBuffer<ffi::F32> y_out);
 
@@ -235,7 +237,8 @@ void HostExperts::WorkerLoop() {
     HostExpertProblem problem{job->tokens, job->model_dim, job->top_k, job->ffn_dim,
                               pool.experts, pool.block, job->x, job->ids, job->weights,
                               pool.host + job->layer * pool.experts * pool.block * pool.itemsize,
-                              pool.itemsize == 2, job->bf16_activations, job->y};
+                              pool.itemsize == 2, job->bf16_activations, job->y,
+                              job->activation};
     const std::string error = HostExpertFfn(problem);
     if (!error.empty()) {
       // The stream must not wait forever: the result is zeros and the error is counted, printed
@@ -260,7 +263,8 @@ constexpr const char* kDone = "ftjax_cuda_host_experts_done";
 ffi::Error HostExperts::Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                               int64_t pool_handle, int64_t layer, int64_t ffn_dim,
-                              bool bf16_activations, ffi::ResultBuffer<ffi::S32> ticket,
+                              bool bf16_activations, const ExpertActivation& activation,
+                              ffi::ResultBuffer<ffi::S32> ticket,
                               ffi::ResultBuffer<ffi::F32> x_out) {
   const Pool* pool = FindPool(pool_handle);
   if (pool == nullptr) return Invalid(kStart, "no registered pool " + std::to_string(pool_handle));
@@ -277,6 +281,10 @@ ffi::Error HostExperts::Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
   }
   if (ffn_dim <= 0 || D <= 0 || 3 * ffn_dim * D > pool->block) {
     return Invalid(kStart, "3 * ffn_dim * D exceeds the pool's block size");
+  }
+  if (activation.biases && 3 * ffn_dim * D + 2 * ffn_dim + D > pool->block) {
+    return Invalid(kStart, "3 * ffn_dim * D + 2 * ffn_dim + D (an expert with biases) exceeds "
+                           "the pool's block size");
   }
   int slot;
   unsigned int seq;
@@ -332,7 +340,7 @@ ffi::Error HostExperts::Start(cudaStream_t stream, ffi::Buffer<ffi::F32> x,
       cudaSuccess) {
     return CudaError(kStart, "writing the ticket", e);
   }
-  Job* job = new Job{flag, seq, pool, layer, T, D, K, ffn_dim, bf16_activations,
+  Job* job = new Job{flag, seq, pool, layer, T, D, K, ffn_dim, bf16_activations, activation,
                      st->x.host, st->ids.host, st->weights.host, st->y.host};
   if ((e = cudaLaunchHostFunc(stream, PostJob, job)) != cudaSuccess) {
     delete job;
@@ -513,10 +521,19 @@ ffi::Error FetchDoneImpl(cudaStream_t stream, ffi::AnyBuffer block,
 
 ffi::Error StartImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                      ffi::Buffer<ffi::F32> weights, int64_t pool, int64_t layer,
-                     int64_t ffn_dim, bool bf16_activations, ffi::ResultBuffer<ffi::S32> ticket,
+                     int64_t ffn_dim, bool bf16_activations, std::string_view activation,
+                     float alpha, float limit, bool biases, ffi::ResultBuffer<ffi::S32> ticket,
                      ffi::ResultBuffer<ffi::F32> x_out) {
+  // The expert's variant, as ftjax_expert_ffn's attributes (expert_ffn.h).
+  ExpertActivation act{Activation::kSwiglu, alpha, limit, biases};
+  if (activation == "clamped_swiglu") {
+    act.kind = Activation::kClampedSwiglu;
+  } else if (activation != "swiglu") {
+    return Invalid(kStart, "activation must be \"swiglu\" or \"clamped_swiglu\", got \"" +
+                               std::string(activation) + "\"");
+  }
   return HostExperts::Instance().Start(stream, x, ids, weights, pool, layer, ffn_dim,
-                                       bf16_activations, ticket, x_out);
+                                       bf16_activations, act, ticket, x_out);
 }
 
 ffi::Error DoneImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, ffi::Buffer<ffi::F32> y,
@@ -605,6 +622,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxCudaHostExpertsStart, ftjax::cuda::StartImpl,
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("ffn_dim")
                                   .Attr<bool>("bf16_activations")
+                                  .Attr<std::string_view>("activation")  // expert_ffn.h
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
+                                  .Attr<bool>("biases")
                                   .Ret<ffi::Buffer<ffi::S32>>()   // ticket [2]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // x (aliased)
 

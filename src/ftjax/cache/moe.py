@@ -26,6 +26,7 @@ experts on a registered pool (DESIGN section 10).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from ftjax.cache.policy import Plan, PolicyConfig, plan
 from ftjax.cache.state import ExpertCache
-from ftjax.experts import routed_experts
+from ftjax.experts import SWIGLU, ExpertVariant, routed_experts
 from ftjax.kernels import slot_fill
 from ftjax.kernels.cuda import PoolSpec, host_experts_done, host_experts_start, pool_fill
 from ftjax.kernels.cuda import fetch_layer_done as fetch_layer_done_cuda
@@ -259,7 +260,8 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
 def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: ExpertCache,
                   bank: jax.Array, layer, *, bandwidths: jax.Array, policy: PolicyConfig,
                   ffn_dim: int, impl: str = "xla", offload: Offload = DEFAULT_OFFLOAD,
-                  layer_block: jax.Array | None = None) -> tuple[ExpertCache, jax.Array, Plan]:
+                  layer_block: jax.Array | None = None, variant: ExpertVariant = SWIGLU
+                  ) -> tuple[ExpertCache, jax.Array, Plan]:
   """Routed-expert output for x [T, D] with router output ``weights``/``ids`` [T, K].
 
   Args:
@@ -274,6 +276,8 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
       plan says so (``CachedExperts`` also starts the next layer early).
     layer_block: with ``offload.stream="always"``, this layer [E, P] already on the device
       (a prefetch, see ``CachedExperts``); fetched here when None.
+    variant: the experts' activation and biases (``ftjax.experts.ExpertVariant``), static;
+      every path (slots, host pool, streamed layer) computes the same function.
 
   Returns:
     ``(new_cache, y, plan)``: the cache after this layer-step (plan applied, fills copied
@@ -282,13 +286,15 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   """
   cache, p = plan(cache, layer, ids, bandwidths, policy)
   if offload.mesh is not None:
-    return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload)
+    return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload,
+                            variant)
   stream = offload.stream != "never"
   if offload.stream == "cost":
     stream = worth_streaming(p, ids, bandwidths, **_stream_costs(bank, offload, ffn_dim,
                                                                  x.shape[-1]))
   slots, y = execute_plan(x, weights, ids, cache.slots, bank, layer, p, stream=stream,
-                          ffn_dim=ffn_dim, impl=impl, offload=offload, layer_block=layer_block)
+                          ffn_dim=ffn_dim, impl=impl, offload=offload, layer_block=layer_block,
+                          variant=variant)
   return cache.replace(slots=slots), y, p
 
 
@@ -318,37 +324,43 @@ def worth_streaming(p: Plan, ids: jax.Array, bandwidths: jax.Array, *, experts: 
 
 
 def execute_plan(x, weights, ids, slots, bank, layer, p: Plan, *, stream, ffn_dim: int,
-                 impl: str, offload: Offload, layer_block: jax.Array | None = None):
+                 impl: str, offload: Offload, layer_block: jax.Array | None = None,
+                 variant: ExpertVariant = SWIGLU):
   """Runs a planned layer-step: ``(slots, y)``. ``stream`` (a Python bool, or a traced []
   bool choosing between the two at run time) computes every route from the whole layer
   (``layer_block`` when it is already on the device, else fetched here) instead of from the
   slots and the host pool; either way the plan's fills land in their slots."""
   if isinstance(stream, bool):
     run = _streamed_step if stream else _sparse_step
-    return run(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block)
+    return run(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block,
+               variant)
   operands = (x, weights, ids, slots, p)
 
   def branch(run):
     return lambda x, weights, ids, slots, p: run(x, weights, ids, slots, bank, layer, p,
-                                                  ffn_dim, impl, offload, layer_block)
+                                                  ffn_dim, impl, offload, layer_block, variant)
 
   return jax.lax.cond(stream, branch(_streamed_step), branch(_sparse_step), *operands)
 
 
-def _streamed_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block):
+def _streamed_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block,
+                   variant):
+  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, impl=impl, variant=variant)
   if offload.fill == "kernels" and layer_block is None:
     # The pool is in memory the kernels read (the CPU backend): "moving the layer to the
     # device" moves nothing, so the routes run from the pool in place (same numbers).
     slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl)
-    return slots, routed_experts(x, ids, weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
+    return slots, routed(x, ids, weights, bank, layer)
   if layer_block is None:
     layer_block = fetch_layer(bank, layer, offload)
   streamed = layer_block[None]  # [1, E, P] on the device
   slots = fill_slots(slots, streamed, 0, p.fill_expert, p.fill_slot, impl=impl)
-  return slots, routed_experts(x, ids, weights, streamed, 0, ffn_dim=ffn_dim, impl=impl)
+  return slots, routed(x, ids, weights, streamed, 0)
 
 
-def _sparse_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block):
+def _sparse_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block,
+                 variant):
+  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, impl=impl, variant=variant)
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
   host_weights = jnp.where(on_device, 0.0, weights)
@@ -357,28 +369,29 @@ def _sparse_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload,
     # the slots to it too, so the fills are also scheduled after the post and the host kernel
     # runs while the device fills and computes its routes.
     ticket, x = host_experts_start(x, host_ids, host_weights, pool=offload.pool, layer=layer,
-                                   ffn_dim=ffn_dim, bf16_activations=impl == "ffi_bf16")
+                                   ffn_dim=ffn_dim, bf16_activations=impl == "ffi_bf16",
+                                   variant=variant)
     slots, x = jax.lax.optimization_barrier((slots, x))
   slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl,
                      offload=offload)
   y = jnp.zeros(x.shape, jnp.float32)
   if slots.shape[0]:
-    y = y + routed_experts(x, p.route_slot, jnp.where(on_device, weights, 0.0), slots[None], 0,
-                           ffn_dim=ffn_dim, impl=impl)
+    y = y + routed(x, p.route_slot, jnp.where(on_device, weights, 0.0), slots[None], 0)
   if offload.host == "cuda":
     y = host_experts_done(ticket, y)
   else:
-    y = y + routed_experts(x, host_ids, host_weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
+    y = y + routed(x, host_ids, host_weights, bank, layer)
   return slots, y
 
 
-def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload):
+def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload, variant):
   """The layer-step with the slot buffer split over ``offload.mesh``: each device fills the
   planned slots it holds (by the placement's fill) and computes the routes served by them; the
   host routes run once, posted by the first device; a ``psum`` adds the partial outputs. The
   plan and the cache's tables are computed identically on every device (replicated)."""
   (axis,) = offload.mesh.axis_names
   local_offload = dataclasses.replace(offload, mesh=None)
+  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, impl=impl, variant=variant)
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
   host_weights = jnp.where(on_device, 0.0, weights)
@@ -394,7 +407,7 @@ def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offl
     if local_offload.host == "cuda":  # posted first, as in offloaded_moe
       ticket, x = host_experts_start(x, host_ids, host_weights, pool=local_offload.pool,
                                      layer=layer, ffn_dim=ffn_dim,
-                                     bf16_activations=impl == "ffi_bf16")
+                                     bf16_activations=impl == "ffi_bf16", variant=variant)
       slots, x = jax.lax.optimization_barrier((slots, x))
     mine = (fill_slot >= first) & (fill_slot < first + n)
     slots = fill_slots(slots, bank, layer, fill_expert, jnp.where(mine, fill_slot - first, -1),
@@ -402,13 +415,12 @@ def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offl
     y = jnp.zeros(x.shape, jnp.float32)
     if n:
       held = (route_slot >= first) & (route_slot < first + n)
-      y = y + routed_experts(x, jnp.where(held, route_slot - first, -1),
-                             jnp.where(held, device_weights, 0.0), slots[None], 0,
-                             ffn_dim=ffn_dim, impl=impl)
+      y = y + routed(x, jnp.where(held, route_slot - first, -1),
+                     jnp.where(held, device_weights, 0.0), slots[None], 0)
     if local_offload.host == "cuda":
       y = host_experts_done(ticket, y)
     else:
-      y = y + routed_experts(x, host_ids, host_weights, bank, layer, ffn_dim=ffn_dim, impl=impl)
+      y = y + routed(x, host_ids, host_weights, bank, layer)
     return slots, jax.lax.psum(y, axis)
 
   operands = (cache.slots, x, p.route_slot, device_weights, host_ids, host_weights,
@@ -439,6 +451,7 @@ class CachedExperts:
   kernels: str = struct.field(pytree_node=False, default="xla")
   offload: Offload = struct.field(pytree_node=False, default=DEFAULT_OFFLOAD)
   inflight: Inflight | None = None  # streamed prefill: the next layer, already on its way
+  variant: ExpertVariant = struct.field(pytree_node=False, default=SWIGLU)
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["CachedExperts", jax.Array]:
     if self.offload.stream == "cost":
@@ -457,7 +470,7 @@ class CachedExperts:
     cache, y, p = offloaded_moe(x, weights, ids, self.cache, self.bank, layer,
                                 bandwidths=self.bandwidths, policy=self.policy,
                                 ffn_dim=self.ffn_dim, impl=self.kernels, offload=self.offload,
-                                layer_block=block)
+                                layer_block=block, variant=self.variant)
     return self.replace(cache=cache, stats=self.stats.record(
         layer, p, self.offload.stream == "always", host_route_count(p, ids)),
         inflight=inflight), y
@@ -494,7 +507,7 @@ class CachedExperts:
       inflight = Inflight(layer + 1, started, ahead)
     slots, y = execute_plan(x, weights, ids, cache.slots, bank, layer, p, stream=stream,
                             ffn_dim=self.ffn_dim, impl=self.kernels, offload=o,
-                            layer_block=block)
+                            layer_block=block, variant=self.variant)
     return self.replace(cache=cache.replace(slots=slots),
                         stats=self.stats.record(layer, p, stream, routes), inflight=inflight), y
 

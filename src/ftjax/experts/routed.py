@@ -2,7 +2,11 @@
 
 The bank is one array ``[L, E, P]`` (see ``ftjax.formats.ftw``): block ``bank[l, e]`` holds
 ``gate [F, D]`` at element 0, ``up [F, D]`` at ``F·D`` and ``down [D, F]`` at ``2·F·D``;
-the tail up to ``P`` is alignment padding. ``routed_experts`` computes the weighted sum of
+with biases (``ExpertVariant.bias``, gpt-oss) the gate bias ``[F]`` follows at ``3·F·D``, the
+up bias ``[F]`` at ``3·F·D + F`` and the down bias ``[D]`` at ``3·F·D + 2·F``, in the bank's
+dtype; the tail up to ``P`` is alignment padding. The ``ExpertVariant`` also names the
+activation: ``swiglu`` (``silu(g) · u``) or gpt-oss's ``clamped_swiglu``
+(``(clip(u, ±limit) + 1) · g' · sigmoid(alpha · g')`` with ``g' = min(g, limit)``). ``routed_experts`` computes the weighted sum of
 the routed experts of one layer of such a bank (the cache runs it on its slot buffer too, as
 a one-layer bank of slots). ``BankExperts`` is the reference routed-experts function of the
 model protocol (``ftjax.model.moe.RoutedExperts``): every routed expert read from the host
@@ -20,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ftjax.kernels import expert_ffn
+from ftjax.kernels import SWIGLU, ExpertVariant, expert_ffn
 from ftjax.utils.arrays import take
 
 KERNELS = ("xla", "ffi", "ffi_bf16")  # the host-work implementations a step can run with
@@ -36,19 +40,44 @@ def split_block(block: jax.Array, ffn_dim: int, width: int):
   return gate, up, down
 
 
-def _routed_gather(x, ids, weights, bank_ep, ffn_dim):
+def split_biases(block: jax.Array, ffn_dim: int, width: int):
+  """[..., P] -> the biases of gate [..., F], up [..., F] and down [..., D] (float32) of a
+  block with biases."""
+  start = 3 * ffn_dim * width
+  gate = block[..., start:start + ffn_dim]
+  up = block[..., start + ffn_dim:start + 2 * ffn_dim]
+  down = block[..., start + 2 * ffn_dim:start + 2 * ffn_dim + width]
+  return tuple(b.astype(jnp.float32) for b in (gate, up, down))
+
+
+def activate(g: jax.Array, u: jax.Array, variant: ExpertVariant) -> jax.Array:
+  """The hidden activations h from the gate and up projections (biases added)."""
+  if variant.activation == "clamped_swiglu":
+    g = jnp.minimum(g, variant.limit)
+    u = jnp.clip(u, -variant.limit, variant.limit)
+    return (u + 1.0) * (g * jax.nn.sigmoid(variant.alpha * g))
+  return jax.nn.silu(g) * u
+
+
+def _routed_gather(x, ids, weights, bank_ep, ffn_dim, variant):
   """Few routes: gather each routed block. x [T, D], ids/weights [T, K]."""
   width = x.shape[-1]
   valid = ids >= 0
   blocks = take(bank_ep, jnp.where(valid, ids, 0))  # [T, K, P]
   gate, up, down = split_block(blocks, ffn_dim, width)
   gate, up, down = (w.astype(jnp.float32) for w in (gate, up, down))
-  h = jax.nn.silu(jnp.einsum("TD,TKFD->TKF", x, gate)) * jnp.einsum("TD,TKFD->TKF", x, up)
+  g = jnp.einsum("TD,TKFD->TKF", x, gate)
+  u = jnp.einsum("TD,TKFD->TKF", x, up)
   w = jnp.where(valid, weights, 0.0)
-  return jnp.einsum("TKF,TKDF,TK->TD", h, down, w)
+  if not variant.bias:
+    return jnp.einsum("TKF,TKDF,TK->TD", activate(g, u, variant), down, w)
+  b_gate, b_up, b_down = split_biases(blocks, ffn_dim, width)  # [T, K, F], [T, K, F], [T, K, D]
+  h = activate(g + b_gate, u + b_up, variant)
+  z = jnp.einsum("TKF,TKDF->TKD", h, down) + b_down
+  return jnp.einsum("TKD,TK->TD", z, w)
 
 
-def _routed_scan(x, ids, weights, bank_ep, ffn_dim):
+def _routed_scan(x, ids, weights, bank_ep, ffn_dim, variant):
   """Many routes: one pass per expert over all tokens, with per-token combine weights."""
   num_experts = bank_ep.shape[0]
   width = x.shape[-1]
@@ -59,29 +88,39 @@ def _routed_scan(x, ids, weights, bank_ep, ffn_dim):
   def one_expert(y, inputs):
     block, comb = inputs
     gate, up, down = (w.astype(jnp.float32) for w in split_block(block, ffn_dim, width))
-    h = jax.nn.silu(jnp.einsum("TD,FD->TF", x, gate)) * jnp.einsum("TD,FD->TF", x, up)
-    return y + jnp.einsum("TF,DF,T->TD", h, down, comb), None
+    g, u = jnp.einsum("TD,FD->TF", x, gate), jnp.einsum("TD,FD->TF", x, up)
+    if not variant.bias:
+      return y + jnp.einsum("TF,DF,T->TD", activate(g, u, variant), down, comb), None
+    b_gate, b_up, b_down = split_biases(block, ffn_dim, width)
+    z = jnp.einsum("TF,DF->TD", activate(g + b_gate, u + b_up, variant), down) + b_down
+    return y + z * comb[:, None], None
 
   y, _ = jax.lax.scan(one_expert, jnp.zeros_like(x), (bank_ep, combine))
   return y
 
 
 def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.Array,
-                   layer: int, *, ffn_dim: int, impl: str = "xla") -> jax.Array:
+                   layer: int, *, ffn_dim: int, impl: str = "xla",
+                   variant: ExpertVariant = SWIGLU) -> jax.Array:
   """``sum_k weights[t,k] · expert_{ids[t,k]}(x[t])`` over layer ``layer`` of ``bank``.
 
   x [T, D] float32, ids [T, K] int32 (-1 = no route), weights [T, K] float32,
-  bank [L, E, P]. Returns [T, D] float32.
+  bank [L, E, P]; ``variant`` (static) the experts' activation and biases. Returns [T, D]
+  float32.
   """
   if impl in ("ffi", "ffi_bf16"):
     return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim,
-                      bf16_activations=impl == "ffi_bf16")
+                      bf16_activations=impl == "ffi_bf16", variant=variant)
   if impl != "xla":
     raise ValueError(f"unknown MoE implementation {impl!r}; expected 'xla', 'ffi' or 'ffi_bf16'")
+  if bank.shape[-1] < variant.block_elems(ffn_dim, x.shape[-1]):
+    raise ValueError(
+        f"bank blocks of {bank.shape[-1]} elements are too small for experts of ffn_dim="
+        f"{ffn_dim}, D={x.shape[-1]}{' with biases' if variant.bias else ''}")
   bank_ep = bank[layer]
   if ids.size <= bank_ep.shape[0]:
-    return _routed_gather(x, ids, weights, bank_ep, ffn_dim)
-  return _routed_scan(x, ids, weights, bank_ep, ffn_dim)
+    return _routed_gather(x, ids, weights, bank_ep, ffn_dim, variant)
+  return _routed_scan(x, ids, weights, bank_ep, ffn_dim, variant)
 
 
 @struct.dataclass
@@ -94,7 +133,8 @@ class BankExperts:
   bank: jax.Array  # [L, E, P]
   ffn_dim: int = struct.field(pytree_node=False)
   kernels: str = struct.field(pytree_node=False, default="xla")
+  variant: ExpertVariant = struct.field(pytree_node=False, default=SWIGLU)
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["BankExperts", jax.Array]:
     return self, routed_experts(x, ids, weights, self.bank, layer, ffn_dim=self.ffn_dim,
-                                impl=self.kernels)
+                                impl=self.kernels, variant=self.variant)

@@ -5,7 +5,10 @@ language). In short: a directory with ``ftw.json`` (format version, model config
 alignment 4096, tensor table with CRC-32s, source fingerprint), ``dense.bin`` (every tensor
 that is not a routed expert, each 4096-aligned) and ``experts.bin`` (the expert bank:
 layer-major, then expert; each block is ``gate [F, D]; up [F, D]; down [D, F]`` contiguous
-and 4096-aligned, so one expert and one layer are each one contiguous copy).
+and 4096-aligned, so one expert and one layer are each one contiguous copy). A model with
+expert biases (gpt-oss: ``ModelConfig.expert_bias``) continues each block with ``gate_bias
+[F]; up_bias [F]; down_bias [D]`` in the same dtype; such files are format version 2, others
+stay version 1 so that older readers still open them.
 
 Errors (all subclasses of ``FTWError``, a ``ValueError``): ``FTWVersionError`` for a newer
 format, ``FTWTruncatedError`` for a missing or short file, ``FTWChecksumError`` for a CRC
@@ -26,12 +29,15 @@ import numpy as np
 
 from ftjax.model.config import ModelConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this module reads and writes
+# Version 2 adds the bias parts of an expert block; a file without them is written as 1.
+BIAS_FORMAT_VERSION = 2
 ALIGNMENT = 4096
 INDEX_NAME = "ftw.json"
 DENSE_FILE = "dense.bin"
 EXPERTS_FILE = "experts.bin"
 EXPERT_PARTS = ("gate", "up", "down")
+EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 
@@ -100,15 +106,25 @@ def is_ftw_dir(path: str | os.PathLike) -> bool:
   return os.path.isfile(os.path.join(path, INDEX_NAME))
 
 
-def expert_part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+def expert_parts(config: ModelConfig) -> tuple[str, ...]:
+  """The parts of an expert block, in storage order."""
+  return EXPERT_PARTS + (EXPERT_BIAS_PARTS if config.expert_bias else ())
+
+
+def expert_part_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   f, d = config.moe_intermediate_size, config.hidden_size
-  return {"gate": (f, d), "up": (f, d), "down": (d, f)}
+  shapes = {"gate": (f, d), "up": (f, d), "down": (d, f),
+            "gate_bias": (f,), "up_bias": (f,), "down_bias": (d,)}
+  return {part: shapes[part] for part in expert_parts(config)}
 
 
 def expert_part_starts(config: ModelConfig) -> dict[str, int]:
   """Element offset of each part inside an expert block (any dtype)."""
-  fd = config.moe_intermediate_size * config.hidden_size
-  return {"gate": 0, "up": fd, "down": 2 * fd}
+  starts, offset = {}, 0
+  for part, shape in expert_part_shapes(config).items():
+    starts[part] = offset
+    offset += int(np.prod(shape))
+  return starts
 
 
 class FTWWriter:
@@ -139,13 +155,14 @@ class FTWWriter:
     self._bank_size = c.num_moe_layers * c.num_experts * self.block_bytes
     self._experts = open(os.path.join(self.out_dir, EXPERTS_FILE), "wb+")
     self._experts.truncate(self._bank_size)  # sparse, zero-filled
-    self._written = np.zeros((c.num_moe_layers, c.num_experts, len(EXPERT_PARTS)), bool)
+    self.parts = expert_parts(c)
+    self._written = np.zeros((c.num_moe_layers, c.num_experts, len(self.parts)), bool)
 
   def _cast(self, name: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if tuple(array.shape) != tuple(shape):
       raise FTWConfigMismatchError(
           f"tensor {name} has shape {tuple(array.shape)} but the model config implies {tuple(shape)}")
-    if not np.issubdtype(array.dtype, np.floating) and array.dtype != self.dtype:
+    if not (np.issubdtype(array.dtype, np.floating) or array.dtype in DTYPES.values()):
       raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
     return np.ascontiguousarray(array.astype(self.dtype, copy=False))
 
@@ -167,7 +184,10 @@ class FTWWriter:
       raise FTWConfigMismatchError(
           f"expert ({layer}, {expert}) is outside the config's {c.num_moe_layers} layers x "
           f"{c.num_experts} experts")
-    p = EXPERT_PARTS.index(part)
+    if part not in self.parts:
+      raise FTWConfigMismatchError(
+          f"expert part {part!r} is not one of this config's block parts {self.parts}")
+    p = self.parts.index(part)
     if self._written[layer, expert, p]:
       raise FTWError(f"expert part layer {layer} expert {expert} {part} written twice")
     data = self._cast(f"expert[{layer},{expert}].{part}", array, self.part_shapes[part])
@@ -180,7 +200,7 @@ class FTWWriter:
     if len(missing):
       l, e, p = missing[0]
       raise FTWError(f"{len(missing)} expert parts were never written, first: layer {l} expert "
-                     f"{e} {EXPERT_PARTS[p]}")
+                     f"{e} {self.parts[p]}")
     self._dense.close()
     self._experts.flush()
     os.fsync(self._experts.fileno())
@@ -191,7 +211,7 @@ class FTWWriter:
     self._experts.close()
     index = {
         "format": "ftw",
-        "format_version": FORMAT_VERSION,
+        "format_version": BIAS_FORMAT_VERSION if c.expert_bias else 1,
         "alignment": ALIGNMENT,
         "dtype": self.dtype_name,
         "model_config": c.to_dict(),
@@ -204,7 +224,7 @@ class FTWWriter:
             "ffn_dim": c.moe_intermediate_size, "width": c.hidden_size,
             "block_bytes": self.block_bytes,
             "parts": [{"name": n, "shape": list(self.part_shapes[n]), "offset": self.part_offsets[n]}
-                      for n in EXPERT_PARTS],
+                      for n in self.parts],
             "layer_crc32": layer_crc,
         },
         **(extra_index or {}),
@@ -281,6 +301,11 @@ class FTWFile:
       if ex[key] != value:
         raise FTWConfigMismatchError(
             f"expert bank has {key}={ex[key]} but the model config implies {value} in {self.path}")
+    names = tuple(part["name"] for part in ex["parts"])
+    if names != expert_parts(c):
+      raise FTWConfigMismatchError(
+          f"expert blocks hold the parts {names} but the model config implies "
+          f"{expert_parts(c)} in {self.path}")
     if ex["block_bytes"] < c.expert_block_elems * self.dtype.itemsize:
       raise FTWConfigMismatchError(f"expert block_bytes={ex['block_bytes']} is too small for "
                                    f"the config's expert shape in {self.path}")

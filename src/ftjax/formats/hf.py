@@ -13,6 +13,12 @@ head (``mtp.``) are skipped. Gated DeltaNet projections come split (Qwen3.5:
 ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) or fused per key-head group
 (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``), which is split here into the same
 parameters. A gated attention's ``q_proj`` holds, per head, the query then its output gate.
+
+gpt-oss stores its fused experts the other way round, ``[in, out]``: ``gate_up_proj``
+[E, D, 2F] with gate and up interleaved (columns 2f and 2f + 1), ``down_proj`` [E, F, D], and
+their biases ``gate_up_proj_bias`` [E, 2F] (interleaved too) and ``down_proj_bias`` [E, D];
+they become each block's gate, up, down and bias parts. Checkpoints with MXFP4 experts
+(``*_blocks``, ``*_scales``, as gpt-oss ships) are refused: that format is not supported yet.
 """
 
 from __future__ import annotations
@@ -97,6 +103,9 @@ _DENSE_RULES: list[tuple[str, str]] = [
     (_LAYER + r"self_attn\.q_norm\.weight", "layers.{0}.attn.q_norm.scale"),
     (_LAYER + r"self_attn\.k_norm\.weight", "layers.{0}.attn.k_norm.scale"),
     (_LAYER + r"(?:mlp|block_sparse_moe)\.gate\.weight", "layers.{0}.moe.w_router_ed"),
+    (_LAYER + r"mlp\.router\.weight", "layers.{0}.moe.w_router_ed"),
+    (_LAYER + r"mlp\.router\.bias", "layers.{0}.moe.b_logits_e"),
+    (_LAYER + r"self_attn\.sinks", "layers.{0}.attn.sinks_h"),
     (_LAYER + r"mlp\.shared_expert\.gate_proj\.weight", "layers.{0}.moe.shared.w_gate_id"),
     (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "layers.{0}.moe.shared.w_up_id"),
     (_LAYER + r"mlp\.shared_expert\.down_proj\.weight", "layers.{0}.moe.shared.w_down_di"),
@@ -119,6 +128,15 @@ _PER_EXPERT_RE = re.compile(
     _LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
     r"\.weight$")
 _FUSED_RE = re.compile(_LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_FUSED_BIAS_RE = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)_bias$")
+_MXFP4_RE = re.compile(r".*\.experts\..*_(blocks|scales)$")
+# Families whose fused experts are stored [in, out] with gate and up interleaved (see above).
+_INTERLEAVED_IN_OUT = ("gpt_oss",)
+MXFP4_MESSAGE = (
+    "MXFP4 expert weights (*_blocks / *_scales, as gpt-oss ships them) are not supported yet; "
+    "convert a checkpoint with bfloat16 or float32 experts (e.g. one dequantised by transformers: "
+    "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
+    "save_pretrained)")
 _IGNORED_RE = re.compile(r"(.*rotary_emb\.inv_freq|visual\..*|mtp\..*)$")
 _QKVZ_RE = re.compile(_LAYER + r"linear_attn\.in_proj_(qkvz|ba)\.weight$")
 _GATED_Q_RE = re.compile(_LAYER + r"self_attn\.q_proj\.weight$")
@@ -183,7 +201,16 @@ def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig
   if m:
     yield "expert", (int(m[1]), int(m[2]), _EXPERT_PART_NAMES[m[3]]), st.get(name)
     return
+  if _MXFP4_RE.match(short):
+    raise ConversionError(f"tensor {name} in {st.path}: {MXFP4_MESSAGE}")
+  m = _FUSED_BIAS_RE.match(short)
+  if m:
+    yield from _interleaved_biases(config, name, int(m[1]), m[2], st.get(name))
+    return
   m = _FUSED_RE.match(short)
+  if m and config.model_type in _INTERLEAVED_IN_OUT:
+    yield from _interleaved_in_out(config, name, int(m[1]), m[2], st.get(name))
+    return
   if m:
     layer, kind = int(m[1]), m[2]
     fused = st.get(name)  # [E, 2F, D] or [E, D, F], still a memmap view
@@ -207,6 +234,42 @@ def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig
       "architecture (is the model_type in config.json right?)")
 
 
+def _interleaved_in_out(config: ModelConfig, name: str, layer: int, kind: str, fused):
+  """gpt-oss's fused experts: ``gate_up_proj`` [E, D, 2F] (gate in the even columns, up in the
+  odd ones) and ``down_proj`` [E, F, D] -> each expert's gate [F, D], up [F, D], down [D, F]."""
+  e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
+  want = (e, d, 2 * f) if kind == "gate_up_proj" else (e, f, d)
+  if tuple(fused.shape) != want:
+    raise ftw.FTWConfigMismatchError(
+        f"tensor {name} has shape {tuple(fused.shape)}; {config.model_type} stores it [E, "
+        f"{'D, 2F' if kind == 'gate_up_proj' else 'F, D'}] = {want} for this config.json")
+  for expert in range(e):
+    if kind == "gate_up_proj":
+      yield "expert", (layer, expert, "gate"), fused[expert, :, 0::2].T
+      yield "expert", (layer, expert, "up"), fused[expert, :, 1::2].T
+    else:
+      yield "expert", (layer, expert, "down"), fused[expert].T
+
+
+def _interleaved_biases(config: ModelConfig, name: str, layer: int, kind: str, bias):
+  """gpt-oss's expert biases: ``gate_up_proj_bias`` [E, 2F] (interleaved like the weights) and
+  ``down_proj_bias`` [E, D] -> each expert's gate, up and down bias parts."""
+  e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
+  if not config.expert_bias:
+    raise ConversionError(f"tensor {name}: expert biases, which this {config.model_type} config "
+                          "does not have")
+  want = (e, 2 * f) if kind == "gate_up_proj" else (e, d)
+  if tuple(bias.shape) != want:
+    raise ftw.FTWConfigMismatchError(
+        f"tensor {name} has shape {tuple(bias.shape)}, not the {want} implied by config.json")
+  for expert in range(e):
+    if kind == "gate_up_proj":
+      yield "expert", (layer, expert, "gate_bias"), bias[expert, 0::2]
+      yield "expert", (layer, expert, "up_bias"), bias[expert, 1::2]
+    else:
+      yield "expert", (layer, expert, "down_bias"), bias[expert]
+
+
 def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16",
                *, overwrite: bool = False, show_progress: bool = True) -> str:
   """Converts a Hugging Face MoE checkpoint directory to an FTW directory; returns its path.
@@ -228,6 +291,9 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   shards = [SafetensorsFile(p) for p in _shard_paths(hf_dir)]
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf_config = json.load(f)
+  quant = (hf_config.get("quantization_config") or {}).get("quant_method")
+  if quant == "mxfp4":
+    raise ConversionError(f"{hf_dir}: {MXFP4_MESSAGE}")
   source = {"kind": "huggingface-safetensors", "fingerprint": fingerprint(hf_dir),
             "path": os.path.abspath(hf_dir), "hf_config": hf_config}
   shapes = expected_dense_shapes(config)

@@ -35,10 +35,11 @@ from ftjax.kernels.attention import attention
 from ftjax.kernels.cpu_info import cpu_info
 from ftjax.kernels.dense import dense
 from ftjax.kernels.exp_sub_sum import exp_sub_sum
-from ftjax.kernels.expert_ffn import expert_ffn
+from ftjax.kernels.expert_ffn import SWIGLU, ExpertVariant, expert_ffn
 from ftjax.kernels.peak_probe import peak_probe
 from ftjax.kernels.read_probe import read_probe
 from ftjax.kernels.slot_fill import slot_fill
 
 __all__ = ["KernelsUnavailable", "available", "load_error", "require", "attention", "cpu_info",
-           "dense", "exp_sub_sum", "expert_ffn", "peak_probe", "read_probe", "slot_fill"]
+           "dense", "exp_sub_sum", "expert_ffn", "peak_probe", "read_probe", "slot_fill",
+           "ExpertVariant", "SWIGLU"]

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
+from ftjax.kernels.expert_ffn import SWIGLU, ExpertVariant
 
 _FIX = ("Build ftjax on a machine with the CUDA toolkit (nvcc) and a CUDA jaxlib plugin "
         "(jax[cuda13] or jax[cuda12]): `pip install --no-build-isolation .` then compiles "
@@ -148,10 +149,11 @@ def pool_fill(slots, src, dst, *, pool: PoolSpec):
 
 
 def host_experts_start(x, ids, weights, *, pool: PoolSpec, layer: int, ffn_dim: int,
-                       bf16_activations: bool = False):
+                       bf16_activations: bool = False, variant: ExpertVariant = SWIGLU):
   """Posts the host experts ``ids``/``weights`` [T, K] of tokens x [T, D] (float32) of layer
-  ``layer`` (a Python int) to the host worker. Returns (ticket, x): use the returned ``x`` for
-  the device's work, and pass the ticket to ``host_experts_done``."""
+  ``layer`` (a Python int) to the host worker; ``variant`` is the experts' activation and
+  biases (``ftjax.kernels.expert_ffn``). Returns (ticket, x): use the returned ``x`` for the
+  device's work, and pass the ticket to ``host_experts_done``."""
   L, E, P = pool.shape
   (t, d) = _check("x", x, None, np.float32)
   (_, k) = _check("ids", ids, None, np.int32)
@@ -159,14 +161,18 @@ def host_experts_start(x, ids, weights, *, pool: PoolSpec, layer: int, ffn_dim: 
   _check("weights", weights, (t, k), np.float32)
   if not isinstance(layer, (int, np.integer)) or not 0 <= int(layer) < L:
     raise ValueError(f"layer must be a Python int in [0, {L}) on the GPU path, got {layer!r}")
-  if 3 * ffn_dim * d > P:
-    raise ValueError(f"3 * ffn_dim * D = {3 * ffn_dim * d} exceeds the pool's block P = {P}")
+  if variant.block_elems(ffn_dim, d) > P:
+    raise ValueError(f"an expert block of ffn_dim={ffn_dim}, D={d}"
+                     f"{' with biases' if variant.bias else ''} needs "
+                     f"{variant.block_elems(ffn_dim, d)} elements, more than the pool's P = {P}")
   call = jax.ffi.ffi_call(
       "ftjax_cuda_host_experts_start",
       (jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct(x.shape, x.dtype)),
       input_output_aliases={0: 1}, has_side_effect=True)
   ticket, x = call(x, ids, weights, pool=np.int64(pool.handle), layer=np.int64(layer),
-                   ffn_dim=np.int64(ffn_dim), bf16_activations=bool(bf16_activations))
+                   ffn_dim=np.int64(ffn_dim), bf16_activations=bool(bf16_activations),
+                   activation=variant.activation, alpha=np.float32(variant.alpha),
+                   limit=np.float32(variant.limit), biases=bool(variant.bias))
   return ticket, x
 
 

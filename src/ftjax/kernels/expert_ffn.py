@@ -18,10 +18,20 @@ FTJAX_NUM_THREADS, FTJAX_THREAD_POOL (see ftjax.kernels).
 
 To run experts from cache slots, pass the slot buffer as bank [1, N, P] with layer 0 and slot
 numbers as ids.
+
+``variant`` (an ``ExpertVariant``) chooses the expert's function: the SwiGLU above by default,
+or gpt-oss's clamped SwiGLU, and whether each block carries biases (gate [F] at element
+3*F*D, up [F] after it, down [D] after that, in the bank's dtype; P >= 3*F*D + 2*F + D):
+
+    g = gate_e @ x + b_gate,  u = up_e @ x + b_up
+    clamped_swiglu: g = min(g, limit), u = clip(u, -limit, limit),
+                    h = (u + 1) * g * sigmoid(alpha * g)
+    y[t] = sum_k weights[t, k] * (down_e @ h + b_down)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,9 +42,34 @@ from ftjax.kernels._registration import require
 from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
 
 _BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
-def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False):
+@dataclasses.dataclass(frozen=True)
+class ExpertVariant:
+  """The routed experts' function (static, hashable): ``activation`` ("swiglu": silu(g) * u;
+  "clamped_swiglu": gpt-oss's ``(clip(u, ±limit) + 1) * g' * sigmoid(alpha * g')`` with
+  ``g' = min(g, limit)``), and ``bias``: each expert block holds gate, up and down biases
+  after down (see the module docstring)."""
+  activation: str = "swiglu"
+  alpha: float = 1.702
+  limit: float = 7.0
+  bias: bool = False
+
+  def __post_init__(self):
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+
+  def block_elems(self, ffn_dim: int, width: int) -> int:
+    """Elements an expert block needs: 3·F·D, plus 2·F + D with biases."""
+    return 3 * ffn_dim * width + ((2 * ffn_dim + width) if self.bias else 0)
+
+
+SWIGLU = ExpertVariant()
+
+
+def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
+               variant: ExpertVariant = SWIGLU):
   """Weighted sum of the routed SwiGLU experts of one layer, on the host.
 
   Args:
@@ -51,6 +86,7 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False)
       which the grouped (prefill) form gains from, at a relative error of ~1e-2 of max|y|.
       When False (the default), bf16 weights are widened to float32 and the result is exact
       to ~1e-5 like a float32 bank; the decode form runs at read bandwidth either way.
+    variant: the expert's activation and biases (``ExpertVariant``); static.
 
   Returns:
     y: [T, D] float32.
@@ -89,9 +125,12 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False)
     raise ValueError(f"ffn_dim must be a Python int, got {ffn_dim!r}")
   if ffn_dim <= 0:
     raise ValueError(f"ffn_dim must be positive, got {ffn_dim}")
-  if P < 3 * ffn_dim * D:
+  if not isinstance(variant, ExpertVariant):
+    raise ValueError(f"variant must be an ExpertVariant, got {variant!r}")
+  if P < variant.block_elems(ffn_dim, D):
     raise ValueError(
       f"bank's last dimension P = {P} is smaller than 3 * ffn_dim * D = 3 * {ffn_dim} * {D}"
+      + (f" plus the biases 2 * ffn_dim + D = {2 * ffn_dim + D}" if variant.bias else "")
     )
 
   _check_layer(layer, L)
@@ -99,30 +138,32 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False)
     raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
 
   require("expert_ffn")
-  call = _batchable_call(int(ffn_dim), bool(bf16_activations))
+  call = _batchable_call(int(ffn_dim), bool(bf16_activations), variant)
   return call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32))
 
 
-def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations):
+def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, variant):
   call = jax.ffi.ffi_call(
     "ftjax_expert_ffn",
     jax.ShapeDtypeStruct(x.shape, jnp.float32),
     vmap_method="sequential",
   )
   return call(
-    x, ids, weights, bank, layer, ffn_dim=np.int64(ffn_dim), bf16_activations=bf16_activations
+    x, ids, weights, bank, layer, ffn_dim=np.int64(ffn_dim), bf16_activations=bf16_activations,
+    activation=variant.activation, alpha=np.float32(variant.alpha),
+    limit=np.float32(variant.limit), biases=bool(variant.bias),
   )
 
 
 @functools.cache
-def _batchable_call(ffn_dim, bf16_activations):
+def _batchable_call(ffn_dim, bf16_activations, variant):
   """The op for one F, with a vmap rule: tokens are independent, so a batch over x, ids and
   weights with bank and layer unbatched becomes one call over B * T tokens; anything else runs
   one call per batch element."""
 
   @jax.custom_batching.custom_vmap
   def expert_ffn_call(x, ids, weights, bank, layer):
-    return _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations)
+    return _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, variant)
 
   @expert_ffn_call.def_vmap
   def expert_ffn_vmap(axis_size, in_batched, *args):

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any, Literal
 
+import numpy as np
+
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next",
-                         "qwen3_5_moe")
+                         "qwen3_5_moe", "gpt_oss")
 # Hybrid families: Gated DeltaNet ("linear_attention") layers between gated full-attention
 # layers. ``qwen3_5_moe_text`` is the text-only config of ``qwen3_5_moe``.
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -27,10 +30,47 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_group"]
 QKNorm = Literal["per_head", "full"] | None
+# The routed experts' function between their projections (``ftjax.experts``):
+# ``swiglu``: silu(g) * u; ``clamped_swiglu`` (gpt-oss): g = min(g, limit),
+# u = clip(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g).
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 class UnsupportedModelError(ValueError):
   """The checkpoint's architecture or one of its options is not supported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Yarn:
+  """YaRN rotary scaling (transformers' ``_compute_yarn_parameters``): each rotary frequency
+  blends the original one (fast dims, extrapolated) with it divided by ``factor`` (slow dims,
+  interpolated), by a linear ramp over the dims between the correction dims of ``beta_fast``
+  and ``beta_slow`` rotations in ``original_max_position`` tokens (rounded outwards when
+  ``truncate``); cos and sin are scaled by ``attention_factor``."""
+
+  factor: float
+  beta_fast: float
+  beta_slow: float
+  original_max_position: int
+  truncate: bool
+  attention_factor: float
+
+  def inv_freq(self, theta: float, width: int) -> np.ndarray:
+    """The [width / 2] inverse frequencies (float32, as transformers computes them)."""
+    def correction_dim(rotations):
+      return (width * math.log(self.original_max_position / (rotations * 2 * math.pi))
+              / (2 * math.log(theta)))
+    low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+    if self.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, width - 1)
+    if low == high:
+      high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(width // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    pos_freqs = (theta ** (np.arange(0, width, 2, dtype=np.float32) / width)).astype(np.float32)
+    return ((1.0 / (self.factor * pos_freqs)) * (1 - extrapolation)
+            + (1.0 / pos_freqs) * extrapolation).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +102,13 @@ class ModelConfig:
   router_topk_groups: int = 1  # sigmoid_group: experts are chosen within this many groups
   routed_scaling_factor: float = 1.0  # sigmoid_group: scales the routed weights
   attn_sinks: bool = False  # a learned per-head logit joins each softmax (gpt-oss)
+  router_bias: bool = False  # the router is a linear layer with a bias (gpt-oss)
+  # The routed experts (gpt-oss: clamped SwiGLU, biases on gate, up and down).
+  expert_activation: str = "swiglu"  # one of EXPERT_ACTIVATIONS
+  swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's gain
+  swiglu_limit: float = 7.0  # clamped_swiglu: the clamp of gate (above) and up (both sides)
+  expert_bias: bool = False  # gate, up and down biases, stored in the expert block
+  yarn: Yarn | None = None  # YaRN rotary scaling; None = plain RoPE
   shared_expert_intermediate_size: int = 0  # I; 0 = no shared expert
   shared_expert_gate: bool = False  # sigmoid(x · w) scales the shared expert
   partial_rotary_factor: float = 1.0  # rotary on the first head_dim · factor dims of q and k
@@ -107,6 +154,10 @@ class ModelConfig:
             f"sigmoid_group routing needs num_experts ({self.num_experts}) split into "
             f"router_groups ({g}) groups of at least 2 and 1 <= router_topk_groups ({kg}) <= "
             "router_groups")
+    if self.expert_activation not in EXPERT_ACTIVATIONS:
+      raise UnsupportedModelError(
+          f"unknown expert_activation {self.expert_activation!r}; supported: "
+          f"{', '.join(EXPERT_ACTIVATIONS)}")
     if self.qk_norm not in (None, "per_head", "full"):
       raise UnsupportedModelError(f"qk_norm must be None, 'per_head' or 'full', got {self.qk_norm!r}")
     rotary = self.rotary_dim
@@ -155,8 +206,10 @@ class ModelConfig:
 
   @property
   def expert_block_elems(self) -> int:
-    """Elements of one expert: gate [F, D], up [F, D], down [D, F]."""
-    return 3 * self.moe_intermediate_size * self.hidden_size
+    """Elements of one expert: gate [F, D], up [F, D], down [D, F], then with
+    ``expert_bias`` the biases of gate [F], up [F] and down [D]."""
+    f, d = self.moe_intermediate_size, self.hidden_size
+    return 3 * f * d + ((2 * f + d) if self.expert_bias else 0)
 
   # -- Serialisation ------------------------------------------------------------------------
 
@@ -174,6 +227,8 @@ class ModelConfig:
     for key in ("layer_types", "eos_token_ids", "vision_token_ids"):
       if key in d:
         d[key] = tuple(d[key])
+    if d.get("yarn") is not None:
+      d["yarn"] = Yarn(**d["yarn"])
     return cls(**d)
 
   @classmethod
@@ -194,18 +249,23 @@ class ModelConfig:
 # Per-family defaults where hub configs may omit a key; the values are those of the
 # transformers configuration classes.
 _DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "mixtral": 1e6, "olmoe": 10000.0,
-                       "qwen3_next": 10000.0, "qwen3_5_moe": 10000.0}
+                       "qwen3_next": 10000.0, "qwen3_5_moe": 10000.0, "gpt_oss": 150000.0}
 _DEFAULT_EPS = {"qwen3_moe": 1e-6, "qwen2_moe": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5,
-                "qwen3_next": 1e-6, "qwen3_5_moe": 1e-6}
+                "qwen3_next": 1e-6, "qwen3_5_moe": 1e-6, "gpt_oss": 1e-5}
+
+
+# gpt-oss's rope when config.json names none (transformers' GptOssConfig default).
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
 
 
 def _notice(message: str) -> None:
   print(f"ftjax: {message}", file=sys.stderr)
 
 
-def _rope(hf: dict[str, Any], model_type: str) -> tuple[float, float]:
-  """(theta, partial_rotary_factor) from ``rope_parameters`` (new) or ``rope_theta`` /
-  ``rope_scaling`` (hub)."""
+def _rope(hf: dict[str, Any], model_type: str) -> tuple[float, float, Yarn | None]:
+  """(theta, partial_rotary_factor, YaRN scaling or None) from ``rope_parameters`` (new) or
+  ``rope_theta`` / ``rope_scaling`` (hub)."""
   params = hf.get("rope_parameters")
   if params:
     # Per-layer-type nesting ({"full_attention": {...}}) appears in some new configs.
@@ -219,10 +279,11 @@ def _rope(hf: dict[str, Any], model_type: str) -> tuple[float, float]:
     params = hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = hf.get("rope_theta", _DEFAULT_ROPE_THETA[model_type])
-  if rope_type != "default":
+  if rope_type not in ("default", "yarn"):
     raise UnsupportedModelError(
-        f"rope type {rope_type!r} is not supported yet (supported: 'default'); "
+        f"rope type {rope_type!r} is not supported yet (supported: 'default', 'yarn'); "
         "remove rope scaling from config.json only if you stay within the original context")
+  yarn = _yarn(hf, params) if rope_type == "yarn" else None
   default_partial = 0.25 if model_type in ("qwen3_next", "qwen3_5_moe") else 1.0
   partial = float(params.get("partial_rotary_factor",
                              hf.get("partial_rotary_factor", default_partial)))
@@ -238,7 +299,33 @@ def _rope(hf: dict[str, Any], model_type: str) -> tuple[float, float]:
           f"rope_parameters.mrope_section={list(section)} does not split the {half} rotary "
           "frequencies into 3 sections, so it is not the text-only multimodal RoPE that ftjax "
           "runs as 1-D RoPE; fix the sections in config.json")
-  return float(theta), partial
+  return float(theta), partial, yarn
+
+
+def _yarn(hf: dict[str, Any], params: dict[str, Any]) -> Yarn:
+  """YaRN's parameters with transformers' defaults (``_compute_yarn_parameters`` and
+  ``standardize_rope_params``): a top-level ``original_max_position_embeddings`` wins over
+  the rope dict's, which defaults to ``max_position_embeddings``; a missing ``factor`` is
+  their ratio; ``truncate`` defaults to true; the attention factor, unless given, is
+  ``0.1 · ln(factor) + 1`` (or the ratio of two such terms with ``mscale`` and
+  ``mscale_all_dim``)."""
+  max_pos = int(hf.get("max_position_embeddings", 4096))
+  original = hf.get("original_max_position_embeddings") or params.get(
+      "original_max_position_embeddings") or max_pos
+  factor = params.get("factor")
+  factor = float(factor) if factor is not None else max_pos / float(original)
+
+  def mscale(scale, m=1.0):
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  attention = params.get("attention_factor")
+  if attention is None:
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+  return Yarn(factor=factor, beta_fast=float(params.get("beta_fast") or 32),
+              beta_slow=float(params.get("beta_slow") or 1),
+              original_max_position=int(original), truncate=bool(params.get("truncate", True)),
+              attention_factor=float(attention))
 
 
 def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -377,13 +464,26 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("sliding_window"):
       sliding_window = hf["sliding_window"]
       layer_types = ["sliding_attention"] * num_layers
+  elif model_type == "gpt_oss":
+    bias = bool(hf.get("attention_bias", True))
+    options.update(qkv_bias=bias, o_bias=bias, attn_sinks=True, router="topk_softmax",
+                   router_bias=True, expert_activation="clamped_swiglu", expert_bias=True,
+                   swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                   swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+    ffn = hf["intermediate_size"]
+    # transformers' default: even layers slide, odd layers attend to everything.
+    layer_types = list(hf.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)])
+    sliding_window = hf.get("sliding_window", 128)
+    if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+      hf["rope_scaling"] = dict(_GPT_OSS_ROPE)  # transformers' GptOssConfig default
   else:  # olmoe
     bias = bool(hf.get("attention_bias", False))
     options.update(qk_norm="full", qkv_bias=bias, o_bias=bias, clip_qkv=hf.get("clip_qkv"),
                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
     ffn = hf["intermediate_size"]
 
-  theta, partial = _rope(hf, model_type)
+  theta, partial, yarn = _rope(hf, model_type)
   return ModelConfig(
       model_type=model_type,
       vocab_size=int(hf["vocab_size"]),
@@ -398,6 +498,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
       rms_norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_EPS[model_type])),
       rope_theta=theta,
       partial_rotary_factor=partial,
+      yarn=yarn,
       max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
       layer_types=tuple(layer_types),
       sliding_window=int(sliding_window) if sliding_window else None,

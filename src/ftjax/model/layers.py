@@ -16,6 +16,7 @@ from flax import nnx
 from flax import struct
 
 from ftjax.kernels import attention, dense
+from ftjax.model.config import Yarn
 from ftjax.model.moe import RoutedExperts
 from ftjax.model.router import route
 
@@ -66,18 +67,27 @@ class RMSNorm(nnx.Module):
     return scale * (x * jax.lax.rsqrt(var + self.eps))
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None
-         ) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None,
+         yarn: Yarn | None = None) -> jax.Array:
   """Rotary embedding, rotate-half convention, on the first ``rotary_dim`` dims of each head
-  (all by default; the rest pass unchanged). x [B, T, H, A], positions [B, T]."""
+  (all by default; the rest pass unchanged). x [B, T, H, A], positions [B, T]. ``yarn``
+  rescales the frequencies and multiplies cos and sin by its attention factor (so q·k
+  scales by its square), as transformers does."""
   width = x.shape[-1] if rotary_dim is None else rotary_dim
-  inv_freq = 1.0 / (theta ** (np.arange(0, width, 2, dtype=np.float32) / width))  # [A/2]
+  if yarn is None:
+    inv_freq = 1.0 / (theta ** (np.arange(0, width, 2, dtype=np.float32) / width))  # [A/2]
+    scale = 1.0
+  else:
+    inv_freq, scale = yarn.inv_freq(theta, width), yarn.attention_factor
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, A/2]
   angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, A]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
   x_rot, x_pass = x[..., :width], x[..., width:]
   x1, x2 = jnp.split(x_rot, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  x_rot = x_rot * jnp.cos(angles) + rotated * jnp.sin(angles)
+  x_rot = x_rot * cos + rotated * sin
   return x_rot if width == x.shape[-1] else jnp.concatenate([x_rot, x_pass], axis=-1)
 
 
@@ -181,8 +191,9 @@ class Attention(nnx.Module):
                rope_theta: float, eps: float, qk_norm: str | None, qkv_bias: bool, o_bias: bool,
                clip_qkv: float | None, window: int | None, rngs: nnx.Rngs, sinks: bool = False,
                rotary_dim: int | None = None, output_gate: bool = False,
-               zero_centred_norm: bool = False, dtype=jnp.float32):
+               zero_centred_norm: bool = False, yarn: Yarn | None = None, dtype=jnp.float32):
     h, g, a, d = num_heads, num_kv_heads, head_dim, width
+    self.yarn = yarn
     self.w_q_had = _normal(rngs, (h, a, d), dtype)
     if output_gate:
       self.w_gate_had = _normal(rngs, (h, a, d), dtype)
@@ -244,8 +255,8 @@ class Attention(nnx.Module):
     """
     _, t, _ = x.shape
     q, k, v = self._project(x, kernels)
-    q = rope(q, positions, self.rope_theta, self.rotary_dim)
-    k = rope(k, positions, self.rope_theta, self.rotary_dim)
+    q = rope(q, positions, self.rope_theta, self.rotary_dim, self.yarn)
+    k = rope(k, positions, self.rope_theta, self.rotary_dim, self.yarn)
     gate = (jax.nn.sigmoid(linear(x, self.w_gate_had, 2, kernels=kernels))  # [B, T, H, A]
             if self.output_gate else None)
     # Keys and values as the cache stores them (rounded once for a bfloat16 cache): a fresh
@@ -301,8 +312,11 @@ class MoE(nnx.Module):
   def __init__(self, *, width: int, num_experts: int, top_k: int, ffn_dim: int, router: str,
                norm_topk_prob: bool, shared_hidden: int, shared_gate: bool, rngs: nnx.Rngs,
                router_groups: int = 1, router_topk_groups: int = 1, scaling: float = 1.0,
-               dtype=jnp.float32):
+               router_bias: bool = False, dtype=jnp.float32):
     self.w_router_ed = _normal(rngs, (num_experts, width), dtype)
+    if router_bias:
+      self.b_logits_e = nnx.Param(jnp.zeros((num_experts,), dtype))  # added to the logits
+    self.router_bias = router_bias
     if router == "sigmoid_group":
       self.b_router_e = nnx.Param(jnp.zeros((num_experts,), dtype))  # selection-only bias
     self.router_groups, self.router_topk_groups, self.scaling = (
@@ -329,6 +343,8 @@ class MoE(nnx.Module):
     lead, width = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, width)  # [B·T, D]
     logits = linear(x2, self.w_router_ed, 1, kernels=kernels)  # [T, E]
+    if self.router_bias:
+      logits = logits + _f32(self.b_logits_e)
     if sow_router_logits:
       self.sow(nnx.Intermediate, "router_logits", logits)
     weights, ids = route(

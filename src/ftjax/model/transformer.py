@@ -79,14 +79,14 @@ class DecoderLayer(nnx.Module):
           head_dim=c.head_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps, qk_norm=c.qk_norm,
           qkv_bias=c.qkv_bias, o_bias=c.o_bias, clip_qkv=c.clip_qkv, window=window, rngs=rngs,
           sinks=c.attn_sinks, rotary_dim=c.rotary_dim, output_gate=c.attn_output_gate,
-          zero_centred_norm=zc, dtype=dtype)
+          zero_centred_norm=zc, yarn=c.yarn, dtype=dtype)
     self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc, dtype=dtype)
     self.moe = MoE(
         width=c.hidden_size, num_experts=c.num_experts, top_k=c.top_k,
         ffn_dim=c.moe_intermediate_size, router=c.router, norm_topk_prob=c.norm_topk_prob,
         shared_hidden=c.shared_expert_intermediate_size, shared_gate=c.shared_expert_gate,
         router_groups=c.router_groups, router_topk_groups=c.router_topk_groups,
-        scaling=c.routed_scaling_factor, rngs=rngs, dtype=dtype)
+        scaling=c.routed_scaling_factor, router_bias=c.router_bias, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cache, length, positions, layer, experts, *, kernels, fresh, valid,
                num_valid=None, sow_router_logits=False, snapshot_at=None):

@@ -177,6 +177,7 @@ class ModelShape:
     layers when they differ (hybrid models).
   head_bytes: bytes read once per token outside the layers: the embedding row, the final
     norm and the lm_head.
+  expert_bias: each routed expert also has gate [F], up [F] and down [D] biases (gpt-oss).
   """
   name: str
   num_layers: int
@@ -187,6 +188,7 @@ class ModelShape:
   bytes_per_param: int
   dense_bytes_per_layer: float
   head_bytes: float
+  expert_bias: bool = False
 
   def __post_init__(self):
     for key in ("num_layers", "num_experts", "top_k", "hidden", "expert_ffn", "bytes_per_param"):
@@ -202,8 +204,10 @@ class ModelShape:
 
   @property
   def expert_bytes(self) -> int:
-    """Bytes of one routed expert: gate [F, D], up [F, D], down [D, F]."""
-    return 3 * self.hidden * self.expert_ffn * self.bytes_per_param
+    """Bytes of one routed expert: gate [F, D], up [F, D], down [D, F] (and with
+    ``expert_bias`` their biases [F], [F], [D])."""
+    bias = 2 * self.expert_ffn + self.hidden if self.expert_bias else 0
+    return (3 * self.hidden * self.expert_ffn + bias) * self.bytes_per_param
 
   @property
   def total_experts(self) -> int:
@@ -233,11 +237,12 @@ class ModelShape:
           c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel)
     mixer = sum(mixers[t] for t in c.layer_types) / c.num_layers
     moe = _moe_block_params(c.hidden_size, c.num_experts, c.shared_expert_intermediate_size,
-                            c.shared_expert_gate)
+                            c.shared_expert_gate, router_bias=c.router_bias)
     return cls(name=name or c.model_type, num_layers=c.num_moe_layers, num_experts=c.num_experts,
                top_k=c.top_k, hidden=c.hidden_size, expert_ffn=c.moe_intermediate_size,
                bytes_per_param=nbytes, dense_bytes_per_layer=float((mixer + moe) * nbytes),
-               head_bytes=float(_head_params(c.hidden_size, c.vocab_size) * nbytes))
+               head_bytes=float(_head_params(c.hidden_size, c.vocab_size) * nbytes),
+               expert_bias=c.expert_bias)
 
   @classmethod
   def from_hf_config(cls, hf: dict[str, Any], name: str | None = None,
@@ -288,10 +293,12 @@ def _attention_params(d: int, heads: int, kv_heads: int, head_dim: int, *, q_gat
   return n + (heads if sinks else 0)
 
 
-def _moe_block_params(d: int, num_experts: int, shared_ffn: int, shared_gate: bool) -> int:
-  """Non-routed parameters of one MoE layer besides its mixer: router [E, D], shared expert
-  (SwiGLU of width I, plus its sigmoid gate [1, D]) and the layer's two RMSNorms."""
-  n = num_experts * d + 2 * d
+def _moe_block_params(d: int, num_experts: int, shared_ffn: int, shared_gate: bool, *,
+                      router_bias: bool = False) -> int:
+  """Non-routed parameters of one MoE layer besides its mixer: router [E, D] (and its bias
+  [E]), shared expert (SwiGLU of width I, plus its sigmoid gate [1, D]) and the layer's two
+  RMSNorms."""
+  n = num_experts * d + 2 * d + (num_experts if router_bias else 0)
   if shared_ffn:
     n += 3 * d * shared_ffn + (d if shared_gate else 0)
   return n

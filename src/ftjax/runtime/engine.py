@@ -30,7 +30,7 @@ from ftjax.runtime.model import Model
 from ftjax.runtime.placement import (EXPERT_AXIS, POOLS, expert_mesh, prefill_stream_threshold,
                                      resolve_pool, shard_params)
 from ftjax.runtime.profile import ExpertShape, load_profile
-from ftjax.runtime.programs import Programs, Runner
+from ftjax.runtime.programs import Programs, Runner, expert_variant
 from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.state import EngineState
 
@@ -322,7 +322,7 @@ class Engine:
         offload=dataclasses.replace(self.placement.offload,
                                     host_gflops=self._host_gflops() or 0.0),
         stream_min_tokens=stream_min, prefill_stream=self._prefill_stream(stream_min),
-        kv_dtype=self.kv_dtype)
+        kv_dtype=self.kv_dtype, variant=expert_variant(c))
     self.programs = Programs.shared(self.runner)
     self._cache: ExpertCache | None = None
     self._steps: list[dict[str, Any]] = []

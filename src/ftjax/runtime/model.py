@@ -139,6 +139,6 @@ def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
       block = bank[layer, expert]
       for part, shape in ftw.expert_part_shapes(model.config).items():
         start = starts[part]
-        n = shape[0] * shape[1]
+        n = int(np.prod(shape))
         writer.add_expert_part(layer, expert, part, block[start:start + n].reshape(shape))
   return writer.close()

@@ -37,8 +37,8 @@ from flax import struct
 
 from ftjax.cache import CachedExperts, PolicyConfig, StepStats
 from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload
-from ftjax.experts import BankExperts
-from ftjax.model import DecodeState, KVCache
+from ftjax.experts import SWIGLU, BankExperts, ExpertVariant
+from ftjax.model import DecodeState, KVCache, ModelConfig
 from ftjax.runtime.sampling import Sampling, sample
 from ftjax.runtime.state import EngineState, RecordingExperts, RoutingRecord
 
@@ -60,6 +60,12 @@ class StepRecord:
   routing: RoutingRecord | None
 
 
+def expert_variant(config: ModelConfig) -> ExpertVariant:
+  """The routed experts' function of a model (its activation and expert biases)."""
+  return ExpertVariant(activation=config.expert_activation, alpha=config.swiglu_alpha,
+                       limit=config.swiglu_limit, bias=config.expert_bias)
+
+
 @dataclasses.dataclass(frozen=True)
 class Runner:
   """What the compiled programs depend on besides argument shapes (hashable, static)."""
@@ -79,6 +85,7 @@ class Runner:
   stream_min_tokens: int = 0
   prefill_stream: str = "always"
   kv_dtype: str = "float32"  # the decode state's KV caches (programs of other dtypes differ)
+  variant: ExpertVariant = SWIGLU  # the routed experts' activation and biases
 
   # -- Tracing ---------------------------------------------------------------------------------
 
@@ -89,14 +96,16 @@ class Runner:
     (``Transformer.__call__``)."""
     model = nnx.merge(self.graphdef, params)
     if self.policy is None:
-      experts = BankExperts(bank=bank, ffn_dim=self.ffn_dim, kernels=self.kernels)
+      experts = BankExperts(bank=bank, ffn_dim=self.ffn_dim, kernels=self.kernels,
+                            variant=self.variant)
     else:
       offload = self.offload
       if tokens.shape[1] > 1 and 0 < self.stream_min_tokens <= tokens.size:  # prefills only
         offload = dataclasses.replace(offload, stream=self.prefill_stream)
       experts = CachedExperts(bank=bank, cache=state.cache, bandwidths=state.bandwidths,
                               stats=StepStats.zeros(self.num_layers), ffn_dim=self.ffn_dim,
-                              policy=self.policy, kernels=self.kernels, offload=offload)
+                              policy=self.policy, kernels=self.kernels, offload=offload,
+                              variant=self.variant)
     if self.record_routing:
       experts = RecordingExperts(experts, RoutingRecord.empty(self.num_layers, tokens.size,
                                                               self.top_k))

@@ -1,0 +1,190 @@
+"""gpt-oss (bf16 experts) equals transformers' GptOssForCausalLM through the converter.
+
+The tiny model (``conftest.GPT_OSS``) has every gpt-oss option on: alternating sliding-window
+(6) and full attention with sinks, q/k/v/o biases, YaRN rope, the biased top-k-then-softmax
+router, and experts with biases and the clamped SwiGLU, whose pre-activations pass the limit
+(checked on the reference). Prompts are longer than the window.
+"""
+
+import copy
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ftjax
+from ftjax.decode import run_decode
+from ftjax.formats.hf import ConversionError
+
+import tolerances
+from conftest import build_gpt_oss_model, hf_greedy, save_hf_checkpoint
+
+PROMPT = 40  # tokens: several times the sliding window of 6
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def converted(gpt_oss_checkpoint, tmp_path_factory):
+  hf_model, path = gpt_oss_checkpoint
+  ftw_dir = ftjax.convert_hf(path, tmp_path_factory.mktemp("gpt_oss") / "ftw", dtype="float32",
+                             show_progress=False)
+  return hf_model, ftjax.load(ftw_dir)
+
+
+def _prompt(vocab, n, seed=1):
+  return np.random.default_rng(seed).integers(0, vocab, n)
+
+
+@torch.no_grad()
+def _hf_logits(model, ids, pre_activations=None):
+  """transformers' logits; ``pre_activations`` collects each expert call's gate and up
+  projections (biases included), as the clamped SwiGLU receives them."""
+  patched = []
+  if pre_activations is not None:
+    for layer in model.model.layers:
+      experts = layer.mlp.experts
+      original = experts._apply_gate
+
+      def record(gate_up, original=original):
+        pre_activations.append((gate_up[..., ::2].numpy(), gate_up[..., 1::2].numpy()))
+        return original(gate_up)
+
+      experts._apply_gate = record
+      patched.append(experts)
+  try:
+    return model(torch.tensor(ids[None])).logits[0].numpy()
+  finally:
+    for experts in patched:
+      del experts._apply_gate
+
+
+def test_config(converted):
+  config = converted[1].config
+  assert config.model_type == "gpt_oss"
+  assert config.layer_types == ("sliding_attention", "full_attention") * 2
+  assert config.sliding_window == 6 and config.attn_sinks and config.qkv_bias and config.o_bias
+  assert config.router == "topk_softmax" and config.router_bias
+  assert config.expert_activation == "clamped_swiglu" and config.expert_bias
+  assert config.yarn is not None and config.yarn.factor == 4.0 and not config.yarn.truncate
+
+
+def test_yarn_frequencies_equal_transformers(converted):
+  hf_model, model = converted
+  c = model.config
+  rotary = hf_model.model.rotary_emb
+  np.testing.assert_allclose(c.yarn.inv_freq(c.rope_theta, c.head_dim), rotary.inv_freq.numpy(),
+                             rtol=tolerances.F32_ROUNDING)
+  assert c.yarn.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "ffi"])
+def test_logits_match_transformers(converted, kernels):
+  hf_model, model = converted
+  ids = _prompt(model.config.vocab_size, PROMPT)
+  pre = []
+  ref = _hf_logits(hf_model, ids, pre)
+  # The clamps are reached, so a wrong clamp changes the logits.
+  assert max(g.max() for g, _ in pre) > 7.0 and max(np.abs(u).max() for _, u in pre) > 7.0
+  got = ftjax.Engine(model, kernels=kernels).forward_logits(ids)
+  assert got.shape == ref.shape == (PROMPT, model.config.vocab_size)
+  tolerances.assert_close(got, ref, tolerances.HF_PARITY, floor=1.0, what=kernels)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "ffi"])
+def test_chunked_prefill_matches_transformers(converted, kernels):
+  """Chunks of 8 tokens, the last one of 5 (within the window): each chunk's sliding layers
+  attend across the chunk boundary."""
+  hf_model, model = converted
+  ids = _prompt(model.config.vocab_size, 29, seed=3)
+  ref = _hf_logits(hf_model, ids)
+  engine = ftjax.Engine(model, kernels=kernels, prefill_chunk=8)
+  got = engine.prefill_logits(ids)
+  tolerances.assert_close(got, ref[-1], tolerances.HF_PARITY, floor=1.0, what=kernels)
+
+
+def test_greedy_tokens_match_transformers(converted):
+  hf_model, model = converted
+  ids = _prompt(model.config.vocab_size, PROMPT)
+  ref = hf_greedy(hf_model, ids, NEW)
+  for kernels in ("xla", "ffi"):
+    got = ftjax.Engine(model, kernels=kernels).generate(ids.tolist(), NEW, greedy=True)
+    assert got == ref, kernels
+
+
+def test_bfloat16_checkpoint(tmp_path):
+  """A checkpoint saved in bfloat16 (experts and their biases too) converts to a bfloat16 bank
+  and equals transformers run in float32 on the same rounded weights."""
+  hf_model = build_gpt_oss_model(seed=1)
+  with torch.no_grad():
+    for p in hf_model.parameters():
+      p.copy_(p.to(torch.bfloat16).to(torch.float32))
+  path = str(tmp_path / "hf")
+  # A copy: casting the model itself would round its rotary frequencies (buffers) too.
+  copy.deepcopy(hf_model).to(torch.bfloat16).save_pretrained(path)
+  model = ftjax.load(ftjax.convert_hf(path, tmp_path / "ftw", dtype="bfloat16",
+                                      show_progress=False))
+  assert model.bank.dtype == np.dtype("bfloat16")
+  ids = _prompt(model.config.vocab_size, 24, seed=5)
+  got = ftjax.Engine(model, kernels="ffi", kv_dtype="float32").forward_logits(ids)
+  tolerances.assert_close(got, _hf_logits(hf_model, ids), tolerances.HF_PARITY, floor=1.0)
+
+
+def _mxfp4_checkpoint(path, *, with_quantization_config):
+  """The tiny model's checkpoint with its experts as gpt-oss ships them: uint8 ``*_blocks``
+  (two 4-bit values per byte, 32 per block) and ``*_scales`` (an exponent per block)."""
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(os.path.join(path, "model.safetensors"))
+  for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+    e, d_in, d_out = tensors.pop(name).shape
+    tensors[name + "_blocks"] = np.zeros((e, d_out, d_in // 32, 16), np.uint8)
+    tensors[name + "_scales"] = np.full((e, d_out, d_in // 32), 127, np.uint8)
+  save_file(tensors, os.path.join(path, "model.safetensors"))
+  with open(os.path.join(path, "config.json")) as f:
+    config = json.load(f)
+  if with_quantization_config:
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+
+
+@pytest.mark.parametrize("with_quantization_config", [True, False])
+def test_mxfp4_checkpoint_is_refused(gpt_oss_checkpoint, tmp_path, with_quantization_config):
+  path = save_hf_checkpoint(gpt_oss_checkpoint[0], str(tmp_path / "hf"))
+  _mxfp4_checkpoint(path, with_quantization_config=with_quantization_config)
+  with pytest.raises(ConversionError, match="MXFP4 expert weights .* are not supported yet"):
+    ftjax.convert_hf(path, tmp_path / "ftw", show_progress=False)
+  assert not os.path.exists(tmp_path / "ftw")
+
+
+@pytest.mark.parametrize("policy", ["freetoken", "lru_fill"])
+def test_expert_cache_equals_the_dense_path(converted, policy):
+  """Every cache size (none, one slot, every expert) serves the same experts: the clamped,
+  biased experts run from the slots and from the host pool alike."""
+  _, model = converted
+  c = model.config
+  ids = _prompt(c.vocab_size, 20, seed=7).tolist()
+  dense = ftjax.Engine(model, kernels="ffi")
+  want_logits = dense.prefill_logits(ids)
+  want_tokens = dense.generate(ids, 8, greedy=True)
+  every = c.num_moe_layers * c.num_experts
+  for slots in (0, 1, every):  # one slot buffer of every size: one compiled step
+    engine = ftjax.Engine(model, kernels="ffi", policy=policy, cache_slots=slots,
+                          cache_capacity=every, bandwidths=(10.0, 20.0))
+    tolerances.assert_close(engine.prefill_logits(ids), want_logits, tolerances.F32, floor=1.0,
+                            what=f"{policy} {slots} slots")
+    assert engine.generate(ids, 8, greedy=True) == want_tokens, (policy, slots)
+
+
+def test_decode_cli_runs_the_converted_model(converted):
+  """``python -m ftjax.decode --model=DIR`` (its library function) with an expert cache and a
+  chunked prefill: the greedy tokens are transformers'."""
+  hf_model, model = converted
+  result = run_decode(model.path, "gpt-oss in ftjax", max_new_tokens=6, greedy=True,
+                      kernels="ffi", cache_slots=3, policy="freetoken", bandwidths=(10.0, 20.0),
+                      prefill_chunk=5, out=io.StringIO(), log=io.StringIO())
+  ids = list("gpt-oss in ftjax".encode())
+  assert result.generation.prompt_tokens == len(ids) > 5
+  assert result.generation.tokens == hf_greedy(hf_model, ids, 6)
