@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import sys
 import time
@@ -108,7 +109,15 @@ def main() -> None:
   parser.add_argument("--host_gflops", type=float, default=1000.0,
                       help="the GPU machines' host expert kernel, grouped (assumed)")
   parser.add_argument("--out", default="prefill_stream")
+  parser.add_argument("--replot", action="store_true",
+                      help="only redraw the plot from the results file")
   args = parser.parse_args()
+  if args.replot:
+    with open(os.path.join(RESULTS_DIR, f"{args.out}.json")) as f:
+      rows = json.load(f)["rows"]
+    lengths = sorted({r["tokens"] for r in rows})
+    plot(rows, lengths, os.path.join(RESULTS_DIR, f"{args.out}.png"))
+    return
   lengths = [int(t) for t in args.lengths.split(",")]
   profiles = sorted((HardwareProfile.load(p) for p in glob.glob(os.path.join(HARDWARE, "*.yaml"))),
                     key=lambda hw: hw.name)
@@ -184,18 +193,24 @@ def plot(rows, lengths, path) -> None:
   if plt is None:
     return
   names = sorted({r["hardware"] for r in rows})
-  fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.4), sharey=False)
-  for ax, name in zip(np.atleast_1d(axes), names):
-    mine = [r for r in rows if r["hardware"] == name]
+  cols = 4
+  fig, axes = plt.subplots(-(-len(names) // cols), cols, figsize=(3.3 * cols, 6.4))
+  axes = np.atleast_1d(axes).ravel()
+  for ax, name in zip(axes, names):
+    mine = sorted((r for r in rows if r["hardware"] == name), key=lambda r: r["tokens"])
     for mode in MODES:
       ax.plot(lengths, [1e3 * r["modelled_s"][mode] for r in mine], marker="o", ms=3,
               label=mode, linestyle="--" if mode == "best" else "-")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_title(name, fontsize=9)
-    ax.set_xlabel("prompt tokens")
-  np.atleast_1d(axes)[0].set_ylabel("modelled MoE traffic per prefill (ms)")
-  np.atleast_1d(axes)[-1].legend(fontsize=7)
+    ax.set_xlabel("prompt tokens", fontsize=8)
+    ax.set_ylabel("modelled expert traffic (ms)", fontsize=8)
+  for ax in axes[len(names):]:
+    ax.axis("off")
+  handles, labels = axes[0].get_legend_handles_labels()
+  axes[-1].legend(handles, labels, loc="center", fontsize=8,
+                  title="Qwen3-30B-A3B prefill, 37% cached")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   print(f"plot: {path}")
