@@ -21,9 +21,21 @@ import numpy as np
 
 
 def split_block(block, ffn_dim: int, width: int):
-  """One expert block [P] -> gate [F, D], up [F, D], down [D, F], float64."""
-  block = np.asarray(block).astype(np.float64)
+  """One expert block [P] -> gate [F, D], up [F, D], down [D, F], float64.
+
+  An int8 block (docs/ftw.md, expert format int8) is dequantised: its int8 weights times the
+  float32 scale of their row, read from byte 3·F·D rounded up to 64 (gate [F], up [F], down
+  [D])."""
   fd = ffn_dim * width
+  if np.asarray(block).dtype == np.int8:
+    raw = np.asarray(block)
+    start = -(-3 * fd // 64) * 64
+    scales = raw[start:start + 4 * (2 * ffn_dim + width)].view("<f4").astype(np.float64)
+    rows = np.concatenate([np.repeat(scales[:2 * ffn_dim], width),
+                           np.repeat(scales[2 * ffn_dim:], ffn_dim)])
+    block = raw[:3 * fd].astype(np.float64) * rows
+  else:
+    block = np.asarray(block).astype(np.float64)
   return (block[:fd].reshape(ffn_dim, width), block[fd:2 * fd].reshape(ffn_dim, width),
           block[2 * fd:3 * fd].reshape(width, ffn_dim))
 

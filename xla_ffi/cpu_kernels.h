@@ -104,6 +104,7 @@ struct RowSumProblem {
 
 using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
 using DotF32F32Fn = void (*)(const DotProblem<float, float>&);
+using DotI8F32Fn = void (*)(const DotProblem<int8_t, float>&);
 
 struct KernelTable {
   const char* name;  // "scalar", "avx2", "avx512", "avx512bf16" (the FTJAX_ISA spellings)
@@ -153,6 +154,16 @@ struct KernelTable {
   // depends on every round. `flops_per_iteration` is how many flops one round does.
   float (*peak_loop)(int64_t iterations, float seed);
   int64_t peak_flops_per_iteration;
+
+  // int8 weights (an int8 expert bank, docs/ftw.md) widened exactly to float32, float32
+  // activations, float32 FMA: the same problem as dot_f32_f32 on the widened weights. The
+  // per-output-channel scales are the caller's, applied once per output row after the dot
+  // product. One token reads the int8 rows as one sequential stream (a quarter of float32's
+  // bytes). Never null.
+  DotI8F32Fn dot_i8_f32;
+  // The packed-activation GEMM with int8 weights widened to float32 (float32 FMA); null where
+  // the ISA lacks packed GEMMs.
+  void (*packed_dot_i8_f32)(const PackedDotProblem<int8_t, float>&);
 };
 
 // The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read

@@ -112,6 +112,38 @@ struct F32F32Ops512 {
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
 };
 
+// int8 weights widened exactly: 16 bytes sign-extended to 16 int32 lanes, converted to float32
+// (vpmovsxbd + vcvtdq2ps). 16 weights a step, so the one-token row loop keeps 8 accumulators
+// (cpu_kernels_impl.h: kRowPassBytes).
+struct I8F32Ops512 {
+  using Weight = int8_t;
+  using Activation = float;
+  using WeightVec = __m512;
+  using ActivationVec = __m512;
+  using Acc = __m512;
+  static constexpr int64_t kStep = 16;
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static WeightVec Widen(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+  static WeightVec LoadWeights(const Weight* p) {
+    return Widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {
+    return Widen(_mm_maskz_loadu_epi8(FirstLanes16(count), p));
+  }
+  static ActivationVec LoadActivations(const Activation* p) { return _mm512_loadu_ps(p); }
+  static ActivationVec LoadActivationsTail(const Activation* p, int64_t count) {
+    return _mm512_maskz_loadu_ps(FirstLanes16(count), p);
+  }
+  static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm512_fmadd_ps(w, a, acc); }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float Sum(Acc acc) { return Sum512(acc); }
+  static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
+};
+
+inline void DotI8F32Avx512(const DotProblem<int8_t, float>& p) {
+  cpu_kernels_impl::Dot<I8F32Ops512>(p);
+}
+
 inline void DotBf16F32Avx512(const DotProblem<Bf16Bits, float>& p) {
   cpu_kernels_impl::Dot<Bf16F32Ops512>(p);
 }
@@ -217,9 +249,9 @@ inline void PackedMicroKernelF32(const WeightT* w, int64_t w_stride, const float
         return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(w[r * w_stride + i]) << 16));
       });
     }
-  } else {
+  } else {  // float32, or int8 widened exactly
     for (int64_t i = 0; i < n; ++i) {
-      input(i, [&](int r) { return _mm512_set1_ps(w[r * w_stride + i]); });
+      input(i, [&](int r) { return _mm512_set1_ps(static_cast<float>(w[r * w_stride + i])); });
     }
   }
   for (int r = 0; r < kRows; ++r) {
@@ -245,6 +277,9 @@ inline void PackedDotBf16F32Avx512(const PackedDotProblem<Bf16Bits, float>& p) {
 }
 inline void PackedDotF32Avx512(const PackedDotProblem<float, float>& p) {
   PackedPasses<PackedF32Kernels<float>>(p);
+}
+inline void PackedDotI8F32Avx512(const PackedDotProblem<int8_t, float>& p) {
+  PackedPasses<PackedF32Kernels<int8_t>>(p);
 }
 
 // exp(x) for x in [-87, 88] (clamped outside), Cephes' expf: relative error ~2e-7.

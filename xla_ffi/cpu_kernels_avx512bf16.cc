@@ -165,6 +165,8 @@ const KernelTable kAvx512Bf16Table = {
     /*xor_words=*/XorWordsAvx512,
     /*peak_loop=*/PeakLoopBf16,
     /*peak_flops_per_iteration=*/kPeakChainsBf16 * 32 * 2,
+    /*dot_i8_f32=*/DotI8F32Avx512,
+    /*packed_dot_i8_f32=*/PackedDotI8F32Avx512,
 };
 
 }  // namespace

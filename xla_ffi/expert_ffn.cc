@@ -8,6 +8,14 @@
 // Each block holds, row-major and contiguous: gate [F, D] at offset 0, up [F, D] at F*D and
 // down [D, F] at 2*F*D.
 //
+// Bank dtypes: bfloat16, float32, or int8 (docs/ftw.md, expert format "int8": symmetric per
+// output channel). An int8 block also holds the float32 scales of its rows, gate [F], up [F] and
+// down [D], from byte Int8ScalesOffset(F, D) = 3*F*D rounded up to 64; P must be a multiple of
+// 64 bytes and hold them. The dot kernels widen the int8 weights exactly to float32 (the
+// products are those of the widened weights, as for float32), and each output row is
+// multiplied by its scale once, after its dot product: the result is that of the dequantised
+// weights, to float32 rounding.
+//
 // Three layers, as STYLE.md section 6 asks:
 //   ExpertFfn        the kernel, no XLA types: plans the work and runs it on the workers with
 //                    the SIMD primitives of one ISA (cpu_kernels.h);
@@ -74,6 +82,47 @@ struct ExpertFfnDims {
   int64_t experts;     // E
   int64_t block_size;  // P: elements from one expert's block to the next
 };
+
+// int8 banks: the byte offset of a block's float32 scales (gate [F], up [F], down [D]), right
+// after its int8 weights, 64-byte aligned; and the bytes a block needs.
+constexpr int64_t kInt8ScalesAlignment = 64;
+int64_t Int8ScalesOffset(int64_t F, int64_t D) {
+  return CeilDiv(3 * F * D, kInt8ScalesAlignment) * kInt8ScalesAlignment;
+}
+int64_t Int8BlockBytes(int64_t F, int64_t D) {
+  return Int8ScalesOffset(F, D) + static_cast<int64_t>(sizeof(float)) * (2 * F + D);
+}
+
+// The per-output-row scales of int8 weights, applied after the dot products (a no-op for
+// float weights): c[t * c_stride + r] *= scale[r] (the dot kernels' layout) or, transposed (the
+// packed GEMMs'), c[r * c_stride + t] *= scale[r], for r < rows, t < tokens.
+struct RowScales {
+  const float* scale = nullptr;  // null: float weights, nothing to scale
+  void Apply(int64_t rows, int64_t tokens, float* c, int64_t c_stride) const {
+    if (scale == nullptr) return;
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t r = 0; r < rows; ++r) c[t * c_stride + r] *= scale[r];
+    }
+  }
+  void ApplyTransposed(int64_t rows, int64_t tokens, float* ct, int64_t c_stride) const {
+    if (scale == nullptr) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t < tokens; ++t) ct[r * c_stride + t] *= scale[r];
+    }
+  }
+};
+
+// The scales of rows [row, ...) of part `part` (0 gate, 1 up, 2 down) of an expert block.
+template <typename WeightT>
+RowScales ScalesOf(const WeightT* block, const ExpertFfnDims& dims, int part, int64_t row) {
+  if constexpr (!std::is_same_v<WeightT, int8_t>) {
+    return RowScales{};
+  } else {
+    const float* scales = reinterpret_cast<const float*>(
+        block + Int8ScalesOffset(dims.ffn_dim, dims.model_dim));
+    return RowScales{scales + part * dims.ffn_dim + row};
+  }
+}
 
 constexpr int64_t kDecodeMaxTokens = 8;  // T at or below: decode form
 constexpr int64_t kFfnChunk = 64;        // rows of gate (and of up) per phase-1 task
@@ -316,6 +365,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
     const WeightT* gate_fd = block + f0 * D;
     const WeightT* up_fd = block + F * D + f0 * D;
+    const RowScales gate_scales = ScalesOf(block, dims, 0, f0);
+    const RowScales up_scales = ScalesOf(block, dims, 1, f0);
     WorkerScratch& s = scratch[worker];
     if (storage[i].packed) {
       const ExpertStorage& e = storage[i];
@@ -328,6 +379,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
         // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
         packed_dot({gate_fd, D, rows, x, tile_groups, half, D, s.gate, kTokenTile});
         packed_dot({up_fd, D, rows, x, tile_groups, half, D, s.up, kTokenTile});
+        gate_scales.ApplyTransposed(rows, kTokenTile, s.gate, kTokenTile);
+        up_scales.ApplyTransposed(rows, kTokenTile, s.up, kTokenTile);
         kernels.silu_mul(s.gate, s.up, s.gate, rows * kTokenTile);
         ActivationT* hidden = packed_hidden + e.hidden_offset;
         if constexpr (std::is_same_v<ActivationT, Bf16Bits>) {
@@ -345,6 +398,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
       dot({gate_fd, D, rows, route_x + r0, tokens, D, s.gate, rows});
       dot({up_fd, D, rows, route_x + r0, tokens, D, s.up, rows});
+      gate_scales.Apply(rows, tokens, s.gate, rows);
+      up_scales.Apply(rows, tokens, s.up, rows);
       for (int64_t j = 0; j < tokens; ++j) {
         float* h = s.gate + j * rows;
         kernels.silu_mul(h, s.up + j * rows, h, rows);
@@ -365,7 +420,9 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     for (int64_t t = 0; t < dims.tokens; ++t) std::fill_n(y_td + t * D + d0, rows, 0.0f);
     float* z = scratch[worker].down;
     for (int64_t i = 0; i < num_experts; ++i) {
-      const WeightT* down_df = bank_ep + groups.experts[i] * dims.block_size + 2 * F * D;
+      const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
+      const WeightT* down_df = block + 2 * F * D;
+      const RowScales down_scales = ScalesOf(block, dims, 2, d0);
       if (storage[i].packed) {
         const ExpertStorage& e = storage[i];
         for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
@@ -377,6 +434,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
           // Transposed: z_dt[d][t].
           packed_dot({down_df + d0 * F, F, rows, h, tile_groups, half, F, z, kTokenTile});
+          down_scales.ApplyTransposed(rows, tokens, z, kTokenTile);
           for (int64_t j = 0; j < tokens; ++j) {
             const float weight = groups.route_weight[r0 + j];
             float* y = y_td + groups.route_token[r0 + j] * D + d0;
@@ -388,6 +446,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
         dot({down_df + d0 * F, F, rows, route_hidden + r0, tokens, F, z, rows});
+        down_scales.Apply(rows, tokens, z, rows);
         for (int64_t j = 0; j < tokens; ++j) {
           const float weight = groups.route_weight[r0 + j];
           float* y = y_td + groups.route_token[r0 + j] * D + d0;
@@ -418,6 +477,8 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
     } else {
       RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_f32, workers, y_td);
     }
+  } else if constexpr (std::is_same_v<WeightT, int8_t>) {
+    RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_f32, workers, y_td);
   } else {
     RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_f32_f32, workers, y_td);
   }
@@ -457,8 +518,9 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
     return InvalidArgument(kOp, "bank must be 3-D [L, E, P], got shape " + ShapeString(bank_dims));
   }
   const ffi::DataType bank_dtype = bank.element_type();
-  if (bank_dtype != ffi::DataType::BF16 && bank_dtype != ffi::DataType::F32) {
-    return InvalidArgument(kOp, "bank must be bfloat16 or float32");
+  if (bank_dtype != ffi::DataType::BF16 && bank_dtype != ffi::DataType::F32 &&
+      bank_dtype != ffi::DataType::S8) {
+    return InvalidArgument(kOp, "bank must be bfloat16, float32 or int8");
   }
   const int64_t L = bank_dims[0], E = bank_dims[1], P = bank_dims[2];
 
@@ -470,6 +532,19 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
     return InvalidArgument(kOp, "bank's last dimension P = " + std::to_string(P) +
                                 " is smaller than 3 * ffn_dim * D = 3 * " +
                                 std::to_string(ffn_dim) + " * " + std::to_string(D));
+  }
+  if (bank_dtype == ffi::DataType::S8) {
+    if (P < Int8BlockBytes(ffn_dim, D)) {
+      return InvalidArgument(
+          kOp, "int8 bank's last dimension P = " + std::to_string(P) +
+                   " is smaller than the " + std::to_string(Int8BlockBytes(ffn_dim, D)) +
+                   " bytes of an int8 block (weights, then float32 scales from byte " +
+                   std::to_string(Int8ScalesOffset(ffn_dim, D)) + ")");
+    }
+    if (P % kInt8ScalesAlignment != 0) {
+      return InvalidArgument(kOp, "int8 bank's last dimension P = " + std::to_string(P) +
+                                  " must be a multiple of 64 bytes (the scales are aligned)");
+    }
   }
 
   if (layer.dimensions().size() != 0) {
@@ -509,6 +584,10 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   if (bank_dtype == ffi::DataType::BF16) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
               bank.reinterpret_data<Bf16Bits>() + layer_offset, bf16_activations, *setup.kernels,
+              setup.workers, y->typed_data());
+  } else if (bank_dtype == ffi::DataType::S8) {
+    ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
+              bank.reinterpret_data<int8_t>() + layer_offset, bf16_activations, *setup.kernels,
               setup.workers, y->typed_data());
   } else {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
@@ -551,7 +630,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, ftjax::ExpertFfnImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K], -1 = skip
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // bank [L, E, P], bf16 or f32
+                                  .Arg<ffi::AnyBuffer>()         // bank [L, E, P], bf16, f32 or s8
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [], index into L
                                   .Attr<int64_t>("ffn_dim")      // F
                                   .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 banks

@@ -45,6 +45,8 @@ auto PackedDotFor(const KernelTable& kernels) {
     return kernels.packed_dot_bf16;
   } else if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
     return kernels.packed_dot_bf16_f32;
+  } else if constexpr (std::is_same_v<WeightT, int8_t>) {
+    return kernels.packed_dot_i8_f32;
   } else {
     return kernels.packed_dot_f32;
   }

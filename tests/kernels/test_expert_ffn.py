@@ -242,8 +242,8 @@ PYTHON_ERRORS = {
   "weights_not_float32": (dict(weights=np.zeros((T, K), BF16)), "weights must be float32"),
   "bank_not_3d": (dict(bank=np.zeros((E, 3 * F * D), np.float32)), "bank must be 3-D"),
   "bank_dtype": (
-    dict(bank=np.zeros((L, E, 3 * F * D), np.int8)),
-    "bank must be bfloat16 or float32",
+    dict(bank=np.zeros((L, E, 3 * F * D), np.int16)),
+    "bank must be bfloat16, float32 or int8",
   ),
   "bank_too_narrow": (
     dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),
@@ -310,8 +310,8 @@ KERNEL_ERRORS = {
     "bank must be 3-D [L, E, P], got shape [4, 96]",
   ),
   "bank_dtype": (
-    dict(bank=np.zeros((L, E, 3 * F * D), np.int8)),
-    "bank must be bfloat16 or float32",
+    dict(bank=np.zeros((L, E, 3 * F * D), np.int16)),
+    "bank must be bfloat16, float32 or int8",
   ),
   "bank_too_narrow": (
     dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),

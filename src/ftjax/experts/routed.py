@@ -2,7 +2,9 @@
 
 The bank is one array ``[L, E, P]`` (see ``ftjax.formats.ftw``): block ``bank[l, e]`` holds
 ``gate [F, D]`` at element 0, ``up [F, D]`` at ``F·D`` and ``down [D, F]`` at ``2·F·D``;
-the tail up to ``P`` is alignment padding. ``routed_experts`` computes the weighted sum of
+the tail up to ``P`` is alignment padding. An int8 bank (``ftjax.utils.quant``) holds the
+int8 weights at those offsets (one byte each) and the float32 scales of their rows after them;
+the XLA path dequantises its blocks to float32 (``scale · q``). ``routed_experts`` computes the weighted sum of
 the routed experts of one layer of such a bank (the cache runs it on its slot buffer too, as
 a one-layer bank of slots). ``BankExperts`` is the reference routed-experts function of the
 model protocol (``ftjax.model.moe.RoutedExperts``): every routed expert read from the host
@@ -22,18 +24,28 @@ from flax import struct
 
 from ftjax.kernels import expert_ffn
 from ftjax.utils.arrays import take
+from ftjax.utils.quant import int8_scales_offset
 
 KERNELS = ("xla", "ffi", "ffi_bf16")  # the host-work implementations a step can run with
 
 
 def split_block(block: jax.Array, ffn_dim: int, width: int):
-  """[..., P] -> gate [..., F, D], up [..., F, D], down [..., D, F]."""
+  """[..., P] -> gate [..., F, D], up [..., F, D], down [..., D, F]: views in the bank's dtype,
+  or for an int8 bank the dequantised float32 weights ``scale · q``."""
   fd = ffn_dim * width
   lead = block.shape[:-1]
   gate = block[..., :fd].reshape(*lead, ffn_dim, width)
   up = block[..., fd:2 * fd].reshape(*lead, ffn_dim, width)
   down = block[..., 2 * fd:3 * fd].reshape(*lead, width, ffn_dim)
-  return gate, up, down
+  if block.dtype != jnp.int8:
+    return gate, up, down
+  start = int8_scales_offset(ffn_dim, width)
+  count = 2 * ffn_dim + width
+  scale_bytes = block[..., start:start + 4 * count].reshape(*lead, count, 4)
+  scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)  # [..., 2F + D]
+  return (gate.astype(jnp.float32) * scales[..., :ffn_dim, None],
+          up.astype(jnp.float32) * scales[..., ffn_dim:2 * ffn_dim, None],
+          down.astype(jnp.float32) * scales[..., 2 * ffn_dim:, None])
 
 
 def _routed_gather(x, ids, weights, bank_ep, ffn_dim):
@@ -71,7 +83,7 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   """``sum_k weights[t,k] · expert_{ids[t,k]}(x[t])`` over layer ``layer`` of ``bank``.
 
   x [T, D] float32, ids [T, K] int32 (-1 = no route), weights [T, K] float32,
-  bank [L, E, P]. Returns [T, D] float32.
+  bank [L, E, P] (bfloat16, float32 or int8). Returns [T, D] float32.
   """
   if impl in ("ffi", "ffi_bf16"):
     return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim,

@@ -7,7 +7,12 @@ layer of an expert bank [L, E, P]:
 
 Each expert block bank[layer, e] holds, row-major and contiguous, gate [F, D] at element
 offset 0, up [F, D] at F*D and down [D, F] at 2*F*D; P >= 3*F*D and the rest is padding.
-The kernel accumulates in float32 and returns float32.
+The kernel accumulates in float32 and returns float32. An int8 bank (the FTW expert format
+"int8", ftjax.utils.quant) holds the int8 weights so, then the float32 scales of their rows
+from byte int8_scales_offset(F, D); P is in bytes, a multiple of 64. The int8 weights are
+widened exactly to float32 and each output row is scaled once after its dot product, so the
+result is that of the dequantised weights to float32 rounding; a decode call reads a quarter
+of the bytes of a float32 bank.
 
 Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
 once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
@@ -30,8 +35,9 @@ import numpy as np
 
 from ftjax.kernels._registration import require
 from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
+from ftjax.utils.quant import INT8_SCALES_ALIGNMENT, int8_block_bytes, int8_scales_offset
 
-_BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+_BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.int8))
 
 
 def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False):
@@ -42,7 +48,8 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False)
     ids: [T, K] int32 expert ids in [-1, E); -1 skips the route. Values are checked by
       the kernel at run time (they may be traced).
     weights: [T, K] float32 route weights.
-    bank: [L, E, P] bfloat16 or float32 expert blocks (may be traced).
+    bank: [L, E, P] bfloat16, float32 or int8 expert blocks (may be traced); int8 blocks
+      carry their float32 row scales (module docstring).
     layer: int32 scalar in [0, L) (may be traced; checked here when concrete and by the
       kernel at run time).
     ffn_dim: F, the expert hidden width; a static Python int.
@@ -82,7 +89,8 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False)
   if len(bank_shape) != 3:
     raise ValueError(f"bank must be 3-D [L, E, P], got shape {bank_shape}")
   if bank_dtype not in _BANK_DTYPES:
-    raise ValueError(f"bank must be bfloat16 or float32, got {bank_dtype}")
+    raise ValueError(f"bank must be bfloat16, float32 or int8 (an int8 expert bank), got "
+                     f"{bank_dtype}")
   L, _, P = bank_shape
 
   if isinstance(ffn_dim, (bool, np.bool_)) or not isinstance(ffn_dim, (int, np.integer)):
@@ -93,6 +101,17 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False)
     raise ValueError(
       f"bank's last dimension P = {P} is smaller than 3 * ffn_dim * D = 3 * {ffn_dim} * {D}"
     )
+  if bank_dtype == np.int8:
+    need = int8_block_bytes(ffn_dim, D)
+    if P < need:
+      raise ValueError(
+        f"int8 bank's last dimension P = {P} is smaller than the {need} bytes of an int8 block "
+        f"(F = {ffn_dim}, D = {D}: weights, then float32 scales from byte "
+        f"{int8_scales_offset(ffn_dim, D)}); quantise with ftjax.utils.quant.quantize_bank"
+      )
+    if P % INT8_SCALES_ALIGNMENT:
+      raise ValueError(f"int8 bank's last dimension P = {P} must be a multiple of "
+                       f"{INT8_SCALES_ALIGNMENT} bytes; pad the blocks with zeros")
 
   _check_layer(layer, L)
   if not isinstance(bf16_activations, (bool, np.bool_)):
