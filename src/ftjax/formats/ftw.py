@@ -226,7 +226,7 @@ class FTWWriter:
       return np.ascontiguousarray(array), np.ascontiguousarray(scale, np.float32)
     if scale is not None:
       raise FTWError(f"{name} is {array.dtype}: it is quantised here, pass no scale")
-    if not np.issubdtype(array.dtype, np.floating):
+    if not (np.issubdtype(array.dtype, np.floating) or array.dtype == DTYPES["bfloat16"]):
       raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
     return quant.quantize_rows(array)
 

@@ -382,7 +382,7 @@ class Engine:
     if o.profile is not None:
       c = self.model.config
       prof = self._profile = load_profile(
-          o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size, str(self.model.dtype),
+          o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size, self.model.expert_format,
                                  c.top_k))
       # Measured concurrently: B_P while the host kernel runs, and the host kernel's residual
       # bandwidth B_res while a fill runs, so B_H = B_P + B_res (DESIGN section 2).
@@ -453,7 +453,7 @@ class Engine:
       streamed += step["streamed"]
     misses = total["fills"] + total["host"]
     selected = total["hits"] + misses
-    eb = self.model.config.expert_block_elems * self.model.bank.dtype.itemsize
+    eb = self.model.expert_bytes
     return {
         "policy": str(self.policy), "slots": int(self._cache.limit),
         "capacity": self._cache.capacity, "slot_bytes": self.slot_bytes,

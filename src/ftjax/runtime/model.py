@@ -129,6 +129,20 @@ def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") 
   return Model(config=config, graphdef=graphdef, params=params, bank=bank)
 
 
+def quantize_experts(model: Model) -> Model:
+  """The model with its routed experts quantised to int8 (docs/ftw.md, ``ftjax.utils.quant``)
+  in memory, dense weights unchanged: the bank that ``save(model, ..., expert_format="int8")``
+  then ``load`` gives."""
+  if model.expert_format == "int8":
+    raise ValueError("the model's experts are int8 already")
+  c = model.config
+  f, d = c.moe_intermediate_size, c.hidden_size
+  bank = quant.quantize_bank(np.asarray(model.bank), f, d,
+                             block_bytes=ftw.align(quant.int8_block_bytes(f, d)))
+  return dataclasses.replace(model, bank=jax.device_put(bank) if jax.default_backend() == "cpu"
+                             else bank, path=None, storage=None)
+
+
 def leaf(model: Model, name: str) -> jax.Array:
   """One parameter array by its FTW name (``layers.0.attn.w_q_had``)."""
   for p, v in nnx.to_flat_state(model.params):

@@ -14,6 +14,7 @@ Quantisation of a float row ``w`` (bfloat16 or float32, taken as float32):
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 INT8_SCALES_ALIGNMENT = 64
@@ -35,7 +36,7 @@ def int8_block_bytes(ffn_dim: int, width: int) -> int:
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """``w [R, C]`` float -> ``(q [R, C] int8, scale [R] float32)``, per row (module docstring)."""
   w = np.asarray(w)
-  if w.ndim != 2 or not np.issubdtype(w.dtype, np.floating):
+  if w.ndim != 2 or not (np.issubdtype(w.dtype, np.floating) or w.dtype == ml_dtypes.bfloat16):
     raise ValueError(f"quantize_rows takes a 2-D float array, got {w.dtype} of shape {w.shape}")
   w = w.astype(np.float32)
   if not np.all(np.isfinite(w)):

@@ -1,0 +1,82 @@
+"""An int8-expert model (docs/ftw.md) through the engine and the expert cache: every cache size
+(0, 1, some, all) with freetoken and lru_fill, host kernel and XLA, gives the logits and greedy
+tokens of the dense reference of the same model with its experts dequantised to float32."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ftjax
+from ftjax.cache.state import check_invariants
+from ftjax.runtime import model as model_lib
+
+import reference
+import tolerances
+from conftest import scaled_params
+
+STEPS = 16
+PROMPT = 5
+
+
+@pytest.fixture(scope="module")
+def models(tiny_config):
+  """(int8 model, the same model with a float32 bank of the dequantised experts)."""
+  model = scaled_params(model_lib.random_model(tiny_config, seed=11), 8.0)
+  int8 = model_lib.quantize_experts(model)
+  c = int8.config
+  bank = np.asarray(int8.bank)
+  assert bank.dtype == np.int8
+  deq = np.stack([np.stack([np.concatenate([p.reshape(-1) for p in reference.split_block(
+      block, c.moe_intermediate_size, c.hidden_size)]) for block in layer]) for layer in bank])
+  return int8, dataclasses.replace(int8, bank=jnp.asarray(deq.astype(np.float32)))
+
+
+def _run(engine, prompts):
+  """Prefill, then STEPS greedy single-token steps: (logits per step, tokens)."""
+  batch = len(prompts)
+  state = engine.new_state(batch, PROMPT + STEPS + 1)
+  ids = jnp.asarray(np.array(prompts, np.int32))
+  pos = jnp.broadcast_to(jnp.arange(PROMPT, dtype=jnp.int32), (batch, PROMPT))
+  state, logits = engine.step(state, ids, pos, last_only=True)
+  out_logits, out_tokens = [np.asarray(logits[:, -1])], []
+  for i in range(STEPS):
+    tok = out_logits[-1].argmax(-1).astype(np.int32)
+    out_tokens.append(tok)
+    state, logits = engine.step(state, jnp.asarray(tok)[:, None],
+                                jnp.full((batch, 1), PROMPT + i, jnp.int32), last_only=True)
+    out_logits.append(np.asarray(logits[:, -1]))
+  return np.stack(out_logits), np.stack(out_tokens)
+
+
+@pytest.fixture(scope="module")
+def dense_reference(models):
+  """kernels -> (prompts, run of the dequantised model with no cache on those kernels)."""
+  _, deq = models
+  prompts = np.random.default_rng(0).integers(0, deq.config.vocab_size, (3, PROMPT))
+  return {k: (prompts, _run(ftjax.Engine(deq, kernels=k), prompts)) for k in ("ffi", "xla")}
+
+
+@pytest.mark.parametrize("kernels", ["ffi", "xla"])
+@pytest.mark.parametrize("policy", ["freetoken", "lru_fill"])
+def test_int8_engine_matches_the_dequantised_reference(models, dense_reference, policy, kernels):
+  int8, _ = models
+  prompts, (ref_logits, ref_tokens) = dense_reference[kernels]
+  c = int8.config
+  total = c.num_layers * c.num_experts
+  for slots in (0, 1, total // 3, total):
+    engine = ftjax.Engine(int8, kernels=kernels, cache_slots=slots, policy=policy,
+                          bandwidths=(12.0, 24.0), cache_capacity=total)
+    logits, tokens = _run(engine, prompts)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    tolerances.assert_close(logits, ref_logits, tolerances.F32, floor=1.0,
+                            what=f"{policy} {kernels} {slots} slots")
+    check_invariants(engine.cache)
+    assert engine.cache.slots.dtype == np.int8  # slots hold the quantised bytes
+    st = engine.stats()
+    assert st["slot_bytes"] == int8.bank.shape[2]
+    per_layer = st["per_layer"]
+    assert st["bytes"]["fill"] == sum(per_layer["fills"]) * int8.expert_bytes
+    if slots == total and policy == "lru_fill":
+      assert sum(per_layer["fills"]) > 0
