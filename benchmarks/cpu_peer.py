@@ -146,9 +146,10 @@ def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
   return out_dir
 
 
-def convert_gguf(hf_dir: str, src: str, work_dir: str) -> str:
-  """llama.cpp's own converter, from a copy whose unknown-pre-tokenizer error says "default"."""
-  out = os.path.join(work_dir, "model-bf16.gguf")
+def convert_gguf(hf_dir: str, src: str, work_dir: str, outtype: str = "bf16") -> str:
+  """llama.cpp's own converter, from a copy whose unknown-pre-tokenizer error says "default";
+  ``outtype`` as its ``--outtype`` (bf16, q8_0, ...)."""
+  out = os.path.join(work_dir, f"model-{outtype}.gguf")
   if os.path.exists(out) and os.path.getmtime(out) > os.path.getmtime(
       os.path.join(hf_dir, "written.json")):
     return out
@@ -164,9 +165,9 @@ def convert_gguf(hf_dir: str, src: str, work_dir: str) -> str:
                        "llama.cpp version?); see ../shared/PEERS.md")
   open(base, "w").write(text.replace(needle, 'res = "default"'))
   env = dict(os.environ, PYTHONPATH=os.path.join(src, "gguf-py"))
-  log(f"converting to GGUF bf16 with llama.cpp's converter -> {out}")
+  log(f"converting to GGUF {outtype} with llama.cpp's converter -> {out}")
   subprocess.run([sys.executable, os.path.join(conv, "convert_hf_to_gguf.py"), hf_dir,
-                  "--outtype", "bf16", "--outfile", out], check=True, env=env, cwd=conv,
+                  "--outtype", outtype, "--outfile", out], check=True, env=env, cwd=conv,
                  stdout=subprocess.DEVNULL)
   return out
 

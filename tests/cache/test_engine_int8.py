@@ -16,7 +16,7 @@ import reference
 import tolerances
 from conftest import scaled_params
 
-STEPS = 16
+STEPS = 8
 PROMPT = 5
 
 
@@ -80,3 +80,29 @@ def test_int8_engine_matches_the_dequantised_reference(models, dense_reference, 
     assert st["bytes"]["fill"] == sum(per_layer["fills"]) * int8.expert_bytes
     if slots == total and policy == "lru_fill":
       assert sum(per_layer["fills"]) > 0
+
+
+def test_int8_trace_sweeps_with_int8_expert_bytes(models, dense_reference):
+  """A routing trace captured on the int8 model carries its expert format, so the sweep's cost
+  model charges the bytes of int8 experts (weights and scales), not of bf16 ones."""
+  from ftjax.research import cost, sweep  # noqa: PLC0415
+  from ftjax.research.traces import Trace  # noqa: PLC0415
+  int8, _ = models
+  c = int8.config
+  engine = ftjax.Engine(int8, kernels="ffi", cache_slots=4, policy="freetoken",
+                        bandwidths=(12.0, 24.0), cache_capacity=c.num_layers * c.num_experts,
+                        record_routing=True)
+  _run(engine, dense_reference["ffi"][0])
+  trace = Trace.from_engine(engine)
+  assert trace.metadata["expert_format"] == "int8"
+  shape = sweep.trace_shape(trace, None)
+  assert shape.expert_format == "int8" and shape.expert_bytes == int8.expert_bytes
+  hw = cost.HardwareProfile(name="hand", b_p=10.0, b_h=20.0, device_bw=100.0,
+                            layer_overhead_s=0.0, step_overhead_s=0.0, device_memory_gb=1.0,
+                            source="test")
+  rows = sweep.sweep({"t": trace}, ["freetoken"], [0.5], [hw], {"t": shape}, belady=False,
+                     progress=False)
+  (row,) = rows
+  assert row.fills_per_step > 0
+  tolerances.assert_close(row.fill_gb_per_step, row.fills_per_step * int8.expert_bytes / 1e9,
+                          tolerances.F64)

@@ -188,8 +188,8 @@ class ModelShape:
   bytes_per_param: int
   dense_bytes_per_layer: float
   head_bytes: float
-  # The routed experts' format when it is not bytes_per_param's float: "int8" (int8 weights
-  # and float32 row scales, docs/ftw.md). None: experts of bytes_per_param bytes a weight.
+  # The routed experts' quantised format, "int8" (int8 weights and float32 row scales,
+  # docs/ftw.md); None: experts of bytes_per_param bytes a weight, like the dense weights.
   expert_format: str | None = None
 
   def __post_init__(self):
@@ -200,9 +200,9 @@ class ModelShape:
     if self.top_k > self.num_experts:
       raise ValueError(f"model shape {self.name!r}: top_k={self.top_k} exceeds num_experts="
                        f"{self.num_experts}")
-    if self.expert_format not in (None, *quant.EXPERT_FORMATS):
+    if self.expert_format not in (None, *quant.QUANTISED_EXPERT_FORMATS):
       raise ValueError(f"model shape {self.name!r}: expert_format must be one of "
-                       f"{quant.EXPERT_FORMATS} or None, got {self.expert_format!r}")
+                       f"{quant.QUANTISED_EXPERT_FORMATS} or None, got {self.expert_format!r}")
     if self.dense_bytes_per_layer < 0 or self.head_bytes < 0:
       raise ValueError(f"model shape {self.name!r}: dense_bytes_per_layer and head_bytes must be "
                        ">= 0")
@@ -213,8 +213,6 @@ class ModelShape:
     float32 row scales)."""
     if self.expert_format == "int8":
       return quant.int8_block_bytes(self.expert_ffn, self.hidden)
-    if self.expert_format is not None:
-      return 3 * self.hidden * self.expert_ffn * (4 if self.expert_format == "float32" else 2)
     return 3 * self.hidden * self.expert_ffn * self.bytes_per_param
 
   @property
@@ -230,7 +228,8 @@ class ModelShape:
     """From ftjax's ``ModelConfig``.
 
     ``bytes_per_param`` defaults to the checkpoint dtype's (``config.source_dtype``);
-    ``expert_format`` (``"int8"``) when the routed experts are stored otherwise. Hybrid
+    ``expert_format``: the routed experts' quantised format (``"int8"``), if any; a float
+    format name means no quantisation (None). Hybrid
     models (Gated DeltaNet ``linear_attention`` layers between attention layers) get the
     mean of their layers' mixers; see ``_gated_deltanet_params`` for the linear mixer.
     """
@@ -251,7 +250,8 @@ class ModelShape:
                top_k=c.top_k, hidden=c.hidden_size, expert_ffn=c.moe_intermediate_size,
                bytes_per_param=nbytes, dense_bytes_per_layer=float((mixer + moe) * nbytes),
                head_bytes=float(_head_params(c.hidden_size, c.vocab_size) * nbytes),
-               expert_format=expert_format)
+               expert_format=expert_format if expert_format in quant.QUANTISED_EXPERT_FORMATS
+               else None)
 
   @classmethod
   def from_hf_config(cls, hf: dict[str, Any], name: str | None = None,

@@ -20,6 +20,7 @@ import numpy as np
 INT8_SCALES_ALIGNMENT = 64
 QMAX = 127
 EXPERT_FORMATS = ("bfloat16", "float32", "int8")  # the expert bank formats ftjax reads
+QUANTISED_EXPERT_FORMATS = ("int8",)  # those whose bytes per weight no float dtype gives
 
 
 def int8_scales_offset(ffn_dim: int, width: int) -> int:

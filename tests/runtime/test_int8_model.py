@@ -1,10 +1,16 @@
-"""Quality of int8 experts (docs/ftw.md) on the trained default model's held-out code: the
-held-out loss moves by at most 0.5% and at least 98% of the bfloat16 model's top-1 predictions
-stay, with the experts quantised through FTW (save with expert_format="int8", then load).
+"""The trained default model with int8 experts (docs/ftw.md), quantised through FTW (save with
+expert_format="int8", then load): its held-out loss moves by at most 0.5% and at least 98% of
+the bfloat16 model's top-1 predictions stay; ``python -m ftjax.decode`` runs it unchanged.
 
 Measured (AMD EPYC, avx512bf16, kernels="ffi", four 384-token windows): held-out loss
 3.7216 (bf16 experts) -> 3.7214 (int8), -0.01%; top-1 agreement 99.74%.
 """
+
+import os
+import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -26,8 +32,10 @@ def heldout(tmp_path_factory):
   from ftjax.runtime.tokenizer import load_tokenizer  # noqa: PLC0415
   from ftjax.tiny import train  # noqa: PLC0415
   default = ftjax.load("default")
-  int8 = ftjax.load(model_lib.save(default, tmp_path_factory.mktemp("int8") / "m",
-                                   expert_format="int8"))
+  path = model_lib.save(default, tmp_path_factory.mktemp("int8") / "m", expert_format="int8")
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(default.path, name), path)
+  int8 = ftjax.load(path)
   tok = load_tokenizer(default.path, default.config.vocab_size)
   root = train.stdlib_root()
   _, held = train.corpus_files(root)
@@ -54,3 +62,15 @@ def test_int8_experts_keep_the_heldout_loss_and_predictions(heldout):
   assert after != before  # the experts really are quantised
   assert abs(after - before) <= 0.005 * before
   assert agreement >= 0.98
+
+
+def test_decode_cli_runs_the_int8_model_with_a_cache(heldout, tmp_path):
+  _, int8, _ = heldout
+  proc = subprocess.run(
+      [sys.executable, "-m", "ftjax.decode", f"--model={int8.path}", "--max_new_tokens=8",
+       "--greedy", "--cache_slots=40", "--policy=lru_fill", "--stats"],
+      capture_output=True, text=True, check=False, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith("def fibonacci(n):")
+  summary = [line for line in proc.stderr.splitlines() if line.startswith("prompt tokens:")][-1]
+  assert re.search(r"new tokens: 8,.*, kernels: ffi \(", summary), summary  # exact int8 kernel
