@@ -210,13 +210,33 @@ def _bytes_per_token(model) -> int:
   return dense + c.num_layers * c.top_k * c.expert_block_elems * model.dtype.itemsize
 
 
+def read_gb_s(experts) -> float:
+  """The machine's read bandwidth now: ``read_probe`` over ``experts`` (one layer's blocks),
+  the second of two passes."""
+  from ftjax.kernels import read_probe  # noqa: PLC0415
+  read_probe(experts).block_until_ready()
+  t = time.perf_counter()
+  read_probe(experts).block_until_ready()
+  return experts.nbytes / (time.perf_counter() - t) / 1e9
+
+
+def serve_rounds(measure, ready: dict) -> None:
+  """The worker side of the round protocol: ``measure()`` once (compiles), ``ready`` as a JSON
+  line, then one ``measure()`` JSON line per "round" line on stdin."""
+  measure()
+  print(json.dumps({"ready": True, **ready}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "round":
+      break
+    print(json.dumps(measure()), flush=True)
+
+
 def worker(hf_dir: str, long_tokens: int) -> None:
   """Round after round on request (stdin lines), one JSON line each on stdout; or, with
   ``long_tokens``, one long prompt."""
   import numpy as np  # noqa: PLC0415
 
   import ftjax  # noqa: PLC0415
-  from ftjax.kernels import read_probe  # noqa: PLC0415
   from ftjax.runtime.engine import state_bytes  # noqa: PLC0415
   t0 = time.perf_counter()
   model = ftjax.load(hf_dir, verify=False, populate=True)
@@ -251,25 +271,16 @@ def worker(hf_dir: str, long_tokens: int) -> None:
     # llama.cpp's load between rounds may have pushed the mapped weights out of the page
     # cache: fault them back in before timing (llama.cpp reads its weights before each run).
     model.storage.populate()
-    read_probe(experts).block_until_ready()
-    t = time.perf_counter()
-    read_probe(experts).block_until_ready()
-    read_gb_s = experts.nbytes / (time.perf_counter() - t) / 1e9
+    read = read_gb_s(experts)
     dec = engine.generate_timed(prompts["short"], DECODE_TOKENS + 1)
     p512 = engine.generate_timed(prompts["512"], 1)
     long = engine.generate_timed(prompts["4096"], DECODE_TOKENS + 1)
     return {"decode": dec.decode_tok_s, "prefill_512": p512.prefill_tok_s,
             "prefill_4096": long.prefill_tok_s, "decode_at_4096": long.decode_tok_s,
-            "read_GBps": read_gb_s}
+            "read_GBps": read}
 
-  measure()  # compiles
-  print(json.dumps({"ready": True, "kernels": engine.kernels_path, "kv_dtype": engine.kv_dtype,
-                    "bytes_per_token": _bytes_per_token(model),
-                    "peak_rss_bytes": _peak_rss()}), flush=True)
-  for line in sys.stdin:
-    if line.strip() != "round":
-      break
-    print(json.dumps(measure()), flush=True)
+  serve_rounds(measure, {"kernels": engine.kernels_path, "kv_dtype": engine.kv_dtype,
+                         "bytes_per_token": _bytes_per_token(model), "peak_rss_bytes": _peak_rss()})
 
 
 # -- Driver ---------------------------------------------------------------------------------------

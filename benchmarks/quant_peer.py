@@ -48,7 +48,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_results  # noqa: E402
-from cpu_peer import convert_gguf, llama_bench, write_checkpoint  # noqa: E402
+from cpu_peer import (convert_gguf, llama_bench, read_gb_s, serve_rounds,  # noqa: E402
+                      write_checkpoint)
 from hybrid_e2e import contended, with_other_load  # noqa: E402
 
 THREADS = 2
@@ -139,7 +140,6 @@ def worker(ftw_dir: str, tokens: int) -> None:
   import numpy as np  # noqa: PLC0415
 
   import ftjax  # noqa: PLC0415
-  from ftjax.kernels import read_probe  # noqa: PLC0415
   t0 = time.perf_counter()
   model = ftjax.load(ftw_dir, verify=False, populate=True)
   if model.expert_format != "int8":
@@ -151,20 +151,12 @@ def worker(ftw_dir: str, tokens: int) -> None:
 
   def measure() -> dict:
     model.storage.populate()  # llama.cpp's run may have pushed the mapping out of the cache
-    read_probe(experts).block_until_ready()
-    t = time.perf_counter()
-    read_probe(experts).block_until_ready()
-    read_gb_s = experts.nbytes / (time.perf_counter() - t) / 1e9
+    read = read_gb_s(experts)
     result = engine.generate_timed(prompt, tokens + 1)
-    return {"decode": result.decode_tok_s, "read_GBps": read_gb_s}
+    return {"decode": result.decode_tok_s, "read_GBps": read}
 
-  measure()  # compiles
-  print(json.dumps({"ready": True, "kernels": engine.kernels_path,
-                    "bytes_per_token": ftjax_bytes_per_token(model)}), flush=True)
-  for line in sys.stdin:
-    if line.strip() != "round":
-      break
-    print(json.dumps(measure()), flush=True)
+  serve_rounds(measure, {"kernels": engine.kernels_path,
+                         "bytes_per_token": ftjax_bytes_per_token(model)})
 
 
 # -- Driver ---------------------------------------------------------------------------------------

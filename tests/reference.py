@@ -60,6 +60,15 @@ def routed_experts(x, ids, weights, bank, layer: int, ffn_dim: int) -> np.ndarra
   return y_td
 
 
+def mean_nll(logits, ids) -> float:
+  """Mean next-token negative log-likelihood of ``ids`` under ``logits [T, V]`` (row t predicts
+  token t + 1), in float64."""
+  logits, targets = np.asarray(logits)[:-1].astype(np.float64), np.asarray(ids[1:])
+  top = logits.max(-1)
+  lse = np.log(np.exp(logits - top[:, None]).sum(-1)) + top
+  return float(np.mean(lse - logits[np.arange(len(targets)), targets]))
+
+
 def _softmax(z):
   e = np.exp(z - z.max())
   return e / e.sum()

@@ -98,16 +98,11 @@ void DotBf16F32Avx2(const DotProblem<Bf16Bits, float>& p) {
 }
 void DotF32F32Avx2(const DotProblem<float, float>& p) { cpu_kernels_impl::Dot<F32F32Ops256>(p); }
 
-// int8 weights widened exactly: 8 bytes sign-extended to 8 int32 lanes, converted to float32. 8
-// weights (8 bytes) a step, so the one-token row loop keeps 8 accumulators (kRowPassBytes).
-struct I8F32Ops256 {
+// int8 weights widened exactly, then F32F32Ops256: 8 bytes sign-extended to 8 int32 lanes and
+// converted to float32. 8 weights (8 bytes) a step, so the one-token row loop keeps 8
+// accumulators (kRowPassBytes).
+struct I8F32Ops256 : F32F32Ops256 {
   using Weight = int8_t;
-  using Activation = float;
-  using WeightVec = __m256;
-  using ActivationVec = __m256;
-  using Acc = __m256;
-  static constexpr int64_t kStep = 8;
-  static Acc Zero() { return _mm256_setzero_ps(); }
   static WeightVec LoadWeights(const Weight* p) {
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -117,16 +112,6 @@ struct I8F32Ops256 {
     CopyTail(p, count, padded);
     return LoadWeights(padded);
   }
-  static ActivationVec LoadActivations(const Activation* p) { return _mm256_loadu_ps(p); }
-  static ActivationVec LoadActivationsTail(const Activation* p, int64_t count) {
-    float padded[8];
-    CopyTail(p, count, padded);
-    return _mm256_loadu_ps(padded);
-  }
-  static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm256_fmadd_ps(w, a, acc); }
-  static Acc Add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
-  static float Sum(Acc acc) { return Sum256(acc); }
-  static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x256(a0, a1, a2, a3, out); }
 };
 
 void DotI8F32Avx2(const DotProblem<int8_t, float>& p) { cpu_kernels_impl::Dot<I8F32Ops256>(p); }

@@ -112,17 +112,18 @@ struct F32F32Ops512 {
   static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
 };
 
-// int8 weights widened exactly: 16 bytes sign-extended to 16 int32 lanes, converted to float32
-// (vpmovsxbd + vcvtdq2ps). 16 weights a step, so the one-token row loop keeps 8 accumulators
-// (cpu_kernels_impl.h: kRowPassBytes).
-struct I8F32Ops512 {
+inline void DotBf16F32Avx512(const DotProblem<Bf16Bits, float>& p) {
+  cpu_kernels_impl::Dot<Bf16F32Ops512>(p);
+}
+inline void DotF32F32Avx512(const DotProblem<float, float>& p) {
+  cpu_kernels_impl::Dot<F32F32Ops512>(p);
+}
+
+// int8 weights widened exactly, then F32F32Ops512: 16 bytes sign-extended to 16 int32 lanes and
+// converted to float32 (vpmovsxbd + vcvtdq2ps). 16 weights a step, so the one-token row loop
+// keeps 8 accumulators (cpu_kernels_impl.h: kRowPassBytes).
+struct I8F32Ops512 : F32F32Ops512 {
   using Weight = int8_t;
-  using Activation = float;
-  using WeightVec = __m512;
-  using ActivationVec = __m512;
-  using Acc = __m512;
-  static constexpr int64_t kStep = 16;
-  static Acc Zero() { return _mm512_setzero_ps(); }
   static WeightVec Widen(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
   static WeightVec LoadWeights(const Weight* p) {
     return Widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -130,25 +131,10 @@ struct I8F32Ops512 {
   static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {
     return Widen(_mm_maskz_loadu_epi8(FirstLanes16(count), p));
   }
-  static ActivationVec LoadActivations(const Activation* p) { return _mm512_loadu_ps(p); }
-  static ActivationVec LoadActivationsTail(const Activation* p, int64_t count) {
-    return _mm512_maskz_loadu_ps(FirstLanes16(count), p);
-  }
-  static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) { return _mm512_fmadd_ps(w, a, acc); }
-  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
-  static float Sum(Acc acc) { return Sum512(acc); }
-  static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) { Sum4x512(a0, a1, a2, a3, out); }
 };
 
 inline void DotI8F32Avx512(const DotProblem<int8_t, float>& p) {
   cpu_kernels_impl::Dot<I8F32Ops512>(p);
-}
-
-inline void DotBf16F32Avx512(const DotProblem<Bf16Bits, float>& p) {
-  cpu_kernels_impl::Dot<Bf16F32Ops512>(p);
-}
-inline void DotF32F32Avx512(const DotProblem<float, float>& p) {
-  cpu_kernels_impl::Dot<F32F32Ops512>(p);
 }
 
 // Runs a packed-activation GEMM (cpu_kernels.h) with the micro-kernels of `Kernels`

@@ -18,12 +18,7 @@ import pytest
 import ftjax
 from ftjax.runtime import model as model_lib
 
-
-def _nll(logits, ids):
-  logits, targets = logits[:-1].astype(np.float64), np.asarray(ids[1:])
-  top = logits.max(-1)
-  lse = np.log(np.exp(logits - top[:, None]).sum(-1)) + top
-  return float(np.mean(lse - logits[np.arange(len(targets)), targets]))
+from reference import mean_nll
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +48,8 @@ def test_int8_experts_keep_the_heldout_loss_and_predictions(heldout):
   loss_bf16, loss_int8, agree = [], [], []
   for ids in windows:
     reference, got = bf16_engine.forward_logits(ids), int8_engine.forward_logits(ids)
-    loss_bf16.append(_nll(reference, ids))
-    loss_int8.append(_nll(got, ids))
+    loss_bf16.append(mean_nll(reference, ids))
+    loss_int8.append(mean_nll(got, ids))
     agree.append(np.mean(got.argmax(-1) == reference.argmax(-1)))
   before, after, agreement = np.mean(loss_bf16), np.mean(loss_int8), np.mean(agree)
   print(f"held-out loss {before:.4f} -> {after:.4f} ({(after / before - 1) * 100:+.2f}%), "
