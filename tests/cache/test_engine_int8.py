@@ -106,3 +106,19 @@ def test_int8_trace_sweeps_with_int8_expert_bytes(models, dense_reference):
   assert row.fills_per_step > 0
   tolerances.assert_close(row.fill_gb_per_step, row.fills_per_step * int8.expert_bytes / 1e9,
                           tolerances.F64)
+
+
+def test_int8_pinned_host_pool_fills_by_slices(models, dense_reference):
+  """The pinned_host pool (the GPU program's fills, as host-to-device slices of the pool's
+  bytes) with an int8 bank: the same logits."""
+  int8, _ = models
+  prompts, (ref_logits, ref_tokens) = dense_reference["ffi"]
+  c = int8.config
+  total = c.num_layers * c.num_experts
+  engine = ftjax.Engine(int8, kernels="ffi", cache_slots=total // 3, policy="freetoken",
+                        bandwidths=(12.0, 24.0), pool="pinned_host", cache_capacity=total)
+  assert engine.bank.sharding.memory_kind == "pinned_host"
+  logits, tokens = _run(engine, prompts)
+  np.testing.assert_array_equal(tokens, ref_tokens)
+  tolerances.assert_close(logits, ref_logits, tolerances.F32, floor=1.0)
+  assert engine.stats()["bytes"]["fill"] > 0
