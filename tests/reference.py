@@ -60,6 +60,34 @@ def routed_experts(x, ids, weights, bank, layer: int, ffn_dim: int) -> np.ndarra
   return y_td
 
 
+def quantise_activations(v):
+  """A row quantised to int8 as the opt-in int8_activations kernels do, back in float64:
+  scale = max|v| / 127, round(v / scale) half to even, times scale (a zero row stays 0)."""
+  v = np.asarray(v, np.float64)
+  scale = np.max(np.abs(v)) / 127
+  return np.round(v / scale) * scale if scale > 0 else np.zeros_like(v)
+
+
+def routed_experts_int8_activations(x, ids, weights, bank, layer: int,
+                                    ffn_dim: int) -> np.ndarray:
+  """``routed_experts`` with each token's x and each route's hidden h quantised to int8
+  (``quantise_activations``) before their products with the (int8) weights, one route at a
+  time."""
+  x_td = np.stack([quantise_activations(row) for row in np.asarray(x)])
+  ids_tk, weights_tk = np.asarray(ids), np.asarray(weights, np.float64)
+  y_td = np.zeros(x_td.shape)
+  for t in range(x_td.shape[0]):
+    for k in range(ids_tk.shape[1]):
+      if ids_tk[t, k] < 0:
+        continue
+      gate_fd, up_fd, down_df = split_block(np.asarray(bank[layer][ids_tk[t, k]]), ffn_dim,
+                                            x_td.shape[1])
+      gate_f = gate_fd @ x_td[t]
+      hidden_f = gate_f / (1.0 + np.exp(-gate_f)) * (up_fd @ x_td[t])
+      y_td[t] += weights_tk[t, k] * (down_df @ quantise_activations(hidden_f))
+  return y_td
+
+
 def mean_nll(logits, ids) -> float:
   """Mean next-token negative log-likelihood of ``ids`` under ``logits [T, V]`` (row t predicts
   token t + 1), in float64."""

@@ -483,6 +483,7 @@ const KernelTable kAvx2Table = {
     /*peak_flops_per_iteration=*/kPeakChains * 8 * 2,
     /*dot_i8_f32=*/DotI8F32Avx2,
     /*packed_dot_i8_f32=*/PackedDotI8F32Avx2,
+    /*dot_i8_i8=*/nullptr,
 };
 
 }  // namespace

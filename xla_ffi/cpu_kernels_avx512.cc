@@ -37,6 +37,7 @@ const KernelTable kAvx512Table = {
     /*peak_flops_per_iteration=*/kPeakChains512 * 16 * 2,
     /*dot_i8_f32=*/DotI8F32Avx512,
     /*packed_dot_i8_f32=*/PackedDotI8F32Avx512,
+    /*dot_i8_i8=*/nullptr,
 };
 
 }  // namespace

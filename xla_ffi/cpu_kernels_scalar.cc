@@ -167,6 +167,7 @@ const KernelTable kScalarTable = {
     /*peak_flops_per_iteration=*/2 * kPeakChains,
     /*dot_i8_f32=*/DotI8F32,
     /*packed_dot_i8_f32=*/nullptr,
+    /*dot_i8_i8=*/nullptr,
 };
 
 }  // namespace

@@ -122,3 +122,22 @@ def test_int8_pinned_host_pool_fills_by_slices(models, dense_reference):
   np.testing.assert_array_equal(tokens, ref_tokens)
   tolerances.assert_close(logits, ref_logits, tolerances.F32, floor=1.0)
   assert engine.stats()["bytes"]["fill"] > 0
+
+
+def test_ffi_int8_gives_the_same_tokens_at_every_cache_size(models, dense_reference):
+  """kernels="ffi_int8" (opt-in, AVX-512-VNNI): slot experts and host experts run the same
+  int8-activation kernel, so the cache size does not change the result."""
+  from ftjax.kernels import cpu_info  # noqa: PLC0415
+  if cpu_info()["isa"] != "avx512bf16":
+    pytest.skip("ffi_int8 needs the avx512bf16 (AVX-512-VNNI) kernels")
+  int8, _ = models
+  prompts = dense_reference["ffi"][0]
+  c = int8.config
+  total = c.num_layers * c.num_experts
+  ref_logits, ref_tokens = _run(ftjax.Engine(int8, kernels="ffi_int8"), prompts)
+  for slots in (1, total // 3, total):
+    engine = ftjax.Engine(int8, kernels="ffi_int8", cache_slots=slots, policy="freetoken",
+                          bandwidths=(12.0, 24.0), cache_capacity=total)
+    logits, tokens = _run(engine, prompts)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    tolerances.assert_close(logits, ref_logits, tolerances.F32, floor=1.0, what=f"{slots} slots")

@@ -276,7 +276,7 @@ def call_kernel_directly(x, ids, weights, bank, layer, ffn_dim, result_shape=Non
   )
   y = call(
     x, ids, weights, bank, jnp.asarray(layer, jnp.int32), ffn_dim=np.int64(ffn_dim),
-    bf16_activations=False,
+    bf16_activations=False, int8_activations=False,
   )
   return jax.block_until_ready(y)
 

@@ -13,7 +13,10 @@ bank, no device cache. Two implementations compute the same sum:
 * ``xla``: plain jnp. Few routes (decode): gather the routed blocks. Many routes (prefill):
   scan over experts with per-token combine weights, so memory stays ``O(T·F)``.
 * ``ffi``: the host kernel ``ftjax_expert_ffn`` (CPU backend only); ``ffi_bf16`` rounds the
-  activations to bfloat16 for bfloat16 banks (faster grouped prefill, ~1e-2 relative error).
+  activations to bfloat16 for bfloat16 banks (faster grouped prefill, ~1e-2 relative error);
+  ``ffi_int8`` quantises them to int8 for int8 banks (vpdpbusd on AVX-512-VNNI CPUs: the
+  opt-in that lifts int8 decode past the float32 widening's instruction rate, ~1e-2 relative
+  error).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ftjax.kernels import expert_ffn
 from ftjax.utils.arrays import take
 from ftjax.utils.quant import int8_scales_offset
 
-KERNELS = ("xla", "ffi", "ffi_bf16")  # the host-work implementations a step can run with
+KERNELS = ("xla", "ffi", "ffi_bf16", "ffi_int8")  # the host-work implementations a step can run with
 
 
 def split_block(block: jax.Array, ffn_dim: int, width: int):
@@ -85,11 +88,11 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   x [T, D] float32, ids [T, K] int32 (-1 = no route), weights [T, K] float32,
   bank [L, E, P] (bfloat16, float32 or int8). Returns [T, D] float32.
   """
-  if impl in ("ffi", "ffi_bf16"):
+  if impl in ("ffi", "ffi_bf16", "ffi_int8"):
     return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim,
-                      bf16_activations=impl == "ffi_bf16")
+                      bf16_activations=impl == "ffi_bf16", int8_activations=impl == "ffi_int8")
   if impl != "xla":
-    raise ValueError(f"unknown MoE implementation {impl!r}; expected 'xla', 'ffi' or 'ffi_bf16'")
+    raise ValueError(f"unknown MoE implementation {impl!r}; expected one of {KERNELS}")
   bank_ep = bank[layer]
   if ids.size <= bank_ep.shape[0]:
     return _routed_gather(x, ids, weights, bank_ep, ffn_dim)

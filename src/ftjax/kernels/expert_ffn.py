@@ -12,7 +12,8 @@ The kernel accumulates in float32 and returns float32. An int8 bank (the FTW exp
 from byte int8_scales_offset(F, D); P is in bytes, a multiple of 64. The int8 weights are
 widened exactly to float32 and each output row is scaled once after its dot product, so the
 result is that of the dequantised weights to float32 rounding; a decode call reads a quarter
-of the bytes of a float32 bank.
+of the bytes of a float32 bank. int8_activations=True (opt-in, AVX-512-VNNI CPUs) quantises the
+activations to int8 too and multiplies with vpdpbusd.
 
 Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
 once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
@@ -40,7 +41,8 @@ from ftjax.utils.quant import INT8_SCALES_ALIGNMENT, int8_block_bytes, int8_scal
 _BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.int8))
 
 
-def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False):
+def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
+               int8_activations=False):
   """Weighted sum of the routed SwiGLU experts of one layer, on the host.
 
   Args:
@@ -58,6 +60,12 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False)
       which the grouped (prefill) form gains from, at a relative error of ~1e-2 of max|y|.
       When False (the default), bf16 weights are widened to float32 and the result is exact
       to ~1e-5 like a float32 bank; the decode form runs at read bandwidth either way.
+    int8_activations: for an int8 bank on a CPU with AVX-512-VNNI (the avx512bf16 kernels;
+      elsewhere the call fails, naming the fix), quantise x per token and the hidden h per
+      route to int8 (symmetric, scale max|row| / 127) and multiply with vpdpbusd: about a
+      quarter of the instructions of the exact path, whose float32 widening can bound int8
+      decode below read bandwidth, at the error of 8-bit activations (~1e-2 of max|y|).
+      Opt-in only; the default is the exact path.
 
   Returns:
     y: [T, D] float32.
@@ -116,32 +124,37 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False)
   _check_layer(layer, L)
   if not isinstance(bf16_activations, (bool, np.bool_)):
     raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
+  if not isinstance(int8_activations, (bool, np.bool_)):
+    raise ValueError(f"int8_activations must be a bool, got {int8_activations!r}")
+  if int8_activations and bank_dtype != np.int8:
+    raise ValueError(f"int8_activations applies to int8 banks only, got a {bank_dtype} bank")
 
   require("expert_ffn")
-  call = _batchable_call(int(ffn_dim), bool(bf16_activations))
+  call = _batchable_call(int(ffn_dim), bool(bf16_activations), bool(int8_activations))
   return call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32))
 
 
-def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations):
+def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, int8_activations):
   call = jax.ffi.ffi_call(
     "ftjax_expert_ffn",
     jax.ShapeDtypeStruct(x.shape, jnp.float32),
     vmap_method="sequential",
   )
   return call(
-    x, ids, weights, bank, layer, ffn_dim=np.int64(ffn_dim), bf16_activations=bf16_activations
+    x, ids, weights, bank, layer, ffn_dim=np.int64(ffn_dim), bf16_activations=bf16_activations,
+    int8_activations=int8_activations,
   )
 
 
 @functools.cache
-def _batchable_call(ffn_dim, bf16_activations):
+def _batchable_call(ffn_dim, bf16_activations, int8_activations):
   """The op for one F, with a vmap rule: tokens are independent, so a batch over x, ids and
   weights with bank and layer unbatched becomes one call over B * T tokens; anything else runs
   one call per batch element."""
 
   @jax.custom_batching.custom_vmap
   def expert_ffn_call(x, ids, weights, bank, layer):
-    return _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations)
+    return _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, int8_activations)
 
   @expert_ffn_call.def_vmap
   def expert_ffn_vmap(axis_size, in_batched, *args):
