@@ -7,8 +7,12 @@ converter:
 
   ftjax      ``ftjax.convert_hf(..., dtype="bfloat16", expert_dtype="int8")``: routed experts
              int8, symmetric per output channel with float32 row scales (docs/ftw.md); dense
-             weights bfloat16. Kernels ``auto`` (the exact int8 host kernel: int8 weights
-             widened to float32, float32 activations).
+             weights bfloat16. Measured twice, in one worker process:
+               ftjax          kernels ``auto``: the exact int8 host kernel (int8 weights
+                              widened to float32, float32 activations);
+               ftjax_int8act  kernels ``ffi_int8``, the opt-in: activations quantised to int8
+                              per token (per route for the expert's hidden), vpdpbusd; only on
+                              AVX-512-VNNI CPUs (skipped elsewhere, and said so).
   llama.cpp  ``convert_hf_to_gguf.py --outtype q8_0`` (the copy patched as ``cpu_peer.py``
              does): Q8_0 blocks of 32 weights with one float16 scale (34 bytes per 32 weights)
              for every matrix (attention and lm_head too), float32 norms; activations
@@ -140,22 +144,28 @@ def worker(ftw_dir: str, tokens: int) -> None:
   import numpy as np  # noqa: PLC0415
 
   import ftjax  # noqa: PLC0415
+  from ftjax.kernels import cpu_info  # noqa: PLC0415
   t0 = time.perf_counter()
   model = ftjax.load(ftw_dir, verify=False, populate=True)
   if model.expert_format != "int8":
     raise SystemExit(f"{ftw_dir} holds {model.expert_format} experts, not int8")
   log(f"ftjax: loaded and pre-faulted in {time.perf_counter() - t0:.1f} s")
-  engine = ftjax.Engine(model)
+  engines = {"ftjax": ftjax.Engine(model)}
+  if cpu_info()["isa"] == "avx512bf16":  # the AVX-512-VNNI kernels
+    engines["ftjax_int8act"] = ftjax.Engine(model, kernels="ffi_int8")
+  else:
+    log(f"no AVX-512-VNNI kernels ({cpu_info()['isa']}): ftjax_int8act is not measured")
   prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 8)
   experts = model.bank[0]  # one layer's expert blocks, for the read probe
 
   def measure() -> dict:
     model.storage.populate()  # llama.cpp's run may have pushed the mapping out of the cache
-    read = read_gb_s(experts)
-    result = engine.generate_timed(prompt, tokens + 1)
-    return {"decode": result.decode_tok_s, "read_GBps": read}
+    out = {"read_GBps": read_gb_s(experts)}
+    for name, engine in engines.items():
+      out[name] = engine.generate_timed(prompt, tokens + 1).decode_tok_s
+    return out
 
-  serve_rounds(measure, {"kernels": engine.kernels_path,
+  serve_rounds(measure, {"kernels": {k: e.kernels_path for k, e in engines.items()},
                          "bytes_per_token": ftjax_bytes_per_token(model)})
 
 
@@ -217,6 +227,7 @@ def main() -> None:
     proc.stdin.flush()
     return json.loads(proc.stdout.readline())
 
+  configs = list(ready["kernels"])  # ftjax, and ftjax_int8act where the CPU has VNNI
   sides = ["ftjax", *ggufs]
   rounds = []
   for r in range(args.rounds):
@@ -228,22 +239,24 @@ def main() -> None:
         row["llama_cpp"][side] = with_other_load(lambda g=ggufs[side]: {"decode": llama_bench(
             args.llama_build, g, "-p", "0", "-n", str(args.tokens))["avg_ts"]}, proc.pid)
     ours, read = row["ftjax"], row["ftjax"]["read_GBps"]
-    row["ratio"] = {k: ours["decode"] / v["decode"] for k, v in row["llama_cpp"].items()}
-    row["roofline"] = {"ftjax": ours["decode"] * ready["bytes_per_token"] / 1e9 / read, **{
-        k: v["decode"] * llama_bytes[k] / 1e9 / read for k, v in row["llama_cpp"].items()}}
+    row["ratio"] = {f"{c}/{k}": ours[c] / v["decode"] for c in configs
+                    for k, v in row["llama_cpp"].items()}
+    row["roofline"] = {**{c: ours[c] * ready["bytes_per_token"] / 1e9 / read for c in configs},
+                       **{k: v["decode"] * llama_bytes[k] / 1e9 / read
+                          for k, v in row["llama_cpp"].items()}}
     rounds.append(row)
-    log(f"round {r + 1}/{args.rounds}: read {read:.1f} GB/s, decode ftjax int8 "
-        f"{ours['decode']:.1f} tok/s ({row['roofline']['ftjax']:.2f} of its roofline)"
+    log(f"round {r + 1}/{args.rounds}: read {read:.1f} GB/s" + "".join(
+        f", {c} {ours[c]:.1f} tok/s ({row['roofline'][c]:.2f} of its roofline)" for c in configs)
         + contended(ours) + "".join(
-            f"; llama.cpp {k} {v['decode']:.1f} tok/s ({row['ratio'][k]:.2f}x; "
-            f"{row['roofline'][k]:.2f} of its roofline)" + contended(v)
-            for k, v in row["llama_cpp"].items()))
+            f"; llama.cpp {k} {v['decode']:.1f} tok/s ({row['roofline'][k]:.2f} of its "
+            f"roofline)" + contended(v) for k, v in row["llama_cpp"].items())
+        + "; ratios " + ", ".join(f"{k} {x:.2f}" for k, x in row["ratio"].items()))
   proc.stdin.close()
   proc.wait()
-  med = {"ftjax": statistics.median(r["ftjax"]["decode"] for r in rounds),
+  med = {**{c: statistics.median(r["ftjax"][c] for r in rounds) for c in configs},
          **{k: statistics.median(r["llama_cpp"][k]["decode"] for r in rounds) for k in ggufs}}
-  ratio = {k: statistics.median(r["ratio"][k] for r in rounds) for k in ggufs}
-  roofline = {k: statistics.median(r["roofline"][k] for r in rounds) for k in sides}
+  ratio = {k: statistics.median(r["ratio"][k] for r in rounds) for k in rounds[0]["ratio"]}
+  roofline = {k: statistics.median(r["roofline"][k] for r in rounds) for k in [*configs, *ggufs]}
   results = {
       "benchmark": "quant_peer", "command": " ".join(sys.argv), "smoke": args.smoke,
       "machine": machine,
@@ -265,11 +278,13 @@ def main() -> None:
           side["other_load"] > 0.1 for r in rounds
           for side in (r["ftjax"], *r["llama_cpp"].values())),
   }
-  print(f"decode tok/s (medians): ftjax int8 {med['ftjax']:.1f}, " + ", ".join(
-      f"llama.cpp {k} {med[k]:.1f} (ratio {ratio[k]:.2f}, goal {GOAL})" for k in ggufs))
-  print(f"of the roofline (read {results['read_GBps_median']:.1f} GB/s): ftjax "
-        f"{roofline['ftjax']:.2f} ({ready['bytes_per_token'] / 1e9:.3f} GB per token), " + ", ".join(
-            f"llama.cpp {k} {roofline[k]:.2f} ({llama_bytes[k] / 1e9:.3f} GB)" for k in ggufs))
+  print("decode tok/s (medians): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
+  print("ratios (medians; goal " + f"{GOAL}): " + ", ".join(
+      f"{k} {v:.2f}" for k, v in ratio.items()))
+  print(f"of the roofline (read {results['read_GBps_median']:.1f} GB/s; ftjax reads "
+        f"{ready['bytes_per_token'] / 1e9:.3f} GB per token, llama.cpp " + ", ".join(
+            f"{k} {b / 1e9:.3f}" for k, b in llama_bytes.items()) + "): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in roofline.items()))
   if out:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
