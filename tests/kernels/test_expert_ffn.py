@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import re
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import pytest
 from ftjax.kernels import expert_ffn
 
 import reference
+from expert_cases import Case, make_routes, rng_for
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
@@ -34,35 +34,6 @@ def make_bank(rng, *, L, E, F, D, dtype, pad=0, layers_in_use=None):
     unused = np.setdiff1d(np.arange(L), layers_in_use)
     bank[unused] = np.nan
   return bank.astype(np.float32).astype(dtype)
-
-
-def make_routes(rng, *, T, E, K, skip_fraction=0.0, shared=False):
-  """ids [T, K] (distinct experts within a token, some -1), weights [T, K]."""
-  if shared:  # every token picks the same experts: duplicates across tokens
-    ids = np.tile(rng.permutation(E)[:K], (T, 1))
-  else:
-    ids = np.stack([rng.permutation(E)[:K] for _ in range(T)])
-  ids = np.where(rng.random((T, K)) < skip_fraction, -1, ids).astype(np.int32)
-  weights = rng.random((T, K)).astype(np.float32)
-  return ids, weights
-
-
-def rng_for(*labels):
-  return np.random.default_rng(zlib.crc32(repr(labels).encode()))
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  T: int
-  K: int
-  E: int = 8
-  D: int = 32
-  F: int = 16
-  L: int = 1
-  layer: int = 0
-  pad: int = 0
-  skip_fraction: float = 0.0
-  shared: bool = False
 
 
 CASES = {

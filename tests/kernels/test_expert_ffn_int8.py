@@ -6,9 +6,7 @@ scales, one all-zero row with scale 0), independently of ftjax's quantiser. The 
 the int8 weights exactly and scales each output row once: the float32 limit holds.
 """
 
-import dataclasses
 import re
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ from ftjax.kernels import expert_ffn
 
 import reference
 import tolerances
+from expert_cases import Case, make_routes, rng_for
 
 I8 = np.dtype(np.int8)
 
@@ -46,20 +45,6 @@ def make_int8_bank(rng, *, L, E, F, D, pad=0, layers_in_use=None):
   return bank
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-  T: int
-  K: int
-  E: int = 8
-  D: int = 32
-  F: int = 16
-  L: int = 1
-  layer: int = 0
-  pad: int = 0
-  skip_fraction: float = 0.0
-  shared: bool = False
-
-
 CASES = {
   # decode form (T <= 8)
   "tokens_1": Case(T=1, K=2),
@@ -79,14 +64,10 @@ CASES = {
 
 
 def make_inputs(case, *labels):
-  rng = np.random.default_rng(zlib.crc32(repr((case, *labels)).encode()))
+  rng = rng_for(case, "int8", *labels)
   x = rng.standard_normal((case.T, case.D)).astype(np.float32)
-  if case.shared:
-    ids = np.tile(rng.permutation(case.E)[:case.K], (case.T, 1))
-  else:
-    ids = np.stack([rng.permutation(case.E)[:case.K] for _ in range(case.T)])
-  ids = np.where(rng.random(ids.shape) < case.skip_fraction, -1, ids).astype(np.int32)
-  weights = rng.random(ids.shape).astype(np.float32)
+  ids, weights = make_routes(rng, T=case.T, E=case.E, K=case.K,
+                             skip_fraction=case.skip_fraction, shared=case.shared)
   bank = make_int8_bank(rng, L=case.L, E=case.E, F=case.F, D=case.D, pad=case.pad,
                         layers_in_use=[case.layer])
   return x, ids, weights, bank

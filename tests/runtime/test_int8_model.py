@@ -39,21 +39,26 @@ def heldout(tmp_path_factory):
   return default, int8, [stream[s:s + 384] for s in (0, 700, 1400, 2100)]
 
 
+def _compare(reference_engine, engine, windows, what):
+  """(held-out loss of the reference, of the engine, top-1 agreement), means over windows."""
+  before, after, agree = [], [], []
+  for ids in windows:
+    reference, got = reference_engine.forward_logits(ids), engine.forward_logits(ids)
+    before.append(mean_nll(reference, ids))
+    after.append(mean_nll(got, ids))
+    agree.append(np.mean(got.argmax(-1) == reference.argmax(-1)))
+  before, after, agreement = np.mean(before), np.mean(after), np.mean(agree)
+  print(f"{what}: held-out loss {before:.4f} -> {after:.4f} ({(after / before - 1) * 100:+.2f}%), "
+        f"top-1 agreement {agreement * 100:.2f}%")
+  return before, after, agreement
+
+
 def test_int8_experts_keep_the_heldout_loss_and_predictions(heldout):
   default, int8, windows = heldout
   assert default.expert_format == "bfloat16" and int8.expert_format == "int8"
   assert int8.dtype == default.dtype  # dense weights untouched
-  bf16_engine = ftjax.Engine(default, kernels="ffi")
-  int8_engine = ftjax.Engine(int8, kernels="ffi")
-  loss_bf16, loss_int8, agree = [], [], []
-  for ids in windows:
-    reference, got = bf16_engine.forward_logits(ids), int8_engine.forward_logits(ids)
-    loss_bf16.append(mean_nll(reference, ids))
-    loss_int8.append(mean_nll(got, ids))
-    agree.append(np.mean(got.argmax(-1) == reference.argmax(-1)))
-  before, after, agreement = np.mean(loss_bf16), np.mean(loss_int8), np.mean(agree)
-  print(f"held-out loss {before:.4f} -> {after:.4f} ({(after / before - 1) * 100:+.2f}%), "
-        f"top-1 agreement {agreement * 100:.2f}%")
+  before, after, agreement = _compare(ftjax.Engine(default, kernels="ffi"),
+                                      ftjax.Engine(int8, kernels="ffi"), windows, "int8 experts")
   assert after != before  # the experts really are quantised
   assert abs(after - before) <= 0.005 * before
   assert agreement >= 0.98
@@ -69,16 +74,9 @@ def test_int8_activations_opt_in_quality(heldout):
     with pytest.raises(Exception, match="int8_activations needs AVX-512-VNNI"):
       ftjax.Engine(int8, kernels="ffi_int8").forward_logits(windows[0])
     pytest.skip(f"no AVX-512-VNNI kernels here ({cpu_info()['isa']}): the error was checked")
-  exact, quantised = ftjax.Engine(int8, kernels="ffi"), ftjax.Engine(int8, kernels="ffi_int8")
-  before, after, agree = [], [], []
-  for ids in windows:
-    reference, got = exact.forward_logits(ids), quantised.forward_logits(ids)
-    before.append(mean_nll(reference, ids))
-    after.append(mean_nll(got, ids))
-    agree.append(np.mean(got.argmax(-1) == reference.argmax(-1)))
-  before, after, agreement = np.mean(before), np.mean(after), np.mean(agree)
-  print(f"int8 activations: held-out loss {before:.4f} -> {after:.4f} "
-        f"({(after / before - 1) * 100:+.2f}%), top-1 agreement {agreement * 100:.2f}%")
+  before, after, agreement = _compare(ftjax.Engine(int8, kernels="ffi"),
+                                      ftjax.Engine(int8, kernels="ffi_int8"), windows,
+                                      "int8 activations")
   assert after != before
   assert abs(after - before) <= 0.01 * before
   assert agreement >= 0.95
