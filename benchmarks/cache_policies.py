@@ -69,7 +69,7 @@ def main() -> None:
     write_model(config, path)
   model = ftjax.load(path, verify=False, populate=True)
   c = model.config
-  shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, str(model.dtype),
+  shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, model.expert_format,
                                   c.top_k)
   prof = profile_lib.measure(model.bank, shape, rounds=3, calls=16)
   profile_path = profile_lib.save_profile(prof, os.path.join(args.model_dir, "profile.json"))

@@ -85,10 +85,11 @@ def main() -> None:
 
   model = load_bench_model(args.layers, args.model_dir)
   c = model.config
-  expert = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, str(model.dtype),
+  expert = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, model.expert_format,
                                    c.top_k)
   shape = cost.ModelShape.from_config(c, name=f"qwen3-30b-a3b-{args.layers}l",
-                                      bytes_per_param=model.dtype.itemsize)
+                                      bytes_per_param=model.dtype.itemsize,
+                                      expert_format=model.expert_format)
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, c.vocab_size, 16).tolist()
   settings = [("cpu_only", 0.0)] + [(p, float(f)) for f in args.fractions.split(",")

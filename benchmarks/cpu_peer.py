@@ -146,9 +146,10 @@ def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
   return out_dir
 
 
-def convert_gguf(hf_dir: str, src: str, work_dir: str) -> str:
-  """llama.cpp's own converter, from a copy whose unknown-pre-tokenizer error says "default"."""
-  out = os.path.join(work_dir, "model-bf16.gguf")
+def convert_gguf(hf_dir: str, src: str, work_dir: str, outtype: str = "bf16") -> str:
+  """llama.cpp's own converter, from a copy whose unknown-pre-tokenizer error says "default";
+  ``outtype`` as its ``--outtype`` (bf16, q8_0, ...)."""
+  out = os.path.join(work_dir, f"model-{outtype}.gguf")
   if os.path.exists(out) and os.path.getmtime(out) > os.path.getmtime(
       os.path.join(hf_dir, "written.json")):
     return out
@@ -164,9 +165,9 @@ def convert_gguf(hf_dir: str, src: str, work_dir: str) -> str:
                        "llama.cpp version?); see ../shared/PEERS.md")
   open(base, "w").write(text.replace(needle, 'res = "default"'))
   env = dict(os.environ, PYTHONPATH=os.path.join(src, "gguf-py"))
-  log(f"converting to GGUF bf16 with llama.cpp's converter -> {out}")
+  log(f"converting to GGUF {outtype} with llama.cpp's converter -> {out}")
   subprocess.run([sys.executable, os.path.join(conv, "convert_hf_to_gguf.py"), hf_dir,
-                  "--outtype", "bf16", "--outfile", out], check=True, env=env, cwd=conv,
+                  "--outtype", outtype, "--outfile", out], check=True, env=env, cwd=conv,
                  stdout=subprocess.DEVNULL)
   return out
 
@@ -209,13 +210,33 @@ def _bytes_per_token(model) -> int:
   return dense + c.num_layers * c.top_k * c.expert_block_elems * model.dtype.itemsize
 
 
+def read_gb_s(experts) -> float:
+  """The machine's read bandwidth now: ``read_probe`` over ``experts`` (one layer's blocks),
+  the second of two passes."""
+  from ftjax.kernels import read_probe  # noqa: PLC0415
+  read_probe(experts).block_until_ready()
+  t = time.perf_counter()
+  read_probe(experts).block_until_ready()
+  return experts.nbytes / (time.perf_counter() - t) / 1e9
+
+
+def serve_rounds(measure, ready: dict) -> None:
+  """The worker side of the round protocol: ``measure()`` once (compiles), ``ready`` as a JSON
+  line, then one ``measure()`` JSON line per "round" line on stdin."""
+  measure()
+  print(json.dumps({"ready": True, **ready}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != "round":
+      break
+    print(json.dumps(measure()), flush=True)
+
+
 def worker(hf_dir: str, long_tokens: int) -> None:
   """Round after round on request (stdin lines), one JSON line each on stdout; or, with
   ``long_tokens``, one long prompt."""
   import numpy as np  # noqa: PLC0415
 
   import ftjax  # noqa: PLC0415
-  from ftjax.kernels import read_probe  # noqa: PLC0415
   from ftjax.runtime.engine import state_bytes  # noqa: PLC0415
   t0 = time.perf_counter()
   model = ftjax.load(hf_dir, verify=False, populate=True)
@@ -250,25 +271,16 @@ def worker(hf_dir: str, long_tokens: int) -> None:
     # llama.cpp's load between rounds may have pushed the mapped weights out of the page
     # cache: fault them back in before timing (llama.cpp reads its weights before each run).
     model.storage.populate()
-    read_probe(experts).block_until_ready()
-    t = time.perf_counter()
-    read_probe(experts).block_until_ready()
-    read_gb_s = experts.nbytes / (time.perf_counter() - t) / 1e9
+    read = read_gb_s(experts)
     dec = engine.generate_timed(prompts["short"], DECODE_TOKENS + 1)
     p512 = engine.generate_timed(prompts["512"], 1)
     long = engine.generate_timed(prompts["4096"], DECODE_TOKENS + 1)
     return {"decode": dec.decode_tok_s, "prefill_512": p512.prefill_tok_s,
             "prefill_4096": long.prefill_tok_s, "decode_at_4096": long.decode_tok_s,
-            "read_GBps": read_gb_s}
+            "read_GBps": read}
 
-  measure()  # compiles
-  print(json.dumps({"ready": True, "kernels": engine.kernels_path, "kv_dtype": engine.kv_dtype,
-                    "bytes_per_token": _bytes_per_token(model),
-                    "peak_rss_bytes": _peak_rss()}), flush=True)
-  for line in sys.stdin:
-    if line.strip() != "round":
-      break
-    print(json.dumps(measure()), flush=True)
+  serve_rounds(measure, {"kernels": engine.kernels_path, "kv_dtype": engine.kv_dtype,
+                         "bytes_per_token": _bytes_per_token(model), "peak_rss_bytes": _peak_rss()})
 
 
 # -- Driver ---------------------------------------------------------------------------------------

@@ -281,7 +281,7 @@ def profile(model, rounds: int) -> dict:
 
   from ftjax.runtime import profile as profile_lib  # noqa: PLC0415
   c = model.config
-  shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, str(model.dtype),
+  shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, model.expert_format,
                                   c.top_k)
   result = profile_lib.measure(model.bank, shape, rounds=rounds, calls=20,
                                show_progress=False)

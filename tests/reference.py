@@ -22,9 +22,21 @@ import numpy as np
 
 
 def split_block(block, ffn_dim: int, width: int):
-  """One expert block [P] -> gate [F, D], up [F, D], down [D, F], float64."""
-  block = np.asarray(block).astype(np.float64)
+  """One expert block [P] -> gate [F, D], up [F, D], down [D, F], float64.
+
+  An int8 block (docs/ftw.md, expert format int8) is dequantised: its int8 weights times the
+  float32 scale of their row, read from byte 3·F·D rounded up to 64 (gate [F], up [F], down
+  [D])."""
   fd = ffn_dim * width
+  if np.asarray(block).dtype == np.int8:
+    raw = np.asarray(block)
+    start = -(-3 * fd // 64) * 64
+    scales = raw[start:start + 4 * (2 * ffn_dim + width)].view("<f4").astype(np.float64)
+    rows = np.concatenate([np.repeat(scales[:2 * ffn_dim], width),
+                           np.repeat(scales[2 * ffn_dim:], ffn_dim)])
+    block = raw[:3 * fd].astype(np.float64) * rows
+  else:
+    block = np.asarray(block).astype(np.float64)
   return (block[:fd].reshape(ffn_dim, width), block[fd:2 * fd].reshape(ffn_dim, width),
           block[2 * fd:3 * fd].reshape(width, ffn_dim))
 
@@ -73,6 +85,43 @@ def routed_experts(x, ids, weights, bank, layer: int, ffn_dim: int, *,
     out_rd = hidden_rf @ down_df.T + b_down
     np.add.at(y_td, tokens, weights_tk[tokens, routes][:, None] * out_rd)
   return y_td
+
+
+def quantise_activations(v):
+  """A row quantised to int8 as the opt-in int8_activations kernels do, back in float64:
+  scale = max|v| / 127, round(v / scale) half to even, times scale (a zero row stays 0)."""
+  v = np.asarray(v, np.float64)
+  scale = np.max(np.abs(v)) / 127
+  return np.round(v / scale) * scale if scale > 0 else np.zeros_like(v)
+
+
+def routed_experts_int8_activations(x, ids, weights, bank, layer: int,
+                                    ffn_dim: int) -> np.ndarray:
+  """``routed_experts`` with each token's x and each route's hidden h quantised to int8
+  (``quantise_activations``) before their products with the (int8) weights, one route at a
+  time."""
+  x_td = np.stack([quantise_activations(row) for row in np.asarray(x)])
+  ids_tk, weights_tk = np.asarray(ids), np.asarray(weights, np.float64)
+  y_td = np.zeros(x_td.shape)
+  for t in range(x_td.shape[0]):
+    for k in range(ids_tk.shape[1]):
+      if ids_tk[t, k] < 0:
+        continue
+      gate_fd, up_fd, down_df = split_block(np.asarray(bank[layer][ids_tk[t, k]]), ffn_dim,
+                                            x_td.shape[1])
+      gate_f = gate_fd @ x_td[t]
+      hidden_f = gate_f / (1.0 + np.exp(-gate_f)) * (up_fd @ x_td[t])
+      y_td[t] += weights_tk[t, k] * (down_df @ quantise_activations(hidden_f))
+  return y_td
+
+
+def mean_nll(logits, ids) -> float:
+  """Mean next-token negative log-likelihood of ``ids`` under ``logits [T, V]`` (row t predicts
+  token t + 1), in float64."""
+  logits, targets = np.asarray(logits)[:-1].astype(np.float64), np.asarray(ids[1:])
+  top = logits.max(-1)
+  lse = np.log(np.exp(logits - top[:, None]).sum(-1)) + top
+  return float(np.mean(lse - logits[np.arange(len(targets)), targets]))
 
 
 def _softmax(z):

@@ -314,3 +314,16 @@ def test_model_file_errors(tmp_path):
   bad.write_text(json.dumps(hf))
   with pytest.raises(ValueError, match="bad.json: .*lacks the required key 'linear_num_value_h"):
     ModelShape.load(bad)
+
+
+def test_int8_expert_bytes_count_weights_and_scales():
+  """int8 experts (docs/ftw.md): one byte a weight, then float32 scales of the 2F + D rows
+  from byte 3·F·D rounded up to 64: 1.5e6 weights -> 1_500_032, then 4 · 2000 bytes (half of
+  the bf16 expert's 3e6, plus 0.27%)."""
+  int8 = dataclasses.replace(SHAPE, expert_format="int8")
+  assert int8.expert_bytes == 1_500_032 + 4 * (2 * 500 + 1000)
+  odd = dataclasses.replace(SHAPE, hidden=3, expert_ffn=7, expert_format="int8")
+  assert odd.expert_bytes == 64 + 4 * (2 * 7 + 3)  # 63 weight bytes, padded to 64
+  assert int8.dense_bytes_per_layer == SHAPE.dense_bytes_per_layer  # dense weights unchanged
+  with pytest.raises(ValueError, match="expert_format must be one of"):
+    dataclasses.replace(SHAPE, expert_format="int4")

@@ -40,13 +40,14 @@ Isa DetectIsa() {
   const bool avx512 = Bit(ebx, 16) /*F*/ && Bit(ebx, 17) /*DQ*/ && Bit(ebx, 30) /*BW*/ &&
                       Bit(ebx, 31) /*VL*/;
   const uint32_t max_subleaf = eax;
+  const bool avx512_vnni = Bit(ecx, 11);  // every CPU with AVX-512-BF16 has it too
   bool avx512_bf16 = false;
   if (max_subleaf >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) {
     avx512_bf16 = Bit(eax, 5);
   }
 
   if (avx512 && os_saves_zmm) {
-    if (avx512_bf16 && Avx512Bf16Kernels() != nullptr) return Isa::kAvx512Bf16;
+    if (avx512_bf16 && avx512_vnni && Avx512Bf16Kernels() != nullptr) return Isa::kAvx512Bf16;
     if (Avx512Kernels() != nullptr) return Isa::kAvx512;
   }
   if (avx2 && Avx2Kernels() != nullptr) return Isa::kAvx2;

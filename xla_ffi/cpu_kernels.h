@@ -8,7 +8,7 @@
 //   cpu_kernels_scalar.cc       baseline flags (any x86-64 or aarch64)
 //   cpu_kernels_avx2.cc         -mavx2 -mfma -mf16c
 //   cpu_kernels_avx512.cc       -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
-//   cpu_kernels_avx512bf16.cc   the AVX-512 flags plus -mavx512bf16
+//   cpu_kernels_avx512bf16.cc   the AVX-512 flags plus -mavx512bf16 -mavx512vnni
 //
 // Only the functions in this header cross from a baseline translation unit into an ISA one, and
 // only through a KernelTable returned after the CPU was checked (cpu_isa.cc), so no instruction
@@ -104,6 +104,8 @@ struct RowSumProblem {
 
 using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
 using DotF32F32Fn = void (*)(const DotProblem<float, float>&);
+using DotI8F32Fn = void (*)(const DotProblem<int8_t, float>&);
+using DotI8I8Fn = void (*)(const DotProblem<int8_t, int8_t>&);
 
 struct KernelTable {
   const char* name;  // "scalar", "avx2", "avx512", "avx512bf16" (the FTJAX_ISA spellings)
@@ -153,6 +155,21 @@ struct KernelTable {
   // depends on every round. `flops_per_iteration` is how many flops one round does.
   float (*peak_loop)(int64_t iterations, float seed);
   int64_t peak_flops_per_iteration;
+
+  // int8 weights (an int8 expert bank, docs/ftw.md) widened exactly to float32, float32
+  // activations, float32 FMA: the same problem as dot_f32_f32 on the widened weights. The
+  // per-output-channel scales are the caller's, applied once per output row after the dot
+  // product. One token reads the int8 rows as one sequential stream (a quarter of float32's
+  // bytes). Never null.
+  DotI8F32Fn dot_i8_f32;
+  // The packed-activation GEMM with int8 weights widened to float32 (float32 FMA); null where
+  // the ISA lacks packed GEMMs.
+  void (*packed_dot_i8_f32)(const PackedDotProblem<int8_t, float>&);
+  // int8 weights x int8 activations (vpdpbusd), the opt-in int8_activations form of an int8
+  // bank: c = the exact integer dot product (int32 sums, as float). Weights must lie in
+  // [-127, 127] (an FTW int8 bank's do). Null unless the ISA has AVX-512-VNNI
+  // (the avx512bf16 table).
+  DotI8I8Fn dot_i8_i8;
 };
 
 // The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read

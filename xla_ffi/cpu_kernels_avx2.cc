@@ -98,6 +98,24 @@ void DotBf16F32Avx2(const DotProblem<Bf16Bits, float>& p) {
 }
 void DotF32F32Avx2(const DotProblem<float, float>& p) { cpu_kernels_impl::Dot<F32F32Ops256>(p); }
 
+// int8 weights widened exactly, then F32F32Ops256: 8 bytes sign-extended to 8 int32 lanes and
+// converted to float32. 8 weights (8 bytes) a step, so the one-token row loop keeps 8
+// accumulators (kRowPassBytes).
+struct I8F32Ops256 : F32F32Ops256 {
+  using Weight = int8_t;
+  static WeightVec LoadWeights(const Weight* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {
+    int8_t padded[8];
+    CopyTail(p, count, padded);
+    return LoadWeights(padded);
+  }
+};
+
+void DotI8F32Avx2(const DotProblem<int8_t, float>& p) { cpu_kernels_impl::Dot<I8F32Ops256>(p); }
+
 // Weight i of a row, in all 8 lanes as float32. bf16: the 32 bits at p (weights i and i + 1) are
 // broadcast and shifted left by 16, which leaves weight i widened; so p[1] must exist (the last
 // weight of a row goes through LastWeight256).
@@ -107,7 +125,9 @@ inline __m256 Weight256(const Bf16Bits* p) {
   __builtin_memcpy(&pair, p, sizeof(pair));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi32(pair), 16));
 }
+inline __m256 Weight256(const int8_t* p) { return _mm256_set1_ps(static_cast<float>(*p)); }
 inline __m256 LastWeight256(const float* p) { return _mm256_broadcast_ss(p); }
+inline __m256 LastWeight256(const int8_t* p) { return Weight256(p); }
 inline __m256 LastWeight256(const Bf16Bits* p) {
   return _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(uint32_t{*p} << 16)));
 }
@@ -191,6 +211,7 @@ void PackedDot256(const PackedDotProblem<WeightT, float>& p) {
 
 void PackedDotBf16F32Avx2(const PackedDotProblem<Bf16Bits, float>& p) { PackedDot256(p); }
 void PackedDotF32Avx2(const PackedDotProblem<float, float>& p) { PackedDot256(p); }
+void PackedDotI8F32Avx2(const PackedDotProblem<int8_t, float>& p) { PackedDot256(p); }
 
 void RoundToBf16Avx2(const float* in, Bf16Bits* out, int64_t n) {
   cpu_kernels_impl::RoundToBf16Loop(in, out, n);
@@ -460,6 +481,9 @@ const KernelTable kAvx2Table = {
     /*xor_words=*/XorWordsAvx2,
     /*peak_loop=*/PeakLoopFma256,
     /*peak_flops_per_iteration=*/kPeakChains * 8 * 2,
+    /*dot_i8_f32=*/DotI8F32Avx2,
+    /*packed_dot_i8_f32=*/PackedDotI8F32Avx2,
+    /*dot_i8_i8=*/nullptr,
 };
 
 }  // namespace

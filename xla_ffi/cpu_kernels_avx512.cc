@@ -35,6 +35,9 @@ const KernelTable kAvx512Table = {
     /*xor_words=*/XorWordsAvx512,
     /*peak_loop=*/PeakLoopFma512,
     /*peak_flops_per_iteration=*/kPeakChains512 * 16 * 2,
+    /*dot_i8_f32=*/DotI8F32Avx512,
+    /*packed_dot_i8_f32=*/PackedDotI8F32Avx512,
+    /*dot_i8_i8=*/nullptr,
 };
 
 }  // namespace

@@ -119,6 +119,24 @@ inline void DotF32F32Avx512(const DotProblem<float, float>& p) {
   cpu_kernels_impl::Dot<F32F32Ops512>(p);
 }
 
+// int8 weights widened exactly, then F32F32Ops512: 16 bytes sign-extended to 16 int32 lanes and
+// converted to float32 (vpmovsxbd + vcvtdq2ps). 16 weights a step, so the one-token row loop
+// keeps 8 accumulators (cpu_kernels_impl.h: kRowPassBytes).
+struct I8F32Ops512 : F32F32Ops512 {
+  using Weight = int8_t;
+  static WeightVec Widen(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+  static WeightVec LoadWeights(const Weight* p) {
+    return Widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {
+    return Widen(_mm_maskz_loadu_epi8(FirstLanes16(count), p));
+  }
+};
+
+inline void DotI8F32Avx512(const DotProblem<int8_t, float>& p) {
+  cpu_kernels_impl::Dot<I8F32Ops512>(p);
+}
+
 // Runs a packed-activation GEMM (cpu_kernels.h) with the micro-kernels of `Kernels`
 // (Kernels::Run<kRows, kGroups, kHalf>): weight rows in blocks of 8, groups of 16 tokens in
 // passes of up to 3 over the same rows (in L1 after the first pass); the half group joins the
@@ -217,9 +235,9 @@ inline void PackedMicroKernelF32(const WeightT* w, int64_t w_stride, const float
         return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(w[r * w_stride + i]) << 16));
       });
     }
-  } else {
+  } else {  // float32, or int8 widened exactly
     for (int64_t i = 0; i < n; ++i) {
-      input(i, [&](int r) { return _mm512_set1_ps(w[r * w_stride + i]); });
+      input(i, [&](int r) { return _mm512_set1_ps(static_cast<float>(w[r * w_stride + i])); });
     }
   }
   for (int r = 0; r < kRows; ++r) {
@@ -245,6 +263,9 @@ inline void PackedDotBf16F32Avx512(const PackedDotProblem<Bf16Bits, float>& p) {
 }
 inline void PackedDotF32Avx512(const PackedDotProblem<float, float>& p) {
   PackedPasses<PackedF32Kernels<float>>(p);
+}
+inline void PackedDotI8F32Avx512(const PackedDotProblem<int8_t, float>& p) {
+  PackedPasses<PackedF32Kernels<int8_t>>(p);
 }
 
 // exp(x) for x in [-87, 88] (clamped outside), Cephes' expf: relative error ~2e-7.

@@ -1,12 +1,15 @@
 // AVX-512-BF16 kernels: bf16 weights against bf16-rounded activations with vdpbf16ps (32
-// multiply-adds of bf16 pairs into 16 float32 lanes per instruction), plus the AVX-512 float32
-// paths. Compiled with the AVX-512 and -mavx512bf16 flags by its suffix (CMakeLists.txt); on a
-// compiler that does not target them the table is absent. See cpu_kernels.h.
+// multiply-adds of bf16 pairs into 16 float32 lanes per instruction), int8 weights against
+// int8 activations with vpdpbusd (AVX-512-VNNI, which every AVX-512-BF16 CPU has; cpu_isa.cc
+// checks both), plus the AVX-512 float32 paths. Compiled with the AVX-512, -mavx512bf16 and
+// -mavx512vnni flags by its suffix (CMakeLists.txt); on a compiler that does not target them the
+// table is absent. See cpu_kernels.h.
 
 #include "cpu_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__FMA__)
+    defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && \
+    defined(__FMA__)
 
 #include "cpu_kernels_avx512_common.h"
 
@@ -46,6 +49,52 @@ struct Bf16Bf16Ops512 {
 void DotBf16Bf16Avx512(const DotProblem<Bf16Bits, Bf16Bits>& p) {
   cpu_kernels_impl::Dot<Bf16Bf16Ops512>(p);
 }
+
+// int8 weights x int8 activations, 64 a step, exact int32 sums. vpdpbusd multiplies unsigned by
+// signed bytes (and adds groups of 4 products into int32 lanes), so each step multiplies |a| by
+// the weights negated where a < 0: w * a = (sign(a) w) * |a|, with |-128| = 128 as an unsigned
+// byte and sign(a) w in [-127, 127] for weights in [-127, 127]. A lane holds at most
+// n / 16 * 4 products of at most 127 * 128, exact in int32 for n below 2^31 / 16256.
+struct I8I8Ops512 {
+  using Weight = int8_t;
+  using Activation = int8_t;
+  using WeightVec = __m512i;
+  struct ActivationVec {
+    __m512i magnitude;  // |a| as unsigned bytes
+    __mmask64 negative;  // a < 0
+  };
+  using Acc = __m512i;
+  static constexpr int64_t kStep = 64;
+  static __mmask64 FirstLanes(int64_t count) {  // count < 64
+    return static_cast<__mmask64>((uint64_t{1} << count) - 1u);
+  }
+  static ActivationVec Split(__m512i a) { return {_mm512_abs_epi8(a), _mm512_movepi8_mask(a)}; }
+  static Acc Zero() { return _mm512_setzero_si512(); }
+  static WeightVec LoadWeights(const Weight* p) { return _mm512_loadu_si512(p); }
+  static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {
+    return _mm512_maskz_loadu_epi8(FirstLanes(count), p);
+  }
+  static ActivationVec LoadActivations(const Activation* p) {
+    return Split(_mm512_loadu_si512(p));
+  }
+  static ActivationVec LoadActivationsTail(const Activation* p, int64_t count) {
+    return Split(_mm512_maskz_loadu_epi8(FirstLanes(count), p));
+  }
+  static Acc MulAdd(Acc acc, WeightVec w, ActivationVec a) {
+    const __m512i signed_w = _mm512_mask_sub_epi8(w, a.negative, _mm512_setzero_si512(), w);
+    return _mm512_dpbusd_epi32(acc, a.magnitude, signed_w);
+  }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_epi32(a, b); }
+  static float Sum(Acc acc) { return static_cast<float>(_mm512_reduce_add_epi32(acc)); }
+  static void Sum4(Acc a0, Acc a1, Acc a2, Acc a3, float* out) {
+    out[0] = Sum(a0);
+    out[1] = Sum(a1);
+    out[2] = Sum(a2);
+    out[3] = Sum(a3);
+  }
+};
+
+void DotI8I8Avx512(const DotProblem<int8_t, int8_t>& p) { cpu_kernels_impl::Dot<I8I8Ops512>(p); }
 
 // The packed-activation GEMM (cpu_kernels.h): kRows weight rows x kGroups groups of 16 tokens
 // (plus, with kHalf, the first 8 tokens of one more group in 256-bit vectors) in accumulators;
@@ -165,6 +214,9 @@ const KernelTable kAvx512Bf16Table = {
     /*xor_words=*/XorWordsAvx512,
     /*peak_loop=*/PeakLoopBf16,
     /*peak_flops_per_iteration=*/kPeakChainsBf16 * 32 * 2,
+    /*dot_i8_f32=*/DotI8F32Avx512,
+    /*packed_dot_i8_f32=*/PackedDotI8F32Avx512,
+    /*dot_i8_i8=*/DotI8I8Avx512,
 };
 
 }  // namespace

@@ -20,6 +20,7 @@ inline float Bf16ToFloat(Bf16Bits bits) {
 
 inline float ToFloat(float value) { return value; }
 inline float ToFloat(Bf16Bits bits) { return Bf16ToFloat(bits); }
+inline float ToFloat(int8_t value) { return static_cast<float>(value); }
 
 // One element per step: the accumulator is a plain float.
 template <typename WeightT, typename ActivationT>
@@ -51,6 +52,9 @@ void DotBf16F32(const DotProblem<Bf16Bits, float>& p) {
 }
 void DotF32F32(const DotProblem<float, float>& p) {
   cpu_kernels_impl::Dot<ScalarOps<float, float>>(p);
+}
+void DotI8F32(const DotProblem<int8_t, float>& p) {
+  cpu_kernels_impl::Dot<ScalarOps<int8_t, float>>(p);
 }
 
 void RoundToBf16(const float* in, Bf16Bits* out, int64_t n) {
@@ -161,6 +165,9 @@ const KernelTable kScalarTable = {
     /*xor_words=*/XorWords,
     /*peak_loop=*/PeakLoop,
     /*peak_flops_per_iteration=*/2 * kPeakChains,
+    /*dot_i8_f32=*/DotI8F32,
+    /*packed_dot_i8_f32=*/nullptr,
+    /*dot_i8_i8=*/nullptr,
 };
 
 }  // namespace

@@ -4,11 +4,20 @@
 //
 // with route id -1 meaning "skip this route". The attributes `activation`, `alpha`, `limit`
 // and `biases` choose a variant of the expert (expert_ffn.h: gpt-oss's clamped SwiGLU, and
-// gate/up/down biases stored after down in each block); the default is the plain SwiGLU. Axis letters follow the ftjax glossary:
+// gate/up/down biases stored after down in bf16/float32 blocks; int8 blocks have none); the
+// default is the plain SwiGLU. Axis letters follow the ftjax glossary:
 // T tokens, D model width, F expert hidden width, E experts, K top-k, L layers; P is the
 // number of elements in one expert block of the bank (P >= 3 * F * D, the rest is padding).
 // Each block holds, row-major and contiguous: gate [F, D] at offset 0, up [F, D] at F*D and
 // down [D, F] at 2*F*D.
+//
+// Bank dtypes: bfloat16, float32, or int8 (docs/ftw.md, expert format "int8": symmetric per
+// output channel). An int8 block also holds the float32 scales of its rows, gate [F], up [F] and
+// down [D], from byte Int8ScalesOffset(F, D) = 3*F*D rounded up to 64; P must be a multiple of
+// 64 bytes and hold them. The dot kernels widen the int8 weights exactly to float32 (the
+// products are those of the widened weights, as for float32), and each output row is
+// multiplied by its scale once, after its dot product: the result is that of the dequantised
+// weights, to float32 rounding.
 //
 // Three layers, as STYLE.md section 6 asks:
 //   ExpertFfn        the kernel, no XLA types: plans the work and runs it on the workers with
@@ -42,7 +51,12 @@
 // ~1e-6). With the attribute bf16_activations and an AVX-512-BF16 CPU, x and h are rounded to
 // bf16 instead and multiplied with vdpbf16ps: twice the multiply-add rate, which the compute-bound
 // grouped form gains from (the memory-bound decode form runs at read bandwidth either way), at a
-// relative error of ~1e-2 of max|y|.
+// relative error of ~1e-2 of max|y|. With the attribute int8_activations (int8 banks only, and
+// an AVX-512-VNNI CPU: the avx512bf16 kernels), x and h are quantised to int8 instead, per
+// token (per route for h: the whole of F, between the phases), symmetric with a float32 scale
+// (max |row| / 127, rounding half to even), and multiplied with vpdpbusd in exact int32 sums:
+// the weights' bytes read at ~a quarter of the widening's instructions, at the error of 8-bit
+// activations (as llama.cpp's Q8_0 does). Opt-in only; never the default.
 
 #include <algorithm>
 #include <cmath>
@@ -77,6 +91,60 @@ struct ExpertFfnDims {
   int64_t experts;     // E
   int64_t block_size;  // P: elements from one expert's block to the next
 };
+
+// int8 banks: the byte offset of a block's float32 scales (gate [F], up [F], down [D]), right
+// after its int8 weights, 64-byte aligned; and the bytes a block needs.
+constexpr int64_t kInt8ScalesAlignment = 64;
+int64_t Int8ScalesOffset(int64_t F, int64_t D) {
+  return CeilDiv(3 * F * D, kInt8ScalesAlignment) * kInt8ScalesAlignment;
+}
+int64_t Int8BlockBytes(int64_t F, int64_t D) {
+  return Int8ScalesOffset(F, D) + static_cast<int64_t>(sizeof(float)) * (2 * F + D);
+}
+
+// The per-output-row scales of int8 weights, applied after the dot products (a no-op for
+// float weights): c[t * c_stride + r] *= scale[r] (the dot kernels' layout) or, transposed (the
+// packed GEMMs'), c[r * c_stride + t] *= scale[r], for r < rows, t < tokens.
+struct RowScales {
+  const float* scale = nullptr;  // null: float weights, nothing to scale
+  void Apply(int64_t rows, int64_t tokens, float* c, int64_t c_stride) const {
+    if (scale == nullptr) return;
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t r = 0; r < rows; ++r) c[t * c_stride + r] *= scale[r];
+    }
+  }
+  void ApplyTransposed(int64_t rows, int64_t tokens, float* ct, int64_t c_stride) const {
+    if (scale == nullptr) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t < tokens; ++t) ct[r * c_stride + t] *= scale[r];
+    }
+  }
+};
+
+// int8_activations: out = round_half_even(in / scale) with scale = max |in| / 127 (0 for a
+// zero row, whose out is 0); returns the scale.
+float QuantizeRow(const float* in, int64_t n, int8_t* out) {
+  float largest = 0.0f;
+  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, std::fabs(in[i]));
+  const float scale = largest / 127.0f;
+  const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(in[i] * inverse), -127.0f, 127.0f));
+  }
+  return scale;
+}
+
+// The scales of rows [row, ...) of part `part` (0 gate, 1 up, 2 down) of an expert block.
+template <typename WeightT>
+RowScales ScalesOf(const WeightT* block, const ExpertFfnDims& dims, int part, int64_t row) {
+  if constexpr (!std::is_same_v<WeightT, int8_t>) {
+    return RowScales{};
+  } else {
+    const float* scales = reinterpret_cast<const float*>(
+        block + Int8ScalesOffset(dims.ffn_dim, dims.model_dim));
+    return RowScales{scales + part * dims.ffn_dim + row};
+  }
+}
 
 constexpr int64_t kDecodeMaxTokens = 8;  // T at or below: decode form
 constexpr int64_t kFfnChunk = 64;        // rows of gate (and of up) per phase-1 task
@@ -192,6 +260,7 @@ void StorePackedRows(const PackedT* h_ft, int64_t stride, int64_t rows, int64_t 
 }
 
 float WidenWeight(float w) { return w; }
+float WidenWeight(int8_t w) { return static_cast<float>(w); }  // (int8 blocks have no biases)
 float WidenWeight(Bf16Bits w) {
   const uint32_t bits = static_cast<uint32_t>(w) << 16;
   float f;
@@ -262,6 +331,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   const int64_t token_tile = std::min(kTokenTile, std::max<int64_t>(groups.largest_group(), 1));
   constexpr int64_t kGroupsPerTile = kTokenTile / kPackedGroup;
   constexpr bool kRound = std::is_same_v<ActivationT, Bf16Bits>;
+  constexpr bool kQuantise = std::is_same_v<ActivationT, int8_t>;  // int8_activations
   const auto packed_dot = PackedDotFor<WeightT, ActivationT>(kernels);
   const int num_workers = workers.num_workers();
 
@@ -280,6 +350,11 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   }
   ScratchPlan plan;
   const int64_t at_rounded_x = kRound ? plan.Add<Bf16Bits>(dims.tokens * D) : 0;
+  // int8_activations: x quantised per token, h in float32 until quantised per route.
+  const int64_t at_quantised_x = plan.Add<int8_t>(kQuantise ? dims.tokens * D : 0);
+  const int64_t at_x_scales = plan.Add<float>(kQuantise ? dims.tokens : 0);
+  const int64_t at_hidden_f32 = plan.Add<float>(kQuantise ? routes * F : 0);
+  const int64_t at_hidden_scales = plan.Add<float>(kQuantise ? routes : 0);
   const int64_t at_storage = plan.Add<ExpertStorage>(num_experts);
   const int64_t at_packed_x = plan.Add<ActivationT>(packed_x_size);
   const int64_t at_packed_hidden = plan.Add<ActivationT>(packed_hidden_size);
@@ -296,9 +371,16 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   unsigned char* buffer = Scratch(plan);
 
   const ActivationT* x_td;
+  float* x_scales = At<float>(buffer, at_x_scales);
+  float* hidden_f32 = At<float>(buffer, at_hidden_f32);
+  float* hidden_scales = At<float>(buffer, at_hidden_scales);
   if constexpr (kRound) {
     kernels.round_to_bf16(x_f32, At<Bf16Bits>(buffer, at_rounded_x), dims.tokens * D);
     x_td = At<Bf16Bits>(buffer, at_rounded_x);
+  } else if constexpr (kQuantise) {
+    int8_t* x_q = At<int8_t>(buffer, at_quantised_x);
+    for (int64_t t = 0; t < dims.tokens; ++t) x_scales[t] = QuantizeRow(x_f32 + t * D, D, x_q + t * D);
+    x_td = x_q;
   } else {
     x_td = x_f32;
   }
@@ -359,6 +441,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
     const WeightT* gate_fd = block + f0 * D;
     const WeightT* up_fd = block + F * D + f0 * D;
+    const RowScales gate_scales = ScalesOf(block, dims, 0, f0);
+    const RowScales up_scales = ScalesOf(block, dims, 1, f0);
     const WeightT* biases = act.biases ? block + 3 * F * D : nullptr;  // gate [F], up [F]
     WorkerScratch& s = scratch[worker];
     if (storage[i].packed) {
@@ -372,6 +456,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
         // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
         packed_dot({gate_fd, D, rows, x, tile_groups, half, D, s.gate, kTokenTile});
         packed_dot({up_fd, D, rows, x, tile_groups, half, D, s.up, kTokenTile});
+        gate_scales.ApplyTransposed(rows, kTokenTile, s.gate, kTokenTile);
+        up_scales.ApplyTransposed(rows, kTokenTile, s.up, kTokenTile);
         Activate(act, kernels, biases, F, f0, rows, kTokenTile, kTokenTile, 1,
                  rows * kTokenTile, s.gate, s.up);
         ActivationT* hidden = packed_hidden + e.hidden_offset;
@@ -379,10 +465,10 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           kernels.round_to_bf16(s.gate, s.rounded, rows * kTokenTile);
           StorePackedRows(s.rounded, kTokenTile, rows, f0, F, g0, tile_groups,
                           n - g0 * kPackedGroup, hidden);
-        } else {
+        } else if constexpr (std::is_same_v<ActivationT, float>) {
           StorePackedRows(s.gate, kTokenTile, rows, f0, F, g0, tile_groups,
                           n - g0 * kPackedGroup, hidden);
-        }
+        }  // (int8 activations have no packed GEMM: never packed)
       }
       return;
     }
@@ -390,18 +476,37 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
       dot({gate_fd, D, rows, route_x + r0, tokens, D, s.gate, rows});
       dot({up_fd, D, rows, route_x + r0, tokens, D, s.up, rows});
+      gate_scales.Apply(rows, tokens, s.gate, rows);
+      up_scales.Apply(rows, tokens, s.up, rows);
+      if constexpr (kQuantise) {  // the tokens' activation scales
+        for (int64_t j = 0; j < tokens; ++j) {
+          const float x_scale = x_scales[groups.route_token[r0 + j]];
+          for (int64_t r = 0; r < rows; ++r) {
+            s.gate[j * rows + r] *= x_scale;
+            s.up[j * rows + r] *= x_scale;
+          }
+        }
+      }
       Activate(act, kernels, biases, F, f0, rows, tokens, 1, rows, rows * tokens, s.gate, s.up);
       for (int64_t j = 0; j < tokens; ++j) {
         float* h = s.gate + j * rows;
         ActivationT* out = hidden_rf + (r0 + j) * F + f0;
         if constexpr (std::is_same_v<ActivationT, float>) {
           std::memcpy(out, h, rows * sizeof(float));
+        } else if constexpr (kQuantise) {  // quantised per route after this phase
+          std::memcpy(hidden_f32 + (r0 + j) * F + f0, h, rows * sizeof(float));
         } else {
           kernels.round_to_bf16(h, out, rows);
         }
       }
     }
   });
+
+  if constexpr (kQuantise) {  // each route's h, whole, to int8
+    workers.ParallelFor(routes, [&](int64_t r, int /*worker*/) {
+      hidden_scales[r] = QuantizeRow(hidden_f32 + r * F, F, hidden_rf + r * F);
+    });
+  }
 
   // Phase 2: y[token, d] = sum over routes of weight * (down . h), task = chunk of D.
   workers.ParallelFor(CeilDiv(D, model_chunk), [&](int64_t task, int worker) {
@@ -411,7 +516,9 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     float* z = scratch[worker].down;
     float down_bias[std::max(kModelChunk, kDecodeModelChunk)];
     for (int64_t i = 0; i < num_experts; ++i) {
-      const WeightT* down_df = bank_ep + groups.experts[i] * dims.block_size + 2 * F * D;
+      const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
+      const WeightT* down_df = block + 2 * F * D;
+      const RowScales down_scales = ScalesOf(block, dims, 2, d0);
       if (act.biases) {  // the down bias [D] follows the gate and up biases
         const WeightT* bias_d = down_df + F * D + 2 * F + d0;
         for (int64_t d = 0; d < rows; ++d) down_bias[d] = WidenWeight(bias_d[d]);
@@ -427,6 +534,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
           // Transposed: z_dt[d][t].
           packed_dot({down_df + d0 * F, F, rows, h, tile_groups, half, F, z, kTokenTile});
+          down_scales.ApplyTransposed(rows, tokens, z, kTokenTile);
           for (int64_t j = 0; j < tokens; ++j) {
             const float weight = groups.route_weight[r0 + j];
             float* y = y_td + groups.route_token[r0 + j] * D + d0;
@@ -444,8 +552,10 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
         dot({down_df + d0 * F, F, rows, route_hidden + r0, tokens, F, z, rows});
+        down_scales.Apply(rows, tokens, z, rows);
         for (int64_t j = 0; j < tokens; ++j) {
-          const float weight = groups.route_weight[r0 + j];
+          float weight = groups.route_weight[r0 + j];
+          if constexpr (kQuantise) weight *= hidden_scales[r0 + j];
           float* y = y_td + groups.route_token[r0 + j] * D + d0;
           const float* z_j = z + j * rows;
           if (act.biases) {
@@ -459,13 +569,14 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   });
 }
 
-// The kernel. The caller guarantees every id is in [-1, E) and P >= 3 * F * D (plus 2 * F + D
-// with biases), and that bank_ep points at the E blocks of one layer.
+// The kernel. The caller guarantees every id is in [-1, E) and P holds the block's parts
+// (3 * F * D, plus 2 * F + D with biases, or the int8 layout), and that bank_ep points at the
+// E blocks of one layer.
 template <typename WeightT>
 void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_tk,
                const float* weights_tk, const WeightT* bank_ep, bool bf16_activations,
-               const ExpertActivation& act, const KernelTable& kernels, const Workers& workers,
-               float* y_td) {
+               bool int8_activations, const ExpertActivation& act, const KernelTable& kernels,
+               const Workers& workers, float* y_td) {
   const ExpertGroups groups = dims.tokens <= kDecodeMaxTokens
                                   ? GroupDecode(dims, ids_tk, weights_tk)
                                   : GroupByCounting(dims, ids_tk, weights_tk);
@@ -478,6 +589,12 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
       RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_bf16, workers, act, y_td);
     } else {
       RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_f32, workers, act, y_td);
+    }
+  } else if constexpr (std::is_same_v<WeightT, int8_t>) {
+    if (int8_activations) {  // the op checked that the table has it
+      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_i8, workers, act, y_td);
+    } else {
+      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_f32, workers, act, y_td);
     }
   } else {
     RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_f32_f32, workers, act, y_td);
@@ -493,8 +610,9 @@ constexpr std::string_view kOp = "ftjax_expert_ffn";
 ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                          ffi::AnyBuffer bank, ffi::Buffer<ffi::S32> layer, int64_t ffn_dim,
-                         bool bf16_activations, std::string_view activation, float alpha,
-                         float limit, bool biases, ffi::ResultBuffer<ffi::F32> y) {
+                         bool bf16_activations, bool int8_activations,
+                         std::string_view activation, float alpha, float limit, bool biases,
+                         ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) {
     return InvalidArgument(kOp, "x must be 2-D [T, D], got shape " + ShapeString(x_dims));
@@ -519,8 +637,9 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
     return InvalidArgument(kOp, "bank must be 3-D [L, E, P], got shape " + ShapeString(bank_dims));
   }
   const ffi::DataType bank_dtype = bank.element_type();
-  if (bank_dtype != ffi::DataType::BF16 && bank_dtype != ffi::DataType::F32) {
-    return InvalidArgument(kOp, "bank must be bfloat16 or float32");
+  if (bank_dtype != ffi::DataType::BF16 && bank_dtype != ffi::DataType::F32 &&
+      bank_dtype != ffi::DataType::S8) {
+    return InvalidArgument(kOp, "bank must be bfloat16, float32 or int8");
   }
   const int64_t L = bank_dims[0], E = bank_dims[1], P = bank_dims[2];
 
@@ -549,6 +668,23 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
     return InvalidArgument(kOp, "with biases the expert block needs 3 * F * D + 2 * F + D = " +
                                 std::to_string(3 * ffn_dim * D + 2 * ffn_dim + D) +
                                 " elements, but the bank's P = " + std::to_string(P));
+  }
+  if (biases && bank_dtype == ffi::DataType::S8) {
+    return InvalidArgument(kOp, "int8 expert blocks carry no biases (their layout ends with the "
+                                "float32 row scales): keep a model with expert biases in bf16");
+  }
+  if (bank_dtype == ffi::DataType::S8) {
+    if (P < Int8BlockBytes(ffn_dim, D)) {
+      return InvalidArgument(
+          kOp, "int8 bank's last dimension P = " + std::to_string(P) +
+                   " is smaller than the " + std::to_string(Int8BlockBytes(ffn_dim, D)) +
+                   " bytes of an int8 block (weights, then float32 scales from byte " +
+                   std::to_string(Int8ScalesOffset(ffn_dim, D)) + ")");
+    }
+    if (P % kInt8ScalesAlignment != 0) {
+      return InvalidArgument(kOp, "int8 bank's last dimension P = " + std::to_string(P) +
+                                  " must be a multiple of 64 bytes (the scales are aligned)");
+    }
   }
 
   if (layer.dimensions().size() != 0) {
@@ -582,16 +718,29 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
 
   const HostSetup setup = ChooseHostSetup(&xla_pool);
   if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
+  if (int8_activations && bank_dtype != ffi::DataType::S8) {
+    return InvalidArgument(kOp, "int8_activations applies to int8 banks only");
+  }
+  if (int8_activations && setup.kernels->dot_i8_i8 == nullptr) {
+    return InvalidArgument(kOp, std::string("int8_activations needs AVX-512-VNNI (the avx512bf16 "
+                                            "kernels); this call runs the ") +
+                                    setup.kernels->name +
+                                    " kernels: drop int8_activations for the exact int8 path");
+  }
 
   const ExpertFfnDims dims{T, D, K, ffn_dim, E, P};
   const int64_t layer_offset = layer_index * E * P;
   if (bank_dtype == ffi::DataType::BF16) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.reinterpret_data<Bf16Bits>() + layer_offset, bf16_activations, act,
+              bank.reinterpret_data<Bf16Bits>() + layer_offset, bf16_activations, false, act,
+              *setup.kernels, setup.workers, y->typed_data());
+  } else if (bank_dtype == ffi::DataType::S8) {
+    ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
+              bank.reinterpret_data<int8_t>() + layer_offset, false, int8_activations, act,
               *setup.kernels, setup.workers, y->typed_data());
   } else {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.typed_data<float>() + layer_offset, bf16_activations, act, *setup.kernels,
+              bank.typed_data<float>() + layer_offset, bf16_activations, false, act, *setup.kernels,
               setup.workers, y->typed_data());
   }
   return ffi::Error::Success();
@@ -611,10 +760,10 @@ std::string HostExpertFfn(const HostExpertProblem& p) {
   const ExpertFfnDims dims{p.tokens, p.model_dim, p.top_k, p.ffn_dim, p.experts, p.block_size};
   if (p.bank_bf16) {
     ExpertFfn(dims, p.x, p.ids, p.weights, static_cast<const Bf16Bits*>(p.bank_ep),
-              p.bf16_activations, p.activation, *setup.kernels, setup.workers, p.y);
+              p.bf16_activations, false, p.activation, *setup.kernels, setup.workers, p.y);
   } else {
     ExpertFfn(dims, p.x, p.ids, p.weights, static_cast<const float*>(p.bank_ep),
-              p.bf16_activations, p.activation, *setup.kernels, setup.workers, p.y);
+              p.bf16_activations, false, p.activation, *setup.kernels, setup.workers, p.y);
   }
   return "";
 }
@@ -630,10 +779,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, ftjax::ExpertFfnImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K], -1 = skip
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // bank [L, E, P], bf16 or f32
+                                  .Arg<ffi::AnyBuffer>()         // bank [L, E, P], bf16, f32 or s8
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [], index into L
                                   .Attr<int64_t>("ffn_dim")      // F
                                   .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 banks
+                                  .Attr<bool>("int8_activations")  // vpdpbusd, int8 banks
                                   .Attr<std::string_view>("activation")  // "swiglu", "clamped_swiglu"
                                   .Attr<float>("alpha")          // clamped_swiglu: sigmoid gain
                                   .Attr<float>("limit")          // clamped_swiglu: clamp bound

@@ -41,10 +41,14 @@ void PackRows(const PackedT* const* rows, int64_t count, int64_t groups, int64_t
 // The packed-activation GEMM for a weight and activation type, or null when the ISA lacks it.
 template <typename WeightT, typename ActivationT>
 auto PackedDotFor(const KernelTable& kernels) {
-  if constexpr (std::is_same_v<WeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>) {
+  if constexpr (std::is_same_v<ActivationT, int8_t>) {  // no packed int8 x int8 GEMM
+    return static_cast<void (*)(const PackedDotProblem<WeightT, int8_t>&)>(nullptr);
+  } else if constexpr (std::is_same_v<WeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>) {
     return kernels.packed_dot_bf16;
   } else if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
     return kernels.packed_dot_bf16_f32;
+  } else if constexpr (std::is_same_v<WeightT, int8_t>) {
+    return kernels.packed_dot_i8_f32;
   } else {
     return kernels.packed_dot_f32;
   }

@@ -27,9 +27,10 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
       "max_seq_len": flags.DEFINE_integer("max_seq_len", None,
                                           "context limit; default the model's", lower_bound=1),
       "kernels": flags.DEFINE_enum(
-          "kernels", "auto", ["auto", "xla", "ffi", "ffi_bf16"],
+          "kernels", "auto", ["auto", "xla", "ffi", "ffi_bf16", "ffi_int8"],
           "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: faster prefill), "
-          "xla; auto picks ffi_bf16 for bf16 models on CPU"),
+          "ffi_int8 (C++, int8 activations for int8 experts, AVX-512-VNNI; opt-in), xla; auto "
+          "picks ffi_bf16 for bf16 models on CPU, ffi otherwise"),
       "decode_chunk": flags.DEFINE_integer(
           "decode_chunk", 8, "decode steps per device program (text streams once per chunk)",
           lower_bound=1),

@@ -1,4 +1,5 @@
-"""``python -m ftjax.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16|float32]``."""
+"""``python -m ftjax.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16|float32]
+[--expert_dtype=bfloat16|float32|int8]``."""
 
 from absl import app, flags
 
@@ -7,6 +8,10 @@ from ftjax.formats.hf import convert_hf
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory", required=True)
 _OUT = flags.DEFINE_string("out", None, "output FTW directory (must not exist)", required=True)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "storage dtype")
+_EXPERT_DTYPE = flags.DEFINE_enum(
+    "expert_dtype", None, ["bfloat16", "float32", "int8"],
+    "routed experts' format (default: --dtype); int8 is symmetric per output channel with "
+    "float32 scales (docs/ftw.md)")
 _OVERWRITE = flags.DEFINE_boolean("overwrite", False, "replace --out if it is an FTW model")
 
 
@@ -14,7 +19,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   try:
-    print(convert_hf(_HF_DIR.value, _OUT.value, dtype=_DTYPE.value, overwrite=_OVERWRITE.value))
+    print(convert_hf(_HF_DIR.value, _OUT.value, dtype=_DTYPE.value,
+                     expert_dtype=_EXPERT_DTYPE.value, overwrite=_OVERWRITE.value))
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     raise SystemExit(f"ftjax.convert: error: {e}") from None
 

@@ -24,7 +24,8 @@ _HIDDEN = flags.DEFINE_integer("hidden", 2048, "expert input width D (without --
                                lower_bound=1)
 _FFN = flags.DEFINE_integer("ffn", 768, "expert hidden width F (without --model)", lower_bound=1)
 _TOP_K = flags.DEFINE_integer("top_k", 8, "experts per call (without --model)", lower_bound=1)
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "expert storage dtype")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "int8"],
+                            "expert format of the synthetic bank (int8: docs/ftw.md)")
 _BANK_GB = flags.DEFINE_float("bank_gb", 1.0, "synthetic bank size (without --model)")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "alternating measurement rounds", lower_bound=1)
 _OUT = flags.DEFINE_string("out", "ftjax_profile.json", "where to write the JSON profile")
@@ -43,7 +44,7 @@ def main(argv):
     if _MODEL.value:
       model = ftjax.load(_MODEL.value, verify=False, populate=True)
       c = model.config
-      shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, str(model.dtype),
+      shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, model.expert_format,
                                       c.top_k)
       bank = model.bank
     else:

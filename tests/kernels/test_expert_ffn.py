@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import re
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ import pytest
 from ftjax.kernels import ExpertVariant, expert_ffn
 
 import reference
+from expert_cases import Case, make_routes, rng_for
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
@@ -34,35 +34,6 @@ def make_bank(rng, *, L, E, F, D, dtype, pad=0, layers_in_use=None):
     unused = np.setdiff1d(np.arange(L), layers_in_use)
     bank[unused] = np.nan
   return bank.astype(np.float32).astype(dtype)
-
-
-def make_routes(rng, *, T, E, K, skip_fraction=0.0, shared=False):
-  """ids [T, K] (distinct experts within a token, some -1), weights [T, K]."""
-  if shared:  # every token picks the same experts: duplicates across tokens
-    ids = np.tile(rng.permutation(E)[:K], (T, 1))
-  else:
-    ids = np.stack([rng.permutation(E)[:K] for _ in range(T)])
-  ids = np.where(rng.random((T, K)) < skip_fraction, -1, ids).astype(np.int32)
-  weights = rng.random((T, K)).astype(np.float32)
-  return ids, weights
-
-
-def rng_for(*labels):
-  return np.random.default_rng(zlib.crc32(repr(labels).encode()))
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  T: int
-  K: int
-  E: int = 8
-  D: int = 32
-  F: int = 16
-  L: int = 1
-  layer: int = 0
-  pad: int = 0
-  skip_fraction: float = 0.0
-  shared: bool = False
 
 
 CASES = {
@@ -242,8 +213,8 @@ PYTHON_ERRORS = {
   "weights_not_float32": (dict(weights=np.zeros((T, K), BF16)), "weights must be float32"),
   "bank_not_3d": (dict(bank=np.zeros((E, 3 * F * D), np.float32)), "bank must be 3-D"),
   "bank_dtype": (
-    dict(bank=np.zeros((L, E, 3 * F * D), np.int8)),
-    "bank must be bfloat16 or float32",
+    dict(bank=np.zeros((L, E, 3 * F * D), np.int16)),
+    "bank must be bfloat16, float32 or int8",
   ),
   "bank_too_narrow": (
     dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),
@@ -282,8 +253,8 @@ def call_kernel_directly(x, ids, weights, bank, layer, ffn_dim, result_shape=Non
   )
   y = call(
     x, ids, weights, bank, jnp.asarray(layer, jnp.int32), ffn_dim=np.int64(ffn_dim),
-    bf16_activations=False, activation=activation, alpha=np.float32(1.702),
-    limit=np.float32(7.0), biases=biases,
+    bf16_activations=False, int8_activations=False, activation=activation,
+    alpha=np.float32(1.702), limit=np.float32(7.0), biases=biases,
   )
   return jax.block_until_ready(y)
 
@@ -317,8 +288,8 @@ KERNEL_ERRORS = {
     "bank must be 3-D [L, E, P], got shape [4, 96]",
   ),
   "bank_dtype": (
-    dict(bank=np.zeros((L, E, 3 * F * D), np.int8)),
-    "bank must be bfloat16 or float32",
+    dict(bank=np.zeros((L, E, 3 * F * D), np.int16)),
+    "bank must be bfloat16, float32 or int8",
   ),
   "bank_too_narrow": (
     dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),

@@ -19,6 +19,8 @@ from ftjax.kernels import slot_fill
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
 DTYPES = [F32, BF16]
+# An int8 expert bank (docs/ftw.md): slots hold its bytes, weights and scales alike.
+COPY_DTYPES = [*DTYPES, np.dtype(np.int8)]
 
 
 def reference_slot_fill(slots, bank, src, dst):
@@ -69,8 +71,13 @@ def make_inputs(case, dtype, *labels):
   Padding rows carry src values far out of range: the kernel must not read them.
   """
   rng = rng_for(case, dtype.name, *labels)
-  slots = rng.standard_normal((case.N, case.P)).astype(np.float32).astype(dtype)
-  bank = rng.standard_normal((case.L, case.E, case.P)).astype(np.float32).astype(dtype)
+
+  def values(shape):
+    if dtype == np.int8:  # every byte value
+      return rng.integers(-128, 128, shape).astype(np.int8)
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+  slots, bank = values((case.N, case.P)), values((case.L, case.E, case.P))
   src = np.stack([rng.integers(0, case.L, case.M), rng.integers(0, case.E, case.M)], axis=1)
   dst = np.full(case.M, -1)
   filled_rows = rng.permutation(case.M)[: case.fills]
@@ -79,7 +86,7 @@ def make_inputs(case, dtype, *labels):
   return slots, bank, src.astype(np.int32).reshape(case.M, 2), dst.astype(np.int32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", COPY_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("case_name", CASES)
 def test_matches_reference(case_name, dtype):
   slots, bank, src, dst = make_inputs(CASES[case_name], dtype)
@@ -109,7 +116,7 @@ def fill_not_donated(slots, bank, src, dst):
   return slot_fill(slots, bank, src, dst)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", COPY_DTYPES, ids=lambda d: d.name)
 def test_under_jit_with_donation(dtype):
   slots, bank, src, dst = make_inputs(CASES["padded_plan"], dtype, "jit")
   slots_device = jnp.asarray(slots)

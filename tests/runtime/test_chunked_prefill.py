@@ -12,6 +12,7 @@ from ftjax.runtime import model as model_lib
 
 import tolerances
 from conftest import scaled_params
+from reference import mean_nll
 
 CHUNK = 16
 # Chunk boundaries +-1: one chunk, one and two whole chunks plus 0 or 1 token.
@@ -94,13 +95,6 @@ def test_chunked_hybrid(hybrid):
                             tolerances.F32, floor=1.0, what=f"{n} tokens")
 
 
-def _nll(logits, ids):
-  logits, targets = logits[:-1].astype(np.float64), np.asarray(ids[1:])
-  top = logits.max(-1)
-  lse = np.log(np.exp(logits - top[:, None]).sum(-1)) + top
-  return float(np.mean(lse - logits[np.arange(len(targets)), targets]))
-
-
 @pytest.fixture(scope="module")
 def heldout_ids():
   """Two 384-token windows of the default model's held-out code (its training split)."""
@@ -127,7 +121,7 @@ def test_bf16_kv_cache_bounded_by_the_float32_one(heldout_ids, kernels):
   for ids in windows:
     reference, got = f32.forward_logits(ids), bf16.forward_logits(ids)
     assert np.max(np.abs(got - reference)) > 0  # the cache really is bfloat16
-    assert abs(_nll(got, ids) - _nll(reference, ids)) <= 1e-3 * _nll(reference, ids)
+    assert abs(mean_nll(got, ids) - mean_nll(reference, ids)) <= 1e-3 * mean_nll(reference, ids)
     assert np.mean(got.argmax(-1) == reference.argmax(-1)) >= 0.99
 
 

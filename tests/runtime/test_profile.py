@@ -99,3 +99,19 @@ def test_cli_writes_a_hardware_profile(tmp_path):
   assert hw.layer_overhead_s >= 0 and hw.step_overhead_s >= 0
   assert "calibrated from 2 cpu_only decode steps of a random 2-layer model" in hw.source
   assert f"wrote {hw_out}" in proc.stdout
+
+
+def test_int8_expert_shape_and_synthetic_bank():
+  """The profiler knows int8 experts' bytes (weights and float32 row scales) and builds an int8
+  bank the host kernel reads: every block's scales are set."""
+  from ftjax.kernels import expert_ffn  # noqa: PLC0415
+  shape = profile_lib.ExpertShape(hidden=64, ffn=32, dtype="int8", top_k=2)
+  assert shape.expert_bytes == 3 * 64 * 32 + 4 * (2 * 32 + 64)
+  bank = np.asarray(profile_lib.synthetic_bank(shape, min_bytes=1 << 20))
+  assert bank.dtype == np.int8 and bank.shape[2] % 4096 == 0 and bank.nbytes >= 1 << 20
+  scales = bank[:, :, 3 * 64 * 32:3 * 64 * 32 + 4 * 128].view(np.float32)
+  np.testing.assert_array_equal(scales, np.float32(0.02 / 127))
+  x = np.ones((1, 64), np.float32)
+  y = expert_ffn(x, np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32), bank, 0,
+                 ffn_dim=32)
+  assert np.all(np.isfinite(np.asarray(y))) and np.any(np.asarray(y) != 0)

@@ -250,7 +250,7 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
   if offload.fill == "cuda":
     src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
     return pool_fill(slots, src, fill_slot, pool=offload.pool)
-  if impl in ("ffi", "ffi_bf16"):
+  if impl in ("ffi", "ffi_bf16", "ffi_int8"):
     src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
     return slot_fill(slots, bank, src, fill_slot)
   blocks = take(bank[layer], jnp.maximum(fill_expert, 0))  # [Q, P]

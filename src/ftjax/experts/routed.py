@@ -4,9 +4,12 @@ The bank is one array ``[L, E, P]`` (see ``ftjax.formats.ftw``): block ``bank[l,
 ``gate [F, D]`` at element 0, ``up [F, D]`` at ``F·D`` and ``down [D, F]`` at ``2·F·D``;
 with biases (``ExpertVariant.bias``, gpt-oss) the gate bias ``[F]`` follows at ``3·F·D``, the
 up bias ``[F]`` at ``3·F·D + F`` and the down bias ``[D]`` at ``3·F·D + 2·F``, in the bank's
-dtype; the tail up to ``P`` is alignment padding. The ``ExpertVariant`` also names the
-activation: ``swiglu`` (``silu(g) · u``) or gpt-oss's ``clamped_swiglu``
-(``(clip(u, ±limit) + 1) · g' · sigmoid(alpha · g')`` with ``g' = min(g, limit)``). ``routed_experts`` computes the weighted sum of
+dtype; the tail up to ``P`` is alignment padding. An int8 bank (``ftjax.utils.quant``) holds the
+int8 weights at those offsets (one byte each) and the float32 scales of their rows after them
+(int8 blocks have no biases); the XLA path dequantises its blocks to float32 (``scale · q``).
+The ``ExpertVariant`` also names the activation: ``swiglu`` (``silu(g) · u``) or gpt-oss's
+``clamped_swiglu`` (``(clip(u, ±limit) + 1) · g' · sigmoid(alpha · g')`` with
+``g' = min(g, limit)``). ``routed_experts`` computes the weighted sum of
 the routed experts of one layer of such a bank (the cache runs it on its slot buffer too, as
 a one-layer bank of slots). ``BankExperts`` is the reference routed-experts function of the
 model protocol (``ftjax.model.moe.RoutedExperts``): every routed expert read from the host
@@ -15,7 +18,10 @@ bank, no device cache. Two implementations compute the same sum:
 * ``xla``: plain jnp. Few routes (decode): gather the routed blocks. Many routes (prefill):
   scan over experts with per-token combine weights, so memory stays ``O(T·F)``.
 * ``ffi``: the host kernel ``ftjax_expert_ffn`` (CPU backend only); ``ffi_bf16`` rounds the
-  activations to bfloat16 for bfloat16 banks (faster grouped prefill, ~1e-2 relative error).
+  activations to bfloat16 for bfloat16 banks (faster grouped prefill, ~1e-2 relative error);
+  ``ffi_int8`` quantises them to int8 for int8 banks (vpdpbusd on AVX-512-VNNI CPUs: the
+  opt-in that lifts int8 decode past the float32 widening's instruction rate, ~1e-2 relative
+  error).
 """
 
 from __future__ import annotations
@@ -26,18 +32,28 @@ from flax import struct
 
 from ftjax.kernels import SWIGLU, ExpertVariant, expert_ffn
 from ftjax.utils.arrays import take
+from ftjax.utils.quant import int8_scales_offset
 
-KERNELS = ("xla", "ffi", "ffi_bf16")  # the host-work implementations a step can run with
+KERNELS = ("xla", "ffi", "ffi_bf16", "ffi_int8")  # the host-work implementations a step can run with
 
 
 def split_block(block: jax.Array, ffn_dim: int, width: int):
-  """[..., P] -> gate [..., F, D], up [..., F, D], down [..., D, F]."""
+  """[..., P] -> gate [..., F, D], up [..., F, D], down [..., D, F]: views in the bank's dtype,
+  or for an int8 bank the dequantised float32 weights ``scale · q``."""
   fd = ffn_dim * width
   lead = block.shape[:-1]
   gate = block[..., :fd].reshape(*lead, ffn_dim, width)
   up = block[..., fd:2 * fd].reshape(*lead, ffn_dim, width)
   down = block[..., 2 * fd:3 * fd].reshape(*lead, width, ffn_dim)
-  return gate, up, down
+  if block.dtype != jnp.int8:
+    return gate, up, down
+  start = int8_scales_offset(ffn_dim, width)
+  count = 2 * ffn_dim + width
+  scale_bytes = block[..., start:start + 4 * count].reshape(*lead, count, 4)
+  scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)  # [..., 2F + D]
+  return (gate.astype(jnp.float32) * scales[..., :ffn_dim, None],
+          up.astype(jnp.float32) * scales[..., ffn_dim:2 * ffn_dim, None],
+          down.astype(jnp.float32) * scales[..., 2 * ffn_dim:, None])
 
 
 def split_biases(block: jax.Array, ffn_dim: int, width: int):
@@ -105,15 +121,19 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   """``sum_k weights[t,k] · expert_{ids[t,k]}(x[t])`` over layer ``layer`` of ``bank``.
 
   x [T, D] float32, ids [T, K] int32 (-1 = no route), weights [T, K] float32,
-  bank [L, E, P]; ``variant`` (static) the experts' activation and biases. Returns [T, D]
-  float32.
+  bank [L, E, P] (bfloat16, float32 or int8); ``variant`` (static) the experts' activation
+  and biases. Returns [T, D] float32.
   """
-  if impl in ("ffi", "ffi_bf16"):
+  if impl in ("ffi", "ffi_bf16", "ffi_int8"):
     return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim,
-                      bf16_activations=impl == "ffi_bf16", variant=variant)
+                      bf16_activations=impl == "ffi_bf16", int8_activations=impl == "ffi_int8",
+                      variant=variant)
   if impl != "xla":
-    raise ValueError(f"unknown MoE implementation {impl!r}; expected 'xla', 'ffi' or 'ffi_bf16'")
-  if bank.shape[-1] < variant.block_elems(ffn_dim, x.shape[-1]):
+    raise ValueError(f"unknown MoE implementation {impl!r}; expected one of {KERNELS}")
+  if variant.bias and bank.dtype == jnp.int8:
+    raise ValueError("int8 expert blocks carry no biases (their layout ends with the float32 "
+                     "row scales): keep a model with expert biases in bf16")
+  if bank.dtype != jnp.int8 and bank.shape[-1] < variant.block_elems(ffn_dim, x.shape[-1]):
     raise ValueError(
         f"bank blocks of {bank.shape[-1]} elements are too small for experts of ffn_dim="
         f"{ffn_dim}, D={x.shape[-1]}{' with biases' if variant.bias else ''}")

@@ -5,10 +5,12 @@ language). In short: a directory with ``ftw.json`` (format version, model config
 alignment 4096, tensor table with CRC-32s, source fingerprint), ``dense.bin`` (every tensor
 that is not a routed expert, each 4096-aligned) and ``experts.bin`` (the expert bank:
 layer-major, then expert; each block is ``gate [F, D]; up [F, D]; down [D, F]`` contiguous
-and 4096-aligned, so one expert and one layer are each one contiguous copy). A model with
-expert biases (gpt-oss: ``ModelConfig.expert_bias``) continues each block with ``gate_bias
-[F]; up_bias [F]; down_bias [D]`` in the same dtype; such files are format version 2, others
-stay version 1 so that older readers still open them.
+and 4096-aligned, so one expert and one layer are each one contiguous copy). The bank's
+expert format is ``bfloat16``, ``float32`` or ``int8`` (symmetric per output channel, float32
+row scales inside each block: ``ftjax.utils.quant``). A model with expert biases (gpt-oss:
+``ModelConfig.expert_bias``; bf16 or float32 only) continues each block with ``gate_bias [F];
+up_bias [F]; down_bias [D]`` in the same dtype. Version 2 records the format and the block's
+parts; version 1 files (format = the bank dtype, no biases) still load.
 
 Errors (all subclasses of ``FTWError``, a ``ValueError``): ``FTWVersionError`` for a newer
 format, ``FTWTruncatedError`` for a missing or short file, ``FTWChecksumError`` for a CRC
@@ -28,10 +30,10 @@ import ml_dtypes
 import numpy as np
 
 from ftjax.model.config import ModelConfig
+from ftjax.utils import quant
 
-FORMAT_VERSION = 2  # the newest version this module reads and writes
-# Version 2 adds the bias parts of an expert block; a file without them is written as 1.
-BIAS_FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # 2: the expert bank's format (``experts.format``) and block parts
+READ_VERSIONS = (1, 2)
 ALIGNMENT = 4096
 INDEX_NAME = "ftw.json"
 DENSE_FILE = "dense.bin"
@@ -70,6 +72,22 @@ def storage_dtype(name: str) -> np.dtype:
   if name not in DTYPES:
     raise ValueError(f"unsupported FTW dtype {name!r}; choose one of {', '.join(DTYPES)}")
   return DTYPES[name]
+
+
+def expert_storage_dtype(expert_format: str) -> np.dtype:
+  """The dtype of the bank array ``[L, E, P]`` of an expert format (int8: P is in bytes)."""
+  if expert_format not in quant.EXPERT_FORMATS:
+    raise ValueError(f"unsupported FTW expert format {expert_format!r}; choose one of "
+                     f"{', '.join(quant.EXPERT_FORMATS)}")
+  return np.dtype(np.int8) if expert_format == "int8" else DTYPES[expert_format]
+
+
+def expert_content_bytes(config: ModelConfig, expert_format: str) -> int:
+  """Bytes of one expert block's content (weights, and scales for int8), before padding:
+  what a fill or a host kernel reads for one expert."""
+  if expert_format == "int8":
+    return quant.int8_block_bytes(config.moe_intermediate_size, config.hidden_size)
+  return config.expert_block_elems * expert_storage_dtype(expert_format).itemsize
 
 
 def _bytes_view(array: np.ndarray) -> memoryview:
@@ -133,11 +151,13 @@ class FTWWriter:
   ``add_tensor`` appends a dense tensor; ``add_expert_part`` writes one part of one expert
   at its place in the preallocated bank. ``close`` checks that every part was written, then
   computes the layer checksums and writes the index last, so a directory with an
-  ``ftw.json`` is always complete.
+  ``ftw.json`` is always complete. ``dtype`` is the dense tensors' storage dtype;
+  ``expert_format`` the bank's (default: ``dtype``); with ``"int8"`` float expert parts are
+  quantised per row as they are written (``ftjax.utils.quant``).
   """
 
   def __init__(self, out_dir: str | os.PathLike, config: ModelConfig, dtype: str,
-               source: dict[str, Any]):
+               source: dict[str, Any], *, expert_format: str | None = None):
     self.out_dir = os.fspath(out_dir)
     self.config = config
     self.dtype_name = dtype
@@ -148,10 +168,19 @@ class FTWWriter:
     self._dense = open(os.path.join(self.out_dir, DENSE_FILE), "wb")
     self._dense_size = 0
     c = config
+    self.expert_format = expert_format or dtype
+    if self.expert_format == "int8" and c.expert_bias:
+      raise FTWError("int8 experts carry no biases (the block ends with the float32 row "
+                     f"scales): keep this {c.model_type} model's experts in bfloat16")
+    self.expert_dtype = expert_storage_dtype(self.expert_format)
     self.part_shapes = expert_part_shapes(c)
-    itemsize = self.dtype.itemsize
+    itemsize = self.expert_dtype.itemsize
     self.part_offsets = {k: v * itemsize for k, v in expert_part_starts(c).items()}  # bytes
-    self.block_bytes = align(c.expert_block_elems * itemsize)
+    self.block_bytes = align(expert_content_bytes(c, self.expert_format))
+    # int8: byte offset of each part's float32 row scales in a block
+    scales = quant.int8_scales_offset(c.moe_intermediate_size, c.hidden_size)
+    f = c.moe_intermediate_size
+    self.scale_offsets = {"gate": scales, "up": scales + 4 * f, "down": scales + 8 * f}
     self._bank_size = c.num_moe_layers * c.num_experts * self.block_bytes
     self._experts = open(os.path.join(self.out_dir, EXPERTS_FILE), "wb+")
     self._experts.truncate(self._bank_size)  # sparse, zero-filled
@@ -178,7 +207,10 @@ class FTWWriter:
                           "shape": list(data.shape), "dtype": self.dtype_name,
                           "crc32": _crc32(data)}
 
-  def add_expert_part(self, layer: int, expert: int, part: str, array: np.ndarray) -> None:
+  def add_expert_part(self, layer: int, expert: int, part: str, array: np.ndarray,
+                      scale: np.ndarray | None = None) -> None:
+    """Writes one part. For an int8 bank, ``array`` is float (quantised here) or int8 with
+    its float32 row ``scale`` (already quantised, e.g. read from another int8 FTW)."""
     c = self.config
     if not (0 <= layer < c.num_moe_layers and 0 <= expert < c.num_experts):
       raise FTWConfigMismatchError(
@@ -190,10 +222,33 @@ class FTWWriter:
     p = self.parts.index(part)
     if self._written[layer, expert, p]:
       raise FTWError(f"expert part layer {layer} expert {expert} {part} written twice")
-    data = self._cast(f"expert[{layer},{expert}].{part}", array, self.part_shapes[part])
-    offset = (layer * c.num_experts + expert) * self.block_bytes + self.part_offsets[part]
-    os.pwrite(self._experts.fileno(), _bytes_view(data), offset)
+    name = f"expert[{layer},{expert}].{part}"
+    start = (layer * c.num_experts + expert) * self.block_bytes
+    if self.expert_format == "int8":
+      data, scale = self._quantised(name, array, scale)
+      os.pwrite(self._experts.fileno(), _bytes_view(scale), start + self.scale_offsets[part])
+    else:
+      if scale is not None:
+        raise FTWError(f"{name}: a scale is only written with int8 experts, not "
+                       f"{self.expert_format}")
+      data = self._cast(name, array, self.part_shapes[part])
+    os.pwrite(self._experts.fileno(), _bytes_view(data), start + self.part_offsets[part])
     self._written[layer, expert, p] = True
+
+  def _quantised(self, name: str, array: np.ndarray, scale: np.ndarray | None):
+    shape = self.part_shapes[name.rsplit(".", 1)[1]]
+    if tuple(array.shape) != tuple(shape):
+      raise FTWConfigMismatchError(
+          f"tensor {name} has shape {tuple(array.shape)} but the model config implies {shape}")
+    if array.dtype == np.int8:
+      if scale is None or np.shape(scale) != (shape[0],):
+        raise FTWError(f"{name} is int8: pass its float32 row scales, shape ({shape[0]},)")
+      return np.ascontiguousarray(array), np.ascontiguousarray(scale, np.float32)
+    if scale is not None:
+      raise FTWError(f"{name} is {array.dtype}: it is quantised here, pass no scale")
+    if not (np.issubdtype(array.dtype, np.floating) or array.dtype == DTYPES["bfloat16"]):
+      raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
+    return quant.quantize_rows(array)
 
   def close(self, extra_index: dict[str, Any] | None = None) -> str:
     missing = np.argwhere(~self._written)
@@ -211,7 +266,7 @@ class FTWWriter:
     self._experts.close()
     index = {
         "format": "ftw",
-        "format_version": BIAS_FORMAT_VERSION if c.expert_bias else 1,
+        "format_version": FORMAT_VERSION,
         "alignment": ALIGNMENT,
         "dtype": self.dtype_name,
         "model_config": c.to_dict(),
@@ -219,12 +274,16 @@ class FTWWriter:
         "files": {DENSE_FILE: self._dense_size, EXPERTS_FILE: self._bank_size},
         "tensors": self.tensors,
         "experts": {
-            "file": EXPERTS_FILE, "offset": 0, "dtype": self.dtype_name,
+            "file": EXPERTS_FILE, "offset": 0, "format": self.expert_format,
+            "dtype": str(self.expert_dtype),
             "num_layers": c.num_moe_layers, "num_experts": c.num_experts,
             "ffn_dim": c.moe_intermediate_size, "width": c.hidden_size,
             "block_bytes": self.block_bytes,
             "parts": [{"name": n, "shape": list(self.part_shapes[n]), "offset": self.part_offsets[n]}
                       for n in self.parts],
+            **({"scales": [{"name": n, "shape": [self.part_shapes[n][0]], "dtype": "float32",
+                            "offset": self.scale_offsets[n]} for n in EXPERT_PARTS]}
+               if self.expert_format == "int8" else {}),
             "layer_crc32": layer_crc,
         },
         **(extra_index or {}),
@@ -268,6 +327,17 @@ class FTWFile:
       raise FTWVersionError(
           f"{path} uses FTW format version {version}, newer than the {FORMAT_VERSION} this ftjax "
           "reads: upgrade ftjax, or convert the checkpoint again with this version")
+    if version not in READ_VERSIONS:
+      raise FTWVersionError(f"{path} has FTW format version {version}, which this ftjax does "
+                            f"not read (it reads {READ_VERSIONS}): convert the checkpoint again")
+    experts = index.get("experts", {})
+    if version == 1:  # before version 2 the bank's format was its dtype
+      experts["format"] = experts.get("dtype")
+    if experts.get("format") not in quant.EXPERT_FORMATS:
+      raise FTWVersionError(
+          f"{path} stores its experts in format {experts.get('format')!r}, which this ftjax "
+          f"does not know (it reads {', '.join(quant.EXPERT_FORMATS)}): upgrade ftjax, or "
+          "convert the checkpoint again with --expert_dtype set to one of those")
     config = ModelConfig.from_dict(index["model_config"])
     dtype = storage_dtype(index["dtype"])
     maps = {}
@@ -306,7 +376,10 @@ class FTWFile:
       raise FTWConfigMismatchError(
           f"expert blocks hold the parts {names} but the model config implies "
           f"{expert_parts(c)} in {self.path}")
-    if ex["block_bytes"] < c.expert_block_elems * self.dtype.itemsize:
+    if ex["dtype"] != str(expert_storage_dtype(ex["format"])):
+      raise FTWConfigMismatchError(f"expert bank dtype {ex['dtype']} does not match its format "
+                                   f"{ex['format']} in {self.path}")
+    if ex["block_bytes"] < expert_content_bytes(c, ex["format"]):
       raise FTWConfigMismatchError(f"expert block_bytes={ex['block_bytes']} is too small for "
                                    f"the config's expert shape in {self.path}")
 
@@ -334,16 +407,32 @@ class FTWFile:
     ex = self.index["experts"]
     num = ex["num_layers"] * ex["num_experts"] * ex["block_bytes"]
     raw = self._maps[ex["file"]][ex["offset"]:ex["offset"] + num]
-    return raw.view(storage_dtype(ex["dtype"])).reshape(
-        ex["num_layers"], ex["num_experts"], ex["block_bytes"] // self.dtype.itemsize)
+    dtype = expert_storage_dtype(ex["format"])
+    return raw.view(dtype).reshape(
+        ex["num_layers"], ex["num_experts"], ex["block_bytes"] // dtype.itemsize)
+
+  @property
+  def expert_format(self) -> str:
+    """``bfloat16``, ``float32`` or ``int8``."""
+    return self.index["experts"]["format"]
 
   def expert_part(self, layer: int, expert: int, part: str) -> np.ndarray:
+    """One part as stored (int8 for an int8 bank: see ``expert_scale``)."""
     ex = self.index["experts"]
     meta = next(p for p in ex["parts"] if p["name"] == part)
     n = int(np.prod(meta["shape"]))
     block = self.expert_bank()[layer, expert]
-    start = meta["offset"] // self.dtype.itemsize
+    start = meta["offset"] // block.dtype.itemsize
     return block[start:start + n].reshape(meta["shape"])
+
+  def expert_scale(self, layer: int, expert: int, part: str) -> np.ndarray:
+    """The float32 row scales of one part of an int8 bank."""
+    ex = self.index["experts"]
+    if ex["format"] != "int8":
+      raise FTWError(f"{self.path} stores {ex['format']} experts, which have no scales")
+    meta = next(p for p in ex["scales"] if p["name"] == part)
+    block = self.expert_bank()[layer, expert].view(np.uint8)
+    return block[meta["offset"]:meta["offset"] + 4 * meta["shape"][0]].view(np.float32)
 
   def verify(self, progress: Callable[[Iterable], Iterable] | None = None) -> None:
     """Checks every CRC-32; raises FTWChecksumError naming the first bad tensor or layer."""

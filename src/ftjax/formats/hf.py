@@ -271,8 +271,13 @@ def _interleaved_biases(config: ModelConfig, name: str, layer: int, kind: str, b
 
 
 def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16",
-               *, overwrite: bool = False, show_progress: bool = True) -> str:
+               *, expert_dtype: str | None = None, overwrite: bool = False,
+               show_progress: bool = True) -> str:
   """Converts a Hugging Face MoE checkpoint directory to an FTW directory; returns its path.
+
+  ``dtype`` is the storage dtype of the dense tensors, ``expert_dtype`` the routed experts'
+  format (default ``dtype``): ``"int8"`` quantises them symmetrically per output channel with
+  float32 scales (``ftjax.utils.quant``), from whatever float dtype the checkpoint has.
 
   Writes into a temporary directory next to ``out_dir`` and renames it at the end, so an
   interrupted conversion never leaves a half-written model and never touches other files.
@@ -280,7 +285,8 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   hf_dir, out_dir = os.fspath(hf_dir), os.path.abspath(os.fspath(out_dir))
   if not os.path.isdir(hf_dir):
     raise FileNotFoundError(f"--hf_dir {hf_dir} is not a directory")
-  ftw.storage_dtype(dtype)  # validates the name
+  ftw.storage_dtype(dtype)  # validates the names
+  ftw.expert_storage_dtype(expert_dtype or dtype)
   config = ModelConfig.from_hf_dir(hf_dir)
   if os.path.exists(out_dir):
     if not (overwrite and ftw.is_ftw_dir(out_dir)):
@@ -302,7 +308,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   os.makedirs(parent, exist_ok=True)
   tmp_dir = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".partial-", dir=parent)
   try:
-    writer = ftw.FTWWriter(tmp_dir, config, dtype, source)
+    writer = ftw.FTWWriter(tmp_dir, config, dtype, source, expert_format=expert_dtype)
     total_bytes = sum(st.nbytes(n) for st in shards for n in st.keys())
     bar = Progress(total_bytes, desc="convert", unit="B", enabled=show_progress)
     for st in shards:

@@ -7,7 +7,13 @@ layer of an expert bank [L, E, P]:
 
 Each expert block bank[layer, e] holds, row-major and contiguous, gate [F, D] at element
 offset 0, up [F, D] at F*D and down [D, F] at 2*F*D; P >= 3*F*D and the rest is padding.
-The kernel accumulates in float32 and returns float32.
+The kernel accumulates in float32 and returns float32. An int8 bank (the FTW expert format
+"int8", ftjax.utils.quant) holds the int8 weights so, then the float32 scales of their rows
+from byte int8_scales_offset(F, D); P is in bytes, a multiple of 64. The int8 weights are
+widened exactly to float32 and each output row is scaled once after its dot product, so the
+result is that of the dequantised weights to float32 rounding; a decode call reads a quarter
+of the bytes of a float32 bank. int8_activations=True (opt-in, AVX-512-VNNI CPUs) quantises the
+activations to int8 too and multiplies with vpdpbusd.
 
 Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
 once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
@@ -40,8 +46,9 @@ import numpy as np
 
 from ftjax.kernels._registration import require
 from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
+from ftjax.utils.quant import INT8_SCALES_ALIGNMENT, int8_block_bytes, int8_scales_offset
 
-_BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+_BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.int8))
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -69,7 +76,7 @@ SWIGLU = ExpertVariant()
 
 
 def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
-               variant: ExpertVariant = SWIGLU):
+               int8_activations=False, variant: ExpertVariant = SWIGLU):
   """Weighted sum of the routed SwiGLU experts of one layer, on the host.
 
   Args:
@@ -77,7 +84,8 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
     ids: [T, K] int32 expert ids in [-1, E); -1 skips the route. Values are checked by
       the kernel at run time (they may be traced).
     weights: [T, K] float32 route weights.
-    bank: [L, E, P] bfloat16 or float32 expert blocks (may be traced).
+    bank: [L, E, P] bfloat16, float32 or int8 expert blocks (may be traced); int8 blocks
+      carry their float32 row scales (module docstring).
     layer: int32 scalar in [0, L) (may be traced; checked here when concrete and by the
       kernel at run time).
     ffn_dim: F, the expert hidden width; a static Python int.
@@ -86,6 +94,12 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
       which the grouped (prefill) form gains from, at a relative error of ~1e-2 of max|y|.
       When False (the default), bf16 weights are widened to float32 and the result is exact
       to ~1e-5 like a float32 bank; the decode form runs at read bandwidth either way.
+    int8_activations: for an int8 bank on a CPU with AVX-512-VNNI (the avx512bf16 kernels;
+      elsewhere the call fails, naming the fix), quantise x per token and the hidden h per
+      route to int8 (symmetric, scale max|row| / 127) and multiply with vpdpbusd: about a
+      quarter of the instructions of the exact path, whose float32 widening can bound int8
+      decode below read bandwidth, at the error of 8-bit activations (~1e-2 of max|y|).
+      Opt-in only; the default is the exact path.
     variant: the expert's activation and biases (``ExpertVariant``); static.
 
   Returns:
@@ -118,7 +132,8 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
   if len(bank_shape) != 3:
     raise ValueError(f"bank must be 3-D [L, E, P], got shape {bank_shape}")
   if bank_dtype not in _BANK_DTYPES:
-    raise ValueError(f"bank must be bfloat16 or float32, got {bank_dtype}")
+    raise ValueError(f"bank must be bfloat16, float32 or int8 (an int8 expert bank), got "
+                     f"{bank_dtype}")
   L, _, P = bank_shape
 
   if isinstance(ffn_dim, (bool, np.bool_)) or not isinstance(ffn_dim, (int, np.integer)):
@@ -132,17 +147,35 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
       f"bank's last dimension P = {P} is smaller than 3 * ffn_dim * D = 3 * {ffn_dim} * {D}"
       + (f" plus the biases 2 * ffn_dim + D = {2 * ffn_dim + D}" if variant.bias else "")
     )
+  if bank_dtype == np.int8:
+    need = int8_block_bytes(ffn_dim, D)
+    if P < need:
+      raise ValueError(
+        f"int8 bank's last dimension P = {P} is smaller than the {need} bytes of an int8 block "
+        f"(F = {ffn_dim}, D = {D}: weights, then float32 scales from byte "
+        f"{int8_scales_offset(ffn_dim, D)}); quantise with ftjax.utils.quant.quantize_bank"
+      )
+    if P % INT8_SCALES_ALIGNMENT:
+      raise ValueError(f"int8 bank's last dimension P = {P} must be a multiple of "
+                       f"{INT8_SCALES_ALIGNMENT} bytes; pad the blocks with zeros")
 
   _check_layer(layer, L)
   if not isinstance(bf16_activations, (bool, np.bool_)):
     raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
+  if not isinstance(int8_activations, (bool, np.bool_)):
+    raise ValueError(f"int8_activations must be a bool, got {int8_activations!r}")
+  if int8_activations and bank_dtype != np.int8:
+    raise ValueError(f"int8_activations applies to int8 banks only, got a {bank_dtype} bank")
 
   require("expert_ffn")
-  call = _batchable_call(int(ffn_dim), bool(bf16_activations), variant)
+  if variant.bias and bank_dtype == np.int8:
+    raise ValueError("int8 expert blocks carry no biases (their layout ends with the float32 "
+                     "row scales): keep a model with expert biases in bf16")
+  call = _batchable_call(int(ffn_dim), bool(bf16_activations), bool(int8_activations), variant)
   return call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32))
 
 
-def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, variant):
+def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, int8_activations, variant):
   call = jax.ffi.ffi_call(
     "ftjax_expert_ffn",
     jax.ShapeDtypeStruct(x.shape, jnp.float32),
@@ -150,20 +183,21 @@ def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, variant):
   )
   return call(
     x, ids, weights, bank, layer, ffn_dim=np.int64(ffn_dim), bf16_activations=bf16_activations,
-    activation=variant.activation, alpha=np.float32(variant.alpha),
-    limit=np.float32(variant.limit), biases=bool(variant.bias),
+    int8_activations=int8_activations, activation=variant.activation,
+    alpha=np.float32(variant.alpha), limit=np.float32(variant.limit), biases=bool(variant.bias),
   )
 
 
 @functools.cache
-def _batchable_call(ffn_dim, bf16_activations, variant):
+def _batchable_call(ffn_dim, bf16_activations, int8_activations, variant):
   """The op for one F, with a vmap rule: tokens are independent, so a batch over x, ids and
   weights with bank and layer unbatched becomes one call over B * T tokens; anything else runs
   one call per batch element."""
 
   @jax.custom_batching.custom_vmap
   def expert_ffn_call(x, ids, weights, bank, layer):
-    return _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, variant)
+    return _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, int8_activations,
+                 variant)
 
   @expert_ffn_call.def_vmap
   def expert_ffn_vmap(axis_size, in_batched, *args):

@@ -1,8 +1,9 @@
 """Flax nnx layers: RMSNorm, rotary embedding, attention with a KV cache, SwiGLU MLP, MoE.
 
 Layers receive the options they need, never the whole config; ``kernels`` (one of
-``ftjax.experts.KERNELS``: "xla", "ffi", "ffi_bf16") is such an option, passed to every call
-that does dense host work. Activations are float32; weights are cast to float32 where they are
+``ftjax.experts.KERNELS``: "xla", "ffi", "ffi_bf16", "ffi_int8") is such an option, passed to
+every call that does dense host work ("ffi_int8" quantises only the int8 experts' activations:
+the dense work runs as "ffi"). Activations are float32; weights are cast to float32 where they are
 used (the params may be bfloat16). The MoE layer's routed experts come from the function it is
 given (``ftjax.model.moe.RoutedExperts``).
 """
@@ -42,12 +43,12 @@ def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Ar
   n_in = int(np.prod(in_shape))
   x2 = x.reshape(*x.shape[:x.ndim - len(in_shape)], n_in)
   w2 = w.reshape(int(np.prod(out_shape)), n_in)
-  if kernels in ("ffi", "ffi_bf16"):
+  if kernels in ("ffi", "ffi_bf16", "ffi_int8"):
     y = dense(x2.astype(jnp.float32), w2, bf16_activations=kernels == "ffi_bf16")
   elif kernels == "xla":
     y = jnp.einsum("...C,OC->...O", x2, w2.astype(jnp.float32))
   else:
-    raise ValueError(f"kernels must be 'xla', 'ffi' or 'ffi_bf16', got {kernels!r}")
+    raise ValueError(f"kernels must be 'xla', 'ffi', 'ffi_bf16' or 'ffi_int8', got {kernels!r}")
   return y.reshape(*x2.shape[:-1], *out_shape)
 
 
@@ -266,7 +267,7 @@ class Attention(nnx.Module):
     cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, start),
                     v=jax.lax.dynamic_update_slice(cache.v, v, start))
     sinks = _f32(self.sinks_h) if self.sinks else None
-    if kernels in ("ffi", "ffi_bf16"):  # fresh or not: no T x S scores in memory
+    if kernels in ("ffi", "ffi_bf16", "ffi_int8"):  # fresh or not: no T x S scores in memory
       out = attention(q, cache.k, cache.v, length + t,
                       scale=self.head_dim ** -0.5, window=self.window, sinks=sinks)
     # XLA (float32 einsums; keys and values widened from the cache's dtype).

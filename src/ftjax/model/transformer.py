@@ -130,7 +130,7 @@ class Transformer(nnx.Module):
 
     ``experts`` serves every MoE layer's routed experts (``ftjax.model.moe``) and comes back
     as the last layer left it. ``kernels`` (static) chooses the dense host work ("xla",
-    "ffi", "ffi_bf16"). ``fresh`` (static) promises an empty state (``length == 0``), as in
+    "ffi", "ffi_bf16", "ffi_int8"). ``fresh`` (static) promises an empty state (``length == 0``), as in
     a prefill. ``num_valid`` (an int32 scalar, may be traced) says that only the first
     ``num_valid`` tokens are real and the rest padding (a prompt padded to a length bucket):
     padding gets no expert route, does not count in the new length, and with ``last_only``

@@ -14,7 +14,7 @@ import numpy as np
 from ftjax.model.config import ModelConfig
 from ftjax.research import cost
 from ftjax.runtime.engine import Engine
-from ftjax.runtime.model import random_model
+from ftjax.runtime.model import quantize_experts, random_model
 from ftjax.runtime.profile import ExpertShape
 
 
@@ -46,7 +46,9 @@ def hardware_profile(measured: dict[str, Any], name: str, *, layer_overhead_s: f
 
 def calibration_model(shape: ExpertShape, num_layers: int = 2, seed: int = 0):
   """A small random model with ``shape``'s experts, to calibrate overheads without a real
-  one: ``num_layers`` layers of max(4·top_k, 16) experts, vocabulary 1024, heads of 64."""
+  one: ``num_layers`` layers of max(4·top_k, 16) experts, vocabulary 1024, heads of 64. int8
+  experts: a bfloat16 model whose experts are then quantised."""
+  dense = "bfloat16" if shape.dtype == "int8" else shape.dtype
   head_dim = min(64, shape.hidden)
   heads = max(1, shape.hidden // head_dim)
   config = ModelConfig(
@@ -55,8 +57,9 @@ def calibration_model(shape: ExpertShape, num_layers: int = 2, seed: int = 0):
       num_experts=max(4 * shape.top_k, 16), top_k=shape.top_k, moe_intermediate_size=shape.ffn,
       rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096,
       layer_types=("full_attention",) * num_layers, qk_norm="per_head", norm_topk_prob=True,
-      source_dtype=shape.dtype)
-  return random_model(config, seed=seed, dtype=shape.dtype)
+      source_dtype=dense)
+  model = random_model(config, seed=seed, dtype=dense)
+  return quantize_experts(model) if shape.dtype == "int8" else model
 
 
 def decode_counts(engine, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -94,7 +97,8 @@ def measure_overheads(model, hw, *, tokens: int = 8, seed: int = 0,
                   max_seq_len=64 + tokens)
   prompt = np.random.default_rng(seed).integers(0, c.vocab_size, 16).tolist()
   run = decode_counts(engine, prompt, tokens)
-  shape = cost.ModelShape.from_config(c, bytes_per_param=model.dtype.itemsize)
+  shape = cost.ModelShape.from_config(c, bytes_per_param=model.dtype.itemsize,
+                                      expert_format=model.expert_format)
   bare = dataclasses.replace(hw, layer_overhead_s=0.0, step_overhead_s=0.0)
   modeled = cost.step_times(bare, shape, run["hits"], run["fills"], run["host"])
   layer = float(np.mean(run["forward_s"] - modeled)) / c.num_moe_layers

@@ -45,6 +45,7 @@ import numpy as np
 import yaml
 
 from ftjax.model.config import ModelConfig
+from ftjax.utils import quant
 
 GB = 1e9  # bandwidths are in GB/s of 1e9 bytes, as vendors and the paper quote them
 
@@ -171,7 +172,7 @@ class ModelShape:
 
   num_layers: MoE layers L. num_experts: routed experts per layer E. top_k: K.
   hidden: D. expert_ffn: F, the width of one routed expert.
-  bytes_per_param: 2 for bfloat16.
+  bytes_per_param: 2 for bfloat16 (the dense weights, and the experts unless quantised).
   dense_bytes_per_layer: bytes of a layer's non-expert weights read per decoded token
     (attention or linear-attention mixer, router, shared expert, norms), the mean over the
     layers when they differ (hybrid models).
@@ -189,6 +190,9 @@ class ModelShape:
   dense_bytes_per_layer: float
   head_bytes: float
   expert_bias: bool = False
+  # The routed experts' quantised format, "int8" (int8 weights and float32 row scales,
+  # docs/ftw.md); None: experts of bytes_per_param bytes a weight, like the dense weights.
+  expert_format: str | None = None
 
   def __post_init__(self):
     for key in ("num_layers", "num_experts", "top_k", "hidden", "expert_ffn", "bytes_per_param"):
@@ -198,6 +202,9 @@ class ModelShape:
     if self.top_k > self.num_experts:
       raise ValueError(f"model shape {self.name!r}: top_k={self.top_k} exceeds num_experts="
                        f"{self.num_experts}")
+    if self.expert_format not in (None, *quant.QUANTISED_EXPERT_FORMATS):
+      raise ValueError(f"model shape {self.name!r}: expert_format must be one of "
+                       f"{quant.QUANTISED_EXPERT_FORMATS} or None, got {self.expert_format!r}")
     if self.dense_bytes_per_layer < 0 or self.head_bytes < 0:
       raise ValueError(f"model shape {self.name!r}: dense_bytes_per_layer and head_bytes must be "
                        ">= 0")
@@ -205,7 +212,9 @@ class ModelShape:
   @property
   def expert_bytes(self) -> int:
     """Bytes of one routed expert: gate [F, D], up [F, D], down [D, F] (and with
-    ``expert_bias`` their biases [F], [F], [D])."""
+    ``expert_bias`` their biases [F], [F], [D]; int8: plus their float32 row scales)."""
+    if self.expert_format == "int8":
+      return quant.int8_block_bytes(self.expert_ffn, self.hidden)
     bias = 2 * self.expert_ffn + self.hidden if self.expert_bias else 0
     return (3 * self.hidden * self.expert_ffn + bias) * self.bytes_per_param
 
@@ -217,11 +226,13 @@ class ModelShape:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_config(cls, config, name: str | None = None,
-                  bytes_per_param: int | None = None) -> "ModelShape":
+  def from_config(cls, config, name: str | None = None, bytes_per_param: int | None = None,
+                  expert_format: str | None = None) -> "ModelShape":
     """From ftjax's ``ModelConfig``.
 
-    ``bytes_per_param`` defaults to the checkpoint dtype's (``config.source_dtype``). Hybrid
+    ``bytes_per_param`` defaults to the checkpoint dtype's (``config.source_dtype``);
+    ``expert_format``: the routed experts' quantised format (``"int8"``), if any; a float
+    format name means no quantisation (None). Hybrid
     models (Gated DeltaNet ``linear_attention`` layers between attention layers) get the
     mean of their layers' mixers; see ``_gated_deltanet_params`` for the linear mixer.
     """
@@ -242,7 +253,9 @@ class ModelShape:
                top_k=c.top_k, hidden=c.hidden_size, expert_ffn=c.moe_intermediate_size,
                bytes_per_param=nbytes, dense_bytes_per_layer=float((mixer + moe) * nbytes),
                head_bytes=float(_head_params(c.hidden_size, c.vocab_size) * nbytes),
-               expert_bias=c.expert_bias)
+               expert_bias=c.expert_bias,
+               expert_format=expert_format if expert_format in quant.QUANTISED_EXPERT_FORMATS
+               else None)
 
   @classmethod
   def from_hf_config(cls, hf: dict[str, Any], name: str | None = None,

@@ -134,13 +134,15 @@ def load_hardware(specs: Sequence[str]):
 def trace_shape(trace: Trace, model_shape: str | None, search_dirs: Sequence[str] = (
     "configs/models",)):
   """The ``ftjax.research.cost.ModelShape`` a trace is modeled with: ``model_shape`` (a config.json
-  path) if given, else the model config captured in the trace, else the synthetic preset's
+  path) if given, else the model config captured in the trace (with the captured model's
+  expert format: int8 experts are modeled with their bytes), else the synthetic preset's
   file ``configs/models/NAME.json``. Its layer and expert counts must match the trace."""
   meta = trace.metadata
   if model_shape:
     shape = ModelShape.load(model_shape)
   elif "model_config" in meta:
-    shape = ModelShape.from_config(ModelConfig.from_dict(meta["model_config"]))
+    shape = ModelShape.from_config(ModelConfig.from_dict(meta["model_config"]),
+                                   expert_format=meta.get("expert_format"))
   elif "model_shape" in meta:
     candidates = [os.path.join(d, meta["model_shape"] + ".json") for d in search_dirs]
     found = [c for c in candidates if os.path.isfile(c)]

@@ -71,12 +71,14 @@ class Trace:
   @classmethod
   def from_engine(cls, engine) -> "Trace":
     """Every token an ``ftjax.Engine`` created with ``record_routing=True`` has routed so
-    far (``engine.routing_record()``), with the model config and source as metadata."""
+    far (``engine.routing_record()``), with the model config, its expert format and source as
+    metadata."""
     record = engine.routing_record()
     c = engine.model.config
     return cls.from_arrays(record["ids"], record["weights"], c.num_experts,
                            phase=record["phase"],
-                           metadata={"model_config": c.to_dict(), "source": engine.model.path})
+                           metadata={"model_config": c.to_dict(), "source": engine.model.path,
+                                     "expert_format": engine.model.expert_format})
 
   def save(self, path: str | os.PathLike) -> str:
     path = os.fspath(path)

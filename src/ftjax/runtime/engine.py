@@ -70,12 +70,16 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
                      "the pool's placement)")
     host_kernels.require("kernels='auto' on the CPU backend")
     impl = "ffi_bf16" if np.dtype(bank_dtype) == np.dtype(jnp.bfloat16) else "ffi"
-  elif requested in ("ffi", "ffi_bf16"):
+  elif requested in ("ffi", "ffi_bf16", "ffi_int8"):
     if backend != "cpu":
       raise ValueError(f"kernels={requested!r} names the CPU backend's kernels; on {backend} use "
                        "kernels='auto' (dense work in XLA; host experts on ftjax's CPU kernel "
                        "through ftjax._ffi_cuda, see docs/gpu.md)")
     host_kernels.require(f"kernels={requested!r}")
+    if requested == "ffi_int8" and np.dtype(bank_dtype) != np.int8:
+      raise ValueError(f"kernels='ffi_int8' quantises the activations of int8 experts; this "
+                       f"model's experts are {np.dtype(bank_dtype)}: convert it with "
+                       "--expert_dtype=int8, or use kernels='ffi'")
   if impl == "xla":
     return impl, f"xla ({backend}, requested)" if requested == "xla" else f"xla ({backend})"
   info = host_kernels.cpu_info()
@@ -91,8 +95,10 @@ class RuntimeOptions:
   kernels: how host-side work runs: "ffi" (ftjax's C++ kernels, CPU backend; bfloat16
     weights widened exactly to float32), "ffi_bf16" (the same, with activations rounded to
     bfloat16 for bfloat16 weights: about 1.8x faster prefill, ~1e-2 relative error, as
-    llama.cpp does), "xla" (plain jnp), or "auto" (on the CPU backend with the compiled
-    module: ffi_bf16 for bfloat16 models, ffi otherwise; else xla).
+    llama.cpp does), "ffi_int8" (int8 experts only, opt-in: their activations quantised to
+    int8 for vpdpbusd on AVX-512-VNNI CPUs, ~1e-2 relative error; dense work as "ffi"), "xla"
+    (plain jnp), or "auto" (on the CPU backend with the compiled module: ffi_bf16 for bfloat16
+    models, ffi otherwise, int8 experts included; else xla).
   Expert cache (at most one of the four sizes; none = no cache, every routed expert runs
   from the host pool):
     cache_slots: number of slots; cache_fraction: of all L·E experts; cache_bytes: a memory
@@ -189,8 +195,7 @@ class RuntimeOptions:
       if self.devices > 1 and not self.caching:
         raise ValueError("devices= splits the expert cache's slots: give a cache size")
     if self.kernels != "auto" and self.kernels not in KERNELS:
-      raise ValueError(f"kernels must be 'auto', 'xla', 'ffi' or 'ffi_bf16', got "
-                       f"{self.kernels!r}")
+      raise ValueError(f"kernels must be 'auto' or one of {KERNELS}, got {self.kernels!r}")
     if not isinstance(self.decode_chunk, int) or self.decode_chunk < 1:
       raise ValueError(f"decode_chunk must be a positive int, got {self.decode_chunk!r}")
     if self.max_seq_len is not None and self.max_seq_len < 1:
@@ -425,7 +430,7 @@ class Engine:
     if o.profile is not None:
       c = self.model.config
       prof = self._profile = load_profile(
-          o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size, str(self.model.dtype),
+          o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size, self.model.expert_format,
                                  c.top_k))
       # Measured concurrently: B_P while the host kernel runs, and the host kernel's residual
       # bandwidth B_res while a fill runs, so B_H = B_P + B_res (DESIGN section 2).
@@ -496,7 +501,7 @@ class Engine:
       streamed += step["streamed"]
     misses = total["fills"] + total["host"]
     selected = total["hits"] + misses
-    eb = self.model.config.expert_block_elems * self.model.bank.dtype.itemsize
+    eb = self.model.expert_bytes
     return {
         "policy": str(self.policy), "slots": int(self._cache.limit),
         "capacity": self._cache.capacity, "slot_bytes": self.slot_bytes,

@@ -16,11 +16,14 @@ from ftjax.formats import ftw
 from ftjax.formats.hf import cached_conversion
 from ftjax.model.config import ModelConfig
 from ftjax.model.transformer import Transformer, param_name
+from ftjax.utils import quant
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
-  """What ``ftjax.load`` returns. ``bank`` is the host expert pool ``[L, E, P]``."""
+  """What ``ftjax.load`` returns. ``bank`` is the host expert pool ``[L, E, P]``: bfloat16 or
+  float32 blocks, or int8 blocks with their row scales (``expert_format`` ``"int8"``, P in
+  bytes; ``ftjax.utils.quant``)."""
   config: ModelConfig
   graphdef: nnx.GraphDef
   params: nnx.State
@@ -31,7 +34,20 @@ class Model:
 
   @property
   def dtype(self) -> np.dtype:
+    """The storage dtype of the dense weights (and of the experts unless they are int8)."""
+    if self.expert_format == "int8":
+      return np.dtype(jax.tree.leaves(self.params)[0].dtype)
     return np.dtype(self.bank.dtype)
+
+  @property
+  def expert_format(self) -> str:
+    """The bank's expert format: ``"bfloat16"``, ``"float32"`` or ``"int8"``."""
+    return "int8" if np.dtype(self.bank.dtype) == np.int8 else str(np.dtype(self.bank.dtype))
+
+  @property
+  def expert_bytes(self) -> int:
+    """Bytes one expert's content takes (weights and scales, no padding)."""
+    return ftw.expert_content_bytes(self.config, self.expert_format)
 
 
 def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.float32,
@@ -113,6 +129,20 @@ def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") 
   return Model(config=config, graphdef=graphdef, params=params, bank=bank)
 
 
+def quantize_experts(model: Model) -> Model:
+  """The model with its routed experts quantised to int8 (docs/ftw.md, ``ftjax.utils.quant``)
+  in memory, dense weights unchanged: the bank that ``save(model, ..., expert_format="int8")``
+  then ``load`` gives."""
+  if model.expert_format == "int8":
+    raise ValueError("the model's experts are int8 already")
+  c = model.config
+  f, d = c.moe_intermediate_size, c.hidden_size
+  bank = quant.quantize_bank(np.asarray(model.bank), f, d,
+                             block_bytes=ftw.align(quant.int8_block_bytes(f, d)))
+  return dataclasses.replace(model, bank=jax.device_put(bank) if jax.default_backend() == "cpu"
+                             else bank, path=None, storage=None)
+
+
 def leaf(model: Model, name: str) -> jax.Array:
   """One parameter array by its FTW name (``layers.0.attn.w_q_had``)."""
   for p, v in nnx.to_flat_state(model.params):
@@ -126,19 +156,36 @@ def named_params(model: Model) -> dict[str, np.ndarray]:
 
 
 def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
-         source: dict[str, Any] | None = None) -> str:
-  """Writes a Model as an FTW directory (used for the default model and round-trip tests)."""
+         source: dict[str, Any] | None = None, expert_format: str | None = None) -> str:
+  """Writes a Model as an FTW directory (used for the default model and round-trip tests).
+
+  ``dtype`` is the dense tensors' storage dtype; ``expert_format`` the bank's (default: the
+  model's own; ``"int8"`` quantises float experts; int8 experts are written as they are and
+  cannot be written back as floats)."""
   dtype = dtype or str(model.dtype)
-  writer = ftw.FTWWriter(out_dir, model.config, dtype, source or model.source or {})
+  expert_format = expert_format or (
+      "int8" if model.expert_format == "int8" else dtype)
+  if model.expert_format == "int8" and expert_format != "int8":
+    raise ValueError(f"this model's experts are int8; they cannot be saved as {expert_format} "
+                     "(quantisation is one way): save with expert_format='int8'")
+  writer = ftw.FTWWriter(out_dir, model.config, dtype, source or model.source or {},
+                         expert_format=expert_format)
   for name, value in named_params(model).items():
     writer.add_tensor(name, value)
   bank = np.asarray(model.bank)
-  starts = ftw.expert_part_starts(model.config)
+  c = model.config
+  starts = ftw.expert_part_starts(c)
+  scales_at = quant.int8_scales_offset(c.moe_intermediate_size, c.hidden_size)
+  scale_starts = {"gate": 0, "up": c.moe_intermediate_size, "down": 2 * c.moe_intermediate_size}
   for layer in range(bank.shape[0]):
     for expert in range(bank.shape[1]):
       block = bank[layer, expert]
-      for part, shape in ftw.expert_part_shapes(model.config).items():
+      for part, shape in ftw.expert_part_shapes(c).items():
         start = starts[part]
         n = int(np.prod(shape))
-        writer.add_expert_part(layer, expert, part, block[start:start + n].reshape(shape))
+        scale = None
+        if model.expert_format == "int8":
+          scales = block.view(np.uint8)[scales_at:].view(np.float32)  # P is a multiple of 64
+          scale = scales[scale_starts[part]:scale_starts[part] + shape[0]]
+        writer.add_expert_part(layer, expert, part, block[start:start + n].reshape(shape), scale)
   return writer.close()

@@ -48,6 +48,7 @@ import numpy as np
 from ftjax.cache.moe import Offload, fill_slots
 from ftjax.formats import ftw
 from ftjax.kernels import cuda, expert_ffn, read_probe, slot_fill
+from ftjax.utils import quant
 from ftjax.utils.progress import Progress
 
 PROFILE_VERSION = 1
@@ -57,7 +58,7 @@ PROFILE_VERSION = 1
 class ExpertShape:
   hidden: int  # D
   ffn: int  # F
-  dtype: str  # storage dtype of the bank
+  dtype: str  # the bank's expert format: bfloat16, float32 or int8 (docs/ftw.md)
   top_k: int = 8
 
   @property
@@ -66,6 +67,9 @@ class ExpertShape:
 
   @property
   def expert_bytes(self) -> int:
+    """Bytes one expert's content takes (int8: weights and float32 row scales)."""
+    if self.dtype == "int8":
+      return quant.int8_block_bytes(self.ffn, self.hidden)
     return self.block_elems * ftw.storage_dtype(self.dtype).itemsize
 
 
@@ -89,12 +93,20 @@ def _profile_key(shape: ExpertShape) -> dict[str, Any]:
 def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0):
   """A [1, E, P] bank of random weights, at least ``min_bytes`` (far beyond the caches): a jax
   array on the CPU backend, a host (numpy) array on an accelerator, as ``ftjax.load`` gives."""
-  dtype = ftw.storage_dtype(shape.dtype)
-  block = ftw.align(shape.block_elems * dtype.itemsize) // dtype.itemsize
+  dtype = ftw.expert_storage_dtype(shape.dtype)
+  block = ftw.align(shape.expert_bytes) // dtype.itemsize
   experts = max(shape.top_k * 4, -(-min_bytes // (block * dtype.itemsize)))
   rng = np.random.default_rng(seed)
-  pool = (0.02 * rng.standard_normal(1 << 22, np.float32)).astype(dtype)
+  if shape.dtype == "int8":
+    pool = rng.integers(-127, 128, 1 << 22).astype(np.int8)
+  else:
+    pool = (0.02 * rng.standard_normal(1 << 22, np.float32)).astype(dtype)
   bank = np.resize(pool, experts * block).reshape(1, experts, block)  # writes every page
+  if shape.dtype == "int8":  # every block's row scales (float32, docs/ftw.md)
+    start = quant.int8_scales_offset(shape.ffn, shape.hidden)
+    rows = 2 * shape.ffn + shape.hidden
+    bank.view(np.uint8)[..., start:start + 4 * rows] = np.full(
+        rows, 0.02 / 127, np.float32).view(np.uint8)
   return jax.device_put(bank) if jax.default_backend() == "cpu" else bank
 
 

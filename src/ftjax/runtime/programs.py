@@ -74,7 +74,7 @@ class Runner:
   num_layers: int  # MoE layers L
   top_k: int
   ffn_dim: int
-  kernels: str  # "xla", "ffi", "ffi_bf16"
+  kernels: str  # "xla", "ffi", "ffi_bf16", "ffi_int8"
   policy: PolicyConfig | None  # the policy's program part; None = no cache
   record_routing: bool = False
   chunk: int = 8  # decode steps per decode program

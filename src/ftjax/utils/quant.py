@@ -1,0 +1,104 @@
+"""The int8 expert format: block layout and quantisation (numpy), shared by the FTW writer,
+the kernels' input checks and the XLA dequantisation (specified in ``docs/ftw.md``).
+
+An int8 expert block is P bytes: the int8 weights ``gate [F, D] | up [F, D] | down [D, F]``
+from byte 0 (the float layout's element offsets, one byte per weight), then from byte
+``int8_scales_offset(F, D)`` (``3·F·D`` rounded up to 64) the float32 scales of their rows,
+``gate [F] | up [F] | down [D]``, then zero padding. Weight ``w[r, i]`` stands for
+``scale[r] · q[r, i]``: symmetric, one scale per output channel (row).
+
+Quantisation of a float row ``w`` (bfloat16 or float32, taken as float32):
+``scale = float32(max|w| / 127)`` and ``q = round_half_to_even(w / scale)`` in float32 (so
+``|q| <= 127``); an all-zero row gets ``scale = 0`` and ``q = 0``.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+INT8_SCALES_ALIGNMENT = 64
+QMAX = 127
+EXPERT_FORMATS = ("bfloat16", "float32", "int8")  # the expert bank formats ftjax reads
+QUANTISED_EXPERT_FORMATS = ("int8",)  # those whose bytes per weight no float dtype gives
+
+
+def int8_scales_offset(ffn_dim: int, width: int) -> int:
+  """Byte offset of an int8 block's float32 scales: its ``3·F·D`` weights, rounded up to 64."""
+  weights = 3 * ffn_dim * width
+  return -(-weights // INT8_SCALES_ALIGNMENT) * INT8_SCALES_ALIGNMENT
+
+
+def int8_block_bytes(ffn_dim: int, width: int) -> int:
+  """Bytes of an int8 block's content (weights and scales), before any padding."""
+  return int8_scales_offset(ffn_dim, width) + 4 * (2 * ffn_dim + width)
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``w [R, C]`` float -> ``(q [R, C] int8, scale [R] float32)``, per row (module docstring)."""
+  w = np.asarray(w)
+  if w.ndim != 2 or not (np.issubdtype(w.dtype, np.floating) or w.dtype == ml_dtypes.bfloat16):
+    raise ValueError(f"quantize_rows takes a 2-D float array, got {w.dtype} of shape {w.shape}")
+  w = w.astype(np.float32)
+  if not np.all(np.isfinite(w)):
+    raise ValueError("cannot quantise weights that are not finite (NaN or inf in the rows)")
+  scale = np.max(np.abs(w), axis=1) / np.float32(QMAX)  # float32 / float32: float32
+  safe = np.where(scale > 0, scale, np.float32(1))[:, None]
+  q = np.rint(w / safe)  # round half to even
+  return np.clip(q, -QMAX, QMAX).astype(np.int8), scale.astype(np.float32)
+
+
+def quantize_block(gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                   block_bytes: int | None = None) -> np.ndarray:
+  """One int8 expert block (uint8 view, ``block_bytes`` long, default the unpadded size) from
+  float ``gate [F, D]``, ``up [F, D]``, ``down [D, F]``."""
+  ffn_dim, width = gate.shape
+  size = int8_block_bytes(ffn_dim, width)
+  block_bytes = size if block_bytes is None else block_bytes
+  if block_bytes < size:
+    raise ValueError(f"an int8 block of F={ffn_dim}, D={width} needs {size} bytes, got "
+                     f"{block_bytes}")
+  block = np.zeros(block_bytes, np.uint8)
+  offset = int8_scales_offset(ffn_dim, width)
+  starts = (0, ffn_dim * width, 2 * ffn_dim * width)
+  scale_starts = (0, ffn_dim, 2 * ffn_dim)
+  scales = block[offset:offset + 4 * (2 * ffn_dim + width)].view(np.float32)
+  for part, start, scale_start in zip((gate, up, down), starts, scale_starts):
+    q, s = quantize_rows(part)
+    block[start:start + q.size] = q.reshape(-1).view(np.uint8)
+    scales[scale_start:scale_start + len(s)] = s
+  return block
+
+
+def dequantize_block(block: np.ndarray, ffn_dim: int, width: int,
+                     dtype=np.float64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """``(gate, up, down)`` of an int8 block (any 1-byte dtype view) as ``scale · q`` in
+  ``dtype`` (float64 by default: exact)."""
+  raw = np.asarray(block).view(np.uint8)
+  fd = ffn_dim * width
+  q = raw[:3 * fd].view(np.int8).astype(dtype)
+  offset = int8_scales_offset(ffn_dim, width)
+  scales = raw[offset:offset + 4 * (2 * ffn_dim + width)].view(np.float32).astype(dtype)
+  gate = q[:fd].reshape(ffn_dim, width) * scales[:ffn_dim, None]
+  up = q[fd:2 * fd].reshape(ffn_dim, width) * scales[ffn_dim:2 * ffn_dim, None]
+  down = q[2 * fd:].reshape(width, ffn_dim) * scales[2 * ffn_dim:, None]
+  return gate, up, down
+
+
+def quantize_bank(bank: np.ndarray, ffn_dim: int, width: int,
+                  block_bytes: int | None = None) -> np.ndarray:
+  """A float bank ``[L, E, P]`` (blocks ``gate | up | down``) as an int8 bank
+  ``[L, E, block_bytes]`` (default: the unpadded block size rounded up to 64)."""
+  bank = np.asarray(bank)
+  fd = ffn_dim * width
+  if block_bytes is None:
+    block_bytes = -(-int8_block_bytes(ffn_dim, width) // 64) * 64
+  num_layers, num_experts = bank.shape[:2]
+  out = np.zeros((num_layers, num_experts, block_bytes), np.uint8)
+  for layer in range(num_layers):
+    for expert in range(num_experts):
+      b = bank[layer, expert]
+      out[layer, expert] = quantize_block(b[:fd].reshape(ffn_dim, width),
+                                          b[fd:2 * fd].reshape(ffn_dim, width),
+                                          b[2 * fd:3 * fd].reshape(width, ffn_dim), block_bytes)
+  return out.view(np.int8)
