@@ -1,5 +1,6 @@
-"""The int8 expert format: block layout and quantisation (numpy), shared by the FTW writer,
-the kernels' input checks and the XLA dequantisation (specified in ``docs/ftw.md``).
+"""The quantised expert formats, ``int8`` and ``mxfp4``: block layouts and (de)quantisation
+(numpy), shared by the FTW writer, the kernels' input checks and the XLA dequantisation
+(specified in ``docs/ftw.md``).
 
 An int8 expert block is P bytes: the int8 weights ``gate [F, D] | up [F, D] | down [D, F]``
 from byte 0 (the float layout's element offsets, one byte per weight), then from byte
@@ -19,8 +20,8 @@ import numpy as np
 
 INT8_SCALES_ALIGNMENT = 64
 QMAX = 127
-EXPERT_FORMATS = ("bfloat16", "float32", "int8")  # the expert bank formats ftjax reads
-QUANTISED_EXPERT_FORMATS = ("int8",)  # those whose bytes per weight no float dtype gives
+EXPERT_FORMATS = ("bfloat16", "float32", "int8", "mxfp4")  # the expert bank formats ftjax reads
+QUANTISED_EXPERT_FORMATS = ("int8", "mxfp4")  # those whose bytes per weight no float dtype gives
 
 
 def int8_scales_offset(ffn_dim: int, width: int) -> int:
@@ -102,3 +103,83 @@ def quantize_bank(bank: np.ndarray, ffn_dim: int, width: int,
                                           b[fd:2 * fd].reshape(ffn_dim, width),
                                           b[2 * fd:3 * fd].reshape(width, ffn_dim), block_bytes)
   return out.view(np.int8)
+
+
+# ---------------------------------------------------------------------------------------------
+# mxfp4 (OCP MX FP4, as gpt-oss ships its experts).
+#
+# Each row of a part ``[out, in]`` is cut into blocks of 32 inputs; a block is 16 bytes of
+# 4-bit E2M1 codes (input ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the high one)
+# and one E8M0 scale byte ``e`` standing for ``2**(e - 127)``. Weight = ``E2M1[code] ·
+# 2**(e - 127)``, exact in float32 (e = 255, NaN in the OCP spec, is refused). A block of an
+# mxfp4 bank is, with ``S = align64(3·F·D/2)`` and ``B = S + align64(3·F·D/32)``:
+#   codes  gate [F, D/2] at 0, up [F, D/2] at F·D/2, down [D, F/2] at F·D;
+#   scales gate [F, D/32] at S, up [F, D/32] at S + F·D/32, down [D, F/32] at S + F·D/16;
+#   biases (float32) gate [F] at B, up [F] at B + 4·F, down [D] at B + 8·F;
+# then zero padding. F and D must be multiples of 32.
+
+MXFP4_BLOCK = 32  # inputs per scale
+MXFP4_ALIGNMENT = 64
+MXFP4_SCALE_NAN = 255
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _align(n: int, alignment: int = MXFP4_ALIGNMENT) -> int:
+  return -(-n // alignment) * alignment
+
+
+def check_mxfp4_shape(ffn_dim: int, width: int) -> None:
+  if ffn_dim % MXFP4_BLOCK or width % MXFP4_BLOCK:
+    raise ValueError(f"mxfp4 experts need F and D to be multiples of {MXFP4_BLOCK} (the scale "
+                     f"blocks of 32 inputs), got F={ffn_dim}, D={width}: keep these experts in "
+                     "bfloat16 or int8")
+
+
+def mxfp4_offsets(ffn_dim: int, width: int) -> dict[str, dict[str, int]]:
+  """Byte offsets in an mxfp4 block: ``{"codes"|"scales"|"biases": {part: offset}}``."""
+  f, d = ffn_dim, width
+  fd = f * d
+  scales = _align(3 * fd // 2)
+  biases = scales + _align(3 * fd // MXFP4_BLOCK)
+  return {"codes": {"gate": 0, "up": fd // 2, "down": fd},
+          "scales": {"gate": scales, "up": scales + fd // MXFP4_BLOCK,
+                     "down": scales + 2 * fd // MXFP4_BLOCK},
+          "biases": {"gate": biases, "up": biases + 4 * f, "down": biases + 8 * f}}
+
+
+def mxfp4_block_bytes(ffn_dim: int, width: int) -> int:
+  """Bytes of an mxfp4 block's content (codes, scales, float32 biases), before padding."""
+  check_mxfp4_shape(ffn_dim, width)
+  return mxfp4_offsets(ffn_dim, width)["biases"]["down"] + 4 * width
+
+
+def dequantize_mxfp4(codes: np.ndarray, scales: np.ndarray, dtype=np.float64) -> np.ndarray:
+  """``codes [R, C/2]`` uint8 and ``scales [R, C/32]`` uint8 -> ``w [R, C]`` in ``dtype``
+  (float64 by default; float32 is exact too)."""
+  codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
+  rows, half = codes.shape
+  values = np.empty((rows, 2 * half), dtype)
+  values[:, 0::2] = E2M1_VALUES[codes & 15]
+  values[:, 1::2] = E2M1_VALUES[codes >> 4]
+  exponent = np.repeat(scales.astype(np.int64) - 127, MXFP4_BLOCK, axis=1)
+  return np.ldexp(values, exponent).astype(dtype)
+
+
+def dequantize_mxfp4_block(block: np.ndarray, ffn_dim: int, width: int, dtype=np.float64):
+  """``(gate, up, down, gate_bias, up_bias, down_bias)`` of an mxfp4 block (any 1-byte view)."""
+  raw = np.asarray(block).view(np.uint8)
+  f, d = ffn_dim, width
+  at = mxfp4_offsets(f, d)
+  shapes = {"gate": (f, d), "up": (f, d), "down": (d, f)}
+  out = []
+  for part, (rows, cols) in shapes.items():
+    c = raw[at["codes"][part]:at["codes"][part] + rows * cols // 2].reshape(rows, cols // 2)
+    s0 = at["scales"][part]
+    s = raw[s0:s0 + rows * cols // MXFP4_BLOCK].reshape(rows, cols // MXFP4_BLOCK)
+    out.append(dequantize_mxfp4(c, s, dtype))
+  for part, n in (("gate", f), ("up", f), ("down", d)):
+    b0 = at["biases"][part]
+    out.append(raw[b0:b0 + 4 * n].view(np.float32).astype(dtype))
+  return tuple(out)
+
