@@ -8,8 +8,6 @@ router, and experts with biases and the clamped SwiGLU, whose pre-activations pa
 
 import copy
 import io
-import json
-import os
 
 import numpy as np
 import pytest
@@ -17,10 +15,9 @@ import torch
 
 import ftjax
 from ftjax.decode import run_decode
-from ftjax.formats.hf import ConversionError
 
 import tolerances
-from conftest import build_gpt_oss_model, hf_greedy, save_hf_checkpoint
+from conftest import build_gpt_oss_model, hf_greedy
 
 PROMPT = 40  # tokens: several times the sliding window of 6
 NEW = 16
@@ -130,33 +127,6 @@ def test_bfloat16_checkpoint(tmp_path):
   ids = _prompt(model.config.vocab_size, 24, seed=5)
   got = ftjax.Engine(model, kernels="ffi", kv_dtype="float32").forward_logits(ids)
   tolerances.assert_close(got, _hf_logits(hf_model, ids), tolerances.HF_PARITY, floor=1.0)
-
-
-def _mxfp4_checkpoint(path, *, with_quantization_config):
-  """The tiny model's checkpoint with its experts as gpt-oss ships them: uint8 ``*_blocks``
-  (two 4-bit values per byte, 32 per block) and ``*_scales`` (an exponent per block)."""
-  from safetensors.numpy import load_file, save_file
-  tensors = load_file(os.path.join(path, "model.safetensors"))
-  for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-    e, d_in, d_out = tensors.pop(name).shape
-    tensors[name + "_blocks"] = np.zeros((e, d_out, d_in // 32, 16), np.uint8)
-    tensors[name + "_scales"] = np.full((e, d_out, d_in // 32), 127, np.uint8)
-  save_file(tensors, os.path.join(path, "model.safetensors"))
-  with open(os.path.join(path, "config.json")) as f:
-    config = json.load(f)
-  if with_quantization_config:
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config, f)
-
-
-@pytest.mark.parametrize("with_quantization_config", [True, False])
-def test_mxfp4_checkpoint_is_refused(gpt_oss_checkpoint, tmp_path, with_quantization_config):
-  path = save_hf_checkpoint(gpt_oss_checkpoint[0], str(tmp_path / "hf"))
-  _mxfp4_checkpoint(path, with_quantization_config=with_quantization_config)
-  with pytest.raises(ConversionError, match="MXFP4 expert weights .* are not supported yet"):
-    ftjax.convert_hf(path, tmp_path / "ftw", show_progress=False)
-  assert not os.path.exists(tmp_path / "ftw")
 
 
 @pytest.mark.parametrize("policy", ["freetoken", "lru_fill"])

@@ -333,7 +333,13 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf_config = json.load(f)
   quant = (hf_config.get("quantization_config") or {}).get("quant_method")
-  mxfp4 = quant == "mxfp4" and any(_MXFP4_RE.match(_strip(n)) for st in shards for n in st.keys())
+  # MXFP4 experts are their *_blocks tensors (a checkpoint that transformers dequantised may
+  # keep quant_method "mxfp4" in its config, with float experts).
+  mxfp4 = any(_MXFP4_RE.match(_strip(n)) for st in shards for n in st.keys())
+  if quant not in (None, "mxfp4") or (quant is None and mxfp4):
+    raise ConversionError(f"{hf_dir}: quantization_config.quant_method={quant!r} with "
+                          f"{'MXFP4 *_blocks' if mxfp4 else 'these'} tensors: ftjax reads float "
+                          "checkpoints and gpt-oss's MXFP4 (quant_method 'mxfp4')")
   if mxfp4:
     if expert_dtype not in (None, "mxfp4"):
       raise ConversionError(
