@@ -1,0 +1,120 @@
+"""The FTW expert format mxfp4 (docs/ftw.md): the converted layout read back against the
+checkpoint's tensors (codes, scales, biases at the documented offsets), save/load byte exact,
+the checksums covering scales and biases, the writer's and converter's errors."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import ftjax
+from ftjax.formats import ftw
+from ftjax.formats.hf import ConversionError
+from ftjax.runtime import model as model_lib
+
+
+@pytest.fixture(scope="module")
+def converted(gpt_oss_mxfp4_checkpoint, tmp_path_factory):
+  """(checkpoint tensors, mxfp4 FTW path) of the tiny gpt-oss MXFP4 checkpoint."""
+  path = gpt_oss_mxfp4_checkpoint[1]
+  out = ftjax.convert_hf(path, tmp_path_factory.mktemp("mxfp4") / "ftw", dtype="bfloat16",
+                         show_progress=False)
+  return load_file(os.path.join(path, "model.safetensors")), out
+
+
+def align64(n):
+  return -(-n // 64) * 64
+
+
+def test_block_layout_is_the_documented_one(converted):
+  """Bytes at the offsets docs/ftw.md gives, computed here: codes (gate = even rows of
+  gate_up, up = odd rows), scales, float32 biases, zero padding; every (layer, expert)."""
+  tensors, path = converted
+  f = ftw.FTWFile.open(path)
+  c = f.config
+  F, D = c.moe_intermediate_size, c.hidden_size
+  ex = f.index["experts"]
+  assert f.expert_format == "mxfp4" and ex["dtype"] == "uint8" and f.index["format_version"] == 2
+  S = align64(3 * F * D // 2)
+  B = S + align64(3 * F * D // 32)
+  assert ex["block_bytes"] == ftw.align(B + 4 * (2 * F + D))
+  bank = f.expert_bank()
+  assert bank.dtype == np.uint8
+  for layer in range(c.num_moe_layers):
+    prefix = f"model.layers.{layer}.mlp.experts."
+    gate_up = tensors[prefix + "gate_up_proj_blocks"].reshape(c.num_experts, 2 * F, D // 2)
+    gate_up_scales = tensors[prefix + "gate_up_proj_scales"]
+    down = tensors[prefix + "down_proj_blocks"].reshape(c.num_experts, D, F // 2)
+    down_scales = tensors[prefix + "down_proj_scales"]
+    gate_up_bias = tensors[prefix + "gate_up_proj_bias"].astype(np.float32)
+    down_bias = tensors[prefix + "down_proj_bias"].astype(np.float32)
+    for e in range(c.num_experts):
+      block = bank[layer, e]
+      want = np.concatenate([
+          gate_up[e, 0::2].ravel(), gate_up[e, 1::2].ravel(), down[e].ravel(),
+          np.zeros(S - 3 * F * D // 2, np.uint8),
+          gate_up_scales[e, 0::2].ravel(), gate_up_scales[e, 1::2].ravel(), down_scales[e].ravel(),
+          np.zeros(B - S - 3 * F * D // 32, np.uint8),
+          np.ascontiguousarray(gate_up_bias[e, 0::2]).view(np.uint8),
+          np.ascontiguousarray(gate_up_bias[e, 1::2]).view(np.uint8),
+          down_bias[e].view(np.uint8)])
+      np.testing.assert_array_equal(block[:len(want)], want)
+      assert not block[len(want):].any()
+
+
+def test_saves_and_loads_byte_exact(converted, tmp_path):
+  _, path = converted
+  model = ftjax.load(path)
+  out = model_lib.save(model, tmp_path / "again")
+  again = ftjax.load(out)
+  assert again.expert_format == "mxfp4" and again.dtype == np.dtype("bfloat16")
+  np.testing.assert_array_equal(np.asarray(again.bank), np.asarray(model.bank))
+  with pytest.raises(ValueError, match="cannot be saved as int8"):
+    model_lib.save(model, tmp_path / "int8", expert_format="int8")
+
+
+@pytest.mark.parametrize("part", ["scales", "biases"])
+def test_flipped_scale_or_bias_byte_fails_the_checksum(converted, tmp_path, part):
+  path = tmp_path / "flip"
+  shutil.copytree(converted[1], path)
+  with open(path / ftw.INDEX_NAME) as fh:
+    ex = json.load(fh)["experts"]
+  inside = (ex["scales"][2]["offset"] if part == "scales"
+            else next(p for p in ex["parts"] if p["name"] == "up_bias")["offset"])
+  offset = (1 * ex["num_experts"] + 2) * ex["block_bytes"] + inside + 1
+  with open(path / ftw.EXPERTS_FILE, "r+b") as fh:
+    fh.seek(offset)
+    b = fh.read(1)
+    fh.seek(offset)
+    fh.write(bytes([b[0] ^ 0x01]))
+  with pytest.raises(ftw.FTWChecksumError, match="experts of layer 1"):
+    ftjax.load(path)
+
+
+def test_writer_errors(converted, tmp_path):
+  _, path = converted
+  config = ftw.FTWFile.open(path).config
+  F, D = config.moe_intermediate_size, config.hidden_size
+  writer = ftw.FTWWriter(tmp_path / "w", config, "float32", {}, expert_format="mxfp4")
+  codes = np.zeros((F, D // 2), np.uint8)
+  with pytest.raises(ftw.FTWError, match="takes each weight as uint8 E2M1 codes"):
+    writer.add_expert_part(0, 0, "gate", np.zeros((F, D), np.float32))
+  with pytest.raises(ftw.FTWConfigMismatchError, match="do not match the config's"):
+    writer.add_expert_part(0, 0, "gate", codes, np.zeros((F, D // 16), np.uint8))
+  with pytest.raises(ftw.FTWError, match="E8M0 scale of 255"):
+    writer.add_expert_part(0, 0, "gate", codes, np.full((F, D // 32), 255, np.uint8))
+  with pytest.raises(ftw.FTWError, match="mxfp4 expert blocks end with the gpt-oss expert biases"):
+    ftw.FTWWriter(tmp_path / "q", dataclasses.replace(config, expert_bias=False), "float32", {},
+                  expert_format="mxfp4")
+
+
+def test_mxfp4_of_float_experts_is_refused(gpt_oss_checkpoint, tmp_path):
+  """--expert_dtype=mxfp4 keeps shipped MXFP4; float experts are not quantised to it."""
+  with pytest.raises(ConversionError, match="has float experts"):
+    ftjax.convert_hf(gpt_oss_checkpoint[1], tmp_path / "ftw", expert_dtype="mxfp4",
+                     show_progress=False)
+  assert not os.path.exists(tmp_path / "ftw")
