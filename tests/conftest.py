@@ -366,3 +366,12 @@ def save_gpt_oss_mxfp4_checkpoint(out_dir: str, seed: int = 0):
 def gpt_oss_mxfp4_checkpoint(tmp_path_factory):
   """(torch model with the dequantised experts, checkpoint dir with the MXFP4 ones)."""
   return save_gpt_oss_mxfp4_checkpoint(str(tmp_path_factory.mktemp("gpt_oss_mxfp4")))
+
+
+def flip_bit(path, offset: int) -> None:
+  """Flips the lowest bit of the byte at ``offset`` of the file ``path`` (checksum tests)."""
+  with open(path, "r+b") as fh:
+    fh.seek(offset)
+    b = fh.read(1)
+    fh.seek(offset)
+    fh.write(bytes([b[0] ^ 0x01]))

@@ -16,6 +16,8 @@ from ftjax.formats import ftw
 from ftjax.formats.hf import ConversionError
 from ftjax.runtime import model as model_lib
 
+from conftest import flip_bit
+
 
 @pytest.fixture(scope="module")
 def converted(gpt_oss_mxfp4_checkpoint, tmp_path_factory):
@@ -86,11 +88,7 @@ def test_flipped_scale_or_bias_byte_fails_the_checksum(converted, tmp_path, part
   inside = (ex["scales"][2]["offset"] if part == "scales"
             else next(p for p in ex["parts"] if p["name"] == "up_bias")["offset"])
   offset = (1 * ex["num_experts"] + 2) * ex["block_bytes"] + inside + 1
-  with open(path / ftw.EXPERTS_FILE, "r+b") as fh:
-    fh.seek(offset)
-    b = fh.read(1)
-    fh.seek(offset)
-    fh.write(bytes([b[0] ^ 0x01]))
+  flip_bit(path / ftw.EXPERTS_FILE, offset)
   with pytest.raises(ftw.FTWChecksumError, match="experts of layer 1"):
     ftjax.load(path)
 
@@ -116,5 +114,13 @@ def test_mxfp4_of_float_experts_is_refused(gpt_oss_checkpoint, tmp_path):
   """--expert_dtype=mxfp4 keeps shipped MXFP4; float experts are not quantised to it."""
   with pytest.raises(ConversionError, match="has float experts"):
     ftjax.convert_hf(gpt_oss_checkpoint[1], tmp_path / "ftw", expert_dtype="mxfp4",
+                     show_progress=False)
+  assert not os.path.exists(tmp_path / "ftw")
+
+
+def test_expanding_mxfp4_is_refused(gpt_oss_mxfp4_checkpoint, tmp_path):
+  """An MXFP4 checkpoint is kept as shipped: asking for float experts names the way to get them."""
+  with pytest.raises(ConversionError, match="ships MXFP4 experts, which are kept as they are"):
+    ftjax.convert_hf(gpt_oss_mxfp4_checkpoint[1], tmp_path / "ftw", expert_dtype="bfloat16",
                      show_progress=False)
   assert not os.path.exists(tmp_path / "ftw")

@@ -153,33 +153,3 @@ def mxfp4_block_bytes(ffn_dim: int, width: int) -> int:
   check_mxfp4_shape(ffn_dim, width)
   return mxfp4_offsets(ffn_dim, width)["biases"]["down"] + 4 * width
 
-
-def dequantize_mxfp4(codes: np.ndarray, scales: np.ndarray, dtype=np.float64) -> np.ndarray:
-  """``codes [R, C/2]`` uint8 and ``scales [R, C/32]`` uint8 -> ``w [R, C]`` in ``dtype``
-  (float64 by default; float32 is exact too)."""
-  codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
-  rows, half = codes.shape
-  values = np.empty((rows, 2 * half), dtype)
-  values[:, 0::2] = E2M1_VALUES[codes & 15]
-  values[:, 1::2] = E2M1_VALUES[codes >> 4]
-  exponent = np.repeat(scales.astype(np.int64) - 127, MXFP4_BLOCK, axis=1)
-  return np.ldexp(values, exponent).astype(dtype)
-
-
-def dequantize_mxfp4_block(block: np.ndarray, ffn_dim: int, width: int, dtype=np.float64):
-  """``(gate, up, down, gate_bias, up_bias, down_bias)`` of an mxfp4 block (any 1-byte view)."""
-  raw = np.asarray(block).view(np.uint8)
-  f, d = ffn_dim, width
-  at = mxfp4_offsets(f, d)
-  shapes = {"gate": (f, d), "up": (f, d), "down": (d, f)}
-  out = []
-  for part, (rows, cols) in shapes.items():
-    c = raw[at["codes"][part]:at["codes"][part] + rows * cols // 2].reshape(rows, cols // 2)
-    s0 = at["scales"][part]
-    s = raw[s0:s0 + rows * cols // MXFP4_BLOCK].reshape(rows, cols // MXFP4_BLOCK)
-    out.append(dequantize_mxfp4(c, s, dtype))
-  for part, n in (("gate", f), ("up", f), ("down", d)):
-    b0 = at["biases"][part]
-    out.append(raw[b0:b0 + 4 * n].view(np.float32).astype(dtype))
-  return tuple(out)
-
