@@ -231,6 +231,51 @@ def serve_rounds(measure, ready: dict) -> None:
     print(json.dumps(measure()), flush=True)
 
 
+class RoundWorker:
+  """The driver side of the round protocol: starts ``script --worker ARGS`` (from /tmp, so the
+  installed package is imported), reads its ready line; ``ask()`` runs one round."""
+
+  def __init__(self, script: str, *args: str):
+    self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--worker", *args],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 cwd="/tmp")
+    self.ready = json.loads(self.proc.stdout.readline())
+
+  def ask(self) -> dict:
+    self.proc.stdin.write("round\n")
+    self.proc.stdin.flush()
+    return json.loads(self.proc.stdout.readline())
+
+  def close(self) -> None:
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+def add_peer_arguments(p, *, hf_dir: str, work_dir: str, hf_help: str, smoke_help: str,
+                       results: str) -> None:
+  """The flags quant_peer.py and mxfp4_peer.py share (and their hidden worker flags)."""
+  p.add_argument("--llama_src", help="llama.cpp source tree (vendor/llama.cpp of the sdist)")
+  p.add_argument("--llama_build", help="llama.cpp CMake build dir with bin/llama-bench")
+  p.add_argument("--hf_dir", default=hf_dir, help=hf_help)
+  p.add_argument("--work_dir", default=work_dir,
+                 help="where the two conversions go (nothing here is committed)")
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--tokens", type=int, default=64, help="decoded tokens per measurement")
+  p.add_argument("--smoke", action="store_true", help=smoke_help)
+  p.add_argument("--out", default=None, help=f"results file (default results/{results}.json)")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--ftw_dir", help=argparse.SUPPRESS)
+
+
+def check_llama_args(p, args) -> None:
+  if not args.llama_src or not args.llama_build:
+    p.error("--llama_src and --llama_build are required (build llama.cpp as "
+            "../shared/PEERS.md says)")
+  if not os.path.exists(os.path.join(args.llama_build, "bin", "llama-bench")):
+    p.error(f"no bin/llama-bench in {args.llama_build}")
+
+
 def worker(hf_dir: str, long_tokens: int) -> None:
   """Round after round on request (stdin lines), one JSON line each on stdout; or, with
   ``long_tokens``, one long prompt."""

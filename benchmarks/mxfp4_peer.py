@@ -37,13 +37,13 @@ import os
 import shutil
 import statistics
 import struct
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_results  # noqa: E402
-from cpu_peer import convert_gguf, llama_bench, read_gb_s, serve_rounds  # noqa: E402
+from cpu_peer import (RoundWorker, add_peer_arguments, check_llama_args,  # noqa: E402
+                      convert_gguf, llama_bench, read_gb_s, serve_rounds)
 from hybrid_e2e import contended, with_other_load  # noqa: E402
 from quant_peer import ftjax_bytes_per_token, gguf_bytes_per_token  # noqa: E402
 
@@ -197,21 +197,11 @@ def worker(ftw_dir: str, tokens: int) -> None:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--llama_src", help="llama.cpp source tree (vendor/llama.cpp of the sdist)")
-  p.add_argument("--llama_build", help="llama.cpp CMake build dir with bin/llama-bench")
-  p.add_argument("--hf_dir", default="/tmp/ftjax-mxfp4-peer/hf",
-                 help="the random MXFP4 checkpoint (written here when missing)")
-  p.add_argument("--work_dir", default="/tmp/ftjax-mxfp4-peer/work",
-                 help="where the two conversions go (nothing here is committed)")
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--rounds", type=int, default=5)
-  p.add_argument("--tokens", type=int, default=64, help="decoded tokens per measurement")
-  p.add_argument("--smoke", action="store_true",
-                 help="1 layer, vocabulary 32768, 1 round of 16 tokens, own dirs; results to "
-                      "WORK_DIR-smoke, never the committed file")
-  p.add_argument("--out", default=None, help="results file (default results/mxfp4_peer.json)")
-  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--ftw_dir", help=argparse.SUPPRESS)
+  add_peer_arguments(
+      p, hf_dir="/tmp/ftjax-mxfp4-peer/hf", work_dir="/tmp/ftjax-mxfp4-peer/work",
+      hf_help="the random MXFP4 checkpoint (written here when missing)",
+      smoke_help="1 layer, vocabulary 32768, 1 round of 16 tokens, own dirs; results to "
+                 "WORK_DIR-smoke, never the committed file", results="mxfp4_peer")
   args = p.parse_args()
   if args.worker:
     worker(args.ftw_dir, args.tokens)
@@ -220,11 +210,7 @@ def main() -> None:
   if args.smoke:
     args.rounds, args.tokens, args.layers, vocab = 1, 16, 1, 32768
     args.hf_dir, args.work_dir = args.hf_dir + "-smoke", args.work_dir + "-smoke"
-  if not args.llama_src or not args.llama_build:
-    p.error("--llama_src and --llama_build are required (build llama.cpp as "
-            "../shared/PEERS.md says)")
-  if not os.path.exists(os.path.join(args.llama_build, "bin", "llama-bench")):
-    p.error(f"no bin/llama-bench in {args.llama_build}")
+  check_llama_args(p, args)
   out = args.out
   if out is None and (args.smoke or args.rounds < 3):
     out = os.path.join(args.work_dir, "mxfp4_peer-smoke.json")  # not results worth committing
@@ -237,24 +223,16 @@ def main() -> None:
   llama_bytes = gguf_bytes_per_token(gguf, args.llama_src, top_k)
   machine = machine_info()
   log(f"machine: {machine['cpu_model']}, kernels {machine['ftjax_kernels']}")
-  me = [sys.executable, os.path.abspath(__file__), "--worker", "--ftw_dir", ftw_dir,
-        "--tokens", str(args.tokens)]
-  proc = subprocess.Popen(me, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                          cwd="/tmp")
-  ready = json.loads(proc.stdout.readline())
+  ftjax_worker = RoundWorker(__file__, "--ftw_dir", ftw_dir, "--tokens", str(args.tokens))
+  ready, proc = ftjax_worker.ready, ftjax_worker.proc
   log(f"ftjax worker ready: {ready}; llama.cpp reads {llama_bytes / 1e9:.3f} GB per token")
-
-  def ask():
-    proc.stdin.write("round\n")
-    proc.stdin.flush()
-    return json.loads(proc.stdout.readline())
 
   rounds = []
   for r in range(args.rounds):
     row = {}
     for side in (("ftjax", "llama_cpp") if r % 2 == 0 else ("llama_cpp", "ftjax")):
       if side == "ftjax":
-        row["ftjax"] = with_other_load(ask, proc.pid)
+        row["ftjax"] = with_other_load(ftjax_worker.ask, proc.pid)
       else:
         row["llama_cpp"] = with_other_load(lambda: {"decode": llama_bench(
             args.llama_build, gguf, "-p", "0", "-n", str(args.tokens))["avg_ts"]}, proc.pid)
@@ -267,8 +245,7 @@ def main() -> None:
         f"({row['roofline']['ftjax']:.2f} of its roofline){contended(row['ftjax'])}; llama.cpp "
         f"{theirs:.1f} tok/s ({row['roofline']['llama_cpp']:.2f}){contended(row['llama_cpp'])}; "
         f"ratio {row['ratio']:.2f}")
-  proc.stdin.close()
-  proc.wait()
+  ftjax_worker.close()
   med = {"ftjax": statistics.median(r["ftjax"]["ftjax"] for r in rounds),
          "llama_cpp": statistics.median(r["llama_cpp"]["decode"] for r in rounds)}
   ratio = statistics.median(r["ratio"] for r in rounds)
@@ -299,13 +276,7 @@ def main() -> None:
   print(f"of the roofline (read {results['read_GBps_median']:.1f} GB/s; ftjax reads "
         f"{ready['bytes_per_token'] / 1e9:.3f} GB per token, llama.cpp {llama_bytes / 1e9:.3f}): "
         f"ftjax {roofline['ftjax']:.2f}, llama.cpp {roofline['llama_cpp']:.2f}")
-  if out:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-      json.dump(results, f, indent=1)
-    print(f"results: {out}")
-  else:
-    print(f"results: {write_results('mxfp4_peer', results)}")
+  print(f"results: {write_results('mxfp4_peer', results, out)}")
 
 
 if __name__ == "__main__":
