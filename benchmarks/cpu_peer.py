@@ -101,13 +101,28 @@ def hf_config(c) -> dict:
       "bos_token_id": 0, "eos_token_id": 1}
 
 
+def pool_slice(pool, n: int, rng):
+  """n values of a random pool from a random start (repeated past its end)."""
+  import numpy as np  # noqa: PLC0415
+  return np.resize(np.roll(pool, -int(rng.integers(0, pool.size)))[:min(n, pool.size)], n)
+
+
+def write_config_and_tokenizer(out_dir: str, config: dict) -> None:
+  """config.json, and the default model's tokenizer as a stand-in (../shared/PEERS.md)."""
+  from ftjax.assets import DEFAULT_MODEL_DIR  # noqa: PLC0415
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(config, f, indent=1)
+  shutil.copy(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"), out_dir)
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
 def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
   """Random bf16 weights as one safetensors file (written by hand: header + raw bytes), the
   config, and the default model's tokenizer as a stand-in. Skipped when already there."""
   import ml_dtypes  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from ftjax.assets import DEFAULT_MODEL_DIR  # noqa: PLC0415
   c = qwen3_30b_shape(layers)
   marker = os.path.join(out_dir, "written.json")
   stamp = {"layers": layers, "seed": seed, "format": 1}
@@ -134,13 +149,9 @@ def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
       if "norm" in name:
         x = (1.0 + 0.1 * rng.standard_normal(n, np.float32)).astype(ml_dtypes.bfloat16)
       else:
-        x = np.resize(np.roll(pool, -int(rng.integers(0, pool.size)))[:min(n, pool.size)], n)
+        x = pool_slice(pool, n, rng)
       f.write(x.tobytes())
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config(c), f, indent=1)
-  shutil.copy(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"), out_dir)
-  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+  write_config_and_tokenizer(out_dir, hf_config(c))
   with open(marker, "w") as f:
     json.dump(stamp, f)
   return out_dir

@@ -43,7 +43,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_results  # noqa: E402
 from cpu_peer import (RoundWorker, add_peer_arguments, check_llama_args,  # noqa: E402
-                      convert_gguf, llama_bench, read_gb_s, serve_rounds)
+                      convert_gguf, llama_bench, pool_slice, read_gb_s, serve_rounds,
+                      write_config_and_tokenizer)
 from hybrid_e2e import contended, with_other_load  # noqa: E402
 from quant_peer import ftjax_bytes_per_token, gguf_bytes_per_token  # noqa: E402
 
@@ -111,7 +112,6 @@ def write_checkpoint(layers: int, vocab: int | None, out_dir: str, seed: int = 0
   import ml_dtypes  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from ftjax.assets import DEFAULT_MODEL_DIR  # noqa: PLC0415
   marker = os.path.join(out_dir, "written.json")
   stamp = {"layers": layers, "vocab": vocab, "seed": seed, "format": 1}
   if os.path.exists(marker) and json.load(open(marker)) == stamp:
@@ -139,17 +139,13 @@ def write_checkpoint(layers: int, vocab: int | None, out_dir: str, seed: int = 0
       if name.endswith("_scales"):
         x = rng.integers(*SCALE_EXPONENTS, n, dtype=np.uint8)
       elif name.endswith("_blocks"):
-        x = np.resize(np.roll(codes, -int(rng.integers(0, codes.size)))[:min(n, codes.size)], n)
+        x = pool_slice(codes, n, rng)
       elif "norm" in name:
         x = (1.0 + 0.1 * rng.standard_normal(n, np.float32)).astype(ml_dtypes.bfloat16)
       else:
-        x = np.resize(np.roll(pool, -int(rng.integers(0, pool.size)))[:min(n, pool.size)], n)
+        x = pool_slice(pool, n, rng)
       f.write(x.tobytes())
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(config, f, indent=1)
-  shutil.copy(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"), out_dir)
-  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+  write_config_and_tokenizer(out_dir, config)
   with open(marker, "w") as f:
     json.dump(stamp, f)
   return out_dir
