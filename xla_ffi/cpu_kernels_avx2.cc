@@ -143,8 +143,55 @@ void DecodeMxfp4Avx2(const uint8_t* codes, const uint8_t* scales, int64_t n, flo
     }
   }
 }
+// One token (the decode GEMV), fused as on AVX-512 (cpu_kernels_avx512_common.h): activations
+// deinterleaved once per call, each half-block's 8 code bytes looked up (vpermps twice and a
+// blend, as above) and multiplied in registers with the even and the odd inputs.
+void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
+  const __m256 positive = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 negative = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  alignas(32) float x_split[cpu_kernels_impl::kMxfp4OneTokenChunk];
+  for (int64_t i = 0; i < p.n; i += cpu_kernels_impl::kMxfp4OneTokenChunk) {
+    const int64_t rest = p.n - i;
+    const int64_t blocks = (rest < cpu_kernels_impl::kMxfp4OneTokenChunk
+                                ? rest : cpu_kernels_impl::kMxfp4OneTokenChunk) / 32;
+    cpu_kernels_impl::DeinterleaveMxfp4Loop(p.a[0] + i, blocks, x_split);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
+      const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const __m256 scale = _mm256_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b]));
+        const __m256 pos = _mm256_mul_ps(positive, scale), neg = _mm256_mul_ps(negative, scale);
+        for (int half = 0; half < 2; ++half) {
+          const __m256i bytes = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * b + 8 * half)));
+          const __m256i high = _mm256_srli_epi32(bytes, 4);
+          const __m256 low_w = _mm256_blendv_ps(
+              _mm256_permutevar8x32_ps(pos, bytes), _mm256_permutevar8x32_ps(neg, bytes),
+              _mm256_castsi256_ps(_mm256_slli_epi32(bytes, 28)));
+          const __m256 high_w = _mm256_blendv_ps(
+              _mm256_permutevar8x32_ps(pos, high), _mm256_permutevar8x32_ps(neg, high),
+              _mm256_castsi256_ps(_mm256_slli_epi32(high, 28)));
+          acc[half] = _mm256_fmadd_ps(low_w, _mm256_load_ps(x_split + 32 * b + 8 * half),
+                                      acc[half]);
+          acc[2 + half] = _mm256_fmadd_ps(
+              high_w, _mm256_load_ps(x_split + 32 * b + 16 + 8 * half), acc[2 + half]);
+        }
+      }
+      const float sum = Sum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
+                                             _mm256_add_ps(acc[2], acc[3])));
+      p.c[r] = i == 0 ? sum : p.c[r] + sum;
+    }
+  }
+}
+
 void DotMxfp4F32Avx2(const Mxfp4DotProblem& p) {
-  cpu_kernels_impl::DotMxfp4<F32F32Ops256, DecodeMxfp4Avx2>(p);
+  if (p.tokens == 1) {
+    OneTokenMxfp4Avx2(p);
+  } else {
+    cpu_kernels_impl::DotMxfp4<F32F32Ops256, DecodeMxfp4Avx2>(p);
+  }
 }
 
 // Weight i of a row, in all 8 lanes as float32. bf16: the 32 bits at p (weights i and i + 1) are

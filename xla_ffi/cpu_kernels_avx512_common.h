@@ -164,7 +164,7 @@ inline void DecodeMxfp4Avx512(const uint8_t* codes, const uint8_t* scales, int64
 // the low nibbles' values times the even inputs, the high nibbles' times the odd ones. The rows
 // are read one after the other (one sequential stream of codes, one of scales). Inputs past
 // kMxfp4OneTokenChunk are taken in further chunks, each row's partial sums added.
-constexpr int64_t kMxfp4OneTokenChunk = 4096;
+using cpu_kernels_impl::kMxfp4OneTokenChunk;
 inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
   const __m512 values = _mm512_loadu_ps(cpu_kernels_impl::kE2M1Values);
   const __m512i even =
