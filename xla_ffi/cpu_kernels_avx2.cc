@@ -143,12 +143,16 @@ void DecodeMxfp4Avx2(const uint8_t* codes, const uint8_t* scales, int64_t n, flo
     }
   }
 }
-// One token (the decode GEMV), fused as on AVX-512 (cpu_kernels_avx512_common.h): activations
-// deinterleaved once per call, each half-block's 8 code bytes looked up (vpermps twice and a
-// blend, as above) and multiplied in registers with the even and the odd inputs.
+// One token (the decode GEMV), fused: activations deinterleaved once per call (the even inputs
+// of each block of 32, then the odd ones); per block, vpshufb maps the 16 low and the 16 high
+// nibbles to twice their E2M1 values as int8 (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12: exact), which
+// are widened to float32 and multiplied with the inputs; the block's sum is then scaled by half
+// its scale (a power of two: exact), as the dequantised weights' products summed in another
+// order.
 void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
-  const __m256 positive = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-  const __m256 negative = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  auto widen = [](__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); };
   alignas(32) float x_split[cpu_kernels_impl::kMxfp4OneTokenChunk];
   for (int64_t i = 0; i < p.n; i += cpu_kernels_impl::kMxfp4OneTokenChunk) {
     const int64_t rest = p.n - i;
@@ -158,29 +162,26 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
     for (int64_t r = 0; r < p.rows; ++r) {
       const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
       const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                       _mm256_setzero_ps()};
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
-        const __m256 scale = _mm256_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b]));
-        const __m256 pos = _mm256_mul_ps(positive, scale), neg = _mm256_mul_ps(negative, scale);
-        for (int half = 0; half < 2; ++half) {
-          const __m256i bytes = _mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * b + 8 * half)));
-          const __m256i high = _mm256_srli_epi32(bytes, 4);
-          const __m256 low_w = _mm256_blendv_ps(
-              _mm256_permutevar8x32_ps(pos, bytes), _mm256_permutevar8x32_ps(neg, bytes),
-              _mm256_castsi256_ps(_mm256_slli_epi32(bytes, 28)));
-          const __m256 high_w = _mm256_blendv_ps(
-              _mm256_permutevar8x32_ps(pos, high), _mm256_permutevar8x32_ps(neg, high),
-              _mm256_castsi256_ps(_mm256_slli_epi32(high, 28)));
-          acc[half] = _mm256_fmadd_ps(low_w, _mm256_load_ps(x_split + 32 * b + 8 * half),
-                                      acc[half]);
-          acc[2 + half] = _mm256_fmadd_ps(
-              high_w, _mm256_load_ps(x_split + 32 * b + 16 + 8 * half), acc[2 + half]);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b));
+        const __m128i low = _mm_shuffle_epi8(twice, _mm_and_si128(bytes, nibble));
+        const __m128i high =
+            _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+        const float* x = x_split + 32 * b;
+        __m256 block = _mm256_mul_ps(widen(low), _mm256_load_ps(x));
+        block = _mm256_fmadd_ps(widen(_mm_srli_si128(low, 8)), _mm256_load_ps(x + 8), block);
+        block = _mm256_fmadd_ps(widen(high), _mm256_load_ps(x + 16), block);
+        block = _mm256_fmadd_ps(widen(_mm_srli_si128(high, 8)), _mm256_load_ps(x + 24), block);
+        const __m256 half_scale =
+            _mm256_set1_ps(0.5f * cpu_kernels_impl::Mxfp4Scale(scales[b]));
+        if (b % 2 == 0) {
+          acc0 = _mm256_fmadd_ps(block, half_scale, acc0);
+        } else {
+          acc1 = _mm256_fmadd_ps(block, half_scale, acc1);
         }
       }
-      const float sum = Sum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
-                                             _mm256_add_ps(acc[2], acc[3])));
+      const float sum = Sum256(_mm256_add_ps(acc0, acc1));
       p.c[r] = i == 0 ? sum : p.c[r] + sum;
     }
   }
