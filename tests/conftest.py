@@ -221,7 +221,7 @@ GPT_OSS = dict(vocab_size=272, hidden_size=64, num_hidden_layers=4, num_attentio
 GPT_OSS_GATE_UP_STD = 0.35  # x @ gate_up has std ~2.8 (D = 64): some |g|, |u| pass limit 7
 
 
-def build_gpt_oss_model(seed: int = 0):
+def build_gpt_oss_model(seed: int = 0, **overrides):
   """A random float32 transformers GptOssForCausalLM (eager attention and experts). Norms,
   biases and sinks get noise; the experts' gate_up projection is scaled so that the clamped
   SwiGLU's limit (7.0) is reached, and the output projection scaled down to keep the residual
@@ -229,7 +229,7 @@ def build_gpt_oss_model(seed: int = 0):
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
   torch.manual_seed(seed)
-  config = transformers.GptOssConfig(**GPT_OSS)
+  config = transformers.GptOssConfig(**{**GPT_OSS, **overrides})
   model = transformers.GptOssForCausalLM(config).eval().to(torch.float32)
   model.config._attn_implementation = "eager"
   model.config._experts_implementation = "eager"

@@ -12,7 +12,7 @@ _EXPERT_DTYPE = flags.DEFINE_enum(
     "expert_dtype", None, ["bfloat16", "float32", "int8", "mxfp4"],
     "routed experts' format (default: --dtype, or mxfp4 for a checkpoint with MXFP4 experts); "
     "int8 is symmetric per output channel with float32 scales; mxfp4 keeps gpt-oss's MXFP4 "
-    "experts as shipped (docs/ftw.md)")
+    "experts as shipped, or quantises float gpt-oss experts to it (docs/ftw.md)")
 _OVERWRITE = flags.DEFINE_boolean("overwrite", False, "replace --out if it is an FTW model")
 
 

@@ -15,8 +15,9 @@ import ftjax
 from ftjax.formats import ftw
 from ftjax.formats.hf import ConversionError
 from ftjax.runtime import model as model_lib
+from ftjax.utils import quant
 
-from conftest import flip_bit
+from conftest import build_gpt_oss_model, flip_bit, save_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,10 @@ def test_writer_errors(converted, tmp_path):
   writer = ftw.FTWWriter(tmp_path / "w", config, "float32", {}, expert_format="mxfp4")
   codes = np.zeros((F, D // 2), np.uint8)
   with pytest.raises(ftw.FTWError, match="takes each weight as uint8 E2M1 codes"):
-    writer.add_expert_part(0, 0, "gate", np.zeros((F, D), np.float32))
+    writer.add_expert_part(0, 0, "gate", codes)  # codes without their scales
+  with pytest.raises(ftw.FTWError, match="got float32 .* with scales"):
+    writer.add_expert_part(0, 0, "gate", np.zeros((F, D), np.float32),
+                           np.zeros((F, D // 32), np.uint8))
   with pytest.raises(ftw.FTWConfigMismatchError, match="do not match the config's"):
     writer.add_expert_part(0, 0, "gate", codes, np.zeros((F, D // 16), np.uint8))
   with pytest.raises(ftw.FTWError, match="E8M0 scale of 255"):
@@ -110,12 +114,75 @@ def test_writer_errors(converted, tmp_path):
                   expert_format="mxfp4")
 
 
-def test_mxfp4_of_float_experts_is_refused(gpt_oss_checkpoint, tmp_path):
-  """--expert_dtype=mxfp4 keeps shipped MXFP4; float experts are not quantised to it."""
-  with pytest.raises(ConversionError, match="has float experts"):
-    ftjax.convert_hf(gpt_oss_checkpoint[1], tmp_path / "ftw", expert_dtype="mxfp4",
-                     show_progress=False)
-  assert not os.path.exists(tmp_path / "ftw")
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def spec_quantise(w):
+  """Block by block and element by element, as docs/ftw.md says: k the smallest integer with
+  max|w| / 2^k <= 6 (0 for a zero block), each w / 2^k to the nearest E2M1 magnitude, a tie to
+  the even code; the sign in bit 3 (none for a zero). Returns codes [R, C/2], scales [R, C/32]."""
+  w = np.asarray(w, np.float64)
+  rows, cols = w.shape
+  codes = np.zeros((rows, cols), np.uint8)
+  scales = np.zeros((rows, cols // 32), np.uint8)
+  for r in range(rows):
+    for b in range(cols // 32):
+      block = w[r, 32 * b:32 * b + 32]
+      largest = np.max(np.abs(block))
+      k = 0
+      if largest > 0:
+        k = -127
+        while largest / 2.0 ** k > 6:
+          k += 1
+      scales[r, b] = k + 127
+      for j, v in enumerate(block):
+        m = abs(v) / 2.0 ** k
+        best = min(range(8), key=lambda c: (abs(E2M1[c] - m), c % 2))
+        codes[r, 32 * b + j] = best + (8 if v < 0 and best > 0 else 0)
+  return codes[:, 0::2] | (codes[:, 1::2] << 4), scales
+
+
+def test_quantisation_equals_the_spec():
+  """quant.quantize_mxfp4 on normal weights, exact ties (each midpoint, both signs), a zero
+  block and a block whose maximum is exactly 6 · 2^k."""
+  rng = np.random.default_rng(0)
+  w = (0.02 * rng.standard_normal((6, 96))).astype(np.float32)
+  w[0, :32] = 0
+  w[1, :32] = 0.75 * 2.0 ** -3  # all ties between 0.5 and 1 once scaled (max 0.75 -> k = -3)
+  w[1, 0] = 6 * 2.0 ** -3
+  mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]) * 2.0 ** -4
+  w[2, 32:48] = np.concatenate([mids, -mids])
+  w[2, 48:64] = 0
+  codes, scales = quant.quantize_mxfp4(w)
+  want_codes, want_scales = spec_quantise(w)
+  np.testing.assert_array_equal(scales, want_scales)
+  np.testing.assert_array_equal(codes, want_codes)
+  assert scales[0, 0] == 127 and scales[1, 0] == 124
+
+
+def test_float_experts_quantised_to_mxfp4(tmp_path):
+  """--expert_dtype=mxfp4 from a float gpt-oss checkpoint (F = 32): every weight part is the
+  spec quantisation of the checkpoint's, biases float32; the F = 24 model is refused clearly."""
+  hf_model = build_gpt_oss_model(seed=2, intermediate_size=32)
+  path = save_hf_checkpoint(hf_model, str(tmp_path / "hf"))
+  out = ftjax.convert_hf(path, tmp_path / "ftw", dtype="float32", expert_dtype="mxfp4",
+                         show_progress=False)
+  f = ftw.FTWFile.open(out)
+  assert f.expert_format == "mxfp4"
+  experts = hf_model.model.layers[1].mlp.experts
+  gate_up = experts.gate_up_proj.detach().numpy()[4]  # [D, 2F], gate in the even columns
+  down = experts.down_proj.detach().numpy()[4]  # [F, D]
+  for part, weight in (("gate", gate_up[:, 0::2].T), ("up", gate_up[:, 1::2].T),
+                       ("down", down.T)):
+    codes, scales = spec_quantise(weight)
+    np.testing.assert_array_equal(f.expert_part(1, 4, part), codes)
+    np.testing.assert_array_equal(f.expert_scale(1, 4, part), scales)
+  np.testing.assert_array_equal(f.expert_part(1, 4, "up_bias"),
+                                experts.gate_up_proj_bias.detach().numpy()[4, 1::2])
+  with pytest.raises(ValueError, match="multiples of 32"):
+    small = save_hf_checkpoint(build_gpt_oss_model(), str(tmp_path / "hf24"))
+    ftjax.convert_hf(small, tmp_path / "ftw24", expert_dtype="mxfp4", show_progress=False)
+  assert not os.path.exists(tmp_path / "ftw24")
 
 
 def test_expanding_mxfp4_is_refused(gpt_oss_mxfp4_checkpoint, tmp_path):

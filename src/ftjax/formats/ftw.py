@@ -268,8 +268,8 @@ class FTWWriter:
     return quant.quantize_rows(array)
 
   def _mxfp4(self, name: str, part: str, array: np.ndarray, scale: np.ndarray | None):
-    """An mxfp4 part: a weight as its uint8 codes [out, in/2] and E8M0 scales [out, in/32]
-    (kept as shipped: float weights are not quantised to mxfp4 here), a bias as float32."""
+    """An mxfp4 part: a weight as its uint8 codes [out, in/2] with E8M0 scales [out, in/32]
+    (kept as shipped), or float (quantised here: ``quant.quantize_mxfp4``); a bias as float32."""
     shape = self.part_shapes[part]
     if part.endswith("_bias"):
       if scale is not None:
@@ -280,11 +280,18 @@ class FTWWriter:
       return np.ascontiguousarray(np.asarray(array).astype(np.float32)), None
     rows, cols = shape
     want = {"codes": (rows, cols // 2), "scales": (rows, cols // quant.MXFP4_BLOCK)}
+    if array.dtype != np.uint8 and scale is None:  # float weights: quantised here
+      if tuple(array.shape) != tuple(shape):
+        raise FTWConfigMismatchError(f"tensor {name} has shape {tuple(array.shape)} but the "
+                                     f"model config implies {tuple(shape)}")
+      if not (np.issubdtype(array.dtype, np.floating) or array.dtype == DTYPES["bfloat16"]):
+        raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
+      return quant.quantize_mxfp4(array)
     if array.dtype != np.uint8 or scale is None:
       raise FTWError(f"{name}: an mxfp4 bank takes each weight as uint8 E2M1 codes {want['codes']}"
-                     f" with uint8 E8M0 scales {want['scales']} (as gpt-oss ships them), got "
-                     f"{array.dtype} {tuple(array.shape)}; convert float experts with "
-                     "--expert_dtype=int8 or keep them as floats")
+                     f" with uint8 E8M0 scales {want['scales']} (as gpt-oss ships them), or as "
+                     f"float weights without scales (quantised here), got {array.dtype} "
+                     f"{tuple(array.shape)}{' with scales' if scale is not None else ''}")
     scale = np.asarray(scale)
     if tuple(array.shape) != want["codes"] or tuple(scale.shape) != want["scales"] or \
         scale.dtype != np.uint8:

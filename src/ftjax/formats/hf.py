@@ -311,7 +311,9 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   format (default ``dtype``, or ``"mxfp4"`` for a checkpoint with MXFP4 experts): ``"int8"``
   quantises them symmetrically per output channel with float32 scales
   (``ftjax.utils.quant``), from whatever float dtype the checkpoint has; ``"mxfp4"`` keeps
-  gpt-oss's MXFP4 experts as shipped (and needs such a checkpoint).
+  gpt-oss's MXFP4 experts as shipped, or quantises float experts of a model with expert
+  biases (gpt-oss) to it: per block of 32 inputs the smallest power-of-two scale that fits
+  E2M1's 6, each weight rounded to the nearest E2M1 value (``quant.quantize_mxfp4``).
 
   Writes into a temporary directory next to ``out_dir`` and renames it at the end, so an
   interrupted conversion never leaves a half-written model and never touches other files.
@@ -348,10 +350,6 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
           "ftjax does not do: convert a bf16 copy (transformers' Mxfp4Config(dequantize=True), "
           "then save_pretrained) for that")
     expert_dtype = "mxfp4"
-  elif expert_dtype == "mxfp4":
-    raise ConversionError(f"--expert_dtype=mxfp4 keeps MXFP4 experts as shipped; {hf_dir} has "
-                          "float experts (quantising them to mxfp4 is not implemented): use "
-                          "--expert_dtype=int8 for quantised experts")
   source = {"kind": "huggingface-safetensors", "fingerprint": fingerprint(hf_dir),
             "path": os.path.abspath(hf_dir), "hf_config": hf_config}
   shapes = expected_dense_shapes(config)

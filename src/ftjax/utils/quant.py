@@ -153,3 +153,33 @@ def mxfp4_block_bytes(ffn_dim: int, width: int) -> int:
   check_mxfp4_shape(ffn_dim, width)
   return mxfp4_offsets(ffn_dim, width)["biases"]["down"] + 4 * width
 
+
+
+# Midpoints between neighbouring E2M1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6).
+_E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``w [R, C]`` float (C a multiple of 32) -> ``(codes [R, C/2], scales [R, C/32])`` uint8
+  (docs/ftw.md, ``--expert_dtype=mxfp4``): per block of 32 inputs the smallest ``2**k`` with
+  ``max|w| / 2**k <= 6`` (E2M1's largest magnitude; k clipped to [-127, 127], an all-zero block
+  gets k = 0), then each ``w / 2**k`` rounded to the nearest E2M1 value, ties to the even code."""
+  w = np.asarray(w)
+  if w.ndim != 2 or w.shape[1] % MXFP4_BLOCK:
+    raise ValueError(f"quantize_mxfp4 takes [R, C] with C a multiple of {MXFP4_BLOCK}, got "
+                     f"shape {w.shape}")
+  w = w.astype(np.float64)  # bfloat16 and float32 values are exact in float64
+  if not np.all(np.isfinite(w)):
+    raise ValueError("cannot quantise weights that are not finite (NaN or inf in the rows)")
+  rows, cols = w.shape
+  blocks = w.reshape(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+  largest = np.max(np.abs(blocks), axis=-1)
+  mantissa, exponent = np.frexp(largest / 6.0)  # largest / 6 = mantissa · 2**exponent, m in [0.5, 1)
+  k = np.where(mantissa == 0.5, exponent - 1, exponent)  # ceil(log2(largest / 6))
+  k = np.clip(np.where(largest > 0, k, 0), -127, 127)
+  scaled = np.abs(blocks) / np.ldexp(1.0, k)[..., None]
+  code = np.searchsorted(_E2M1_MIDPOINTS, scaled, side="left")  # ties: the smaller magnitude
+  tie = (code < len(_E2M1_MIDPOINTS)) & (scaled == _E2M1_MIDPOINTS[np.minimum(code, 6)])
+  code = np.where(tie & (code % 2 == 1), code + 1, code)  # ... unless its code is odd
+  code = np.where((blocks < 0) & (code > 0), code + 8, code).reshape(rows, cols).astype(np.uint8)
+  return code[:, 0::2] | (code[:, 1::2] << 4), (k + 127).astype(np.uint8)
