@@ -160,6 +160,26 @@ def test_quantisation_equals_the_spec():
   assert scales[0, 0] == 127 and scales[1, 0] == 124
 
 
+def test_bank_quantisation_equals_the_spec():
+  """quant.quantize_mxfp4_bank (Model quantisation, the profiler's calibration model): each
+  block's parts are the spec's codes and scales at the documented offsets, biases float32."""
+  F, D = 32, 64
+  rng = np.random.default_rng(1)
+  bank = (0.05 * rng.standard_normal((2, 3, 3 * F * D + 2 * F + D + 7))).astype(np.float32)
+  out = quant.quantize_mxfp4_bank(bank, F, D)
+  assert out.dtype == np.uint8 and out.shape[-1] % 64 == 0
+  S = align64(3 * F * D // 2)
+  B = S + align64(3 * F * D // 32)
+  block, got = bank[1, 2], out[1, 2]
+  for part, (start, rows, cols) in enumerate(((0, F, D), (F * D, F, D), (2 * F * D, D, F))):
+    codes, scales = spec_quantise(block[start:start + F * D].reshape(rows, cols))
+    np.testing.assert_array_equal(got[part * F * D // 2:(part + 1) * F * D // 2], codes.ravel())
+    np.testing.assert_array_equal(got[S + part * F * D // 32:S + (part + 1) * F * D // 32],
+                                  scales.ravel())
+  np.testing.assert_array_equal(got[B:B + 4 * (2 * F + D)].view(np.float32),
+                                block[3 * F * D:3 * F * D + 2 * F + D])
+
+
 def test_float_experts_quantised_to_mxfp4(tmp_path):
   """--expert_dtype=mxfp4 from a float gpt-oss checkpoint (F = 32): every weight part is the
   spec quantisation of the checkpoint's, biases float32; the F = 24 model is refused clearly."""

@@ -131,16 +131,26 @@ def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") 
   return Model(config=config, graphdef=graphdef, params=params, bank=bank)
 
 
-def quantize_experts(model: Model) -> Model:
-  """The model with its routed experts quantised to int8 (docs/ftw.md, ``ftjax.utils.quant``)
-  in memory, dense weights unchanged: the bank that ``save(model, ..., expert_format="int8")``
-  then ``load`` gives."""
-  if model.expert_format == "int8":
-    raise ValueError("the model's experts are int8 already")
+def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
+  """The model with its routed experts quantised to ``expert_format`` (``"int8"``, or
+  ``"mxfp4"`` for a model with expert biases; docs/ftw.md, ``ftjax.utils.quant``) in memory,
+  dense weights unchanged: the bank that ``save(model, ..., expert_format=...)`` then ``load``
+  gives."""
+  if model.expert_format in quant.QUANTISED_EXPERT_FORMATS:
+    raise ValueError(f"the model's experts are {model.expert_format} already")
   c = model.config
   f, d = c.moe_intermediate_size, c.hidden_size
-  bank = quant.quantize_bank(np.asarray(model.bank), f, d,
-                             block_bytes=ftw.align(quant.int8_block_bytes(f, d)))
+  if expert_format == "mxfp4":
+    if not c.expert_bias:
+      raise ValueError("mxfp4 expert blocks end with the gpt-oss expert biases, which this model "
+                       "does not have: quantise it to int8")
+    bank = quant.quantize_mxfp4_bank(np.asarray(model.bank), f, d,
+                                     block_bytes=ftw.align(quant.mxfp4_block_bytes(f, d)))
+  elif expert_format == "int8":
+    bank = quant.quantize_bank(np.asarray(model.bank), f, d,
+                               block_bytes=ftw.align(quant.int8_block_bytes(f, d)))
+  else:
+    raise ValueError(f"expert_format must be 'int8' or 'mxfp4', got {expert_format!r}")
   return dataclasses.replace(model, bank=jax.device_put(bank) if jax.default_backend() == "cpu"
                              else bank, path=None, storage=None)
 

@@ -183,3 +183,29 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   code = np.where(tie & (code % 2 == 1), code + 1, code)  # ... unless its code is odd
   code = np.where((blocks < 0) & (code > 0), code + 8, code).reshape(rows, cols).astype(np.uint8)
   return code[:, 0::2] | (code[:, 1::2] << 4), (k + 127).astype(np.uint8)
+
+
+def quantize_mxfp4_bank(bank: np.ndarray, ffn_dim: int, width: int,
+                        block_bytes: int | None = None) -> np.ndarray:
+  """A float bank ``[L, E, P]`` with biases (blocks ``gate | up | down | gate_bias | up_bias |
+  down_bias``) as an mxfp4 bank ``[L, E, block_bytes]`` uint8 (default: the content rounded
+  up to 64), weights by ``quantize_mxfp4``, biases in float32."""
+  bank = np.asarray(bank)
+  f, d = ffn_dim, width
+  fd = f * d
+  at = mxfp4_offsets(f, d)
+  block_bytes = block_bytes or _align(mxfp4_block_bytes(f, d))
+  out = np.zeros((*bank.shape[:2], block_bytes), np.uint8)
+  shapes = {"gate": (0, (f, d)), "up": (fd, (f, d)), "down": (2 * fd, (d, f))}
+  biases = {"gate": (3 * fd, f), "up": (3 * fd + f, f), "down": (3 * fd + 2 * f, d)}
+  for layer in range(bank.shape[0]):
+    for expert in range(bank.shape[1]):
+      block, dst = bank[layer, expert], out[layer, expert]
+      for part, (start, shape) in shapes.items():
+        codes, scales = quantize_mxfp4(block[start:start + fd].reshape(shape))
+        dst[at["codes"][part]:at["codes"][part] + codes.size] = codes.ravel()
+        dst[at["scales"][part]:at["scales"][part] + scales.size] = scales.ravel()
+      for part, (start, n) in biases.items():
+        bias = block[start:start + n].astype(np.float32)
+        dst[at["biases"][part]:at["biases"][part] + 4 * n] = bias.view(np.uint8)
+  return out
