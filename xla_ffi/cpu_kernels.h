@@ -190,11 +190,14 @@ struct KernelTable {
   // [-127, 127] (an FTW int8 bank's do). Null unless the ISA has AVX-512-VNNI
   // (the avx512bf16 table).
   DotI8I8Fn dot_i8_i8;
-  // mxfp4 weights decoded with a 16-entry table (the E2M1 values times the block's scale: an
-  // exact float32 product) a few rows and up to 1024 inputs at a time, into a buffer that
-  // stays in L1, then multiplied by dot_f32_f32's code: one token reads the 4.25-bit weights
-  // once. AVX-512: vpermps on the nibbles; AVX2: two vpermps and a blend; scalar: a table
-  // lookup. Never null.
+  // mxfp4 weights against float32 activations (Mxfp4DotProblem). Several tokens: the codes are
+  // decoded with a 16-entry table (the E2M1 values times the block's scale: an exact float32
+  // product) 4 rows and up to 1024 inputs at a time into a buffer that stays in L1, then
+  // multiplied by dot_f32_f32's code (AVX-512: vpermps on the nibbles; AVX2: two vpermps and a
+  // blend; scalar: a table lookup). One token (AVX-512, AVX2): fused, the activations
+  // deinterleaved once (even inputs, odd inputs) and each row's codes looked up in registers
+  // (AVX-512: vpermps; AVX2: vpshufb to twice the E2M1 value as int8, block sums scaled by half
+  // the scale), reading the 4.25-bit weights once as one stream. Never null.
   DotMxfp4F32Fn dot_mxfp4_f32;
 };
 
