@@ -53,9 +53,10 @@ def _kernels_info(kernels) -> dict | str:
     return f"unavailable: {e}"
 
 
-def write_results(name: str, results: dict) -> str:
-  os.makedirs(RESULTS_DIR, exist_ok=True)
-  path = os.path.join(RESULTS_DIR, f"{name}.json")
+def write_results(name: str, results: dict, path: str | None = None) -> str:
+  """Writes ``results`` to ``path``, by default ``results/NAME.json``; returns the path."""
+  path = path or os.path.join(RESULTS_DIR, f"{name}.json")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
   return path

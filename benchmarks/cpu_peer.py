@@ -101,13 +101,28 @@ def hf_config(c) -> dict:
       "bos_token_id": 0, "eos_token_id": 1}
 
 
+def pool_slice(pool, n: int, rng):
+  """n values of a random pool from a random start (repeated past its end)."""
+  import numpy as np  # noqa: PLC0415
+  return np.resize(np.roll(pool, -int(rng.integers(0, pool.size)))[:min(n, pool.size)], n)
+
+
+def write_config_and_tokenizer(out_dir: str, config: dict) -> None:
+  """config.json, and the default model's tokenizer as a stand-in (../shared/PEERS.md)."""
+  from ftjax.assets import DEFAULT_MODEL_DIR  # noqa: PLC0415
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(config, f, indent=1)
+  shutil.copy(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"), out_dir)
+  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
 def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
   """Random bf16 weights as one safetensors file (written by hand: header + raw bytes), the
   config, and the default model's tokenizer as a stand-in. Skipped when already there."""
   import ml_dtypes  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from ftjax.assets import DEFAULT_MODEL_DIR  # noqa: PLC0415
   c = qwen3_30b_shape(layers)
   marker = os.path.join(out_dir, "written.json")
   stamp = {"layers": layers, "seed": seed, "format": 1}
@@ -134,13 +149,9 @@ def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
       if "norm" in name:
         x = (1.0 + 0.1 * rng.standard_normal(n, np.float32)).astype(ml_dtypes.bfloat16)
       else:
-        x = np.resize(np.roll(pool, -int(rng.integers(0, pool.size)))[:min(n, pool.size)], n)
+        x = pool_slice(pool, n, rng)
       f.write(x.tobytes())
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config(c), f, indent=1)
-  shutil.copy(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"), out_dir)
-  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+  write_config_and_tokenizer(out_dir, hf_config(c))
   with open(marker, "w") as f:
     json.dump(stamp, f)
   return out_dir
@@ -229,6 +240,51 @@ def serve_rounds(measure, ready: dict) -> None:
     if line.strip() != "round":
       break
     print(json.dumps(measure()), flush=True)
+
+
+class RoundWorker:
+  """The driver side of the round protocol: starts ``script --worker ARGS`` (from /tmp, so the
+  installed package is imported), reads its ready line; ``ask()`` runs one round."""
+
+  def __init__(self, script: str, *args: str):
+    self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--worker", *args],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 cwd="/tmp")
+    self.ready = json.loads(self.proc.stdout.readline())
+
+  def ask(self) -> dict:
+    self.proc.stdin.write("round\n")
+    self.proc.stdin.flush()
+    return json.loads(self.proc.stdout.readline())
+
+  def close(self) -> None:
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+def add_peer_arguments(p, *, hf_dir: str, work_dir: str, hf_help: str, smoke_help: str,
+                       results: str) -> None:
+  """The flags quant_peer.py and mxfp4_peer.py share (and their hidden worker flags)."""
+  p.add_argument("--llama_src", help="llama.cpp source tree (vendor/llama.cpp of the sdist)")
+  p.add_argument("--llama_build", help="llama.cpp CMake build dir with bin/llama-bench")
+  p.add_argument("--hf_dir", default=hf_dir, help=hf_help)
+  p.add_argument("--work_dir", default=work_dir,
+                 help="where the two conversions go (nothing here is committed)")
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--tokens", type=int, default=64, help="decoded tokens per measurement")
+  p.add_argument("--smoke", action="store_true", help=smoke_help)
+  p.add_argument("--out", default=None, help=f"results file (default results/{results}.json)")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--ftw_dir", help=argparse.SUPPRESS)
+
+
+def check_llama_args(p, args) -> None:
+  if not args.llama_src or not args.llama_build:
+    p.error("--llama_src and --llama_build are required (build llama.cpp as "
+            "../shared/PEERS.md says)")
+  if not os.path.exists(os.path.join(args.llama_build, "bin", "llama-bench")):
+    p.error(f"no bin/llama-bench in {args.llama_build}")
 
 
 def worker(hf_dir: str, long_tokens: int) -> None:

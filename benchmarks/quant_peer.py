@@ -46,14 +46,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_results  # noqa: E402
-from cpu_peer import (convert_gguf, llama_bench, read_gb_s, serve_rounds,  # noqa: E402
-                      write_checkpoint)
+from cpu_peer import (RoundWorker, add_peer_arguments, check_llama_args,  # noqa: E402
+                      convert_gguf, llama_bench, read_gb_s, serve_rounds, write_checkpoint)
 from hybrid_e2e import contended, with_other_load  # noqa: E402
 
 THREADS = 2
@@ -173,31 +172,18 @@ def worker(ftw_dir: str, tokens: int) -> None:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--llama_src", help="llama.cpp source tree (vendor/llama.cpp of the sdist)")
-  p.add_argument("--llama_build", help="llama.cpp CMake build dir with bin/llama-bench")
-  p.add_argument("--hf_dir", default="/tmp/ftjax-cpu-peer/hf-4l",
-                 help="the random bf16 checkpoint (written by cpu_peer.py's code if missing)")
-  p.add_argument("--work_dir", default="/tmp/ftjax-quant-peer",
-                 help="where the two conversions go (nothing here is committed)")
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--rounds", type=int, default=5)
-  p.add_argument("--tokens", type=int, default=64, help="decoded tokens per measurement")
-  p.add_argument("--smoke", action="store_true",
-                 help="1 round of 16 tokens; results to WORK_DIR, never the committed file")
-  p.add_argument("--out", default=None, help="results file (default results/quant_peer.json)")
-  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--ftw_dir", help=argparse.SUPPRESS)
+  add_peer_arguments(
+      p, hf_dir="/tmp/ftjax-cpu-peer/hf-4l", work_dir="/tmp/ftjax-quant-peer",
+      hf_help="the random bf16 checkpoint (written by cpu_peer.py's code if missing)",
+      smoke_help="1 round of 16 tokens; results to WORK_DIR, never the committed file",
+      results="quant_peer")
   args = p.parse_args()
   if args.worker:
     worker(args.ftw_dir, args.tokens)
     return
   if args.smoke:
     args.rounds, args.tokens = 1, 16
-  if not args.llama_src or not args.llama_build:
-    p.error("--llama_src and --llama_build are required (build llama.cpp as "
-            "../shared/PEERS.md says)")
-  if not os.path.exists(os.path.join(args.llama_build, "bin", "llama-bench")):
-    p.error(f"no bin/llama-bench in {args.llama_build}")
+  check_llama_args(p, args)
   out = args.out
   if out is None and (args.smoke or args.rounds < 3):
     out = os.path.join(args.work_dir, "quant_peer-smoke.json")  # not results worth committing
@@ -214,18 +200,10 @@ def main() -> None:
   llama_bytes = {k: gguf_bytes_per_token(g, args.llama_src, top_k) for k, g in ggufs.items()}
   machine = machine_info()
   log(f"machine: {machine['cpu_model']}, kernels {machine['ftjax_kernels']}")
-  me = [sys.executable, os.path.abspath(__file__), "--worker", "--ftw_dir", ftw_dir,
-        "--tokens", str(args.tokens)]
-  proc = subprocess.Popen(me, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                          cwd="/tmp")
-  ready = json.loads(proc.stdout.readline())
+  ftjax_worker = RoundWorker(__file__, "--ftw_dir", ftw_dir, "--tokens", str(args.tokens))
+  ready, proc = ftjax_worker.ready, ftjax_worker.proc
   log(f"ftjax worker ready: {ready}; llama.cpp reads " + ", ".join(
       f"{k} {b / 1e9:.3f}" for k, b in llama_bytes.items()) + " GB per token")
-
-  def ask():
-    proc.stdin.write("round\n")
-    proc.stdin.flush()
-    return json.loads(proc.stdout.readline())
 
   configs = list(ready["kernels"])  # ftjax, and ftjax_int8act where the CPU has VNNI
   sides = ["ftjax", *ggufs]
@@ -234,7 +212,7 @@ def main() -> None:
     row = {"llama_cpp": {}}
     for side in (sides if r % 2 == 0 else sides[::-1]):  # alternate the order every round
       if side == "ftjax":
-        row["ftjax"] = with_other_load(ask, proc.pid)
+        row["ftjax"] = with_other_load(ftjax_worker.ask, proc.pid)
       else:
         row["llama_cpp"][side] = with_other_load(lambda g=ggufs[side]: {"decode": llama_bench(
             args.llama_build, g, "-p", "0", "-n", str(args.tokens))["avg_ts"]}, proc.pid)
@@ -251,8 +229,7 @@ def main() -> None:
             f"; llama.cpp {k} {v['decode']:.1f} tok/s ({row['roofline'][k]:.2f} of its "
             f"roofline)" + contended(v) for k, v in row["llama_cpp"].items())
         + "; ratios " + ", ".join(f"{k} {x:.2f}" for k, x in row["ratio"].items()))
-  proc.stdin.close()
-  proc.wait()
+  ftjax_worker.close()
   med = {**{c: statistics.median(r["ftjax"][c] for r in rounds) for c in configs},
          **{k: statistics.median(r["llama_cpp"][k]["decode"] for r in rounds) for k in ggufs}}
   ratio = {k: statistics.median(r["ratio"][k] for r in rounds) for k in rounds[0]["ratio"]}
@@ -285,13 +262,7 @@ def main() -> None:
         f"{ready['bytes_per_token'] / 1e9:.3f} GB per token, llama.cpp " + ", ".join(
             f"{k} {b / 1e9:.3f}" for k, b in llama_bytes.items()) + "): " + ", ".join(
                 f"{k} {v:.2f}" for k, v in roofline.items()))
-  if out:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-      json.dump(results, f, indent=1)
-    print(f"results: {out}")
-  else:
-    print(f"results: {write_results('quant_peer', results)}")
+  print(f"results: {write_results('quant_peer', results, out)}")
 
 
 if __name__ == "__main__":

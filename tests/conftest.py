@@ -221,7 +221,7 @@ GPT_OSS = dict(vocab_size=272, hidden_size=64, num_hidden_layers=4, num_attentio
 GPT_OSS_GATE_UP_STD = 0.35  # x @ gate_up has std ~2.8 (D = 64): some |g|, |u| pass limit 7
 
 
-def build_gpt_oss_model(seed: int = 0):
+def build_gpt_oss_model(seed: int = 0, **overrides):
   """A random float32 transformers GptOssForCausalLM (eager attention and experts). Norms,
   biases and sinks get noise; the experts' gate_up projection is scaled so that the clamped
   SwiGLU's limit (7.0) is reached, and the output projection scaled down to keep the residual
@@ -229,7 +229,7 @@ def build_gpt_oss_model(seed: int = 0):
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
   torch.manual_seed(seed)
-  config = transformers.GptOssConfig(**GPT_OSS)
+  config = transformers.GptOssConfig(**{**GPT_OSS, **overrides})
   model = transformers.GptOssForCausalLM(config).eval().to(torch.float32)
   model.config._attn_implementation = "eager"
   model.config._experts_implementation = "eager"
@@ -304,3 +304,74 @@ def fresh_programs(monkeypatch):
   programs.clear_compiled()
   jax.clear_caches()
   return traces
+
+
+# gpt-oss with MXFP4 experts: the tiny config with F = 32 (MXFP4 blocks of 32 inputs along D and
+# along F). E8M0 exponents put the dequantised gate_up near GPT_OSS_GATE_UP_STD (random E2M1
+# codes have rms ~2.9) and down near 0.05.
+GPT_OSS_MXFP4 = dict(GPT_OSS, intermediate_size=32)
+MXFP4_EXPONENTS = {"gate_up_proj": (123, 125), "down_proj": (120, 122)}  # [low, high) of e
+
+
+def save_gpt_oss_mxfp4_checkpoint(out_dir: str, seed: int = 0):
+  """A random tiny GptOssForCausalLM whose experts are MXFP4 as gpt-oss ships them: the
+  checkpoint holds uint8 ``*_blocks`` [E, out, in/32, 16] and ``*_scales`` [E, out, in/32]
+  and ``quantization_config.quant_method = "mxfp4"``; the returned torch model holds the
+  experts transformers' own ``convert_moe_packed_tensors`` dequantises from them (float32), the
+  reference. Returns (torch model, checkpoint dir)."""
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+  from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: PLC0415
+  torch.manual_seed(seed)
+  config = transformers.GptOssConfig(**GPT_OSS_MXFP4)
+  model = transformers.GptOssForCausalLM(config).eval().to(torch.float32)
+  model.config._attn_implementation = "eager"
+  model.config._experts_implementation = "eager"
+  rng = np.random.default_rng(seed)
+  packed = {}
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      elif name.endswith(("gate_up_proj", "down_proj")):
+        e, d_in, d_out = p.shape  # transformers keeps them [E, in, out]
+        low, high = MXFP4_EXPONENTS[name.rsplit(".", 1)[1]]
+        blocks = rng.integers(0, 256, (e, d_out, d_in // 32, 16), dtype=np.uint8)
+        scales = rng.integers(low, high, (e, d_out, d_in // 32), dtype=np.uint8)
+        p.copy_(convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                           dtype=torch.float32))
+        packed[name] = (blocks, scales)
+      elif name.endswith("bias") or name.endswith("sinks"):
+        p.copy_(0.5 * torch.randn_like(p))
+  model.save_pretrained(out_dir)
+  tensors = load_file(os.path.join(out_dir, "model.safetensors"))
+  for name, (blocks, scales) in packed.items():
+    del tensors[name]
+    tensors[name + "_blocks"] = blocks
+    tensors[name + "_scales"] = scales
+  save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(out_dir, "config.json")) as f:
+    hf_config = json.load(f)
+  hf_config["quantization_config"] = {"quant_method": "mxfp4",
+                                      "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                 "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"]}
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_config, f)
+  return model, out_dir
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_mxfp4_checkpoint(tmp_path_factory):
+  """(torch model with the dequantised experts, checkpoint dir with the MXFP4 ones)."""
+  return save_gpt_oss_mxfp4_checkpoint(str(tmp_path_factory.mktemp("gpt_oss_mxfp4")))
+
+
+def flip_bit(path, offset: int) -> None:
+  """Flips the lowest bit of the byte at ``offset`` of the file ``path`` (checksum tests)."""
+  with open(path, "r+b") as fh:
+    fh.seek(offset)
+    b = fh.read(1)
+    fh.seek(offset)
+    fh.write(bytes([b[0] ^ 0x01]))

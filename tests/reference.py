@@ -21,13 +21,61 @@ from __future__ import annotations
 import numpy as np
 
 
+def _align64(n: int) -> int:
+  return -(-n // 64) * 64
+
+
+def e2m1(code: int) -> float:
+  """The value of a 4-bit E2M1 code from its bits (sign, 2 exponent bits, 1 mantissa bit; bias
+  1; exponent 0 is subnormal), written from the OCP MX spec, not from a table."""
+  sign = -1.0 if code & 8 else 1.0
+  exponent, mantissa = (code >> 1) & 3, code & 1
+  if exponent == 0:
+    return sign * 0.5 * mantissa
+  return sign * 2.0 ** (exponent - 1) * (1.0 + 0.5 * mantissa)
+
+
+def mxfp4_matrix(codes, scales, rows: int, cols: int):
+  """[rows, cols] float64 from codes (cols/2 bytes a row; input 2j in the low nibble of byte
+  j, 2j + 1 in the high one) and E8M0 scales (cols/32 a row, 2^(e - 127)), element by element."""
+  codes = np.asarray(codes).reshape(rows, cols // 2)
+  scales = np.asarray(scales).reshape(rows, cols // 32)
+  out = np.empty((rows, cols))
+  for r in range(rows):
+    for i in range(cols):
+      byte = int(codes[r, i // 2])
+      code = byte & 15 if i % 2 == 0 else byte >> 4
+      out[r, i] = e2m1(code) * 2.0 ** (int(scales[r, i // 32]) - 127)
+  return out
+
+
+def mxfp4_parts(block, ffn_dim: int, width: int):
+  """An mxfp4 block (docs/ftw.md, uint8) -> gate, up, down (float64) and the float32 biases
+  gate [F], up [F], down [D] as float64. Codes of gate [F, D/2], up, down [D, F/2] from byte 0,
+  scales from S = align64(3·F·D/2), biases from S + align64(3·F·D/32)."""
+  raw = np.asarray(block)
+  f, d = ffn_dim, width
+  fd = f * d
+  scales_at = _align64(3 * fd // 2)
+  biases_at = scales_at + _align64(3 * fd // 32)
+  weights = []
+  for part, (rows, cols) in enumerate(((f, d), (f, d), (d, f))):
+    codes = raw[part * fd // 2:(part + 1) * fd // 2]
+    scales = raw[scales_at + part * fd // 32:scales_at + (part + 1) * fd // 32]
+    weights.append(mxfp4_matrix(codes, scales, rows, cols))
+  biases = raw[biases_at:biases_at + 4 * (2 * f + d)].view("<f4").astype(np.float64)
+  return weights, (biases[:f], biases[f:2 * f], biases[2 * f:])
+
+
 def split_block(block, ffn_dim: int, width: int):
   """One expert block [P] -> gate [F, D], up [F, D], down [D, F], float64.
 
   An int8 block (docs/ftw.md, expert format int8) is dequantised: its int8 weights times the
   float32 scale of their row, read from byte 3·F·D rounded up to 64 (gate [F], up [F], down
-  [D])."""
+  [D]). An mxfp4 block (uint8) is dequantised by ``mxfp4_parts``."""
   fd = ffn_dim * width
+  if np.asarray(block).dtype == np.uint8:  # mxfp4
+    return tuple(mxfp4_parts(block, ffn_dim, width)[0])
   if np.asarray(block).dtype == np.int8:
     raw = np.asarray(block)
     start = -(-3 * fd // 64) * 64
@@ -42,7 +90,10 @@ def split_block(block, ffn_dim: int, width: int):
 
 
 def split_biases(block, ffn_dim: int, width: int):
-  """The biases after down in a block with biases: gate [F], up [F], down [D], float64."""
+  """The biases after down in a block with biases: gate [F], up [F], down [D], float64 (an
+  mxfp4 block's float32 biases after its scales)."""
+  if np.asarray(block).dtype == np.uint8:
+    return mxfp4_parts(block, ffn_dim, width)[1]
   block = np.asarray(block).astype(np.float64)
   start = 3 * ffn_dim * width
   return (block[start:start + ffn_dim], block[start + ffn_dim:start + 2 * ffn_dim],

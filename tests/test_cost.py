@@ -327,3 +327,14 @@ def test_int8_expert_bytes_count_weights_and_scales():
   assert int8.dense_bytes_per_layer == SHAPE.dense_bytes_per_layer  # dense weights unchanged
   with pytest.raises(ValueError, match="expert_format must be one of"):
     dataclasses.replace(SHAPE, expert_format="int4")
+
+
+def test_mxfp4_expert_bytes_count_codes_scales_and_biases():
+  """mxfp4 experts (docs/ftw.md): half a byte a weight, a scale byte per 32 weights, each part
+  64-byte aligned, then the float32 biases. gpt-oss-20b's expert: 3·2880² = 24,883,200
+  weights -> 12,441,600 code bytes and 777,600 scale bytes (both multiples of 64), then
+  4 · 3 · 2880 bias bytes = 13,253,760: 0.266 of its bf16 bytes."""
+  s = ModelShape.load(os.path.join(CONFIGS, "models", "gpt-oss-20b.json"))
+  mxfp4 = dataclasses.replace(s, expert_format="mxfp4")
+  assert mxfp4.expert_bytes == 12_441_600 + 777_600 + 4 * 3 * 2880 == 13_253_760
+  assert mxfp4.dense_bytes_per_layer == s.dense_bytes_per_layer

@@ -102,7 +102,27 @@ struct RowSumProblem {
   int64_t acc_stride;  // elements from one accumulator vector to the next
 };
 
+// mxfp4 weights (an FTW mxfp4 bank, docs/ftw.md) against float32 activations: the DotProblem of
+// the dequantised weights. Row r of the [rows, n] weight matrix is n / 2 bytes of 4-bit E2M1
+// codes at codes + r * code_stride (input 2j in the low nibble of byte j, 2j + 1 in the high
+// one) and n / 32 E8M0 scale bytes at scales + r * scale_stride (input i has the scale
+// i / 32; byte e stands for 2^(e - 127)); n is a multiple of 32. Weight = E2M1[code] * scale,
+// exact in float32; accumulation in float32.
+struct Mxfp4DotProblem {
+  const uint8_t* codes;
+  int64_t code_stride;  // bytes from one row's codes to the next
+  const uint8_t* scales;
+  int64_t scale_stride;  // bytes from one row's scales to the next
+  int64_t rows;
+  const float* const* a;  // a[t] points at n activations of token t
+  int64_t tokens;
+  int64_t n;
+  float* c;  // c[t * c_stride + r]
+  int64_t c_stride;
+};
+
 using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
+using DotMxfp4F32Fn = void (*)(const Mxfp4DotProblem&);
 using DotF32F32Fn = void (*)(const DotProblem<float, float>&);
 using DotI8F32Fn = void (*)(const DotProblem<int8_t, float>&);
 using DotI8I8Fn = void (*)(const DotProblem<int8_t, int8_t>&);
@@ -170,6 +190,15 @@ struct KernelTable {
   // [-127, 127] (an FTW int8 bank's do). Null unless the ISA has AVX-512-VNNI
   // (the avx512bf16 table).
   DotI8I8Fn dot_i8_i8;
+  // mxfp4 weights against float32 activations (Mxfp4DotProblem). Several tokens: the codes are
+  // decoded with a 16-entry table (the E2M1 values times the block's scale: an exact float32
+  // product) 4 rows and up to 1024 inputs at a time into a buffer that stays in L1, then
+  // multiplied by dot_f32_f32's code (AVX-512: vpermps on the nibbles; AVX2: two vpermps and a
+  // blend; scalar: a table lookup). One token (AVX-512, AVX2): fused, the activations
+  // deinterleaved once (even inputs, odd inputs) and each row's codes looked up in registers
+  // (AVX-512: vpermps; AVX2: vpshufb to twice the E2M1 value as int8, block sums scaled by half
+  // the scale), reading the 4.25-bit weights once as one stream. Never null.
+  DotMxfp4F32Fn dot_mxfp4_f32;
 };
 
 // The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read

@@ -116,6 +116,85 @@ struct I8F32Ops256 : F32F32Ops256 {
 
 void DotI8F32Avx2(const DotProblem<int8_t, float>& p) { cpu_kernels_impl::Dot<I8F32Ops256>(p); }
 
+// mxfp4 decode (cpu_kernels_impl::DecodeMxfp4Loop's result): per block of 32 inputs, the 8
+// magnitudes and the 8 negative values times the block's scale in two registers; each code
+// picks from both with vpermps on its low 3 bits and vblendvps on its sign bit (bit 3, shifted
+// to bit 31); the low and high nibbles' values are then interleaved into input order.
+void DecodeMxfp4Avx2(const uint8_t* codes, const uint8_t* scales, int64_t n, float* out) {
+  const __m256 positive = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 negative = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  auto lookup = [](__m256 pos, __m256 neg, __m256i index) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(pos, index),
+                            _mm256_permutevar8x32_ps(neg, index),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+  };
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const __m256 scale = _mm256_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b]));
+    const __m256 pos = _mm256_mul_ps(positive, scale), neg = _mm256_mul_ps(negative, scale);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * b + 8 * half)));
+      const __m256 low = lookup(pos, neg, bytes);                            // inputs 2j
+      const __m256 high = lookup(pos, neg, _mm256_srli_epi32(bytes, 4));     // inputs 2j + 1
+      const __m256 u0 = _mm256_unpacklo_ps(low, high), u1 = _mm256_unpackhi_ps(low, high);
+      float* o = out + 32 * b + 16 * half;
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u1, 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u0, u1, 0x31));
+    }
+  }
+}
+// One token (the decode GEMV), fused: activations deinterleaved once per call (the even inputs
+// of each block of 32, then the odd ones); per block, vpshufb maps the 16 low and the 16 high
+// nibbles to twice their E2M1 values as int8 (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12: exact), which
+// are widened to float32 and multiplied with the inputs; the block's sum is then scaled by half
+// its scale (a power of two: exact), as the dequantised weights' products summed in another
+// order.
+void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
+  const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  auto widen = [](__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); };
+  alignas(32) float x_split[cpu_kernels_impl::kMxfp4OneTokenChunk];
+  for (int64_t i = 0; i < p.n; i += cpu_kernels_impl::kMxfp4OneTokenChunk) {
+    const int64_t rest = p.n - i;
+    const int64_t blocks = (rest < cpu_kernels_impl::kMxfp4OneTokenChunk
+                                ? rest : cpu_kernels_impl::kMxfp4OneTokenChunk) / 32;
+    cpu_kernels_impl::DeinterleaveMxfp4Loop(p.a[0] + i, blocks, x_split);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
+      const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b));
+        const __m128i low = _mm_shuffle_epi8(twice, _mm_and_si128(bytes, nibble));
+        const __m128i high =
+            _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+        const float* x = x_split + 32 * b;
+        __m256 block = _mm256_mul_ps(widen(low), _mm256_load_ps(x));
+        block = _mm256_fmadd_ps(widen(_mm_srli_si128(low, 8)), _mm256_load_ps(x + 8), block);
+        block = _mm256_fmadd_ps(widen(high), _mm256_load_ps(x + 16), block);
+        block = _mm256_fmadd_ps(widen(_mm_srli_si128(high, 8)), _mm256_load_ps(x + 24), block);
+        const __m256 half_scale =
+            _mm256_set1_ps(0.5f * cpu_kernels_impl::Mxfp4Scale(scales[b]));
+        if (b % 2 == 0) {
+          acc0 = _mm256_fmadd_ps(block, half_scale, acc0);
+        } else {
+          acc1 = _mm256_fmadd_ps(block, half_scale, acc1);
+        }
+      }
+      const float sum = Sum256(_mm256_add_ps(acc0, acc1));
+      p.c[r] = i == 0 ? sum : p.c[r] + sum;
+    }
+  }
+}
+
+void DotMxfp4F32Avx2(const Mxfp4DotProblem& p) {
+  if (p.tokens == 1) {
+    OneTokenMxfp4Avx2(p);
+  } else {
+    cpu_kernels_impl::DotMxfp4<F32F32Ops256, DecodeMxfp4Avx2>(p);
+  }
+}
+
 // Weight i of a row, in all 8 lanes as float32. bf16: the 32 bits at p (weights i and i + 1) are
 // broadcast and shifted left by 16, which leaves weight i widened; so p[1] must exist (the last
 // weight of a row goes through LastWeight256).
@@ -484,6 +563,7 @@ const KernelTable kAvx2Table = {
     /*dot_i8_f32=*/DotI8F32Avx2,
     /*packed_dot_i8_f32=*/PackedDotI8F32Avx2,
     /*dot_i8_i8=*/nullptr,
+    /*dot_mxfp4_f32=*/DotMxfp4F32Avx2,
 };
 
 }  // namespace

@@ -38,6 +38,7 @@ const KernelTable kAvx512Table = {
     /*dot_i8_f32=*/DotI8F32Avx512,
     /*packed_dot_i8_f32=*/PackedDotI8F32Avx512,
     /*dot_i8_i8=*/nullptr,
+    /*dot_mxfp4_f32=*/DotMxfp4F32Avx512,
 };
 
 }  // namespace

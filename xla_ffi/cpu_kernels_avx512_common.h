@@ -137,6 +137,78 @@ inline void DotI8F32Avx512(const DotProblem<int8_t, float>& p) {
   cpu_kernels_impl::Dot<I8F32Ops512>(p);
 }
 
+// mxfp4 decode (cpu_kernels_impl::DecodeMxfp4Loop's result): per block of 32 inputs, the 16
+// E2M1 values times the block's scale in one register; the 16 code bytes widened to 32-bit
+// lanes index it with vpermps (which reads the low 4 bits: the low nibbles) and again shifted
+// right by 4 (the high nibbles); vpermt2ps interleaves the two into input order.
+inline void DecodeMxfp4Avx512(const uint8_t* codes, const uint8_t* scales, int64_t n,
+                              float* out) {
+  const __m512 values = _mm512_loadu_ps(cpu_kernels_impl::kE2M1Values);
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const __m512 table =
+        _mm512_mul_ps(values, _mm512_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b])));
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
+    const __m512 low = _mm512_permutexvar_ps(bytes, table);                          // 2j
+    const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);   // 2j + 1
+    _mm512_storeu_ps(out + 32 * b, _mm512_permutex2var_ps(low, first, high));
+    _mm512_storeu_ps(out + 32 * b + 16, _mm512_permutex2var_ps(low, second, high));
+  }
+}
+// One token (the decode GEMV), fused: the activations are deinterleaved once per call (per
+// block of 32: the 16 even inputs, then the 16 odd ones) into a stack buffer, so each row's
+// codes are looked up and multiplied in registers, with no interleaving and no weight buffer:
+// the low nibbles' values times the even inputs, the high nibbles' times the odd ones. The rows
+// are read one after the other (one sequential stream of codes, one of scales). Inputs past
+// kMxfp4OneTokenChunk are taken in further chunks, each row's partial sums added.
+using cpu_kernels_impl::kMxfp4OneTokenChunk;
+inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
+  const __m512 values = _mm512_loadu_ps(cpu_kernels_impl::kE2M1Values);
+  const __m512i even =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd =
+      _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  alignas(64) float x_split[kMxfp4OneTokenChunk];
+  for (int64_t i = 0; i < p.n; i += kMxfp4OneTokenChunk) {
+    const int64_t blocks =
+        (p.n - i < kMxfp4OneTokenChunk ? p.n - i : kMxfp4OneTokenChunk) / 32;
+    const float* x = p.a[0] + i;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+      _mm512_store_ps(x_split + 32 * b, _mm512_permutex2var_ps(x0, even, x1));
+      _mm512_store_ps(x_split + 32 * b + 16, _mm512_permutex2var_ps(x0, odd, x1));
+    }
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
+      const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const __m512 table =
+            _mm512_mul_ps(values, _mm512_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b])));
+        const __m512i bytes = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
+        acc0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(bytes, table),
+                               _mm512_load_ps(x_split + 32 * b), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table),
+                               _mm512_load_ps(x_split + 32 * b + 16), acc1);
+      }
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+      p.c[r] = i == 0 ? sum : p.c[r] + sum;
+    }
+  }
+}
+
+inline void DotMxfp4F32Avx512(const Mxfp4DotProblem& p) {
+  if (p.tokens == 1) {
+    OneTokenMxfp4Avx512(p);
+  } else {
+    cpu_kernels_impl::DotMxfp4<F32F32Ops512, DecodeMxfp4Avx512>(p);
+  }
+}
+
 // Runs a packed-activation GEMM (cpu_kernels.h) with the micro-kernels of `Kernels`
 // (Kernels::Run<kRows, kGroups, kHalf>): weight rows in blocks of 8, groups of 16 tokens in
 // passes of up to 3 over the same rows (in L1 after the first pass); the half group joins the

@@ -217,6 +217,7 @@ const KernelTable kAvx512Bf16Table = {
     /*dot_i8_f32=*/DotI8F32Avx512,
     /*packed_dot_i8_f32=*/PackedDotI8F32Avx512,
     /*dot_i8_i8=*/DotI8I8Avx512,
+    /*dot_mxfp4_f32=*/DotMxfp4F32Avx512,
 };
 
 }  // namespace

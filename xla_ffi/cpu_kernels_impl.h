@@ -204,6 +204,81 @@ void Dot(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p) {
   }
 }
 
+// mxfp4 (KernelTable::dot_mxfp4_f32): an E8M0 scale byte as float32, 2^(e - 127) (e = 0 is
+// the subnormal 2^-127; e = 255, NaN in the OCP format, is refused by the writers and the op).
+static inline float Mxfp4Scale(uint8_t e) {
+  const uint32_t bits = e == 0 ? 0x00400000u : static_cast<uint32_t>(e) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return scale;
+}
+
+// The E2M1 values of the 16 codes (sign in bit 3).
+static constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// out[i] = E2M1[code i] * scale[i / 32] for i < n (n a multiple of 32): the portable decode.
+static inline void DecodeMxfp4Loop(const uint8_t* codes, const uint8_t* scales, int64_t n,
+                                   float* out) {
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const float scale = Mxfp4Scale(scales[b]);
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t byte = codes[16 * b + j];
+      out[32 * b + 2 * j] = kE2M1Values[byte & 15] * scale;
+      out[32 * b + 2 * j + 1] = kE2M1Values[byte >> 4] * scale;
+    }
+  }
+}
+
+// The one-token mxfp4 GEMVs' activations, deinterleaved per block of 32 inputs: the 16 even
+// inputs, then the 16 odd ones (the low and the high nibbles' inputs), for `blocks` blocks.
+static inline void DeinterleaveMxfp4Loop(const float* x, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int j = 0; j < 16; ++j) {
+      out[32 * b + j] = x[32 * b + 2 * j];
+      out[32 * b + 16 + j] = x[32 * b + 2 * j + 1];
+    }
+  }
+}
+constexpr int64_t kMxfp4OneTokenChunk = 4096;  // inputs deinterleaved at a time (16 KiB)
+
+// KernelTable::dot_mxfp4_f32 on top of an ISA's float32 Ops and its decode
+// (Decode(codes, scales, n, out), as DecodeMxfp4Loop): kMxfp4Rows rows and kMxfp4Chunk inputs
+// are decoded into a stack buffer (16 KiB, in L1), which Dot<F32Ops> multiplies with the
+// tokens (64 at a time); the partial sums of later chunks are added to the first's.
+constexpr int64_t kMxfp4Rows = 4;
+constexpr int64_t kMxfp4Chunk = 1024;
+constexpr int64_t kMxfp4Tokens = 64;
+template <typename F32Ops, void (*Decode)(const uint8_t*, const uint8_t*, int64_t, float*)>
+void DotMxfp4(const Mxfp4DotProblem& p) {
+  alignas(64) float w[kMxfp4Rows * kMxfp4Chunk];
+  float partial[kMxfp4Tokens * kMxfp4Rows];
+  const float* a[kMxfp4Tokens];
+  for (int64_t row = 0; row < p.rows; row += kMxfp4Rows) {
+    const int64_t rows = p.rows - row < kMxfp4Rows ? p.rows - row : kMxfp4Rows;
+    for (int64_t i = 0; i < p.n; i += kMxfp4Chunk) {
+      const int64_t n = p.n - i < kMxfp4Chunk ? p.n - i : kMxfp4Chunk;
+      for (int64_t r = 0; r < rows; ++r) {
+        Decode(p.codes + (row + r) * p.code_stride + i / 2,
+               p.scales + (row + r) * p.scale_stride + i / 32, n, w + r * kMxfp4Chunk);
+      }
+      for (int64_t t0 = 0; t0 < p.tokens; t0 += kMxfp4Tokens) {
+        const int64_t tokens = p.tokens - t0 < kMxfp4Tokens ? p.tokens - t0 : kMxfp4Tokens;
+        for (int64_t t = 0; t < tokens; ++t) a[t] = p.a[t0 + t] + i;
+        float* c = p.c + t0 * p.c_stride + row;
+        if (i == 0) {
+          Dot<F32Ops>({w, kMxfp4Chunk, rows, a, tokens, n, c, p.c_stride});
+          continue;
+        }
+        Dot<F32Ops>({w, kMxfp4Chunk, rows, a, tokens, n, partial, kMxfp4Rows});
+        for (int64_t t = 0; t < tokens; ++t) {
+          for (int64_t r = 0; r < rows; ++r) c[t * p.c_stride + r] += partial[t * kMxfp4Rows + r];
+        }
+      }
+    }
+  }
+}
+
 // Plain loops that the ISA files share; `static`, so each file keeps its own copy compiled with
 // its own flags (and the compiler vectorises them for that ISA).
 

@@ -57,6 +57,10 @@ void DotI8F32(const DotProblem<int8_t, float>& p) {
   cpu_kernels_impl::Dot<ScalarOps<int8_t, float>>(p);
 }
 
+void DotMxfp4F32(const Mxfp4DotProblem& p) {
+  cpu_kernels_impl::DotMxfp4<ScalarOps<float, float>, cpu_kernels_impl::DecodeMxfp4Loop>(p);
+}
+
 void RoundToBf16(const float* in, Bf16Bits* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t bits;
@@ -168,6 +172,7 @@ const KernelTable kScalarTable = {
     /*dot_i8_f32=*/DotI8F32,
     /*packed_dot_i8_f32=*/nullptr,
     /*dot_i8_i8=*/nullptr,
+    /*dot_mxfp4_f32=*/DotMxfp4F32,
 };
 
 }  // namespace

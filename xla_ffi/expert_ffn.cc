@@ -19,6 +19,15 @@
 // multiplied by its scale once, after its dot product: the result is that of the dequantised
 // weights, to float32 rounding.
 //
+// mxfp4 banks (uint8; docs/ftw.md, expert format "mxfp4", gpt-oss's MXFP4 as shipped): each
+// block holds the 4-bit E2M1 codes of gate [F, D/2], up [F, D/2] and down [D, F/2] bytes (from
+// byte 0, in that order), then from Mxfp4ScalesOffset(F, D) their E8M0 scales per 32 inputs
+// (gate [F, D/32], up [F, D/32], down [D, F/32]), then from Mxfp4BiasesOffset(F, D) the float32
+// biases gate [F], up [F], down [D]: they always have biases (the gpt-oss variant). F and D are
+// multiples of 32, P of 64. KernelTable::dot_mxfp4_f32 decodes the codes times their scale
+// (exact in float32) and multiplies with float32 FMA: the result is that of the dequantised
+// weights to float32 rounding, and a decode call reads the 4.25-bit bytes once.
+//
 // Three layers, as STYLE.md section 6 asks:
 //   ExpertFfn        the kernel, no XLA types: plans the work and runs it on the workers with
 //                    the SIMD primitives of one ISA (cpu_kernels.h);
@@ -102,6 +111,20 @@ int64_t Int8BlockBytes(int64_t F, int64_t D) {
   return Int8ScalesOffset(F, D) + static_cast<int64_t>(sizeof(float)) * (2 * F + D);
 }
 
+// mxfp4 banks: the byte offsets of a block's scales and biases (each part 64-byte aligned), and
+// the bytes a block needs.
+constexpr int64_t kMxfp4Block = 32;  // inputs per scale
+int64_t Mxfp4ScalesOffset(int64_t F, int64_t D) {
+  return CeilDiv(3 * F * D / 2, kInt8ScalesAlignment) * kInt8ScalesAlignment;
+}
+int64_t Mxfp4BiasesOffset(int64_t F, int64_t D) {
+  return Mxfp4ScalesOffset(F, D) +
+         CeilDiv(3 * F * D / kMxfp4Block, kInt8ScalesAlignment) * kInt8ScalesAlignment;
+}
+int64_t Mxfp4BlockBytes(int64_t F, int64_t D) {
+  return Mxfp4BiasesOffset(F, D) + static_cast<int64_t>(sizeof(float)) * (2 * F + D);
+}
+
 // The per-output-row scales of int8 weights, applied after the dot products (a no-op for
 // float weights): c[t * c_stride + r] *= scale[r] (the dot kernels' layout) or, transposed (the
 // packed GEMMs'), c[r * c_stride + t] *= scale[r], for r < rows, t < tokens.
@@ -143,6 +166,50 @@ RowScales ScalesOf(const WeightT* block, const ExpertFfnDims& dims, int part, in
     const float* scales = reinterpret_cast<const float*>(
         block + Int8ScalesOffset(dims.ffn_dim, dims.model_dim));
     return RowScales{scales + part * dims.ffn_dim + row};
+  }
+}
+
+// The dot kernel of one weight type and activation type: DotProblem's, or for mxfp4 weights
+// (uint8_t) the Mxfp4DotProblem's.
+template <typename WeightT, typename ActivationT>
+struct DotKernelOf {
+  using type = void (*)(const DotProblem<WeightT, ActivationT>&);
+};
+template <>
+struct DotKernelOf<uint8_t, float> {
+  using type = DotMxfp4F32Fn;
+};
+template <typename WeightT, typename ActivationT>
+using DotKernel = typename DotKernelOf<WeightT, ActivationT>::type;
+
+// c[t * c_stride + r] = row (row + r) of part `part` (0 gate, 1 up, 2 down) of an expert block
+// . a[t], for r < rows, t < tokens: the dot kernel on the part's rows, then the int8 row scales.
+template <typename WeightT, typename ActivationT>
+void PartDot(DotKernel<WeightT, ActivationT> dot, const WeightT* block, const ExpertFfnDims& dims,
+             int part, int64_t row, int64_t rows, const ActivationT* const* a, int64_t tokens,
+             float* c, int64_t c_stride) {
+  const int64_t F = dims.ffn_dim, D = dims.model_dim;
+  const int64_t n = part == 2 ? F : D;  // inputs of the part's rows
+  if constexpr (std::is_same_v<WeightT, uint8_t>) {
+    const uint8_t* codes = block + part * (F * D / 2) + row * (n / 2);
+    const uint8_t* scales =
+        block + Mxfp4ScalesOffset(F, D) + part * (F * D / kMxfp4Block) + row * (n / kMxfp4Block);
+    dot({codes, n / 2, scales, n / kMxfp4Block, rows, a, tokens, n, c, c_stride});
+  } else {
+    dot({block + part * F * D + row * n, n, rows, a, tokens, n, c, c_stride});
+    ScalesOf(block, dims, part, row).Apply(rows, tokens, c, c_stride);
+  }
+}
+
+// The biases of an expert block with biases: gate [F], up [F], down [D] one after the other, in
+// the bank's dtype after the weights, or in float32 after an mxfp4 block's scales.
+template <typename WeightT>
+auto BiasesOf(const WeightT* block, const ExpertFfnDims& dims) {
+  const int64_t F = dims.ffn_dim, D = dims.model_dim;
+  if constexpr (std::is_same_v<WeightT, uint8_t>) {
+    return reinterpret_cast<const float*>(block + Mxfp4BiasesOffset(F, D));
+  } else {
+    return block + 3 * F * D;
   }
 }
 
@@ -324,7 +391,7 @@ struct ExpertStorage {
 template <typename WeightT, typename ActivationT>
 void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const float* x_f32,
                 const WeightT* bank_ep, const KernelTable& kernels,
-                void (*dot)(const DotProblem<WeightT, ActivationT>&), const Workers& workers,
+                DotKernel<WeightT, ActivationT> dot, const Workers& workers,
                 const ExpertActivation& act, float* y_td) {
   const int64_t D = dims.model_dim, F = dims.ffn_dim, routes = groups.num_routes();
   const int64_t num_experts = static_cast<int64_t>(groups.experts.size());
@@ -439,13 +506,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     const int64_t f0 = (task % ffn_chunks) * ffn_chunk;
     const int64_t rows = std::min(ffn_chunk, F - f0);
     const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
-    const WeightT* gate_fd = block + f0 * D;
-    const WeightT* up_fd = block + F * D + f0 * D;
-    const RowScales gate_scales = ScalesOf(block, dims, 0, f0);
-    const RowScales up_scales = ScalesOf(block, dims, 1, f0);
-    const WeightT* biases = act.biases ? block + 3 * F * D : nullptr;  // gate [F], up [F]
+    const auto biases = act.biases ? BiasesOf(block, dims) : nullptr;  // gate [F], up [F]
     WorkerScratch& s = scratch[worker];
-    if (storage[i].packed) {
+    if (storage[i].packed) {  // float and int8 banks
+      const WeightT* gate_fd = block + f0 * D;
+      const WeightT* up_fd = block + F * D + f0 * D;
+      const RowScales gate_scales = ScalesOf(block, dims, 0, f0);
+      const RowScales up_scales = ScalesOf(block, dims, 1, f0);
       const ExpertStorage& e = storage[i];
       const int64_t n = groups.offsets[i + 1] - groups.offsets[i];
       for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
@@ -474,10 +541,10 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     }
     for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
-      dot({gate_fd, D, rows, route_x + r0, tokens, D, s.gate, rows});
-      dot({up_fd, D, rows, route_x + r0, tokens, D, s.up, rows});
-      gate_scales.Apply(rows, tokens, s.gate, rows);
-      up_scales.Apply(rows, tokens, s.up, rows);
+      PartDot<WeightT, ActivationT>(dot, block, dims, 0, f0, rows, route_x + r0, tokens, s.gate,
+                                    rows);
+      PartDot<WeightT, ActivationT>(dot, block, dims, 1, f0, rows, route_x + r0, tokens, s.up,
+                                    rows);
       if constexpr (kQuantise) {  // the tokens' activation scales
         for (int64_t j = 0; j < tokens; ++j) {
           const float x_scale = x_scales[groups.route_token[r0 + j]];
@@ -517,13 +584,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     float down_bias[std::max(kModelChunk, kDecodeModelChunk)];
     for (int64_t i = 0; i < num_experts; ++i) {
       const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
-      const WeightT* down_df = block + 2 * F * D;
-      const RowScales down_scales = ScalesOf(block, dims, 2, d0);
       if (act.biases) {  // the down bias [D] follows the gate and up biases
-        const WeightT* bias_d = down_df + F * D + 2 * F + d0;
+        const auto bias_d = BiasesOf(block, dims) + 2 * F + d0;
         for (int64_t d = 0; d < rows; ++d) down_bias[d] = WidenWeight(bias_d[d]);
       }
-      if (storage[i].packed) {
+      if (storage[i].packed) {  // float and int8 banks
+        const WeightT* down_df = block + 2 * F * D;
+        const RowScales down_scales = ScalesOf(block, dims, 2, d0);
         const ExpertStorage& e = storage[i];
         for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
           const int64_t tile_groups = std::min(kGroupsPerTile, e.groups - g0);
@@ -551,8 +618,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       }
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
-        dot({down_df + d0 * F, F, rows, route_hidden + r0, tokens, F, z, rows});
-        down_scales.Apply(rows, tokens, z, rows);
+        PartDot<WeightT, ActivationT>(dot, block, dims, 2, d0, rows, route_hidden + r0, tokens, z,
+                                      rows);
         for (int64_t j = 0; j < tokens; ++j) {
           float weight = groups.route_weight[r0 + j];
           if constexpr (kQuantise) weight *= hidden_scales[r0 + j];
@@ -586,18 +653,26 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
   }
   if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
     if (bf16_activations && kernels.dot_bf16_bf16 != nullptr) {
-      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_bf16, workers, act, y_td);
+      RunExperts<WeightT, Bf16Bits>(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_bf16,
+                                    workers, act, y_td);
     } else {
-      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_f32, workers, act, y_td);
+      RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_bf16_f32,
+                                 workers, act, y_td);
     }
   } else if constexpr (std::is_same_v<WeightT, int8_t>) {
     if (int8_activations) {  // the op checked that the table has it
-      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_i8, workers, act, y_td);
+      RunExperts<WeightT, int8_t>(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_i8,
+                                  workers, act, y_td);
     } else {
-      RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_f32, workers, act, y_td);
+      RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_f32,
+                                 workers, act, y_td);
     }
+  } else if constexpr (std::is_same_v<WeightT, uint8_t>) {  // mxfp4: never packed
+    RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_mxfp4_f32,
+                               workers, act, y_td);
   } else {
-    RunExperts(dims, groups, x_td, bank_ep, kernels, kernels.dot_f32_f32, workers, act, y_td);
+    RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_f32_f32,
+                               workers, act, y_td);
   }
 }
 
@@ -638,16 +713,17 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   }
   const ffi::DataType bank_dtype = bank.element_type();
   if (bank_dtype != ffi::DataType::BF16 && bank_dtype != ffi::DataType::F32 &&
-      bank_dtype != ffi::DataType::S8) {
-    return InvalidArgument(kOp, "bank must be bfloat16, float32 or int8");
+      bank_dtype != ffi::DataType::S8 && bank_dtype != ffi::DataType::U8) {
+    return InvalidArgument(kOp, "bank must be bfloat16, float32, int8 or uint8 (mxfp4)");
   }
   const int64_t L = bank_dims[0], E = bank_dims[1], P = bank_dims[2];
 
   if (ffn_dim <= 0) {
     return InvalidArgument(kOp, "ffn_dim must be positive, got " + std::to_string(ffn_dim));
   }
-  // P >= 3 * F * D, written so that a huge ffn_dim cannot overflow.
-  if (D > 0 && ffn_dim > P / (3 * D)) {
+  const bool mxfp4 = bank_dtype == ffi::DataType::U8;
+  // P >= 3 * F * D, written so that a huge ffn_dim cannot overflow (mxfp4: checked below).
+  if (!mxfp4 && D > 0 && ffn_dim > P / (3 * D)) {
     return InvalidArgument(kOp, "bank's last dimension P = " + std::to_string(P) +
                                 " is smaller than 3 * ffn_dim * D = 3 * " +
                                 std::to_string(ffn_dim) + " * " + std::to_string(D));
@@ -664,7 +740,26 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   act.alpha = alpha;
   act.limit = limit;
   act.biases = biases;
-  if (biases && 3 * ffn_dim * D + 2 * ffn_dim + D > P) {
+  if (mxfp4) {
+    if (!biases) {
+      return InvalidArgument(kOp, "mxfp4 expert blocks carry the gpt-oss biases: pass "
+                                  "biases=true (the gpt-oss ExpertVariant)");
+    }
+    if (ffn_dim % kMxfp4Block != 0 || D % kMxfp4Block != 0) {
+      return InvalidArgument(kOp, "mxfp4 needs F and D to be multiples of 32, got F = " +
+                                  std::to_string(ffn_dim) + ", D = " + std::to_string(D));
+    }
+    if (D > 0 && (ffn_dim > P / D || P < Mxfp4BlockBytes(ffn_dim, D))) {
+      return InvalidArgument(kOp, "mxfp4 bank's last dimension P = " + std::to_string(P) +
+                                  " is smaller than the bytes of an mxfp4 block of F = " +
+                                  std::to_string(ffn_dim) + ", D = " + std::to_string(D) +
+                                  " (codes, scales, biases)");
+    }
+    if (P % kInt8ScalesAlignment != 0) {
+      return InvalidArgument(kOp, "mxfp4 bank's last dimension P = " + std::to_string(P) +
+                                  " must be a multiple of 64 bytes");
+    }
+  } else if (biases && 3 * ffn_dim * D + 2 * ffn_dim + D > P) {
     return InvalidArgument(kOp, "with biases the expert block needs 3 * F * D + 2 * F + D = " +
                                 std::to_string(3 * ffn_dim * D + 2 * ffn_dim + D) +
                                 " elements, but the bank's P = " + std::to_string(P));
@@ -734,6 +829,10 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
               bank.reinterpret_data<Bf16Bits>() + layer_offset, bf16_activations, false, act,
               *setup.kernels, setup.workers, y->typed_data());
+  } else if (mxfp4) {
+    ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
+              bank.reinterpret_data<uint8_t>() + layer_offset, false, false, act, *setup.kernels,
+              setup.workers, y->typed_data());
   } else if (bank_dtype == ffi::DataType::S8) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
               bank.reinterpret_data<int8_t>() + layer_offset, false, int8_activations, act,
@@ -779,7 +878,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, ftjax::ExpertFfnImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids [T, K], -1 = skip
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // bank [L, E, P], bf16, f32 or s8
+                                  .Arg<ffi::AnyBuffer>()         // bank [L, E, P], bf16, f32, s8, u8
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [], index into L
                                   .Attr<int64_t>("ffn_dim")      // F
                                   .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 banks

@@ -1,5 +1,5 @@
 """``python -m ftjax.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16|float32]
-[--expert_dtype=bfloat16|float32|int8]``."""
+[--expert_dtype=bfloat16|float32|int8|mxfp4]``."""
 
 from absl import app, flags
 
@@ -9,9 +9,10 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory
 _OUT = flags.DEFINE_string("out", None, "output FTW directory (must not exist)", required=True)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "storage dtype")
 _EXPERT_DTYPE = flags.DEFINE_enum(
-    "expert_dtype", None, ["bfloat16", "float32", "int8"],
-    "routed experts' format (default: --dtype); int8 is symmetric per output channel with "
-    "float32 scales (docs/ftw.md)")
+    "expert_dtype", None, ["bfloat16", "float32", "int8", "mxfp4"],
+    "routed experts' format (default: --dtype, or mxfp4 for a checkpoint with MXFP4 experts); "
+    "int8 is symmetric per output channel with float32 scales; mxfp4 keeps gpt-oss's MXFP4 "
+    "experts as shipped, or quantises float gpt-oss experts to it (docs/ftw.md)")
 _OVERWRITE = flags.DEFINE_boolean("overwrite", False, "replace --out if it is an FTW model")
 
 

@@ -24,8 +24,8 @@ _HIDDEN = flags.DEFINE_integer("hidden", 2048, "expert input width D (without --
                                lower_bound=1)
 _FFN = flags.DEFINE_integer("ffn", 768, "expert hidden width F (without --model)", lower_bound=1)
 _TOP_K = flags.DEFINE_integer("top_k", 8, "experts per call (without --model)", lower_bound=1)
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "int8"],
-                            "expert format of the synthetic bank (int8: docs/ftw.md)")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "int8", "mxfp4"],
+                            "expert format of the synthetic bank (int8, mxfp4: docs/ftw.md)")
 _BANK_GB = flags.DEFINE_float("bank_gb", 1.0, "synthetic bank size (without --model)")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "alternating measurement rounds", lower_bound=1)
 _OUT = flags.DEFINE_string("out", "ftjax_profile.json", "where to write the JSON profile")

@@ -14,6 +14,8 @@ import ftjax
 from ftjax.formats import ftw
 from ftjax.runtime import model as model_lib
 
+from conftest import flip_bit
+
 
 def spec_quantise(w):
   """Row by row, as docs/ftw.md says: float32 w, s = max|w| / 127 in float32, q = w / s rounded
@@ -144,10 +146,6 @@ def test_flipped_scale_byte_fails_the_checksum(converted, tmp_path):
   ex = f.index["experts"]
   offset = (1 * ex["num_experts"] + 2) * ex["block_bytes"] + ex["scales"][1]["offset"] + 1
   del f
-  with open(path / ftw.EXPERTS_FILE, "r+b") as fh:
-    fh.seek(offset)
-    b = fh.read(1)
-    fh.seek(offset)
-    fh.write(bytes([b[0] ^ 0x01]))
+  flip_bit(path / ftw.EXPERTS_FILE, offset)
   with pytest.raises(ftw.FTWChecksumError, match="experts of layer 1"):
     ftjax.load(path)

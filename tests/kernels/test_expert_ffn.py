@@ -214,7 +214,7 @@ PYTHON_ERRORS = {
   "bank_not_3d": (dict(bank=np.zeros((E, 3 * F * D), np.float32)), "bank must be 3-D"),
   "bank_dtype": (
     dict(bank=np.zeros((L, E, 3 * F * D), np.int16)),
-    "bank must be bfloat16, float32 or int8",
+    "bank must be bfloat16, float32, int8",
   ),
   "bank_too_narrow": (
     dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),
@@ -289,7 +289,7 @@ KERNEL_ERRORS = {
   ),
   "bank_dtype": (
     dict(bank=np.zeros((L, E, 3 * F * D), np.int16)),
-    "bank must be bfloat16, float32 or int8",
+    "bank must be bfloat16, float32, int8",
   ),
   "bank_too_narrow": (
     dict(bank=np.zeros((L, E, 3 * F * D - 1), np.float32)),

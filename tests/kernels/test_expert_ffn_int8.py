@@ -144,7 +144,7 @@ ERRORS = {
     dict(bank=np.zeros((L, E, P + 8), np.int8)),
     f"int8 bank's last dimension P = {P + 8} must be a multiple of 64 bytes",
   ),
-  "uint8_bank": (dict(bank=np.zeros((L, E, P), np.uint8)), "bank must be bfloat16, float32 or int8"),
+  "int16_bank": (dict(bank=np.zeros((L, E, P), np.int16)), "bank must be bfloat16, float32, int8"),
   "int8_activations_of_a_float_bank": (
     dict(bank=np.zeros((L, E, 3 * F * D), np.float32), int8_activations=True),
     "int8_activations applies to int8 banks only, got a float32 bank",

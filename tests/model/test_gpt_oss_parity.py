@@ -1,15 +1,21 @@
-"""gpt-oss (bf16 experts) equals transformers' GptOssForCausalLM through the converter.
+"""gpt-oss equals transformers' GptOssForCausalLM through the converter, with float experts
+and with MXFP4 experts as gpt-oss ships them.
 
 The tiny model (``conftest.GPT_OSS``) has every gpt-oss option on: alternating sliding-window
 (6) and full attention with sinks, q/k/v/o biases, YaRN rope, the biased top-k-then-softmax
 router, and experts with biases and the clamped SwiGLU, whose pre-activations pass the limit
 (checked on the reference). Prompts are longer than the window.
+
+The MXFP4 checkpoint (``conftest.save_gpt_oss_mxfp4_checkpoint``, F = 32) holds the experts as
+uint8 ``*_blocks`` and ``*_scales`` with ``quantization_config.quant_method = "mxfp4"``; its
+reference is transformers' model holding the experts that transformers' own
+``convert_moe_packed_tensors`` dequantises from those tensors. ftjax keeps them in MXFP4 (an FTW
+``mxfp4`` bank) and dequantises exactly, so the same float32 parity tolerance holds. The tests
+that take ``either`` run on both checkpoints.
 """
 
 import copy
 import io
-import json
-import os
 
 import numpy as np
 import pytest
@@ -17,10 +23,9 @@ import torch
 
 import ftjax
 from ftjax.decode import run_decode
-from ftjax.formats.hf import ConversionError
 
 import tolerances
-from conftest import build_gpt_oss_model, hf_greedy, save_hf_checkpoint
+from conftest import build_gpt_oss_model, hf_greedy
 
 PROMPT = 40  # tokens: several times the sliding window of 6
 NEW = 16
@@ -32,6 +37,23 @@ def converted(gpt_oss_checkpoint, tmp_path_factory):
   ftw_dir = ftjax.convert_hf(path, tmp_path_factory.mktemp("gpt_oss") / "ftw", dtype="float32",
                              show_progress=False)
   return hf_model, ftjax.load(ftw_dir)
+
+
+@pytest.fixture(scope="module")
+def converted_mxfp4(gpt_oss_mxfp4_checkpoint, tmp_path_factory):
+  hf_model, path = gpt_oss_mxfp4_checkpoint
+  ftw_dir = ftjax.convert_hf(path, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "ftw",
+                             dtype="float32", show_progress=False)
+  model = ftjax.load(ftw_dir)
+  assert model.expert_format == "mxfp4"
+  return hf_model, model
+
+
+@pytest.fixture(params=["float_experts", "mxfp4_experts"])
+def either(request):
+  """(torch model, ftjax model) with float experts, then with MXFP4 experts."""
+  name = "converted" if request.param == "float_experts" else "converted_mxfp4"
+  return request.getfixturevalue(name)
 
 
 def _prompt(vocab, n, seed=1):
@@ -81,8 +103,8 @@ def test_yarn_frequencies_equal_transformers(converted):
 
 
 @pytest.mark.parametrize("kernels", ["xla", "ffi"])
-def test_logits_match_transformers(converted, kernels):
-  hf_model, model = converted
+def test_logits_match_transformers(either, kernels):
+  hf_model, model = either
   ids = _prompt(model.config.vocab_size, PROMPT)
   pre = []
   ref = _hf_logits(hf_model, ids, pre)
@@ -105,8 +127,8 @@ def test_chunked_prefill_matches_transformers(converted, kernels):
   tolerances.assert_close(got, ref[-1], tolerances.HF_PARITY, floor=1.0, what=kernels)
 
 
-def test_greedy_tokens_match_transformers(converted):
-  hf_model, model = converted
+def test_greedy_tokens_match_transformers(either):
+  hf_model, model = either
   ids = _prompt(model.config.vocab_size, PROMPT)
   ref = hf_greedy(hf_model, ids, NEW)
   for kernels in ("xla", "ffi"):
@@ -132,38 +154,12 @@ def test_bfloat16_checkpoint(tmp_path):
   tolerances.assert_close(got, _hf_logits(hf_model, ids), tolerances.HF_PARITY, floor=1.0)
 
 
-def _mxfp4_checkpoint(path, *, with_quantization_config):
-  """The tiny model's checkpoint with its experts as gpt-oss ships them: uint8 ``*_blocks``
-  (two 4-bit values per byte, 32 per block) and ``*_scales`` (an exponent per block)."""
-  from safetensors.numpy import load_file, save_file
-  tensors = load_file(os.path.join(path, "model.safetensors"))
-  for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-    e, d_in, d_out = tensors.pop(name).shape
-    tensors[name + "_blocks"] = np.zeros((e, d_out, d_in // 32, 16), np.uint8)
-    tensors[name + "_scales"] = np.full((e, d_out, d_in // 32), 127, np.uint8)
-  save_file(tensors, os.path.join(path, "model.safetensors"))
-  with open(os.path.join(path, "config.json")) as f:
-    config = json.load(f)
-  if with_quantization_config:
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config, f)
-
-
-@pytest.mark.parametrize("with_quantization_config", [True, False])
-def test_mxfp4_checkpoint_is_refused(gpt_oss_checkpoint, tmp_path, with_quantization_config):
-  path = save_hf_checkpoint(gpt_oss_checkpoint[0], str(tmp_path / "hf"))
-  _mxfp4_checkpoint(path, with_quantization_config=with_quantization_config)
-  with pytest.raises(ConversionError, match="MXFP4 expert weights .* are not supported yet"):
-    ftjax.convert_hf(path, tmp_path / "ftw", show_progress=False)
-  assert not os.path.exists(tmp_path / "ftw")
-
-
 @pytest.mark.parametrize("policy", ["freetoken", "lru_fill"])
-def test_expert_cache_equals_the_dense_path(converted, policy):
+def test_expert_cache_equals_the_dense_path(either, policy):
   """Every cache size (none, one slot, every expert) serves the same experts: the clamped,
-  biased experts run from the slots and from the host pool alike."""
-  _, model = converted
+  biased experts run from the slots and from the host pool alike (mxfp4: the slots hold the
+  mxfp4 bytes, dequantised on the XLA path; host experts on the mxfp4 kernel)."""
+  _, model = either
   c = model.config
   ids = _prompt(c.vocab_size, 20, seed=7).tolist()
   dense = ftjax.Engine(model, kernels="ffi")
@@ -178,10 +174,10 @@ def test_expert_cache_equals_the_dense_path(converted, policy):
     assert engine.generate(ids, 8, greedy=True) == want_tokens, (policy, slots)
 
 
-def test_decode_cli_runs_the_converted_model(converted):
+def test_decode_cli_runs_the_converted_model(either):
   """``python -m ftjax.decode --model=DIR`` (its library function) with an expert cache and a
   chunked prefill: the greedy tokens are transformers'."""
-  hf_model, model = converted
+  hf_model, model = either
   result = run_decode(model.path, "gpt-oss in ftjax", max_new_tokens=6, greedy=True,
                       kernels="ffi", cache_slots=3, policy="freetoken", bandwidths=(10.0, 20.0),
                       prefill_chunk=5, out=io.StringIO(), log=io.StringIO())

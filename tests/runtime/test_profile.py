@@ -115,3 +115,33 @@ def test_int8_expert_shape_and_synthetic_bank():
   y = expert_ffn(x, np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32), bank, 0,
                  ffn_dim=32)
   assert np.all(np.isfinite(np.asarray(y))) and np.any(np.asarray(y) != 0)
+
+
+def test_mxfp4_expert_shape_and_synthetic_bank():
+  """The profiler knows mxfp4 experts' bytes and builds an mxfp4 bank (finite scales, zero
+  biases) that the host kernel runs with the gpt-oss variant it always needs."""
+  from ftjax.kernels import ExpertVariant, expert_ffn  # noqa: PLC0415
+  shape = profile_lib.ExpertShape(hidden=64, ffn=32, dtype="mxfp4", top_k=2)
+  assert shape.expert_bytes == 3 * 64 * 32 // 2 + 3 * 64 + 4 * (2 * 32 + 64)
+  bank = np.asarray(profile_lib.synthetic_bank(shape, min_bytes=1 << 20))
+  assert bank.dtype == np.uint8 and bank.shape[2] % 4096 == 0 and bank.nbytes >= 1 << 20
+  x = np.ones((1, 64), np.float32)
+  y = expert_ffn(x, np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32), bank, 0,
+                 ffn_dim=32, variant=ExpertVariant("clamped_swiglu", bias=True))
+  assert np.all(np.isfinite(np.asarray(y))) and np.any(np.asarray(y) != 0)
+
+
+def test_mxfp4_calibration_model_decodes():
+  """The profile CLI's calibration model for --dtype=mxfp4: gpt-oss experts (biases, clamped
+  SwiGLU) quantised to mxfp4 in memory, each part the quantiser's, decoding on the host kernel."""
+  from ftjax.research.calibrate import calibration_model  # noqa: PLC0415
+  import ftjax  # noqa: PLC0415
+  shape = profile_lib.ExpertShape(hidden=64, ffn=32, dtype="mxfp4", top_k=2)
+  model = calibration_model(shape)
+  assert model.expert_format == "mxfp4" and model.config.expert_bias
+  assert model.expert_bytes == shape.expert_bytes
+  float_model = calibration_model(profile_lib.ExpertShape(64, 32, "bfloat16", top_k=2))
+  assert not float_model.config.expert_bias  # (bf16 calibration models keep the plain SwiGLU)
+  tokens = ftjax.Engine(model, kernels="ffi", cache_slots=0, policy="cpu_only").generate(
+      [1, 2, 3, 4], 3, greedy=True)
+  assert len(tokens) == 3

@@ -7,6 +7,8 @@ up bias ``[F]`` at ``3·F·D + F`` and the down bias ``[D]`` at ``3·F·D + 2·F
 dtype; the tail up to ``P`` is alignment padding. An int8 bank (``ftjax.utils.quant``) holds the
 int8 weights at those offsets (one byte each) and the float32 scales of their rows after them
 (int8 blocks have no biases); the XLA path dequantises its blocks to float32 (``scale · q``).
+An mxfp4 bank (uint8, gpt-oss's MXFP4: ``ftjax.utils.quant``) holds E2M1 codes, E8M0 scales per
+32 inputs and float32 biases; the XLA path dequantises it to float32 too (exact).
 The ``ExpertVariant`` also names the activation: ``swiglu`` (``silu(g) · u``) or gpt-oss's
 ``clamped_swiglu`` (``(clip(u, ±limit) + 1) · g' · sigmoid(alpha · g')`` with
 ``g' = min(g, limit)``). ``routed_experts`` computes the weighted sum of
@@ -32,7 +34,7 @@ from flax import struct
 
 from ftjax.kernels import SWIGLU, ExpertVariant, expert_ffn
 from ftjax.utils.arrays import take
-from ftjax.utils.quant import int8_scales_offset
+from ftjax.utils.quant import E2M1_VALUES, MXFP4_BLOCK, int8_scales_offset, mxfp4_offsets
 
 KERNELS = ("xla", "ffi", "ffi_bf16", "ffi_int8")  # the host-work implementations a step can run with
 
@@ -40,6 +42,8 @@ KERNELS = ("xla", "ffi", "ffi_bf16", "ffi_int8")  # the host-work implementation
 def split_block(block: jax.Array, ffn_dim: int, width: int):
   """[..., P] -> gate [..., F, D], up [..., F, D], down [..., D, F]: views in the bank's dtype,
   or for an int8 bank the dequantised float32 weights ``scale · q``."""
+  if block.dtype == jnp.uint8:
+    return _split_mxfp4(block, ffn_dim, width)
   fd = ffn_dim * width
   lead = block.shape[:-1]
   gate = block[..., :fd].reshape(*lead, ffn_dim, width)
@@ -56,9 +60,34 @@ def split_block(block: jax.Array, ffn_dim: int, width: int):
           down.astype(jnp.float32) * scales[..., 2 * ffn_dim:, None])
 
 
+def _split_mxfp4(block: jax.Array, ffn_dim: int, width: int):
+  """The float32 weights ``E2M1[code] · 2**(e - 127)`` of an mxfp4 block [..., P] (uint8)."""
+  at = mxfp4_offsets(ffn_dim, width)
+  lead = block.shape[:-1]
+  lut = jnp.asarray(E2M1_VALUES)
+  out = []
+  for part, (rows, cols) in (("gate", (ffn_dim, width)), ("up", (ffn_dim, width)),
+                             ("down", (width, ffn_dim))):
+    codes = block[..., at["codes"][part]:at["codes"][part] + rows * cols // 2]
+    codes = codes.reshape(*lead, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+    values = jnp.stack([lut[codes & 15], lut[codes >> 4]], axis=-1)  # [..., R, G, 16, 2]
+    start = at["scales"][part]
+    exponent = block[..., start:start + rows * cols // MXFP4_BLOCK].reshape(
+        *lead, rows, cols // MXFP4_BLOCK).astype(jnp.int32) - 127
+    scale = jnp.ldexp(jnp.float32(1), exponent)  # [..., R, G]
+    out.append((values * scale[..., None, None]).reshape(*lead, rows, cols))
+  return tuple(out)
+
+
 def split_biases(block: jax.Array, ffn_dim: int, width: int):
   """[..., P] -> the biases of gate [..., F], up [..., F] and down [..., D] (float32) of a
   block with biases."""
+  if block.dtype == jnp.uint8:  # mxfp4: float32 biases after the scales
+    lead = block.shape[:-1]
+    at = mxfp4_offsets(ffn_dim, width)["biases"]
+    return tuple(jax.lax.bitcast_convert_type(
+        block[..., at[p]:at[p] + 4 * n].reshape(*lead, n, 4), jnp.float32)
+        for p, n in (("gate", ffn_dim), ("up", ffn_dim), ("down", width)))
   start = 3 * ffn_dim * width
   gate = block[..., start:start + ffn_dim]
   up = block[..., start + ffn_dim:start + 2 * ffn_dim]
@@ -121,7 +150,7 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   """``sum_k weights[t,k] · expert_{ids[t,k]}(x[t])`` over layer ``layer`` of ``bank``.
 
   x [T, D] float32, ids [T, K] int32 (-1 = no route), weights [T, K] float32,
-  bank [L, E, P] (bfloat16, float32 or int8); ``variant`` (static) the experts' activation
+  bank [L, E, P] (bfloat16, float32, int8 or uint8 for mxfp4); ``variant`` (static) the experts' activation
   and biases. Returns [T, D] float32.
   """
   if impl in ("ffi", "ffi_bf16", "ffi_int8"):
@@ -133,7 +162,11 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   if variant.bias and bank.dtype == jnp.int8:
     raise ValueError("int8 expert blocks carry no biases (their layout ends with the float32 "
                      "row scales): keep a model with expert biases in bf16")
-  if bank.dtype != jnp.int8 and bank.shape[-1] < variant.block_elems(ffn_dim, x.shape[-1]):
+  if bank.dtype == jnp.uint8 and not variant.bias:
+    raise ValueError("mxfp4 expert blocks (a uint8 bank) carry the gpt-oss biases: run them "
+                     "with an ExpertVariant with bias=True")
+  if bank.dtype not in (jnp.int8, jnp.uint8) and \
+      bank.shape[-1] < variant.block_elems(ffn_dim, x.shape[-1]):
     raise ValueError(
         f"bank blocks of {bank.shape[-1]} elements are too small for experts of ffn_dim="
         f"{ffn_dim}, D={x.shape[-1]}{' with biases' if variant.bias else ''}")

@@ -6,8 +6,9 @@ alignment 4096, tensor table with CRC-32s, source fingerprint), ``dense.bin`` (e
 that is not a routed expert, each 4096-aligned) and ``experts.bin`` (the expert bank:
 layer-major, then expert; each block is ``gate [F, D]; up [F, D]; down [D, F]`` contiguous
 and 4096-aligned, so one expert and one layer are each one contiguous copy). The bank's
-expert format is ``bfloat16``, ``float32`` or ``int8`` (symmetric per output channel, float32
-row scales inside each block: ``ftjax.utils.quant``). A model with expert biases (gpt-oss:
+expert format is ``bfloat16``, ``float32``, ``int8`` (symmetric per output channel, float32
+row scales inside each block: ``ftjax.utils.quant``) or ``mxfp4`` (gpt-oss's 4-bit E2M1 codes
+with an E8M0 scale per 32 inputs, then float32 biases: ``ftjax.utils.quant``). A model with expert biases (gpt-oss:
 ``ModelConfig.expert_bias``; bf16 or float32 only) continues each block with ``gate_bias [F];
 up_bias [F]; down_bias [D]`` in the same dtype. Version 2 records the format and the block's
 parts; version 1 files (format = the bank dtype, no biases) still load.
@@ -79,6 +80,8 @@ def expert_storage_dtype(expert_format: str) -> np.dtype:
   if expert_format not in quant.EXPERT_FORMATS:
     raise ValueError(f"unsupported FTW expert format {expert_format!r}; choose one of "
                      f"{', '.join(quant.EXPERT_FORMATS)}")
+  if expert_format == "mxfp4":
+    return np.dtype(np.uint8)
   return np.dtype(np.int8) if expert_format == "int8" else DTYPES[expert_format]
 
 
@@ -87,6 +90,8 @@ def expert_content_bytes(config: ModelConfig, expert_format: str) -> int:
   what a fill or a host kernel reads for one expert."""
   if expert_format == "int8":
     return quant.int8_block_bytes(config.moe_intermediate_size, config.hidden_size)
+  if expert_format == "mxfp4":
+    return quant.mxfp4_block_bytes(config.moe_intermediate_size, config.hidden_size)
   return config.expert_block_elems * expert_storage_dtype(expert_format).itemsize
 
 
@@ -172,10 +177,17 @@ class FTWWriter:
     if self.expert_format == "int8" and c.expert_bias:
       raise FTWError("int8 experts carry no biases (the block ends with the float32 row "
                      f"scales): keep this {c.model_type} model's experts in bfloat16")
+    if self.expert_format == "mxfp4" and not c.expert_bias:
+      raise FTWError("mxfp4 expert blocks end with the gpt-oss expert biases, which this "
+                     f"{c.model_type} config does not have: use --expert_dtype=int8 or a float")
     self.expert_dtype = expert_storage_dtype(self.expert_format)
     self.part_shapes = expert_part_shapes(c)
     itemsize = self.expert_dtype.itemsize
     self.part_offsets = {k: v * itemsize for k, v in expert_part_starts(c).items()}  # bytes
+    if self.expert_format == "mxfp4":  # codes, then scales, then float32 biases
+      at = quant.mxfp4_offsets(c.moe_intermediate_size, c.hidden_size)
+      self.part_offsets = {**at["codes"], **{f"{k}_bias": v for k, v in at["biases"].items()}}
+      self.mxfp4_scale_offsets = at["scales"]
     self.block_bytes = align(expert_content_bytes(c, self.expert_format))
     # int8: byte offset of each part's float32 row scales in a block
     scales = quant.int8_scales_offset(c.moe_intermediate_size, c.hidden_size)
@@ -227,6 +239,11 @@ class FTWWriter:
     if self.expert_format == "int8":
       data, scale = self._quantised(name, array, scale)
       os.pwrite(self._experts.fileno(), _bytes_view(scale), start + self.scale_offsets[part])
+    elif self.expert_format == "mxfp4":
+      data, scale = self._mxfp4(name, part, array, scale)
+      if scale is not None:
+        os.pwrite(self._experts.fileno(), _bytes_view(scale),
+                  start + self.mxfp4_scale_offsets[part])
     else:
       if scale is not None:
         raise FTWError(f"{name}: a scale is only written with int8 experts, not "
@@ -249,6 +266,43 @@ class FTWWriter:
     if not (np.issubdtype(array.dtype, np.floating) or array.dtype == DTYPES["bfloat16"]):
       raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
     return quant.quantize_rows(array)
+
+  def _mxfp4(self, name: str, part: str, array: np.ndarray, scale: np.ndarray | None):
+    """An mxfp4 part: a weight as its uint8 codes [out, in/2] with E8M0 scales [out, in/32]
+    (kept as shipped), or float (quantised here: ``quant.quantize_mxfp4``); a bias as float32."""
+    shape = self.part_shapes[part]
+    if part.endswith("_bias"):
+      if scale is not None:
+        raise FTWError(f"{name}: a bias has no scale")
+      if tuple(array.shape) != tuple(shape):
+        raise FTWConfigMismatchError(f"tensor {name} has shape {tuple(array.shape)} but the "
+                                     f"model config implies {tuple(shape)}")
+      return np.ascontiguousarray(np.asarray(array).astype(np.float32)), None
+    rows, cols = shape
+    want = {"codes": (rows, cols // 2), "scales": (rows, cols // quant.MXFP4_BLOCK)}
+    if array.dtype != np.uint8 and scale is None:  # float weights: quantised here
+      if tuple(array.shape) != tuple(shape):
+        raise FTWConfigMismatchError(f"tensor {name} has shape {tuple(array.shape)} but the "
+                                     f"model config implies {tuple(shape)}")
+      if not (np.issubdtype(array.dtype, np.floating) or array.dtype == DTYPES["bfloat16"]):
+        raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
+      return quant.quantize_mxfp4(array)
+    if array.dtype != np.uint8 or scale is None:
+      raise FTWError(f"{name}: an mxfp4 bank takes each weight as uint8 E2M1 codes {want['codes']}"
+                     f" with uint8 E8M0 scales {want['scales']} (as gpt-oss ships them), or as "
+                     f"float weights without scales (quantised here), got {array.dtype} "
+                     f"{tuple(array.shape)}{' with scales' if scale is not None else ''}")
+    scale = np.asarray(scale)
+    if tuple(array.shape) != want["codes"] or tuple(scale.shape) != want["scales"] or \
+        scale.dtype != np.uint8:
+      raise FTWConfigMismatchError(
+          f"{name}: codes {tuple(array.shape)} and scales {scale.dtype} {tuple(scale.shape)} do "
+          f"not match the config's {shape} weight: codes {want['codes']}, uint8 scales "
+          f"{want['scales']}")
+    if np.any(scale == quant.MXFP4_SCALE_NAN):
+      raise FTWError(f"{name}: an E8M0 scale of 255 (NaN in the OCP MX format); the checkpoint "
+                     "is damaged")
+    return np.ascontiguousarray(array), np.ascontiguousarray(scale)
 
   def close(self, extra_index: dict[str, Any] | None = None) -> str:
     missing = np.argwhere(~self._written)
@@ -284,6 +338,11 @@ class FTWWriter:
             **({"scales": [{"name": n, "shape": [self.part_shapes[n][0]], "dtype": "float32",
                             "offset": self.scale_offsets[n]} for n in EXPERT_PARTS]}
                if self.expert_format == "int8" else {}),
+            **({"scales": [{"name": n, "shape": [self.part_shapes[n][0],
+                                                 self.part_shapes[n][1] // quant.MXFP4_BLOCK],
+                            "dtype": "e8m0", "offset": self.mxfp4_scale_offsets[n]}
+                           for n in EXPERT_PARTS]}
+               if self.expert_format == "mxfp4" else {}),
             "layer_crc32": layer_crc,
         },
         **(extra_index or {}),
@@ -413,25 +472,35 @@ class FTWFile:
 
   @property
   def expert_format(self) -> str:
-    """``bfloat16``, ``float32`` or ``int8``."""
+    """``bfloat16``, ``float32``, ``int8`` or ``mxfp4``."""
     return self.index["experts"]["format"]
 
   def expert_part(self, layer: int, expert: int, part: str) -> np.ndarray:
-    """One part as stored (int8 for an int8 bank: see ``expert_scale``)."""
+    """One part as stored (int8 for an int8 bank: see ``expert_scale``; for an mxfp4 bank a
+    weight's uint8 codes [out, in/2] and a bias in float32)."""
     ex = self.index["experts"]
     meta = next(p for p in ex["parts"] if p["name"] == part)
     n = int(np.prod(meta["shape"]))
     block = self.expert_bank()[layer, expert]
+    if ex["format"] == "mxfp4":
+      if part.endswith("_bias"):
+        return block[meta["offset"]:meta["offset"] + 4 * n].view(np.float32)
+      rows, cols = meta["shape"]
+      return block[meta["offset"]:meta["offset"] + n // 2].reshape(rows, cols // 2)
     start = meta["offset"] // block.dtype.itemsize
     return block[start:start + n].reshape(meta["shape"])
 
   def expert_scale(self, layer: int, expert: int, part: str) -> np.ndarray:
-    """The float32 row scales of one part of an int8 bank."""
+    """The float32 row scales of one part of an int8 bank, or the uint8 E8M0 block scales
+    [out, in/32] of an mxfp4 bank."""
     ex = self.index["experts"]
-    if ex["format"] != "int8":
+    if ex["format"] not in ("int8", "mxfp4"):
       raise FTWError(f"{self.path} stores {ex['format']} experts, which have no scales")
     meta = next(p for p in ex["scales"] if p["name"] == part)
     block = self.expert_bank()[layer, expert].view(np.uint8)
+    if ex["format"] == "mxfp4":
+      rows, blocks = meta["shape"]
+      return block[meta["offset"]:meta["offset"] + rows * blocks].reshape(rows, blocks)
     return block[meta["offset"]:meta["offset"] + 4 * meta["shape"][0]].view(np.float32)
 
   def verify(self, progress: Callable[[Iterable], Iterable] | None = None) -> None:

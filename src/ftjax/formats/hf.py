@@ -17,8 +17,12 @@ parameters. A gated attention's ``q_proj`` holds, per head, the query then its o
 gpt-oss stores its fused experts the other way round, ``[in, out]``: ``gate_up_proj``
 [E, D, 2F] with gate and up interleaved (columns 2f and 2f + 1), ``down_proj`` [E, F, D], and
 their biases ``gate_up_proj_bias`` [E, 2F] (interleaved too) and ``down_proj_bias`` [E, D];
-they become each block's gate, up, down and bias parts. Checkpoints with MXFP4 experts
-(``*_blocks``, ``*_scales``, as gpt-oss ships) are refused: that format is not supported yet.
+they become each block's gate, up, down and bias parts. gpt-oss ships those experts in MXFP4
+(``quantization_config.quant_method == "mxfp4"``): ``gate_up_proj_blocks`` [E, 2F, D/32, 16]
+and ``gate_up_proj_scales`` [E, 2F, D/32] (rows are outputs, [out, in] like ftjax's blocks; gate
+and up interleaved by row: gate = rows 2f, up = rows 2f + 1), ``down_proj_blocks``
+[E, D, F/32, 16] and ``down_proj_scales`` [E, D, F/32]. They are kept as they are (codes and
+E8M0 scales, never expanded to floats) in an FTW ``mxfp4`` bank (``ftjax.utils.quant``).
 """
 
 from __future__ import annotations
@@ -129,14 +133,9 @@ _PER_EXPERT_RE = re.compile(
     r"\.weight$")
 _FUSED_RE = re.compile(_LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
 _FUSED_BIAS_RE = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)_bias$")
-_MXFP4_RE = re.compile(r".*\.experts\..*_(blocks|scales)$")
+_MXFP4_RE = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
 # Families whose fused experts are stored [in, out] with gate and up interleaved (see above).
 _INTERLEAVED_IN_OUT = ("gpt_oss",)
-MXFP4_MESSAGE = (
-    "MXFP4 expert weights (*_blocks / *_scales, as gpt-oss ships them) are not supported yet; "
-    "convert a checkpoint with bfloat16 or float32 experts (e.g. one dequantised by transformers: "
-    "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)), then "
-    "save_pretrained)")
 _IGNORED_RE = re.compile(r"(.*rotary_emb\.inv_freq|visual\..*|mtp\..*)$")
 _QKVZ_RE = re.compile(_LAYER + r"linear_attn\.in_proj_(qkvz|ba)\.weight$")
 _GATED_Q_RE = re.compile(_LAYER + r"self_attn\.q_proj\.weight$")
@@ -175,9 +174,11 @@ def expected_dense_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   return {name: tuple(v.shape) for name, v in abstract_params(config).items()}
 
 
-def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig
-                 ) -> Iterator[tuple[str, Any]]:
-  """Yields ("dense", path, array) or ("expert", (layer, expert, part), array) items."""
+def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig,
+                 find: Callable[[str], np.ndarray] | None = None) -> Iterator[tuple[str, Any]]:
+  """Yields ("dense", path, array), ("expert", (layer, expert, part), array) or, for MXFP4
+  experts, ("expert", (layer, expert, part), (codes, scales)) items. ``find(name)`` reads a
+  tensor from any shard (an MXFP4 weight's scales, met with its blocks)."""
   short = _strip(name)
   if _IGNORED_RE.match(short):
     return
@@ -201,8 +202,14 @@ def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig
   if m:
     yield "expert", (int(m[1]), int(m[2]), _EXPERT_PART_NAMES[m[3]]), st.get(name)
     return
-  if _MXFP4_RE.match(short):
-    raise ConversionError(f"tensor {name} in {st.path}: {MXFP4_MESSAGE}")
+  m = _MXFP4_RE.match(short)
+  if m:
+    if m[3] == "blocks":  # the scales are read with their blocks
+      scales_name = name[:-len("blocks")] + "scales"
+      if find is None:
+        raise ConversionError(f"tensor {name}: MXFP4 blocks need their scales {scales_name}")
+      yield from _mxfp4_experts(config, name, int(m[1]), m[2], st.get(name), find(scales_name))
+    return
   m = _FUSED_BIAS_RE.match(short)
   if m:
     yield from _interleaved_biases(config, name, int(m[1]), m[2], st.get(name))
@@ -251,6 +258,31 @@ def _interleaved_in_out(config: ModelConfig, name: str, layer: int, kind: str, f
       yield "expert", (layer, expert, "down"), fused[expert].T
 
 
+def _mxfp4_experts(config: ModelConfig, name: str, layer: int, kind: str, blocks, scales):
+  """gpt-oss's MXFP4 experts (module docstring) -> each expert's gate, up and down codes
+  [out, in/2] with their E8M0 scales [out, in/32]."""
+  e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
+  if config.model_type not in _INTERLEAVED_IN_OUT:
+    raise ConversionError(f"tensor {name}: MXFP4 experts are read for gpt-oss checkpoints only, "
+                          f"this one is {config.model_type}")
+  rows, cols = (2 * f, d) if kind == "gate_up_proj" else (d, f)
+  want = (e, rows, cols // 32, 16)
+  if tuple(blocks.shape) != want or tuple(scales.shape) != want[:3]:
+    raise ftw.FTWConfigMismatchError(
+        f"tensor {name} has shape {tuple(blocks.shape)} with scales {tuple(scales.shape)}; for "
+        f"this config.json MXFP4 {kind} is blocks {want} and scales {want[:3]}")
+  if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+    raise ConversionError(f"tensor {name}: MXFP4 blocks and scales must be uint8 (U8), got "
+                          f"{blocks.dtype} and {scales.dtype}")
+  for expert in range(e):
+    codes = blocks[expert].reshape(rows, cols // 2)
+    if kind == "gate_up_proj":
+      yield "expert", (layer, expert, "gate"), (codes[0::2], scales[expert, 0::2])
+      yield "expert", (layer, expert, "up"), (codes[1::2], scales[expert, 1::2])
+    else:
+      yield "expert", (layer, expert, "down"), (codes, scales[expert])
+
+
 def _interleaved_biases(config: ModelConfig, name: str, layer: int, kind: str, bias):
   """gpt-oss's expert biases: ``gate_up_proj_bias`` [E, 2F] (interleaved like the weights) and
   ``down_proj_bias`` [E, D] -> each expert's gate, up and down bias parts."""
@@ -276,8 +308,12 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   """Converts a Hugging Face MoE checkpoint directory to an FTW directory; returns its path.
 
   ``dtype`` is the storage dtype of the dense tensors, ``expert_dtype`` the routed experts'
-  format (default ``dtype``): ``"int8"`` quantises them symmetrically per output channel with
-  float32 scales (``ftjax.utils.quant``), from whatever float dtype the checkpoint has.
+  format (default ``dtype``, or ``"mxfp4"`` for a checkpoint with MXFP4 experts): ``"int8"``
+  quantises them symmetrically per output channel with float32 scales
+  (``ftjax.utils.quant``), from whatever float dtype the checkpoint has; ``"mxfp4"`` keeps
+  gpt-oss's MXFP4 experts as shipped, or quantises float experts of a model with expert
+  biases (gpt-oss) to it: per block of 32 inputs the smallest power-of-two scale that fits
+  E2M1's 6, each weight rounded to the nearest E2M1 value (``quant.quantize_mxfp4``).
 
   Writes into a temporary directory next to ``out_dir`` and renames it at the end, so an
   interrupted conversion never leaves a half-written model and never touches other files.
@@ -286,7 +322,8 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   if not os.path.isdir(hf_dir):
     raise FileNotFoundError(f"--hf_dir {hf_dir} is not a directory")
   ftw.storage_dtype(dtype)  # validates the names
-  ftw.expert_storage_dtype(expert_dtype or dtype)
+  if expert_dtype is not None:
+    ftw.expert_storage_dtype(expert_dtype)
   config = ModelConfig.from_hf_dir(hf_dir)
   if os.path.exists(out_dir):
     if not (overwrite and ftw.is_ftw_dir(out_dir)):
@@ -298,8 +335,21 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf_config = json.load(f)
   quant = (hf_config.get("quantization_config") or {}).get("quant_method")
-  if quant == "mxfp4":
-    raise ConversionError(f"{hf_dir}: {MXFP4_MESSAGE}")
+  # MXFP4 experts are their *_blocks tensors (a checkpoint that transformers dequantised may
+  # keep quant_method "mxfp4" in its config, with float experts).
+  mxfp4 = any(_MXFP4_RE.match(_strip(n)) for st in shards for n in st.keys())
+  if quant not in (None, "mxfp4") or (quant is None and mxfp4):
+    raise ConversionError(f"{hf_dir}: quantization_config.quant_method={quant!r} with "
+                          f"{'MXFP4 *_blocks' if mxfp4 else 'these'} tensors: ftjax reads float "
+                          "checkpoints and gpt-oss's MXFP4 (quant_method 'mxfp4')")
+  if mxfp4:
+    if expert_dtype not in (None, "mxfp4"):
+      raise ConversionError(
+          f"{hf_dir} ships MXFP4 experts, which are kept as they are (--expert_dtype=mxfp4, the "
+          f"default for it); --expert_dtype={expert_dtype} would need them dequantised, which "
+          "ftjax does not do: convert a bf16 copy (transformers' Mxfp4Config(dequantize=True), "
+          "then save_pretrained) for that")
+    expert_dtype = "mxfp4"
   source = {"kind": "huggingface-safetensors", "fingerprint": fingerprint(hf_dir),
             "path": os.path.abspath(hf_dir), "hf_config": hf_config}
   shapes = expected_dense_shapes(config)
@@ -310,11 +360,21 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   try:
     writer = ftw.FTWWriter(tmp_dir, config, dtype, source, expert_format=expert_dtype)
     total_bytes = sum(st.nbytes(n) for st in shards for n in st.keys())
+    shard_of = {n: st for st in shards for n in st.keys()}
+
+    def find(tensor: str) -> np.ndarray:
+      if tensor not in shard_of:
+        raise ConversionError(f"the checkpoint in {hf_dir} has no tensor {tensor}")
+      return shard_of[tensor].get(tensor)
+
     bar = Progress(total_bytes, desc="convert", unit="B", enabled=show_progress)
     for st in shards:
       for name in st.keys():
-        for kind, where, array in _tensor_plan(st, name, config):
-          if kind == "expert":
+        for kind, where, array in _tensor_plan(st, name, config, find):
+          if kind == "expert" and isinstance(array, tuple):  # mxfp4 codes and scales
+            writer.add_expert_part(*where, *array)
+            array = array[0]
+          elif kind == "expert":
             writer.add_expert_part(*where, array)
           elif where == "w_lm_vd" and config.tie_word_embeddings:
             pass  # a tied checkpoint may still store a copy of the embedding as lm_head

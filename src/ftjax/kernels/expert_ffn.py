@@ -13,7 +13,12 @@ from byte int8_scales_offset(F, D); P is in bytes, a multiple of 64. The int8 we
 widened exactly to float32 and each output row is scaled once after its dot product, so the
 result is that of the dequantised weights to float32 rounding; a decode call reads a quarter
 of the bytes of a float32 bank. int8_activations=True (opt-in, AVX-512-VNNI CPUs) quantises the
-activations to int8 too and multiplies with vpdpbusd.
+activations to int8 too and multiplies with vpdpbusd. An mxfp4 bank (uint8, the FTW expert
+format "mxfp4", gpt-oss's MXFP4 as shipped: ftjax.utils.quant) holds 4-bit E2M1 codes with an
+E8M0 scale per 32 inputs, then float32 biases; it needs the variant with bias=True, F and D
+multiples of 32 and P a multiple of 64 bytes. The kernel decodes the codes times their scale
+(exact in float32) and multiplies in float32: the result is that of the dequantised weights,
+and a decode call reads the 4.25-bit bytes.
 
 Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
 once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
@@ -46,9 +51,11 @@ import numpy as np
 
 from ftjax.kernels._registration import require
 from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
-from ftjax.utils.quant import INT8_SCALES_ALIGNMENT, int8_block_bytes, int8_scales_offset
+from ftjax.utils.quant import (INT8_SCALES_ALIGNMENT, MXFP4_ALIGNMENT, MXFP4_BLOCK,
+                               int8_block_bytes, int8_scales_offset, mxfp4_block_bytes)
 
-_BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.int8))
+_BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.int8),
+                np.dtype(np.uint8))
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -84,8 +91,9 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
     ids: [T, K] int32 expert ids in [-1, E); -1 skips the route. Values are checked by
       the kernel at run time (they may be traced).
     weights: [T, K] float32 route weights.
-    bank: [L, E, P] bfloat16, float32 or int8 expert blocks (may be traced); int8 blocks
-      carry their float32 row scales (module docstring).
+    bank: [L, E, P] bfloat16, float32, int8 or uint8 (mxfp4) expert blocks (may be traced);
+      int8 blocks carry their float32 row scales, mxfp4 blocks their E8M0 block scales and
+      float32 biases (module docstring).
     layer: int32 scalar in [0, L) (may be traced; checked here when concrete and by the
       kernel at run time).
     ffn_dim: F, the expert hidden width; a static Python int.
@@ -132,8 +140,8 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
   if len(bank_shape) != 3:
     raise ValueError(f"bank must be 3-D [L, E, P], got shape {bank_shape}")
   if bank_dtype not in _BANK_DTYPES:
-    raise ValueError(f"bank must be bfloat16, float32 or int8 (an int8 expert bank), got "
-                     f"{bank_dtype}")
+    raise ValueError(f"bank must be bfloat16, float32, int8 (an int8 expert bank) or uint8 (an "
+                     f"mxfp4 expert bank), got {bank_dtype}")
   L, _, P = bank_shape
 
   if isinstance(ffn_dim, (bool, np.bool_)) or not isinstance(ffn_dim, (int, np.integer)):
@@ -142,7 +150,9 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
     raise ValueError(f"ffn_dim must be positive, got {ffn_dim}")
   if not isinstance(variant, ExpertVariant):
     raise ValueError(f"variant must be an ExpertVariant, got {variant!r}")
-  if P < variant.block_elems(ffn_dim, D):
+  if bank_dtype == np.uint8:
+    _check_mxfp4(P, ffn_dim, D, variant)
+  elif P < variant.block_elems(ffn_dim, D):
     raise ValueError(
       f"bank's last dimension P = {P} is smaller than 3 * ffn_dim * D = 3 * {ffn_dim} * {D}"
       + (f" plus the biases 2 * ffn_dim + D = {2 * ffn_dim + D}" if variant.bias else "")
@@ -173,6 +183,22 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
                      "row scales): keep a model with expert biases in bf16")
   call = _batchable_call(int(ffn_dim), bool(bf16_activations), bool(int8_activations), variant)
   return call(x, ids, weights, bank, jnp.asarray(layer, jnp.int32))
+
+
+def _check_mxfp4(P, ffn_dim, D, variant):
+  if not variant.bias:
+    raise ValueError("an mxfp4 bank (uint8) carries the gpt-oss expert biases: pass the variant "
+                     "with bias=True (ExpertVariant('clamped_swiglu', bias=True))")
+  if ffn_dim % MXFP4_BLOCK or D % MXFP4_BLOCK:
+    raise ValueError(f"an mxfp4 bank needs ffn_dim and D to be multiples of {MXFP4_BLOCK}, got "
+                     f"ffn_dim = {ffn_dim}, D = {D}")
+  need = mxfp4_block_bytes(ffn_dim, D)
+  if P < need:
+    raise ValueError(f"mxfp4 bank's last dimension P = {P} is smaller than the {need} bytes of "
+                     f"an mxfp4 block (F = {ffn_dim}, D = {D}: codes, scales, float32 biases)")
+  if P % MXFP4_ALIGNMENT:
+    raise ValueError(f"mxfp4 bank's last dimension P = {P} must be a multiple of "
+                     f"{MXFP4_ALIGNMENT} bytes; pad the blocks with zeros")
 
 
 def _call(x, ids, weights, bank, layer, ffn_dim, bf16_activations, int8_activations, variant):

@@ -47,8 +47,12 @@ def hardware_profile(measured: dict[str, Any], name: str, *, layer_overhead_s: f
 def calibration_model(shape: ExpertShape, num_layers: int = 2, seed: int = 0):
   """A small random model with ``shape``'s experts, to calibrate overheads without a real
   one: ``num_layers`` layers of max(4·top_k, 16) experts, vocabulary 1024, heads of 64. int8
-  experts: a bfloat16 model whose experts are then quantised."""
-  dense = "bfloat16" if shape.dtype == "int8" else shape.dtype
+  and mxfp4 experts: a bfloat16 model whose experts are then quantised (mxfp4: with gpt-oss's
+  expert biases and clamped SwiGLU, which its blocks always carry)."""
+  quantised = shape.dtype in ("int8", "mxfp4")
+  dense = "bfloat16" if quantised else shape.dtype
+  gpt_oss_experts = dict(expert_activation="clamped_swiglu", expert_bias=True) if (
+      shape.dtype == "mxfp4") else {}
   head_dim = min(64, shape.hidden)
   heads = max(1, shape.hidden // head_dim)
   config = ModelConfig(
@@ -57,9 +61,9 @@ def calibration_model(shape: ExpertShape, num_layers: int = 2, seed: int = 0):
       num_experts=max(4 * shape.top_k, 16), top_k=shape.top_k, moe_intermediate_size=shape.ffn,
       rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096,
       layer_types=("full_attention",) * num_layers, qk_norm="per_head", norm_topk_prob=True,
-      source_dtype=dense)
+      source_dtype=dense, **gpt_oss_experts)
   model = random_model(config, seed=seed, dtype=dense)
-  return quantize_experts(model) if shape.dtype == "int8" else model
+  return quantize_experts(model, shape.dtype) if quantised else model
 
 
 def decode_counts(engine, prompt: list[int], tokens: int) -> dict[str, Any]:

@@ -190,8 +190,8 @@ class ModelShape:
   dense_bytes_per_layer: float
   head_bytes: float
   expert_bias: bool = False
-  # The routed experts' quantised format, "int8" (int8 weights and float32 row scales,
-  # docs/ftw.md); None: experts of bytes_per_param bytes a weight, like the dense weights.
+  # The routed experts' quantised format, "int8" (int8 weights and float32 row scales) or
+  # "mxfp4" (gpt-oss's MXFP4 codes, E8M0 scales and float32 biases; docs/ftw.md); None: experts of bytes_per_param bytes a weight, like the dense weights.
   expert_format: str | None = None
 
   def __post_init__(self):
@@ -212,9 +212,12 @@ class ModelShape:
   @property
   def expert_bytes(self) -> int:
     """Bytes of one routed expert: gate [F, D], up [F, D], down [D, F] (and with
-    ``expert_bias`` their biases [F], [F], [D]; int8: plus their float32 row scales)."""
+    ``expert_bias`` their biases [F], [F], [D]; int8: plus their float32 row scales; mxfp4:
+    4-bit codes, an E8M0 scale per 32 inputs and float32 biases)."""
     if self.expert_format == "int8":
       return quant.int8_block_bytes(self.expert_ffn, self.hidden)
+    if self.expert_format == "mxfp4":
+      return quant.mxfp4_block_bytes(self.expert_ffn, self.hidden)
     bias = 2 * self.expert_ffn + self.hidden if self.expert_bias else 0
     return (3 * self.hidden * self.expert_ffn + bias) * self.bytes_per_param
 
@@ -231,7 +234,7 @@ class ModelShape:
     """From ftjax's ``ModelConfig``.
 
     ``bytes_per_param`` defaults to the checkpoint dtype's (``config.source_dtype``);
-    ``expert_format``: the routed experts' quantised format (``"int8"``), if any; a float
+    ``expert_format``: the routed experts' quantised format (``"int8"``, ``"mxfp4"``), if any; a float
     format name means no quantisation (None). Hybrid
     models (Gated DeltaNet ``linear_attention`` layers between attention layers) get the
     mean of their layers' mixers; see ``_gated_deltanet_params`` for the linear mixer.

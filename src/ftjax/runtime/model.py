@@ -22,8 +22,9 @@ from ftjax.utils import quant
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
   """What ``ftjax.load`` returns. ``bank`` is the host expert pool ``[L, E, P]``: bfloat16 or
-  float32 blocks, or int8 blocks with their row scales (``expert_format`` ``"int8"``, P in
-  bytes; ``ftjax.utils.quant``)."""
+  float32 blocks, int8 blocks with their row scales (``expert_format`` ``"int8"``, P in
+  bytes), or uint8 mxfp4 blocks (``"mxfp4"``: gpt-oss's MXFP4 codes, scales and biases;
+  ``ftjax.utils.quant``)."""
   config: ModelConfig
   graphdef: nnx.GraphDef
   params: nnx.State
@@ -34,15 +35,16 @@ class Model:
 
   @property
   def dtype(self) -> np.dtype:
-    """The storage dtype of the dense weights (and of the experts unless they are int8)."""
-    if self.expert_format == "int8":
+    """The storage dtype of the dense weights (and of the experts unless they are quantised)."""
+    if self.expert_format in quant.QUANTISED_EXPERT_FORMATS:
       return np.dtype(jax.tree.leaves(self.params)[0].dtype)
     return np.dtype(self.bank.dtype)
 
   @property
   def expert_format(self) -> str:
-    """The bank's expert format: ``"bfloat16"``, ``"float32"`` or ``"int8"``."""
-    return "int8" if np.dtype(self.bank.dtype) == np.int8 else str(np.dtype(self.bank.dtype))
+    """The bank's expert format: ``"bfloat16"``, ``"float32"``, ``"int8"`` or ``"mxfp4"``."""
+    dtype = np.dtype(self.bank.dtype)
+    return {np.dtype(np.int8): "int8", np.dtype(np.uint8): "mxfp4"}.get(dtype, str(dtype))
 
   @property
   def expert_bytes(self) -> int:
@@ -129,16 +131,26 @@ def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") 
   return Model(config=config, graphdef=graphdef, params=params, bank=bank)
 
 
-def quantize_experts(model: Model) -> Model:
-  """The model with its routed experts quantised to int8 (docs/ftw.md, ``ftjax.utils.quant``)
-  in memory, dense weights unchanged: the bank that ``save(model, ..., expert_format="int8")``
-  then ``load`` gives."""
-  if model.expert_format == "int8":
-    raise ValueError("the model's experts are int8 already")
+def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
+  """The model with its routed experts quantised to ``expert_format`` (``"int8"``, or
+  ``"mxfp4"`` for a model with expert biases; docs/ftw.md, ``ftjax.utils.quant``) in memory,
+  dense weights unchanged: the bank that ``save(model, ..., expert_format=...)`` then ``load``
+  gives."""
+  if model.expert_format in quant.QUANTISED_EXPERT_FORMATS:
+    raise ValueError(f"the model's experts are {model.expert_format} already")
   c = model.config
   f, d = c.moe_intermediate_size, c.hidden_size
-  bank = quant.quantize_bank(np.asarray(model.bank), f, d,
-                             block_bytes=ftw.align(quant.int8_block_bytes(f, d)))
+  if expert_format == "mxfp4":
+    if not c.expert_bias:
+      raise ValueError("mxfp4 expert blocks end with the gpt-oss expert biases, which this model "
+                       "does not have: quantise it to int8")
+    bank = quant.quantize_mxfp4_bank(np.asarray(model.bank), f, d,
+                                     block_bytes=ftw.align(quant.mxfp4_block_bytes(f, d)))
+  elif expert_format == "int8":
+    bank = quant.quantize_bank(np.asarray(model.bank), f, d,
+                               block_bytes=ftw.align(quant.int8_block_bytes(f, d)))
+  else:
+    raise ValueError(f"expert_format must be 'int8' or 'mxfp4', got {expert_format!r}")
   return dataclasses.replace(model, bank=jax.device_put(bank) if jax.default_backend() == "cpu"
                              else bank, path=None, storage=None)
 
@@ -160,14 +172,15 @@ def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
   """Writes a Model as an FTW directory (used for the default model and round-trip tests).
 
   ``dtype`` is the dense tensors' storage dtype; ``expert_format`` the bank's (default: the
-  model's own; ``"int8"`` quantises float experts; int8 experts are written as they are and
-  cannot be written back as floats)."""
+  model's own; ``"int8"`` quantises float experts; int8 and mxfp4 experts are written as they
+  are and cannot be written back as floats)."""
   dtype = dtype or str(model.dtype)
-  expert_format = expert_format or (
-      "int8" if model.expert_format == "int8" else dtype)
-  if model.expert_format == "int8" and expert_format != "int8":
-    raise ValueError(f"this model's experts are int8; they cannot be saved as {expert_format} "
-                     "(quantisation is one way): save with expert_format='int8'")
+  quantised = model.expert_format in quant.QUANTISED_EXPERT_FORMATS
+  expert_format = expert_format or (model.expert_format if quantised else dtype)
+  if quantised and expert_format != model.expert_format:
+    raise ValueError(f"this model's experts are {model.expert_format}; they cannot be saved as "
+                     f"{expert_format} (quantisation is one way): save with "
+                     f"expert_format={model.expert_format!r}")
   writer = ftw.FTWWriter(out_dir, model.config, dtype, source or model.source or {},
                          expert_format=expert_format)
   for name, value in named_params(model).items():
@@ -177,9 +190,23 @@ def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
   starts = ftw.expert_part_starts(c)
   scales_at = quant.int8_scales_offset(c.moe_intermediate_size, c.hidden_size)
   scale_starts = {"gate": 0, "up": c.moe_intermediate_size, "down": 2 * c.moe_intermediate_size}
+  mxfp4 = quant.mxfp4_offsets(c.moe_intermediate_size, c.hidden_size) if (
+      model.expert_format == "mxfp4") else None
   for layer in range(bank.shape[0]):
     for expert in range(bank.shape[1]):
       block = bank[layer, expert]
+      if mxfp4 is not None:  # codes with their scales, float32 biases, as stored
+        for part, shape in ftw.expert_part_shapes(c).items():
+          if part.endswith("_bias"):
+            at = mxfp4["biases"][part[:-len("_bias")]]
+            writer.add_expert_part(layer, expert, part,
+                                   block[at:at + 4 * shape[0]].view(np.float32))
+            continue
+          (rows, cols), at, s = shape, mxfp4["codes"][part], mxfp4["scales"][part]
+          writer.add_expert_part(
+              layer, expert, part, block[at:at + rows * cols // 2].reshape(rows, cols // 2),
+              block[s:s + rows * cols // quant.MXFP4_BLOCK].reshape(rows, -1))
+        continue
       for part, shape in ftw.expert_part_shapes(c).items():
         start = starts[part]
         n = int(np.prod(shape))

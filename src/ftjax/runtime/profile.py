@@ -47,7 +47,7 @@ import numpy as np
 
 from ftjax.cache.moe import Offload, fill_slots
 from ftjax.formats import ftw
-from ftjax.kernels import cuda, expert_ffn, read_probe, slot_fill
+from ftjax.kernels import SWIGLU, ExpertVariant, cuda, expert_ffn, read_probe, slot_fill
 from ftjax.utils import quant
 from ftjax.utils.progress import Progress
 
@@ -58,7 +58,7 @@ PROFILE_VERSION = 1
 class ExpertShape:
   hidden: int  # D
   ffn: int  # F
-  dtype: str  # the bank's expert format: bfloat16, float32 or int8 (docs/ftw.md)
+  dtype: str  # the bank's expert format: bfloat16, float32, int8 or mxfp4 (docs/ftw.md)
   top_k: int = 8
 
   @property
@@ -67,9 +67,12 @@ class ExpertShape:
 
   @property
   def expert_bytes(self) -> int:
-    """Bytes one expert's content takes (int8: weights and float32 row scales)."""
+    """Bytes one expert's content takes (int8: weights and float32 row scales; mxfp4: codes,
+    E8M0 scales and the float32 biases it always carries)."""
     if self.dtype == "int8":
       return quant.int8_block_bytes(self.ffn, self.hidden)
+    if self.dtype == "mxfp4":
+      return quant.mxfp4_block_bytes(self.ffn, self.hidden)
     return self.block_elems * ftw.storage_dtype(self.dtype).itemsize
 
 
@@ -99,6 +102,8 @@ def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0):
   rng = np.random.default_rng(seed)
   if shape.dtype == "int8":
     pool = rng.integers(-127, 128, 1 << 22).astype(np.int8)
+  elif shape.dtype == "mxfp4":  # random codes; scales and biases set below
+    pool = rng.integers(0, 256, 1 << 22).astype(np.uint8)
   else:
     pool = (0.02 * rng.standard_normal(1 << 22, np.float32)).astype(dtype)
   bank = np.resize(pool, experts * block).reshape(1, experts, block)  # writes every page
@@ -107,7 +112,16 @@ def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0):
     rows = 2 * shape.ffn + shape.hidden
     bank.view(np.uint8)[..., start:start + 4 * rows] = np.full(
         rows, 0.02 / 127, np.float32).view(np.uint8)
+  if shape.dtype == "mxfp4":  # scales 2^-7 (weights up to ~0.05), zero biases
+    at = quant.mxfp4_offsets(shape.ffn, shape.hidden)
+    bank[..., at["scales"]["gate"]:at["biases"]["gate"]] = 120
+    bank[..., at["biases"]["gate"]:at["biases"]["down"] + 4 * shape.hidden] = 0
   return jax.device_put(bank) if jax.default_backend() == "cpu" else bank
+
+
+def _variant(shape: ExpertShape) -> ExpertVariant:
+  """The expert function to measure: an mxfp4 block always holds gpt-oss's biases."""
+  return ExpertVariant("clamped_swiglu", bias=True) if shape.dtype == "mxfp4" else SWIGLU
 
 
 def _median_rate(fn: Callable[[], Any], nbytes: int, calls: int) -> float:
@@ -130,7 +144,8 @@ def _workloads(bank, shape: ExpertShape):
   weights = jnp.full((1, k), 1.0 / k, jnp.float32)
   sets = [jnp.asarray((np.arange(k) + i * k)[None] % num_experts, jnp.int32)
           for i in range(max(1, num_experts // k))]
-  run_expert = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn))
+  run_expert = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn,
+                                                       variant=_variant(shape)))
   slots = jnp.zeros((2 * k, bank.shape[2]), bank.dtype)
   fill = jax.jit(slot_fill, donate_argnums=0)
   dst = jnp.arange(k, dtype=jnp.int32)
@@ -166,7 +181,8 @@ def _grouped_workload(bank, shape: ExpertShape):
   x, ids, weights = jax.device_put(
       (rng.standard_normal((_GROUPED_TOKENS, shape.hidden)).astype(np.float32),
        ids.astype(np.int32), np.full((_GROUPED_TOKENS, k), 1.0 / k, np.float32)), device)
-  run = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn))
+  run = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn,
+                                                variant=_variant(shape)))
 
   def grouped_once():
     run(x, ids, weights, bank).block_until_ready()
@@ -184,7 +200,8 @@ def _gpu_workloads(bank, shape: ExpertShape):
   weights = jax.device_put(np.full((1, k), 1.0 / k, np.float32), cpu)
   sets = [(np.arange(k) + i * k)[None] % num_experts for i in range(max(1, num_experts // k))]
   cpu_sets = [jax.device_put(s.astype(np.int32), cpu) for s in sets]
-  run_expert = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn))
+  run_expert = jax.jit(lambda x, ids, w, b: expert_ffn(x, ids, w, b, 0, ffn_dim=shape.ffn,
+                                                       variant=_variant(shape)))
   spec = cuda.register_pool(host)
   pinned = jax.device_put(host, jax.sharding.SingleDeviceSharding(jax.devices()[0],
                                                                   memory_kind="pinned_host"))

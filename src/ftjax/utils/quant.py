@@ -1,5 +1,6 @@
-"""The int8 expert format: block layout and quantisation (numpy), shared by the FTW writer,
-the kernels' input checks and the XLA dequantisation (specified in ``docs/ftw.md``).
+"""The quantised expert formats, ``int8`` and ``mxfp4``: block layouts and (de)quantisation
+(numpy), shared by the FTW writer, the kernels' input checks and the XLA dequantisation
+(specified in ``docs/ftw.md``).
 
 An int8 expert block is P bytes: the int8 weights ``gate [F, D] | up [F, D] | down [D, F]``
 from byte 0 (the float layout's element offsets, one byte per weight), then from byte
@@ -19,8 +20,8 @@ import numpy as np
 
 INT8_SCALES_ALIGNMENT = 64
 QMAX = 127
-EXPERT_FORMATS = ("bfloat16", "float32", "int8")  # the expert bank formats ftjax reads
-QUANTISED_EXPERT_FORMATS = ("int8",)  # those whose bytes per weight no float dtype gives
+EXPERT_FORMATS = ("bfloat16", "float32", "int8", "mxfp4")  # the expert bank formats ftjax reads
+QUANTISED_EXPERT_FORMATS = ("int8", "mxfp4")  # those whose bytes per weight no float dtype gives
 
 
 def int8_scales_offset(ffn_dim: int, width: int) -> int:
@@ -102,3 +103,109 @@ def quantize_bank(bank: np.ndarray, ffn_dim: int, width: int,
                                           b[fd:2 * fd].reshape(ffn_dim, width),
                                           b[2 * fd:3 * fd].reshape(width, ffn_dim), block_bytes)
   return out.view(np.int8)
+
+
+# ---------------------------------------------------------------------------------------------
+# mxfp4 (OCP MX FP4, as gpt-oss ships its experts).
+#
+# Each row of a part ``[out, in]`` is cut into blocks of 32 inputs; a block is 16 bytes of
+# 4-bit E2M1 codes (input ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the high one)
+# and one E8M0 scale byte ``e`` standing for ``2**(e - 127)``. Weight = ``E2M1[code] ·
+# 2**(e - 127)``, exact in float32 (e = 255, NaN in the OCP spec, is refused). A block of an
+# mxfp4 bank is, with ``S = align64(3·F·D/2)`` and ``B = S + align64(3·F·D/32)``:
+#   codes  gate [F, D/2] at 0, up [F, D/2] at F·D/2, down [D, F/2] at F·D;
+#   scales gate [F, D/32] at S, up [F, D/32] at S + F·D/32, down [D, F/32] at S + F·D/16;
+#   biases (float32) gate [F] at B, up [F] at B + 4·F, down [D] at B + 8·F;
+# then zero padding. F and D must be multiples of 32.
+
+MXFP4_BLOCK = 32  # inputs per scale
+MXFP4_ALIGNMENT = 64
+MXFP4_SCALE_NAN = 255
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _align(n: int, alignment: int = MXFP4_ALIGNMENT) -> int:
+  return -(-n // alignment) * alignment
+
+
+def check_mxfp4_shape(ffn_dim: int, width: int) -> None:
+  if ffn_dim % MXFP4_BLOCK or width % MXFP4_BLOCK:
+    raise ValueError(f"mxfp4 experts need F and D to be multiples of {MXFP4_BLOCK} (the scale "
+                     f"blocks of 32 inputs), got F={ffn_dim}, D={width}: keep these experts in "
+                     "bfloat16 or int8")
+
+
+def mxfp4_offsets(ffn_dim: int, width: int) -> dict[str, dict[str, int]]:
+  """Byte offsets in an mxfp4 block: ``{"codes"|"scales"|"biases": {part: offset}}``."""
+  f, d = ffn_dim, width
+  fd = f * d
+  scales = _align(3 * fd // 2)
+  biases = scales + _align(3 * fd // MXFP4_BLOCK)
+  return {"codes": {"gate": 0, "up": fd // 2, "down": fd},
+          "scales": {"gate": scales, "up": scales + fd // MXFP4_BLOCK,
+                     "down": scales + 2 * fd // MXFP4_BLOCK},
+          "biases": {"gate": biases, "up": biases + 4 * f, "down": biases + 8 * f}}
+
+
+def mxfp4_block_bytes(ffn_dim: int, width: int) -> int:
+  """Bytes of an mxfp4 block's content (codes, scales, float32 biases), before padding."""
+  check_mxfp4_shape(ffn_dim, width)
+  return mxfp4_offsets(ffn_dim, width)["biases"]["down"] + 4 * width
+
+
+
+# Midpoints between neighbouring E2M1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6).
+_E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``w [R, C]`` float (C a multiple of 32) -> ``(codes [R, C/2], scales [R, C/32])`` uint8
+  (docs/ftw.md, ``--expert_dtype=mxfp4``): per block of 32 inputs the smallest ``2**k`` with
+  ``max|w| / 2**k <= 6`` (E2M1's largest magnitude; k clipped to [-127, 127], an all-zero block
+  gets k = 0), then each ``w / 2**k`` rounded to the nearest E2M1 value, ties to the even code."""
+  w = np.asarray(w)
+  if w.ndim != 2 or w.shape[1] % MXFP4_BLOCK:
+    raise ValueError(f"quantize_mxfp4 takes [R, C] with C a multiple of {MXFP4_BLOCK}, got "
+                     f"shape {w.shape}")
+  w = w.astype(np.float64)  # bfloat16 and float32 values are exact in float64
+  if not np.all(np.isfinite(w)):
+    raise ValueError("cannot quantise weights that are not finite (NaN or inf in the rows)")
+  rows, cols = w.shape
+  blocks = w.reshape(rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+  largest = np.max(np.abs(blocks), axis=-1)
+  mantissa, exponent = np.frexp(largest / 6.0)  # largest / 6 = mantissa · 2**exponent, m in [0.5, 1)
+  k = np.where(mantissa == 0.5, exponent - 1, exponent)  # ceil(log2(largest / 6))
+  k = np.clip(np.where(largest > 0, k, 0), -127, 127)
+  scaled = np.abs(blocks) / np.ldexp(1.0, k)[..., None]
+  code = np.searchsorted(_E2M1_MIDPOINTS, scaled, side="left")  # ties: the smaller magnitude
+  tie = (code < len(_E2M1_MIDPOINTS)) & (scaled == _E2M1_MIDPOINTS[np.minimum(code, 6)])
+  code = np.where(tie & (code % 2 == 1), code + 1, code)  # ... unless its code is odd
+  code = np.where((blocks < 0) & (code > 0), code + 8, code).reshape(rows, cols).astype(np.uint8)
+  return code[:, 0::2] | (code[:, 1::2] << 4), (k + 127).astype(np.uint8)
+
+
+def quantize_mxfp4_bank(bank: np.ndarray, ffn_dim: int, width: int,
+                        block_bytes: int | None = None) -> np.ndarray:
+  """A float bank ``[L, E, P]`` with biases (blocks ``gate | up | down | gate_bias | up_bias |
+  down_bias``) as an mxfp4 bank ``[L, E, block_bytes]`` uint8 (default: the content rounded
+  up to 64), weights by ``quantize_mxfp4``, biases in float32."""
+  bank = np.asarray(bank)
+  f, d = ffn_dim, width
+  fd = f * d
+  at = mxfp4_offsets(f, d)
+  block_bytes = block_bytes or _align(mxfp4_block_bytes(f, d))
+  out = np.zeros((*bank.shape[:2], block_bytes), np.uint8)
+  shapes = {"gate": (0, (f, d)), "up": (fd, (f, d)), "down": (2 * fd, (d, f))}
+  biases = {"gate": (3 * fd, f), "up": (3 * fd + f, f), "down": (3 * fd + 2 * f, d)}
+  for layer in range(bank.shape[0]):
+    for expert in range(bank.shape[1]):
+      block, dst = bank[layer, expert], out[layer, expert]
+      for part, (start, shape) in shapes.items():
+        codes, scales = quantize_mxfp4(block[start:start + fd].reshape(shape))
+        dst[at["codes"][part]:at["codes"][part] + codes.size] = codes.ravel()
+        dst[at["scales"][part]:at["scales"][part] + scales.size] = scales.ravel()
+      for part, (start, n) in biases.items():
+        bias = block[start:start + n].astype(np.float32)
+        dst[at["biases"][part]:at["biases"][part] + 4 * n] = bias.view(np.uint8)
+  return out
