@@ -159,8 +159,9 @@ def test_invariants_hold_on_random_streams(stream, slots, policy, b_p, b_h):
     if filled:
       unused = [s for s in range(slots) if s not in
                 {int(before.slot_of[layer, e]) for e in hits}]
-      if get_policy(policy).replacement == "lrfu":
-        rank = {s: _lrfu_log_value(before, s, get_policy(policy).decay) for s in unused}
+      replacement, decay = get_policy(policy).replacement, get_policy(policy).decay
+      if replacement != "lru":
+        rank = {s: _victim_log_value(before, s, layer, replacement, decay) for s in unused}
         want = sorted(rank.values())[:len(filled)]
         np.testing.assert_allclose(sorted(rank[s] for s in filled), want, rtol=tolerances.F32)
       else:
@@ -178,6 +179,26 @@ def _lrfu_log_value(cache, slot, decay):
   score = float(cache.expert_score.reshape(-1)[owner])
   age = int(cache.clock) + 1 - int(cache.expert_stamp.reshape(-1)[owner])
   return np.log(score) + age * np.log(decay) / layers
+
+
+def _victim_log_value(cache, slot, layer, replacement, decay):
+  """The log value a replacement keeps a slot by (lowest evicted first), float64 reference:
+  lrfu as ``_lrfu_log_value``; cycle: decay^(visits of the owner's layer since the slot's
+  last use) per layer-step until that layer's next visit; lrfu_cycle: the LRFU value at the
+  next visit per layer-step until it. -inf for an empty slot."""
+  owner = int(cache.owner[slot])
+  if owner < 0:
+    return -np.inf
+  layers, experts = cache.slot_of.shape
+  until = (owner // experts - layer - 1) % layers + 1
+  if replacement == "lrfu":
+    return _lrfu_log_value(cache, slot, decay)
+  if replacement == "cycle":
+    unused_visits = (int(cache.clock) - int(cache.slot_stamp[slot])) // layers
+    return unused_visits * np.log(decay) - np.log(until)
+  assert replacement == "lrfu_cycle", replacement
+  return (_lrfu_log_value(cache, slot, decay) + (until - 1) * np.log(decay) / layers -
+          np.log(until))
 
 
 @settings(max_examples=15, deadline=None)
@@ -255,6 +276,28 @@ def test_lrfu_keeps_the_frequently_routed_expert_where_lru_evicts_it():
     victims[name] = {a, b} - {int(e) for e in np.flatnonzero(np.asarray(cache.slot_of[0]) >= 0)}
   assert victims == {"freetoken": {a}, "freetoken_lrfu": {b}}
   np.testing.assert_allclose(float(cache.expert_score[0, a]), 1.9, rtol=tolerances.F32_ROUNDING)
+
+
+@pytest.mark.parametrize("name", ["freetoken_cycle", "freetoken_lrfu_cycle"])
+def test_cycle_policies_do_not_evict_the_layer_that_runs_next(name):
+  """4 layers, 3 slots; every token routes e1, e2, e3, e4 in layers 0-3. Global LRU thrashes:
+  each miss evicts the least recently used slot, which belongs to the layer that runs next,
+  so it never hits. freetoken_cycle evicts, among slots unused for equally many visits of
+  their layer, the one whose layer runs furthest ahead: token 1 evicts e3 at layer 3 (its
+  layer runs in 3 layer-steps, e1's in 1); token 2 hits e1, e2, evicts e2 for e3, hits e4;
+  token 3 hits e1, evicts e1 for e2, hits e3, e4: 3 hits per token, Belady's optimum for 3
+  slots."""
+  fill_all = jnp.array([2.0, 1.0])  # B_P >= B_H: q* fills every miss
+  hits = {}
+  for policy in ("freetoken", name):
+    cache, hits[policy] = _cache(3, layers=4), 0
+    for token in range(3):
+      for layer, e in enumerate((1, 2, 3, 4)):
+        cache, p = _step(cache, layer, [[e]], policy, fill_all)
+        hits[policy] += int(p.hits) if token else 0
+      check_invariants(cache)
+  assert hits["freetoken"] == 0
+  assert hits[name] == 6 if name == "freetoken_cycle" else hits[name] >= 4, hits
 
 
 def test_lrfu_decay_must_be_a_fraction():

@@ -44,7 +44,7 @@ from flax import struct
 from ftjax.cache.state import ExpertCache
 
 FILL_RULES = ("q*", "all", "none")  # how many misses a layer-step fills
-REPLACEMENTS = ("lru", "lrfu")  # how fill candidates and victims are ranked
+REPLACEMENTS = ("lru", "lrfu", "cycle", "lrfu_cycle")  # how fills and victims are ranked
 PRELOADS = ("none", "hot", "layers")  # what the cache holds before the first step
 
 
@@ -54,8 +54,11 @@ class PolicyConfig:
 
   fill_rule: "q*" (the q* rule from the bandwidths, ``fill_count``), "all" (every miss) or
     "none" (misses run on the host; the cache keeps what it was preloaded with).
-  replacement: "lru" (recency stamps) or "lrfu" (decayed selection counts, ``decay`` per
-    token step, in (0, 1)).
+  replacement: "lru" (recency stamps), "lrfu" (decayed selection counts, ``decay`` per
+    token step, in (0, 1)), "cycle" (LRU fills; victims by their reuse chance ``decay ** a``,
+    ``a`` visits of their layer unused, per layer-step until their layer's next visit) or
+    "lrfu_cycle" (LRFU fills; victims by their LRFU value at their layer's next visit per
+    layer-step until it).
   preload: "none" (starts empty), "hot" (the most selected experts of a routing profile,
     ``hot_experts=``), "layers" (whole layers, first layers first). The engine reads it to
     build the initial cache, and again after a resize.
@@ -84,7 +87,7 @@ class PolicyConfig:
 
   def program(self) -> "PolicyConfig":
     """The part of the policy the plan program depends on (equal programs share a compile)."""
-    decay = self.decay if self.replacement == "lrfu" else 0.9
+    decay = self.decay if self.replacement != "lru" else 0.9
     return PolicyConfig(self.fill_rule, self.replacement, "none", decay)
 
   def __str__(self) -> str:
@@ -99,6 +102,9 @@ POLICIES: dict[str, PolicyConfig] = {
     "static_hot": PolicyConfig("none", "lru", "hot", name="static_hot"),
     "static_layers": PolicyConfig("none", "lru", "layers", name="static_layers"),
     "freetoken_lrfu": PolicyConfig("q*", "lrfu", "none", name="freetoken_lrfu"),
+    "freetoken_cycle": PolicyConfig("q*", "cycle", "none", decay=0.5, name="freetoken_cycle"),
+    "freetoken_lrfu_cycle": PolicyConfig("q*", "lrfu_cycle", "none",
+                                         name="freetoken_lrfu_cycle"),
 }
 
 
@@ -198,6 +204,14 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
   return jnp.stack(picks) if picks else jnp.zeros((0,), jnp.int32)
 
 
+def _steps_to_next_visit(owner: jax.Array, layer: jax.Array, num_experts: int,
+                         num_layers: int) -> jax.Array:
+  """Layer-steps from the current one (``layer``) to the next visit of each slot's owner's
+  layer, in [1, L] (its own layer: L, the next step's visit); empty slots: L. [N] int32."""
+  owner_layer = jnp.where(owner >= 0, owner // num_experts, layer)
+  return (owner_layer - layer - 1) % num_layers + 1
+
+
 def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths: jax.Array,
          policy: PolicyConfig) -> tuple[ExpertCache, Plan]:
   """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H)."""
@@ -237,7 +251,8 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     return jnp.where(score > 0, jnp.log(jnp.maximum(score, 1e-30)) +
                      (clock - stamp).astype(jnp.float32) * log_decay_tick, _NEVER)
 
-  lrfu = policy.replacement == "lrfu"  # the other policies never read or write the scores
+  lrfu = policy.replacement in ("lrfu", "lrfu_cycle")  # the others never touch the scores
+  cycle = policy.replacement in ("cycle", "lrfu_cycle")
   prev_value = log_value(cache.expert_score[layer], cache.expert_stamp[layer]) if lrfu else None
 
   if q_max:
@@ -248,6 +263,10 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
       slot_value = jnp.where(cache.owner >= 0, log_value(
           cache.expert_score.reshape(-1)[flat_owner], cache.expert_stamp.reshape(-1)[flat_owner]),
           -jnp.inf)
+      if cycle:  # the value at the owner's next visit, per layer-step until it
+        until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
+        slot_value = (slot_value + (until - 1).astype(jnp.float32) * log_decay_tick -
+                      jnp.log(until.astype(jnp.float32)))
       victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
                                      jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
     else:
@@ -264,8 +283,18 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
         recency = num_experts - 1 - jnp.argsort(latest_first, stable=True).astype(jnp.int32)
         key = routes * num_experts + recency
       fill_cand = top_indices(jnp.where(miss, key, jnp.iinfo(jnp.int32).min), q_max)
-      victim = top_indices(
-          jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
+      if cycle:
+        # Reuse chance decay ** a, a = visits of the owner's layer since the slot's last use
+        # (0: used at the layer's latest visit), per layer-step until its next visit.
+        until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
+        unused_visits = (clock - cache.slot_stamp - 1) // num_layers
+        log_value = (unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(policy.decay)) -
+                     jnp.log(until.astype(jnp.float32)))
+        victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
+                                       jnp.where(cache.owner >= 0, -log_value, jnp.inf)), q_max)
+      else:
+        victim = top_indices(
+            jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
     active = jnp.arange(q_max) < q
     fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
     fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)

@@ -49,7 +49,7 @@ __all__ = ["ReplayResult", "belady_misses", "expert_counts", "replay", "sweep", 
            "write_csv", "plot"]
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.37, 0.5, 0.6, 0.7, 0.85, 1.0)
-SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b"}  # synthetic:NAME -> ftjax.research.synthetic preset
+SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b", "mixtral-8x7b": "mixtral_8x7b"}  # synthetic:NAME -> ftjax.research.synthetic preset
 
 
 @dataclasses.dataclass
