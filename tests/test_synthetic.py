@@ -60,6 +60,29 @@ def test_top16_share_of_every_layer_is_in_the_published_range(qwen3_stats):
   assert shares.max() - shares.min() > 0.15  # the range is spanned, not one value everywhere
 
 
+MIXTRAL_LRU = ((2, 3, 4, 5, 6), (0.32, 0.46, 0.59, 0.70, 0.80))
+
+
+def test_mixtral_matches_the_real_trace_statistics():
+  """synthetic.mixtral_8x7b() against the real Mixtral-8x7B decode figures (issue 17), on
+  2000 generated decode steps: per-layer LRU hit rate (mean over layers) within ±0.04 at
+  2..6 of 8 experts; consecutive overlap within ±0.03 of 37.5% (the LRU of 2 holds exactly
+  the previous token's experts, so its hit rate is the overlap: 0.32 and 0.375 cannot both
+  hold, the model sits at 0.35); every layer's top-2 share in [0.27, 0.36] ± 0.02 (the
+  sampling noise of 2000 steps is about ±0.015 per layer), median
+  within ±0.015 of 32%; 32 layers, top-2 of 8."""
+  model = synthetic.mixtral_8x7b()
+  assert (model.num_layers, model.num_experts, model.top_k) == (32, 8, 2)
+  trace = synthetic.generate(model, 2000, seed=0)
+  sizes, targets = MIXTRAL_LRU
+  lru = routing_stats.lru_hit_rate(trace, sizes).mean(1)
+  np.testing.assert_allclose(lru, targets, atol=0.04)
+  assert routing_stats.consecutive_overlap(trace).mean() == pytest.approx(0.375, abs=0.03)
+  shares = routing_stats.top_share(trace, 2)
+  assert shares.min() >= 0.25 and shares.max() <= 0.38, (shares.min(), shares.max())
+  assert np.median(shares) == pytest.approx(0.32, abs=0.015)
+
+
 def test_trace_shapes_weights_and_phases():
   model = synthetic.qwen3_30b_a3b()
   trace = synthetic.generate(model, 30, seed=3, prefill_steps=12)
