@@ -71,14 +71,28 @@ def _replay_scan(cache, ids, bandwidths, policy):
   return jax.lax.scan(step, cache, ids)[1]
 
 
+@partial(jax.jit, static_argnames=("policy",))
+def _replay_scan_many(cache, ids, bandwidths, policy):  # bandwidths [G, 2]: one replay each
+  return jax.vmap(_replay_scan.__wrapped__, in_axes=(None, None, 0, None))(
+      cache, ids, bandwidths, policy)
+
+
 def replay(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
            bandwidths: tuple[float, float] = (1.0, 1.0), *, hot_experts=None) -> ReplayResult:
   """Replays ``trace`` through ``policy`` with ``cache_slots`` slots shared by all layers.
 
-  ``bandwidths`` (B_P, B_H) in GB/s matter to ``freetoken`` only; ``hot_experts`` ([L, E]
+  ``bandwidths`` (B_P, B_H) in GB/s matter to the q* policies only; ``hot_experts`` ([L, E]
   counts) chooses the pinned set of ``static_hot`` (default: the trace's own counts, an
   oracle profile).
   """
+  return replay_many(trace, policy, cache_slots, [bandwidths], hot_experts=hot_experts)[0]
+
+
+def replay_many(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
+                bandwidths: list[tuple[float, float]], *, hot_experts=None
+                ) -> list[ReplayResult]:
+  """``replay`` under each of several (B_P, B_H) pairs at once (one vmapped scan: the sweep
+  replays a q* policy for every group of hardware profiles this way); results in order."""
   policy = get_policy(policy)
   layers, experts = trace.num_layers, trace.num_experts
   total = layers * experts
@@ -88,13 +102,20 @@ def replay(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
   if policy.preload == "hot" and hot_experts is None:
     hot_experts = expert_counts(trace)
   cache = initial_cache(policy, dummy_bank, cache_slots, hot_experts=hot_experts)
+  if not bandwidths:
+    raise ValueError("bandwidths must hold at least one (B_P, B_H) pair")
   if trace.num_steps == 0:
     z = np.zeros((0, layers), np.int64)
-    return ReplayResult(str(policy), cache_slots, z, z, z)
-  hits, fills, host = _replay_scan(cache, jnp.asarray(trace.ids), jnp.asarray(
-      bandwidths, jnp.float32), policy.program())
-  return ReplayResult(str(policy), cache_slots, np.asarray(hits, np.int64),
-                      np.asarray(fills, np.int64), np.asarray(host, np.int64))
+    return [ReplayResult(str(policy), cache_slots, z, z, z) for _ in bandwidths]
+  bw = jnp.asarray(np.asarray(bandwidths, np.float32).reshape(-1, 2))
+  ids = jnp.asarray(trace.ids)
+  if len(bandwidths) == 1:
+    counts = [c[None] for c in _replay_scan(cache, ids, bw[0], policy.program())]
+  else:
+    counts = _replay_scan_many(cache, ids, bw, policy.program())
+  hits, fills, host = (np.asarray(c, np.int64) for c in counts)
+  return [ReplayResult(str(policy), cache_slots, hits[g], fills[g], host[g])
+          for g in range(len(bandwidths))]
 
 
 def expert_counts(trace: Trace) -> np.ndarray:

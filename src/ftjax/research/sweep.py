@@ -16,8 +16,9 @@ CLI (``docs/sweep.md``)::
 
 Every replay runs the engine's own plan function (``ftjax.research.replay``), one token per
 step. The q* policies depend on the hardware only through the number of fills ``q(m)`` for
-``m`` = 0..top_k misses, so profiles with equal ``q`` tables share one replay; the others
-replay once per cache size. Miss rates count every step of the trace (prefill and decode,
+``m`` = 0..top_k misses, so profiles with equal ``q`` tables share one replay, and the groups
+of one policy and size run as one vmapped scan (``replay_many``); the others replay once per
+cache size. Miss rates count every step of the trace (prefill and decode,
 as Belady's bound does); per-step counts, bytes and the modeled tok/s (``ftjax.research.cost``)
 count decode steps (all steps when the trace has none).
 """
@@ -40,7 +41,8 @@ from ftjax.cache.policy import POLICIES, fill_count, get_policy
 from ftjax.model.config import ModelConfig
 from ftjax.research import synthetic
 from ftjax.research.cost import HardwareProfile, ModelShape, step_times
-from ftjax.research.replay import ReplayResult, belady_misses, expert_counts, replay
+from ftjax.research.replay import (ReplayResult, belady_misses, expert_counts, replay,
+                                   replay_many)
 from ftjax.research.traces import Trace
 from ftjax.utils.progress import Progress
 
@@ -263,8 +265,8 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
     for fraction in fractions:
       slots = int(round(fraction * trace.num_layers * trace.num_experts))
       for policy in policies:
-        if get_policy(policy).fill_rule == "q*":
-          jobs.extend((name, policy, fraction, slots, g) for g in groups.values())
+        if get_policy(policy).fill_rule == "q*":  # one vmapped replay for all the groups
+          jobs.append((name, policy, fraction, slots, list(groups.values())))
         elif get_policy(policy).preload == "hot":
           if name in hot_profiles:
             jobs.append((name, policy, fraction, slots, list(hardware)))
@@ -283,6 +285,10 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
       rows.append(SweepRow(trace=name, policy="belady", hardware="", cache_fraction=fraction,
                            cache_slots=slots, miss_rate=misses / max(requests, 1),
                            per_layer_miss_rate=[]))
+    elif policy != ORACLE and get_policy(policy).fill_rule == "q*":
+      results = replay_many(trace, policy, slots, [(g[0].b_p, g[0].b_h) for g in group])
+      rows.extend(_row(name, policy, hw.name, fraction, result, trace, shapes[name], hw)
+                  for result, g in zip(results, group) for hw in g)
     else:
       bw = (group[0].b_p, group[0].b_h)
       if policy == ORACLE:
