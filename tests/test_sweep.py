@@ -65,6 +65,15 @@ def test_static_hot_uses_the_held_out_profile_and_the_oracle_is_labelled(rows, s
   assert [r.policy for r in alone] == [sweep.ORACLE]
 
 
+@pytest.mark.slow  # two spawned processes import jax and compile: ~14 s on 2 cores
+def test_worker_processes_give_the_same_rows(small_trace):
+  args = ({"t": small_trace}, ["freetoken", "static_hot"], [0.25, 0.5],
+          [_hw("a", 10.0, 20.0), _hw("c", 4.0, 40.0)], {"t": SHAPE})
+  kw = dict(progress=False, hot_profiles={"t": _profile()})
+  one, two = sweep.sweep(*args, **kw), sweep.sweep(*args, **kw, workers=2)
+  assert [repr(dataclasses.asdict(r)) for r in one] == [repr(dataclasses.asdict(r)) for r in two]
+
+
 def test_split_warmup_holds_out_the_leading_steps(small_trace):
   warmup, rest = sweep.split_warmup(small_trace, 0.25)
   assert warmup.num_steps == 32 and rest.num_steps == 98

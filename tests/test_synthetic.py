@@ -131,7 +131,8 @@ def test_popular_set_drifts_between_tasks_and_nothing_else_changes():
   drifting = synthetic.generate(synthetic.qwen3_30b_a3b(), 4 * steps, seed=0)
   for a, b in ((routing_stats.consecutive_overlap(still),
                 routing_stats.consecutive_overlap(drifting)),
-               (routing_stats.lru_hit_rate(still, (16,)), routing_stats.lru_hit_rate(drifting, (16,))),
+               (routing_stats.lru_hit_rate(still, (16,)),
+                routing_stats.lru_hit_rate(drifting, (16,))),
                (np.mean([routing_stats.top_share(t, 16) for t in _tasks(still, steps)], 0),
                 np.mean([routing_stats.top_share(t, 16) for t in _tasks(drifting, steps)], 0))):
     assert np.mean(a) == pytest.approx(np.mean(b), abs=0.02)

@@ -129,6 +129,22 @@ routing = st.lists(st.lists(st.integers(-1, 7), min_size=6, max_size=6), min_siz
                    max_size=30)
 
 
+@settings(max_examples=8, deadline=None)
+@given(stream=routing, slots=st.integers(0, 10), policy=st.sampled_from(list(POLICIES)),
+       b_p=st.floats(1.0, 60.0))
+def test_skipping_idle_victim_searches_changes_nothing(stream, slots, policy, b_p):
+  """plan(skip_idle=True) (the replays') equals the engine's plan step for step."""
+  step = jax.jit(plan, static_argnames=("policy", "skip_idle"))
+  a = b = _cache(slots)
+  bw = jnp.array([b_p, 30.0], jnp.float32)
+  for i, row in enumerate(stream):
+    ids = jnp.asarray(row, jnp.int32).reshape(3, 2)
+    a, pa = step(a, i % 2, ids, bw, policy=get_policy(policy))
+    b, pb = step(b, i % 2, ids, bw, policy=get_policy(policy), skip_idle=True)
+    for x, y in zip(jax.tree.leaves((a, pa)), jax.tree.leaves((b, pb))):
+      np.testing.assert_array_equal(x, y)
+
+
 @settings(max_examples=40, deadline=None)
 @given(stream=routing, slots=st.integers(0, 10), policy=st.sampled_from(list(POLICIES)),
        b_p=st.floats(1.0, 100.0), b_h=st.floats(1.0, 100.0))

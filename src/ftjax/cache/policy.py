@@ -213,8 +213,10 @@ def _steps_to_next_visit(owner: jax.Array, layer: jax.Array, num_experts: int,
 
 
 def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths: jax.Array,
-         policy: PolicyConfig) -> tuple[ExpertCache, Plan]:
-  """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H)."""
+         policy: PolicyConfig, *, skip_idle: bool = False) -> tuple[ExpertCache, Plan]:
+  """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H).
+  ``skip_idle`` (static) skips the victim search of layer-steps that fill nothing: the same
+  plan, faster on XLA:CPU (trace replays), a host synchronisation on a GPU."""
   num_layers, num_experts = cache.slot_of.shape
   num_slots = cache.capacity
   t, k = ids.shape
@@ -256,62 +258,75 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
   prev_value = log_value(cache.expert_score[layer], cache.expert_stamp[layer]) if lrfu else None
 
   if q_max:
-    if lrfu:
-      # Highest-valued misses first; lowest-valued slots (empty first) are the victims.
-      fill_cand = top_indices(jnp.where(miss, prev_value, -jnp.inf), q_max)
-      flat_owner = jnp.maximum(cache.owner, 0)
-      slot_value = jnp.where(cache.owner >= 0, log_value(
-          cache.expert_score.reshape(-1)[flat_owner], cache.expert_stamp.reshape(-1)[flat_owner]),
-          -jnp.inf)
-      if cycle:  # the value at the owner's next visit, per layer-step until it
-        until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
-        slot_value = (slot_value + (until - 1).astype(jnp.float32) * log_decay_tick -
-                      jnp.log(until.astype(jnp.float32)))
-      victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
-                                     jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
-    else:
-      prev_stamp = cache.expert_stamp[layer]
-      if t == 1:
-        # Most recently routed misses first; ties toward the lower index.
-        key = prev_stamp
-      else:
-        # Several tokens (a prefill chunk, a batch): the misses most of them route to first,
-        # then the most recent, then the lower index, so that a prompt leaves its hottest
-        # experts in the cache. recency: E - 1 for the latest stamp, lower ids first on ties.
-        routes = jnp.sum(ids.reshape(-1, 1) == expert_range, axis=0, dtype=jnp.int32)  # [E]
-        latest_first = jnp.argsort(-prev_stamp, stable=True)
-        recency = num_experts - 1 - jnp.argsort(latest_first, stable=True).astype(jnp.int32)
-        key = routes * num_experts + recency
-      fill_cand = top_indices(jnp.where(miss, key, jnp.iinfo(jnp.int32).min), q_max)
-      if cycle:
-        # Reuse chance decay ** a, a = visits of the owner's layer since the slot's last use
-        # (0: used at the layer's latest visit), per layer-step until its next visit.
-        until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
-        unused_visits = (clock - cache.slot_stamp - 1) // num_layers
-        log_value = (unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(policy.decay)) -
-                     jnp.log(until.astype(jnp.float32)))
+    def with_fills(_):
+      if lrfu:
+        # Highest-valued misses first; lowest-valued slots (empty first) are the victims.
+        fill_cand = top_indices(jnp.where(miss, prev_value, -jnp.inf), q_max)
+        flat_owner = jnp.maximum(cache.owner, 0)
+        slot_value = jnp.where(cache.owner >= 0, log_value(
+            cache.expert_score.reshape(-1)[flat_owner],
+            cache.expert_stamp.reshape(-1)[flat_owner]), -jnp.inf)
+        if cycle:  # the value at the owner's next visit, per layer-step until it
+          until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
+          slot_value = (slot_value + (until - 1).astype(jnp.float32) * log_decay_tick -
+                        jnp.log(until.astype(jnp.float32)))
         victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
-                                       jnp.where(cache.owner >= 0, -log_value, jnp.inf)), q_max)
+                                       jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
       else:
-        victim = top_indices(
-            jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
-    active = jnp.arange(q_max) < q
-    fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
-    fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
-    # Evict the victims' owners, then install the fills.
-    flat_slot_of = cache.slot_of.reshape(-1)
-    evicted = jnp.where(active, cache.owner[victim], -1)
-    out_of_range = flat_slot_of.shape[0]
-    flat_slot_of = flat_slot_of.at[jnp.where(evicted >= 0, evicted, out_of_range)].set(
-        -1, mode="drop")
-    new_owner_flat = layer * num_experts + fill_expert
-    flat_slot_of = flat_slot_of.at[jnp.where(active, new_owner_flat, out_of_range)].set(
-        fill_slot, mode="drop")
-    slot_of = flat_slot_of.reshape(num_layers, num_experts)
-    owner = cache.owner.at[jnp.where(active, fill_slot, num_slots)].set(
-        new_owner_flat, mode="drop")
-    stamped = used.at[jnp.where(active, fill_slot, num_slots)].set(True, mode="drop")
-    slot_stamp = jnp.where(stamped, clock, cache.slot_stamp)
+        prev_stamp = cache.expert_stamp[layer]
+        if t == 1:
+          # Most recently routed misses first; ties toward the lower index.
+          key = prev_stamp
+        else:
+          # Several tokens (a prefill chunk, a batch): the misses most of them route to first,
+          # then the most recent, then the lower index, so that a prompt leaves its hottest
+          # experts in the cache. recency: E - 1 for the latest stamp, lower ids first on ties.
+          routes = jnp.sum(ids.reshape(-1, 1) == expert_range, axis=0, dtype=jnp.int32)  # [E]
+          latest_first = jnp.argsort(-prev_stamp, stable=True)
+          recency = num_experts - 1 - jnp.argsort(latest_first, stable=True).astype(jnp.int32)
+          key = routes * num_experts + recency
+        fill_cand = top_indices(jnp.where(miss, key, jnp.iinfo(jnp.int32).min), q_max)
+        if cycle:
+          # Reuse chance decay ** a, a = visits of the owner's layer since the slot's last use
+          # (0: used at the layer's latest visit), per layer-step until its next visit.
+          until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
+          unused_visits = (clock - cache.slot_stamp - 1) // num_layers
+          keep = (unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(policy.decay)) -
+                  jnp.log(until.astype(jnp.float32)))
+          victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
+                                         jnp.where(cache.owner >= 0, -keep, jnp.inf)), q_max)
+        else:
+          victim = top_indices(
+              jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
+      active = jnp.arange(q_max) < q
+      fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
+      fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
+      # Evict the victims' owners, then install the fills.
+      flat_slot_of = cache.slot_of.reshape(-1)
+      evicted = jnp.where(active, cache.owner[victim], -1)
+      out_of_range = flat_slot_of.shape[0]
+      flat_slot_of = flat_slot_of.at[jnp.where(evicted >= 0, evicted, out_of_range)].set(
+          -1, mode="drop")
+      new_owner_flat = layer * num_experts + fill_expert
+      flat_slot_of = flat_slot_of.at[jnp.where(active, new_owner_flat, out_of_range)].set(
+          fill_slot, mode="drop")
+      slot_of = flat_slot_of.reshape(num_layers, num_experts)
+      owner = cache.owner.at[jnp.where(active, fill_slot, num_slots)].set(
+          new_owner_flat, mode="drop")
+      stamped = used.at[jnp.where(active, fill_slot, num_slots)].set(True, mode="drop")
+      slot_stamp = jnp.where(stamped, clock, cache.slot_stamp)
+      return fill_expert, fill_slot, slot_of, owner, slot_stamp
+
+    def without_fills(_):  # nothing to fill: only the hits' slots are stamped
+      none = jnp.full((q_max,), -1, jnp.int32)
+      return none, none, cache.slot_of, cache.owner, jnp.where(used, clock, cache.slot_stamp)
+
+    # skip_idle: a conditional skips the victim search when nothing is filled (XLA:CPU runs
+    # one branch; the replays use it; the engine does not: on a GPU a conditional reads its
+    # predicate on the host, a synchronisation per layer).
+    fill_expert, fill_slot, slot_of, owner, slot_stamp = (
+        jax.lax.cond(q > 0, with_fills, without_fills, None) if skip_idle else
+        with_fills(None))
   else:
     fill_expert = fill_slot = jnp.zeros((0,), jnp.int32)
     slot_of, owner, slot_stamp = cache.slot_of, cache.owner, cache.slot_stamp

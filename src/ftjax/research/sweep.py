@@ -16,19 +16,21 @@ CLI (``docs/sweep.md``)::
 
 Every replay runs the engine's own plan function (``ftjax.research.replay``), one token per
 step. The q* policies depend on the hardware only through the number of fills ``q(m)`` for
-``m`` = 0..top_k misses, so profiles with equal ``q`` tables share one replay, and the groups
-of one policy and size run as one vmapped scan (``replay_many``); the others replay once per
-cache size. Miss rates count every step of the trace (prefill and decode,
+``m`` = 0..top_k misses, so profiles with equal ``q`` tables share one replay
+(``replay_many`` runs the groups of one policy and size); the others replay once per cache
+size. Miss rates count every step of the trace (prefill and decode,
 as Belady's bound does); per-step counts, bytes and the modeled tok/s (``ftjax.research.cost``)
 count decode steps (all steps when the trace has none).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import dataclasses
 import glob
 import json
+import multiprocessing
 import os
 import sys
 from typing import Iterable, Sequence
@@ -51,7 +53,8 @@ __all__ = ["ReplayResult", "belady_misses", "expert_counts", "replay", "sweep", 
            "write_csv", "plot"]
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.37, 0.5, 0.6, 0.7, 0.85, 1.0)
-SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b", "mixtral-8x7b": "mixtral_8x7b"}  # synthetic:NAME -> ftjax.research.synthetic preset
+# synthetic:NAME -> its ftjax.research.synthetic preset
+SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b", "mixtral-8x7b": "mixtral_8x7b"}
 
 
 @dataclasses.dataclass
@@ -241,7 +244,8 @@ ORACLE = "static_hot_oracle"  # static_hot pinning the replayed trace's own hott
 
 def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence[float],
           hardware: Sequence, shapes: dict, *, belady: bool = True, progress: bool = True,
-          hot_profiles: dict[str, np.ndarray] | None = None) -> list[SweepRow]:
+          hot_profiles: dict[str, np.ndarray] | None = None,
+          workers: int = 1) -> list[SweepRow]:
   """Every trace x policy x cache fraction x hardware profile, plus Belady's bound per trace
   and size (with a free preload, so that it bounds the preloaded static policies too).
   ``shapes`` maps trace name -> ``ftjax.research.cost.ModelShape``.
@@ -249,7 +253,10 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
   ``static_hot`` pins the hottest experts of ``hot_profiles[trace]`` ([L, E] counts from
   other routing, ``load_traces_and_profiles``): its rows are labelled ``static_hot``. Rows
   labelled ``static_hot_oracle`` pin the replayed trace's own hottest experts, a profile no
-  deployment has: an upper bound of static placement, not a policy."""
+  deployment has: an upper bound of static placement, not a policy.
+
+  ``workers > 1`` runs the jobs in that many processes (spawned; each compiles its own plan
+  programs); the rows come back in the same order as with one."""
   hot_profiles = hot_profiles or {}
   for p in policies:
     get_policy(p)  # validates the name
@@ -265,7 +272,7 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
     for fraction in fractions:
       slots = int(round(fraction * trace.num_layers * trace.num_experts))
       for policy in policies:
-        if get_policy(policy).fill_rule == "q*":  # one vmapped replay for all the groups
+        if get_policy(policy).fill_rule == "q*":  # one job replays all the groups
           jobs.append((name, policy, fraction, slots, list(groups.values())))
         elif get_policy(policy).preload == "hot":
           if name in hot_profiles:
@@ -277,29 +284,45 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
         jobs.append((name, "belady", fraction, slots, []))
   rows = []
   bar = Progress(len(jobs), desc="sweep", enabled=progress)
-  for name, policy, fraction, slots, group in jobs:
-    trace = traces[name]
-    if policy == "belady":
-      requests = sum(len(np.unique(r[r >= 0])) for step in trace.ids for r in step)
-      misses = belady_misses(trace, slots, preload=True)  # also bounds the static policies
-      rows.append(SweepRow(trace=name, policy="belady", hardware="", cache_fraction=fraction,
-                           cache_slots=slots, miss_rate=misses / max(requests, 1),
-                           per_layer_miss_rate=[]))
-    elif policy != ORACLE and get_policy(policy).fill_rule == "q*":
-      results = replay_many(trace, policy, slots, [(g[0].b_p, g[0].b_h) for g in group])
-      rows.extend(_row(name, policy, hw.name, fraction, result, trace, shapes[name], hw)
-                  for result, g in zip(results, group) for hw in g)
-    else:
-      bw = (group[0].b_p, group[0].b_h)
-      if policy == ORACLE:
-        result = replay(trace, "static_hot", slots, bw, hot_experts=expert_counts(trace))
-      else:
-        result = replay(trace, policy, slots, bw, hot_experts=hot_profiles.get(name))
-      rows.extend(_row(name, policy, hw.name, fraction, result, trace, shapes[name], hw)
-                  for hw in group)
-    bar.update()
+  if workers > 1:  # the slowest jobs (most slots, several groups) first, spread over workers
+    order = {job[:3]: i for i, job in enumerate(jobs)}
+    jobs = sorted(jobs, key=lambda j: (-j[3], -len(j[4])))
+    context = multiprocessing.get_context("spawn")  # a forked process would inherit XLA's threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+      futures = [pool.submit(_run_job, job, traces[job[0]], shapes.get(job[0]),
+                             hot_profiles.get(job[0])) for job in jobs]
+      for future in concurrent.futures.as_completed(futures):
+        rows.extend(future.result())
+        bar.update()
+    rows.sort(key=lambda r: order[r.trace, r.policy, r.cache_fraction])
+  else:
+    for job in jobs:
+      rows.extend(_run_job(job, traces[job[0]], shapes.get(job[0]), hot_profiles.get(job[0])))
+      bar.update()
   bar.close()
   return rows
+
+
+def _run_job(job, trace: Trace, shape, hot_profile) -> list[SweepRow]:
+  """The rows of one sweep job: a policy at one cache size under a list of profiles (a q*
+  policy: a list of groups of profiles with equal fill tables), or Belady's bound."""
+  name, policy, fraction, slots, group = job
+  if policy == "belady":
+    requests = sum(len(np.unique(r[r >= 0])) for step in trace.ids for r in step)
+    misses = belady_misses(trace, slots, preload=True)  # also bounds the static policies
+    return [SweepRow(trace=name, policy="belady", hardware="", cache_fraction=fraction,
+                     cache_slots=slots, miss_rate=misses / max(requests, 1),
+                     per_layer_miss_rate=[])]
+  if policy != ORACLE and get_policy(policy).fill_rule == "q*":
+    results = replay_many(trace, policy, slots, [(g[0].b_p, g[0].b_h) for g in group])
+    return [_row(name, policy, hw.name, fraction, result, trace, shape, hw)
+            for result, g in zip(results, group) for hw in g]
+  bw = (group[0].b_p, group[0].b_h)
+  if policy == ORACLE:
+    result = replay(trace, "static_hot", slots, bw, hot_experts=expert_counts(trace))
+  else:
+    result = replay(trace, policy, slots, bw, hot_experts=hot_profile)
+  return [_row(name, policy, hw.name, fraction, result, trace, shape, hw) for hw in group]
 
 
 # ---------------------------------------------------------------------------- outputs
