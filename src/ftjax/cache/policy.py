@@ -14,7 +14,9 @@ replacement, preload) registered by name in ``POLICIES``:
 * ``lru_fill``: every miss (a classic expert cache);
 * ``cpu_only``, ``static_hot``, ``static_layers``: none (the cache keeps what it was
   preloaded with: nothing, a hot set from a routing profile, or whole layers);
-* ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below).
+* ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below);
+* ``freetoken_cycle``, ``freetoken_lrfu_cycle``: the q* rule, with victims ranked by their
+  expected reuse per layer-step until their layer's next visit (below).
 
 Which misses are filled: the most recently routed before this step (``expert_stamp``), ties
 to the lower expert id; in a step of several tokens (a prefill chunk, a batch) first those
@@ -30,6 +32,14 @@ a single token chose slightly later. It fills the highest-valued misses and evic
 lowest-valued slots; how many it fills is freetoken's q*. ``decay -> 0`` approaches LRU.
 ``benchmarks/sweep.py`` measures it against ``freetoken`` (results in
 ``benchmarks/results/sweep``).
+
+The cycle-aware replacements (``docs/cache.md`` has the reasoning) fix global LRU's failure
+on the layer cycle of a decode step: the least recently used slots belong to the layers that
+run next. A slot's value is its reuse estimate at its layer's next visit divided by ``d``,
+the layer-steps until that visit (1 for the next layer, L for the current one); the lowest
+values are the victims. ``cycle``: ``decay ** a`` with ``a`` the visits of its layer that did
+not use it (from ``slot_stamp``); ``lrfu_cycle``: the owner's LRFU value carried to that
+visit. Fill candidates are ranked as in LRU and LRFU respectively.
 """
 
 from __future__ import annotations
