@@ -316,6 +316,25 @@ def test_cycle_policies_do_not_evict_the_layer_that_runs_next(name):
   assert hits[name] == 6 if name == "freetoken_cycle" else hits[name] >= 4, hits
 
 
+def test_free_slot_fills_fill_empty_slots_only():
+  """B_P/B_H = 0.25: q* fills nothing for one miss (q* = 0.25 rounds to 0), so freetoken
+  leaves a cache with room empty; freetoken_free fills the empty slots, then, once they are
+  full, follows q* (no fill, nothing evicted)."""
+  low = jnp.array([10.0, 40.0])
+  for name, fills in (("freetoken", [0, 0, 0]), ("freetoken_free", [1, 1, 0])):
+    cache, got = _cache(2, layers=1), []
+    for e in (1, 2, 3):
+      cache, p = _step(cache, 0, [[e]], name, low)
+      got.append(int(p.fills))
+      check_invariants(cache)
+    assert got == fills, (name, got)
+  assert {int(e) for e in np.flatnonzero(np.asarray(cache.slot_of[0]) >= 0)} == {1, 2}
+  # Two misses, one empty slot: one fill (the most recent miss), one host run.
+  cache, _ = _step(_cache(2, layers=1), 0, [[5]], "freetoken_free", low)
+  cache, p = _step(cache, 0, [[6], [7]], "freetoken_free", low)
+  assert int(p.fills) == 1 and int(p.host) == 1
+
+
 def test_lrfu_decay_must_be_a_fraction():
   with pytest.raises(ValueError, match="decay"):
     get_policy("freetoken_lrfu", decay=1.0)

@@ -16,7 +16,8 @@ replacement, preload) registered by name in ``POLICIES``:
   preloaded with: nothing, a hot set from a routing profile, or whole layers);
 * ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below);
 * ``freetoken_cycle``, ``freetoken_lrfu_cycle``: the q* rule, with victims ranked by their
-  expected reuse per layer-step until their layer's next visit (below).
+  expected reuse per layer-step until their layer's next visit (below);
+* ``freetoken_free``: the q* rule, and misses also fill empty slots (``fill_free``).
 
 Which misses are filled: the most recently routed before this step (``expert_stamp``), ties
 to the lower expert id; in a step of several tokens (a prefill chunk, a batch) first those
@@ -73,6 +74,9 @@ class PolicyConfig:
     ``hot_experts=``), "layers" (whole layers, first layers first). The engine reads it to
     build the initial cache, and again after a resize.
   name: the registry name, for messages and statistics.
+  fill_free: also fill misses into empty slots beyond the fill rule's count (as many as there
+    are empty usable slots): with a low B_P/B_H the q* rule fills nothing for one or two
+    misses, and a cache with room would otherwise stay empty (``freetoken_free``).
 
   The plan program depends on ``program()`` only: policies that differ only in their preload
   (``cpu_only``, ``static_hot``, ``static_layers``) share one compiled step.
@@ -82,6 +86,7 @@ class PolicyConfig:
   preload: str = "none"
   decay: float = 0.9
   name: str | None = None
+  fill_free: bool = False
 
   def __post_init__(self):
     for field, value, allowed in (("fill_rule", self.fill_rule, FILL_RULES),
@@ -98,7 +103,8 @@ class PolicyConfig:
   def program(self) -> "PolicyConfig":
     """The part of the policy the plan program depends on (equal programs share a compile)."""
     decay = self.decay if self.replacement != "lru" else 0.9
-    return PolicyConfig(self.fill_rule, self.replacement, "none", decay)
+    return PolicyConfig(self.fill_rule, self.replacement, "none", decay,
+                        fill_free=self.fill_free)
 
   def __str__(self) -> str:
     return self.name or f"{self.fill_rule}/{self.replacement}/{self.preload}"
@@ -115,6 +121,7 @@ POLICIES: dict[str, PolicyConfig] = {
     "freetoken_cycle": PolicyConfig("q*", "cycle", "none", decay=0.5, name="freetoken_cycle"),
     "freetoken_lrfu_cycle": PolicyConfig("q*", "lrfu_cycle", "none",
                                          name="freetoken_lrfu_cycle"),
+    "freetoken_free": PolicyConfig("q*", "lru", "none", name="freetoken_free", fill_free=True),
 }
 
 
@@ -253,6 +260,9 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     q = m
   else:
     q = jnp.zeros((), jnp.int32)
+  if policy.fill_free:  # misses go to empty slots whatever the fill rule says
+    empty = jnp.sum((cache.owner < 0) & usable, dtype=jnp.int32)
+    q = jnp.maximum(q, jnp.minimum(m, empty))
   q = jnp.minimum(q, available) if q_max else jnp.zeros((), jnp.int32)
 
   # LRFU values (log domain) as of this clock: log(score) + (clock - stamp)·log(decay)/L, the
