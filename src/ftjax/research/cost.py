@@ -48,7 +48,8 @@ is the sum ``dma + (hits + fills)·S/device_bw + host_runs·S/B_H`` (nothing run
 time, so nothing contends; ``python -m ftjax.profile --hardware_out`` writes false).
 ``benchmarks/cost_model.py`` measures the model against the engine there: modeled / measured
 step time 0.96-1.03 on a 2-core VM with the paths added, 0.86-1.01 if they were assumed to
-overlap.
+overlap (measured before the contention model; the added paths, which CPU profiles use, are
+unchanged by it).
 """
 
 from __future__ import annotations
