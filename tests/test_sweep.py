@@ -41,7 +41,46 @@ def rows(small_trace):
   # a and b have the same B_P/B_H (equal q tables, one shared replay); c fills fewer.
   hardware = [_hw("a", 10.0, 20.0), _hw("b", 20.0, 40.0), _hw("c", 4.0, 40.0)]
   return sweep.sweep({"t": small_trace}, list(POLICIES), [0.0, 0.25, 0.5, 1.0], hardware,
-                     {"t": SHAPE}, progress=False)
+                     {"t": SHAPE}, progress=False, hot_profiles={"t": _profile()})
+
+
+def _profile():
+  """static_hot's held-out profile: the same generator, other seed."""
+  return sweep.expert_counts(synthetic.generate(SMALL, 120, seed=4, prefill_steps=10))
+
+
+def test_static_hot_uses_the_held_out_profile_and_the_oracle_is_labelled(rows, small_trace):
+  for policy, profile in (("static_hot", _profile()),
+                          (sweep.ORACLE, sweep.expert_counts(small_trace))):
+    row = next(r for r in rows if r.policy == policy and r.hardware == "a"
+               and r.cache_fraction == 0.25)
+    direct = sweep.replay(small_trace, "static_hot", 16, hot_experts=profile)
+    assert row.miss_rate == pytest.approx(direct.miss_rate)
+  held_out, oracle = (next(r for r in rows if r.policy == p and r.hardware == "a" and
+                           r.cache_fraction == 0.25) for p in ("static_hot", sweep.ORACLE))
+  assert oracle.miss_rate < held_out.miss_rate  # the replayed trace's own counts fit it best
+  # Without a held-out profile only the labelled oracle is swept.
+  alone = sweep.sweep({"t": small_trace}, ["static_hot"], [0.25], [_hw("a", 10.0, 20.0)],
+                      {"t": SHAPE}, belady=False, progress=False)
+  assert [r.policy for r in alone] == [sweep.ORACLE]
+
+
+@pytest.mark.slow  # two spawned processes import jax and compile: ~14 s on 2 cores
+def test_worker_processes_give_the_same_rows(small_trace):
+  args = ({"t": small_trace}, ["freetoken", "static_hot"], [0.25, 0.5],
+          [_hw("a", 10.0, 20.0), _hw("c", 4.0, 40.0)], {"t": SHAPE})
+  kw = dict(progress=False, hot_profiles={"t": _profile()})
+  one, two = sweep.sweep(*args, **kw), sweep.sweep(*args, **kw, workers=2)
+  assert [repr(dataclasses.asdict(r)) for r in one] == [repr(dataclasses.asdict(r)) for r in two]
+
+
+def test_split_warmup_holds_out_the_leading_steps(small_trace):
+  warmup, rest = sweep.split_warmup(small_trace, 0.25)
+  assert warmup.num_steps == 32 and rest.num_steps == 98
+  np.testing.assert_array_equal(np.concatenate([warmup.ids, rest.ids]), small_trace.ids)
+  np.testing.assert_array_equal(np.concatenate([warmup.phase, rest.phase]), small_trace.phase)
+  with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+    sweep.split_warmup(small_trace, 1.0)
 
 
 def test_rows_equal_direct_replays_and_the_cost_model(rows, small_trace):
@@ -76,7 +115,7 @@ def test_belady_never_exceeds_any_policy(rows):
   for frac in (0.0, 0.25, 0.5, 1.0):
     bound = next(r for r in rows if r.policy == "belady" and r.cache_fraction == frac)
     others = [r for r in rows if r.policy != "belady" and r.cache_fraction == frac]
-    assert len(others) == len(POLICIES) * 3
+    assert len(others) == (len(POLICIES) + 1) * 3  # + static_hot_oracle
     assert all(bound.miss_rate <= r.miss_rate + tolerances.F64 for r in others)
   empty = [r for r in rows if r.cache_fraction == 0.0 and r.policy != "belady"]
   assert all(r.miss_rate == 1.0 and r.hits_per_step == 0 for r in empty)
@@ -115,7 +154,8 @@ def test_cli_on_a_captured_style_trace_file(tmp_path, small_trace):
   hw.write_text("name: box\nb_p: 10\nb_h: 30\ndevice_bw: 300\nlayer_overhead_s: 1.0e-5\n"
                 "step_overhead_s: 1.0e-4\ndevice_memory_gb: 8\nsource: test\n")
   out = tmp_path / "out"
-  r = _cli(f"--traces={path}", "--cache_fractions=0.1,0.5", "--policies=freetoken,cpu_only",
+  r = _cli(f"--traces={path}", "--cache_fractions=0.1,0.5",
+           "--policies=freetoken,cpu_only,static_hot",
            f"--hardware={tmp_path}/*.yaml", f"--model_shape={shape_json}", f"--out={out}",
            cwd=str(tmp_path))
   assert r.returncode == 0, r.stderr
@@ -123,8 +163,9 @@ def test_cli_on_a_captured_style_trace_file(tmp_path, small_trace):
   assert {"results.csv", "per_layer.csv", "summary.json"} <= files
   with open(out / "results.csv") as f:
     table = list(csv.DictReader(f))
-  assert {row["policy"] for row in table} == {"freetoken", "cpu_only", "belady"}
-  assert len(table) == 2 * 3
+  assert {row["policy"] for row in table} == {"freetoken", "cpu_only", "static_hot",
+                                              sweep.ORACLE, "belady"}
+  assert len(table) == 2 * 5
   if pytest.importorskip("matplotlib"):
     assert {"miss_rate_small.png", "tok_s_small.png"} <= files
 

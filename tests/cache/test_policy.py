@@ -129,6 +129,22 @@ routing = st.lists(st.lists(st.integers(-1, 7), min_size=6, max_size=6), min_siz
                    max_size=30)
 
 
+@settings(max_examples=8, deadline=None)
+@given(stream=routing, slots=st.integers(0, 10), policy=st.sampled_from(list(POLICIES)),
+       b_p=st.floats(1.0, 60.0))
+def test_skipping_idle_victim_searches_changes_nothing(stream, slots, policy, b_p):
+  """plan(skip_idle=True) (the replays') equals the engine's plan step for step."""
+  step = jax.jit(plan, static_argnames=("policy", "skip_idle"))
+  a = b = _cache(slots)
+  bw = jnp.array([b_p, 30.0], jnp.float32)
+  for i, row in enumerate(stream):
+    ids = jnp.asarray(row, jnp.int32).reshape(3, 2)
+    a, pa = step(a, i % 2, ids, bw, policy=get_policy(policy))
+    b, pb = step(b, i % 2, ids, bw, policy=get_policy(policy), skip_idle=True)
+    for x, y in zip(jax.tree.leaves((a, pa)), jax.tree.leaves((b, pb))):
+      np.testing.assert_array_equal(x, y)
+
+
 @settings(max_examples=40, deadline=None)
 @given(stream=routing, slots=st.integers(0, 10), policy=st.sampled_from(list(POLICIES)),
        b_p=st.floats(1.0, 100.0), b_h=st.floats(1.0, 100.0))
@@ -159,8 +175,9 @@ def test_invariants_hold_on_random_streams(stream, slots, policy, b_p, b_h):
     if filled:
       unused = [s for s in range(slots) if s not in
                 {int(before.slot_of[layer, e]) for e in hits}]
-      if get_policy(policy).replacement == "lrfu":
-        rank = {s: _lrfu_log_value(before, s, get_policy(policy).decay) for s in unused}
+      replacement, decay = get_policy(policy).replacement, get_policy(policy).decay
+      if replacement != "lru":
+        rank = {s: _victim_log_value(before, s, layer, replacement, decay) for s in unused}
         want = sorted(rank.values())[:len(filled)]
         np.testing.assert_allclose(sorted(rank[s] for s in filled), want, rtol=tolerances.F32)
       else:
@@ -178,6 +195,26 @@ def _lrfu_log_value(cache, slot, decay):
   score = float(cache.expert_score.reshape(-1)[owner])
   age = int(cache.clock) + 1 - int(cache.expert_stamp.reshape(-1)[owner])
   return np.log(score) + age * np.log(decay) / layers
+
+
+def _victim_log_value(cache, slot, layer, replacement, decay):
+  """The log value a replacement keeps a slot by (lowest evicted first), float64 reference:
+  lrfu as ``_lrfu_log_value``; cycle: decay^(visits of the owner's layer since the slot's
+  last use) per layer-step until that layer's next visit; lrfu_cycle: the LRFU value at the
+  next visit per layer-step until it. -inf for an empty slot."""
+  owner = int(cache.owner[slot])
+  if owner < 0:
+    return -np.inf
+  layers, experts = cache.slot_of.shape
+  until = (owner // experts - layer - 1) % layers + 1
+  if replacement == "lrfu":
+    return _lrfu_log_value(cache, slot, decay)
+  if replacement == "cycle":
+    unused_visits = (int(cache.clock) - int(cache.slot_stamp[slot])) // layers
+    return unused_visits * np.log(decay) - np.log(until)
+  assert replacement == "lrfu_cycle", replacement
+  return (_lrfu_log_value(cache, slot, decay) + (until - 1) * np.log(decay) / layers -
+          np.log(until))
 
 
 @settings(max_examples=15, deadline=None)
@@ -255,6 +292,47 @@ def test_lrfu_keeps_the_frequently_routed_expert_where_lru_evicts_it():
     victims[name] = {a, b} - {int(e) for e in np.flatnonzero(np.asarray(cache.slot_of[0]) >= 0)}
   assert victims == {"freetoken": {a}, "freetoken_lrfu": {b}}
   np.testing.assert_allclose(float(cache.expert_score[0, a]), 1.9, rtol=tolerances.F32_ROUNDING)
+
+
+@pytest.mark.parametrize("name", ["freetoken_cycle", "freetoken_lrfu_cycle"])
+def test_cycle_policies_do_not_evict_the_layer_that_runs_next(name):
+  """4 layers, 3 slots; every token routes e1, e2, e3, e4 in layers 0-3. Global LRU thrashes:
+  each miss evicts the least recently used slot, which belongs to the layer that runs next,
+  so it never hits. freetoken_cycle evicts, among slots unused for equally many visits of
+  their layer, the one whose layer runs furthest ahead: token 1 evicts e3 at layer 3 (its
+  layer runs in 3 layer-steps, e1's in 1); token 2 hits e1, e2, evicts e2 for e3, hits e4;
+  token 3 hits e1, evicts e1 for e2, hits e3, e4: 3 hits per token, Belady's optimum for 3
+  slots."""
+  fill_all = jnp.array([2.0, 1.0])  # B_P >= B_H: q* fills every miss
+  hits = {}
+  for policy in ("freetoken", name):
+    cache, hits[policy] = _cache(3, layers=4), 0
+    for token in range(3):
+      for layer, e in enumerate((1, 2, 3, 4)):
+        cache, p = _step(cache, layer, [[e]], policy, fill_all)
+        hits[policy] += int(p.hits) if token else 0
+      check_invariants(cache)
+  assert hits["freetoken"] == 0
+  assert hits[name] == 6 if name == "freetoken_cycle" else hits[name] >= 4, hits
+
+
+def test_free_slot_fills_fill_empty_slots_only():
+  """B_P/B_H = 0.25: q* fills nothing for one miss (q* = 0.25 rounds to 0), so freetoken
+  leaves a cache with room empty; freetoken_free fills the empty slots, then, once they are
+  full, follows q* (no fill, nothing evicted)."""
+  low = jnp.array([10.0, 40.0])
+  for name, fills in (("freetoken", [0, 0, 0]), ("freetoken_free", [1, 1, 0])):
+    cache, got = _cache(2, layers=1), []
+    for e in (1, 2, 3):
+      cache, p = _step(cache, 0, [[e]], name, low)
+      got.append(int(p.fills))
+      check_invariants(cache)
+    assert got == fills, (name, got)
+  assert {int(e) for e in np.flatnonzero(np.asarray(cache.slot_of[0]) >= 0)} == {1, 2}
+  # Two misses, one empty slot: one fill (the most recent miss), one host run.
+  cache, _ = _step(_cache(2, layers=1), 0, [[5]], "freetoken_free", low)
+  cache, p = _step(cache, 0, [[6], [7]], "freetoken_free", low)
+  assert int(p.fills) == 1 and int(p.host) == 1
 
 
 def test_lrfu_decay_must_be_a_fraction():

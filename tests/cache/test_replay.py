@@ -26,7 +26,8 @@ def sharp_model(tiny_config):
 
 @pytest.mark.parametrize("policy, slots", [("freetoken", 5), ("lru_fill", 3), ("lru_fill", 16),
                                            ("cpu_only", 0), ("static_layers", 8),
-                                           ("freetoken_lrfu", 5)])
+                                           ("freetoken_lrfu", 5), ("freetoken_cycle", 5),
+                                           ("freetoken_lrfu_cycle", 5)])
 def test_replay_gives_the_engines_counts(sharp_model, policy, slots):
   engine = ftjax.Engine(sharp_model, kernels="xla", cache_slots=slots, policy=policy,
                         bandwidths=(10.0, 30.0), record_routing=True)

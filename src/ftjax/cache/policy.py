@@ -14,7 +14,10 @@ replacement, preload) registered by name in ``POLICIES``:
 * ``lru_fill``: every miss (a classic expert cache);
 * ``cpu_only``, ``static_hot``, ``static_layers``: none (the cache keeps what it was
   preloaded with: nothing, a hot set from a routing profile, or whole layers);
-* ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below).
+* ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below);
+* ``freetoken_cycle``, ``freetoken_lrfu_cycle``: the q* rule, with victims ranked by their
+  expected reuse per layer-step until their layer's next visit (below);
+* ``freetoken_free``: the q* rule, and misses also fill empty slots (``fill_free``).
 
 Which misses are filled: the most recently routed before this step (``expert_stamp``), ties
 to the lower expert id; in a step of several tokens (a prefill chunk, a batch) first those
@@ -30,6 +33,14 @@ a single token chose slightly later. It fills the highest-valued misses and evic
 lowest-valued slots; how many it fills is freetoken's q*. ``decay -> 0`` approaches LRU.
 ``benchmarks/sweep.py`` measures it against ``freetoken`` (results in
 ``benchmarks/results/sweep``).
+
+The cycle-aware replacements (``docs/cache.md`` has the reasoning) fix global LRU's failure
+on the layer cycle of a decode step: the least recently used slots belong to the layers that
+run next. A slot's value is its reuse estimate at its layer's next visit divided by ``d``,
+the layer-steps until that visit (1 for the next layer, L for the current one); the lowest
+values are the victims. ``cycle``: ``decay ** a`` with ``a`` the visits of its layer that did
+not use it (from ``slot_stamp``); ``lrfu_cycle``: the owner's LRFU value carried to that
+visit. Fill candidates are ranked as in LRU and LRFU respectively.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from flax import struct
 from ftjax.cache.state import ExpertCache
 
 FILL_RULES = ("q*", "all", "none")  # how many misses a layer-step fills
-REPLACEMENTS = ("lru", "lrfu")  # how fill candidates and victims are ranked
+REPLACEMENTS = ("lru", "lrfu", "cycle", "lrfu_cycle")  # how fills and victims are ranked
 PRELOADS = ("none", "hot", "layers")  # what the cache holds before the first step
 
 
@@ -54,12 +65,18 @@ class PolicyConfig:
 
   fill_rule: "q*" (the q* rule from the bandwidths, ``fill_count``), "all" (every miss) or
     "none" (misses run on the host; the cache keeps what it was preloaded with).
-  replacement: "lru" (recency stamps) or "lrfu" (decayed selection counts, ``decay`` per
-    token step, in (0, 1)).
+  replacement: "lru" (recency stamps), "lrfu" (decayed selection counts, ``decay`` per
+    token step, in (0, 1)), "cycle" (LRU fills; victims by their reuse chance ``decay ** a``,
+    ``a`` visits of their layer unused, per layer-step until their layer's next visit) or
+    "lrfu_cycle" (LRFU fills; victims by their LRFU value at their layer's next visit per
+    layer-step until it).
   preload: "none" (starts empty), "hot" (the most selected experts of a routing profile,
     ``hot_experts=``), "layers" (whole layers, first layers first). The engine reads it to
     build the initial cache, and again after a resize.
   name: the registry name, for messages and statistics.
+  fill_free: also fill misses into empty slots beyond the fill rule's count (as many as there
+    are empty usable slots): with a low B_P/B_H the q* rule fills nothing for one or two
+    misses, and a cache with room would otherwise stay empty (``freetoken_free``).
 
   The plan program depends on ``program()`` only: policies that differ only in their preload
   (``cpu_only``, ``static_hot``, ``static_layers``) share one compiled step.
@@ -69,6 +86,7 @@ class PolicyConfig:
   preload: str = "none"
   decay: float = 0.9
   name: str | None = None
+  fill_free: bool = False
 
   def __post_init__(self):
     for field, value, allowed in (("fill_rule", self.fill_rule, FILL_RULES),
@@ -84,8 +102,9 @@ class PolicyConfig:
 
   def program(self) -> "PolicyConfig":
     """The part of the policy the plan program depends on (equal programs share a compile)."""
-    decay = self.decay if self.replacement == "lrfu" else 0.9
-    return PolicyConfig(self.fill_rule, self.replacement, "none", decay)
+    decay = self.decay if self.replacement != "lru" else 0.9
+    return PolicyConfig(self.fill_rule, self.replacement, "none", decay,
+                        fill_free=self.fill_free)
 
   def __str__(self) -> str:
     return self.name or f"{self.fill_rule}/{self.replacement}/{self.preload}"
@@ -99,6 +118,10 @@ POLICIES: dict[str, PolicyConfig] = {
     "static_hot": PolicyConfig("none", "lru", "hot", name="static_hot"),
     "static_layers": PolicyConfig("none", "lru", "layers", name="static_layers"),
     "freetoken_lrfu": PolicyConfig("q*", "lrfu", "none", name="freetoken_lrfu"),
+    "freetoken_cycle": PolicyConfig("q*", "cycle", "none", decay=0.5, name="freetoken_cycle"),
+    "freetoken_lrfu_cycle": PolicyConfig("q*", "lrfu_cycle", "none",
+                                         name="freetoken_lrfu_cycle"),
+    "freetoken_free": PolicyConfig("q*", "lru", "none", name="freetoken_free", fill_free=True),
 }
 
 
@@ -198,9 +221,19 @@ def top_indices(values: jax.Array, k: int) -> jax.Array:
   return jnp.stack(picks) if picks else jnp.zeros((0,), jnp.int32)
 
 
+def _steps_to_next_visit(owner: jax.Array, layer: jax.Array, num_experts: int,
+                         num_layers: int) -> jax.Array:
+  """Layer-steps from the current one (``layer``) to the next visit of each slot's owner's
+  layer, in [1, L] (its own layer: L, the next step's visit); empty slots: L. [N] int32."""
+  owner_layer = jnp.where(owner >= 0, owner // num_experts, layer)
+  return (owner_layer - layer - 1) % num_layers + 1
+
+
 def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths: jax.Array,
-         policy: PolicyConfig) -> tuple[ExpertCache, Plan]:
-  """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H)."""
+         policy: PolicyConfig, *, skip_idle: bool = False) -> tuple[ExpertCache, Plan]:
+  """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H).
+  ``skip_idle`` (static) skips the victim search of layer-steps that fill nothing: the same
+  plan, faster on XLA:CPU (trace replays), a host synchronisation on a GPU."""
   num_layers, num_experts = cache.slot_of.shape
   num_slots = cache.capacity
   t, k = ids.shape
@@ -227,6 +260,9 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     q = m
   else:
     q = jnp.zeros((), jnp.int32)
+  if policy.fill_free:  # misses go to empty slots whatever the fill rule says
+    empty = jnp.sum((cache.owner < 0) & usable, dtype=jnp.int32)
+    q = jnp.maximum(q, jnp.minimum(m, empty))
   q = jnp.minimum(q, available) if q_max else jnp.zeros((), jnp.int32)
 
   # LRFU values (log domain) as of this clock: log(score) + (clock - stamp)·log(decay)/L, the
@@ -237,52 +273,80 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     return jnp.where(score > 0, jnp.log(jnp.maximum(score, 1e-30)) +
                      (clock - stamp).astype(jnp.float32) * log_decay_tick, _NEVER)
 
-  lrfu = policy.replacement == "lrfu"  # the other policies never read or write the scores
+  lrfu = policy.replacement in ("lrfu", "lrfu_cycle")  # the others never touch the scores
+  cycle = policy.replacement in ("cycle", "lrfu_cycle")
   prev_value = log_value(cache.expert_score[layer], cache.expert_stamp[layer]) if lrfu else None
 
   if q_max:
-    if lrfu:
-      # Highest-valued misses first; lowest-valued slots (empty first) are the victims.
-      fill_cand = top_indices(jnp.where(miss, prev_value, -jnp.inf), q_max)
-      flat_owner = jnp.maximum(cache.owner, 0)
-      slot_value = jnp.where(cache.owner >= 0, log_value(
-          cache.expert_score.reshape(-1)[flat_owner], cache.expert_stamp.reshape(-1)[flat_owner]),
-          -jnp.inf)
-      victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
-                                     jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
-    else:
-      prev_stamp = cache.expert_stamp[layer]
-      if t == 1:
-        # Most recently routed misses first; ties toward the lower index.
-        key = prev_stamp
+    def with_fills(_):
+      if lrfu:
+        # Highest-valued misses first; lowest-valued slots (empty first) are the victims.
+        fill_cand = top_indices(jnp.where(miss, prev_value, -jnp.inf), q_max)
+        flat_owner = jnp.maximum(cache.owner, 0)
+        slot_value = jnp.where(cache.owner >= 0, log_value(
+            cache.expert_score.reshape(-1)[flat_owner],
+            cache.expert_stamp.reshape(-1)[flat_owner]), -jnp.inf)
+        if cycle:  # the value at the owner's next visit, per layer-step until it
+          until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
+          slot_value = (slot_value + (until - 1).astype(jnp.float32) * log_decay_tick -
+                        jnp.log(until.astype(jnp.float32)))
+        victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
+                                       jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
       else:
-        # Several tokens (a prefill chunk, a batch): the misses most of them route to first,
-        # then the most recent, then the lower index, so that a prompt leaves its hottest
-        # experts in the cache. recency: E - 1 for the latest stamp, lower ids first on ties.
-        routes = jnp.sum(ids.reshape(-1, 1) == expert_range, axis=0, dtype=jnp.int32)  # [E]
-        latest_first = jnp.argsort(-prev_stamp, stable=True)
-        recency = num_experts - 1 - jnp.argsort(latest_first, stable=True).astype(jnp.int32)
-        key = routes * num_experts + recency
-      fill_cand = top_indices(jnp.where(miss, key, jnp.iinfo(jnp.int32).min), q_max)
-      victim = top_indices(
-          jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
-    active = jnp.arange(q_max) < q
-    fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
-    fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
-    # Evict the victims' owners, then install the fills.
-    flat_slot_of = cache.slot_of.reshape(-1)
-    evicted = jnp.where(active, cache.owner[victim], -1)
-    out_of_range = flat_slot_of.shape[0]
-    flat_slot_of = flat_slot_of.at[jnp.where(evicted >= 0, evicted, out_of_range)].set(
-        -1, mode="drop")
-    new_owner_flat = layer * num_experts + fill_expert
-    flat_slot_of = flat_slot_of.at[jnp.where(active, new_owner_flat, out_of_range)].set(
-        fill_slot, mode="drop")
-    slot_of = flat_slot_of.reshape(num_layers, num_experts)
-    owner = cache.owner.at[jnp.where(active, fill_slot, num_slots)].set(
-        new_owner_flat, mode="drop")
-    stamped = used.at[jnp.where(active, fill_slot, num_slots)].set(True, mode="drop")
-    slot_stamp = jnp.where(stamped, clock, cache.slot_stamp)
+        prev_stamp = cache.expert_stamp[layer]
+        if t == 1:
+          # Most recently routed misses first; ties toward the lower index.
+          key = prev_stamp
+        else:
+          # Several tokens (a prefill chunk, a batch): the misses most of them route to first,
+          # then the most recent, then the lower index, so that a prompt leaves its hottest
+          # experts in the cache. recency: E - 1 for the latest stamp, lower ids first on ties.
+          routes = jnp.sum(ids.reshape(-1, 1) == expert_range, axis=0, dtype=jnp.int32)  # [E]
+          latest_first = jnp.argsort(-prev_stamp, stable=True)
+          recency = num_experts - 1 - jnp.argsort(latest_first, stable=True).astype(jnp.int32)
+          key = routes * num_experts + recency
+        fill_cand = top_indices(jnp.where(miss, key, jnp.iinfo(jnp.int32).min), q_max)
+        if cycle:
+          # Reuse chance decay ** a, a = visits of the owner's layer since the slot's last use
+          # (0: used at the layer's latest visit), per layer-step until its next visit.
+          until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
+          unused_visits = (clock - cache.slot_stamp - 1) // num_layers
+          keep = (unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(policy.decay)) -
+                  jnp.log(until.astype(jnp.float32)))
+          victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
+                                         jnp.where(cache.owner >= 0, -keep, jnp.inf)), q_max)
+        else:
+          victim = top_indices(
+              jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
+      active = jnp.arange(q_max) < q
+      fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
+      fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
+      # Evict the victims' owners, then install the fills.
+      flat_slot_of = cache.slot_of.reshape(-1)
+      evicted = jnp.where(active, cache.owner[victim], -1)
+      out_of_range = flat_slot_of.shape[0]
+      flat_slot_of = flat_slot_of.at[jnp.where(evicted >= 0, evicted, out_of_range)].set(
+          -1, mode="drop")
+      new_owner_flat = layer * num_experts + fill_expert
+      flat_slot_of = flat_slot_of.at[jnp.where(active, new_owner_flat, out_of_range)].set(
+          fill_slot, mode="drop")
+      slot_of = flat_slot_of.reshape(num_layers, num_experts)
+      owner = cache.owner.at[jnp.where(active, fill_slot, num_slots)].set(
+          new_owner_flat, mode="drop")
+      stamped = used.at[jnp.where(active, fill_slot, num_slots)].set(True, mode="drop")
+      slot_stamp = jnp.where(stamped, clock, cache.slot_stamp)
+      return fill_expert, fill_slot, slot_of, owner, slot_stamp
+
+    def without_fills(_):  # nothing to fill: only the hits' slots are stamped
+      none = jnp.full((q_max,), -1, jnp.int32)
+      return none, none, cache.slot_of, cache.owner, jnp.where(used, clock, cache.slot_stamp)
+
+    # skip_idle: a conditional skips the victim search when nothing is filled (XLA:CPU runs
+    # one branch; the replays use it; the engine does not: on a GPU a conditional reads its
+    # predicate on the host, a synchronisation per layer).
+    fill_expert, fill_slot, slot_of, owner, slot_stamp = (
+        jax.lax.cond(q > 0, with_fills, without_fills, None) if skip_idle else
+        with_fills(None))
   else:
     fill_expert = fill_slot = jnp.zeros((0,), jnp.int32)
     slot_of, owner, slot_stamp = cache.slot_of, cache.owner, cache.slot_stamp

@@ -10,7 +10,7 @@ Fields (L layers, E experts per layer, N slots, P elements per expert block):
 * ``expert_count [L, E]``: how often the router selected (l, e) (a routing profile, used to
   pick the pinned set of ``static_hot``);
 * ``expert_score [L, E]``: float32, the decayed selection count of (l, e) as of its last
-  selection (LRFU's combined recency-frequency value; read by ``freetoken_lrfu`` only);
+  selection (LRFU's combined recency-frequency value; read by the LRFU policies only);
 * ``limit []``: slots ``[0, limit)`` are usable; the buffer may be larger (its size is
   bucketed so that a resize inside a bucket needs no recompile); slots past ``limit`` stay
   empty;

@@ -6,31 +6,50 @@ records per step and layer (``Engine.stats()["per_step"]``: distinct experts hit
 run on the host) or that a trace replay produces into seconds. Pure numpy: it runs anywhere,
 for any model and machine, without weights or an accelerator.
 
-One MoE layer-step (``layer_step_time``), with S the bytes of one expert, 1 GB = 1e9 bytes::
+One MoE layer-step (``layer_step_time``), with S the bytes of one expert, 1 GB = 1e9 bytes,
+``dma = fills·S / B_P`` and ``B_res = B_H − B_P``::
 
-  t = max(fills·S / B_P + (hits + fills)·S / device_bw,     # device queue: fills, then compute
-          host_runs·S / B_H)                                # host kernel, overlapping it
-      + dense_bytes_per_layer / device_bw                    # attention/mixer, router, shared
-      + layer_overhead_s                                     # launches, sync, small ops
+  device = max((hits + fills)·S / device_bw,                # slot experts' compute
+               dma + [fills > 0]·S / device_bw)             # ... the last fill lands first
+  host   = min(host_runs·S / B_res,                         # all read while the DMA runs
+               dma + (host_runs·S − dma·B_res) / B_H)       # or the rest at B_H after it
+  t = max(device, host) + dense_bytes_per_layer / device_bw + layer_overhead_s
 
 One decode step (``step_times``) is the sum over the MoE layers plus
 ``head_bytes / device_bw + step_overhead_s``; ``modeled_tok_s`` is 1 / mean step time.
 
 Assumptions (the FreeToken model, DESIGN section 2): decode at batch 1 is memory-bound, so
-every term is bytes over a bandwidth; a fill and the device compute of the layer share one
-device queue (the layer's slot experts run after their fills land), while the host kernel
-runs the CPU set at the same time, so the two paths overlap and the slower one counts.
-Not modelled: contention between a DMA and the host kernel for host memory bandwidth (the
-q* rule's B_res = B_H - B_P; use a profile measured with both paths running if it matters),
-the KV cache and recurrent-state reads (they grow with the context or are small at short
-context), and compute-bound work (prefill).
+every term is bytes over a bandwidth. The host kernel and the fills' DMA share host memory:
+while the DMA runs it takes B_P of it and the host kernel reads at B_res = B_H − B_P, after
+it at B_H (the ``min`` above is that piecewise time in closed form: the first term when the
+host finishes before the DMA, the second otherwise; with B_P >= B_H the host reads nothing
+while the DMA runs). This is the model q* is derived from: ``q/B_P = (m − q)/B_res`` gives
+``q* = m·B_P/B_H``, and for every ``q <= q*`` the host path takes ``m·S/B_H``, exactly the
+time of running all ``m`` misses on the host, so fills up to q* are free warm-up of the cache
+and each fill past q* costs S/B_P (the same contention as ``ftjax.cache.moe``'s prefill model
+``prefill_layer_times``). On the device, fills land one after the other on the copy engine
+while the compute units run the resident experts, so the slot compute hides under the copies
+except for the expert that lands last (its compute, S/device_bw, follows its copy).
+Not modelled: the KV cache and recurrent-state reads (they grow with the context or are
+small at short context), and compute-bound work (prefill).
+
+Hand-worked cases are in ``tests/test_cost.py``; ``test_q_star_minimises_the_layer_step``
+checks, for m = 1..16 misses on every profile in ``configs/hardware``, that the q* rule's
+fill count gives the least modelled layer-step time over every integer q, up to the two
+exceptions the model implies: q* rounded up (``fill_count`` rounds 1.5 to 2, as the paper
+does, to warm the cache) costs (ceil(q*) − q*)·S/B_P more than the floor in that step, and
+when q* is within B_P/device_bw of an integer the last landed fill's compute (S/device_bw)
+makes one fill fewer better by at most that much.
 
 On a CPU-only machine the "device" is the host itself: slot compute, fills and the host
 kernel share the same cores and memory bus and run one after the other, and ``device_bw`` is
-the host's read bandwidth. Such profiles set ``paths_overlap: false`` (the two paths are
-added; ``python -m ftjax.profile --hardware_out`` writes it). ``benchmarks/cost_model.py``
-measures the model against the engine there: modeled / measured step time 0.96-1.03 on a
-2-core VM with the paths added, 0.86-1.01 if they were assumed to overlap.
+the host's read bandwidth. Such profiles set ``paths_overlap: false``: then the layer-step
+is the sum ``dma + (hits + fills)·S/device_bw + host_runs·S/B_H`` (nothing runs at the same
+time, so nothing contends; ``python -m ftjax.profile --hardware_out`` writes false).
+``benchmarks/cost_model.py`` measures the model against the engine there: modeled / measured
+step time 0.96-1.03 on a 2-core VM with the paths added, 0.86-1.01 if they were assumed to
+overlap (measured before the contention model; the added paths, which CPU profiles use, are
+unchanged by it).
 """
 
 from __future__ import annotations
@@ -359,23 +378,34 @@ def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_ru
   a slot and then served from it, and run by the host kernel from the pool (e.g. [steps,
   layers], as ``Engine.stats()["per_step"]`` or a trace replay gives them).
 
-    max(fills·S/B_P + (hits + fills)·S/device_bw, host_runs·S/B_H)
-      + dense_bytes_per_layer/device_bw + layer_overhead_s
+  With S = ``shape.expert_bytes``, dma = fills·S/B_P and B_res = B_H − B_P (the module
+  docstring has the reasoning)::
 
-  (the sum of the two paths instead of their max when ``hw.paths_overlap`` is false)
+    device = max((hits + fills)·S/device_bw, dma + [fills > 0]·S/device_bw)
+    host   = min(host_runs·S/B_res, dma + (host_runs·S − dma·B_res)/B_H)
+    max(device, host) + dense_bytes_per_layer/device_bw + layer_overhead_s
 
-  with S = ``shape.expert_bytes`` and bandwidths in bytes/s. A fill and the device compute
-  are serial on one device queue (the filled experts are computed after they land); the host
-  kernel runs its experts at the same time, so the slower of the two paths counts (the
-  FreeToken model). On a CPU-only machine the "device" is the host: the two paths then share
-  the same cores and do not really overlap (see the module docstring).
+  When ``hw.paths_overlap`` is false (a CPU-only machine, one set of cores for both paths)
+  the paths run one after the other and do not contend:
+  ``dma + (hits + fills)·S/device_bw + host_runs·S/B_H`` replaces the max.
   """
   hits, fills, host_runs = _counts(hits, fills, host_runs)
   s = shape.expert_bytes
-  device = fills * s / (hw.b_p * GB) + (hits + fills) * s / (hw.device_bw * GB)
-  host = host_runs * s / (hw.b_h * GB)
-  experts = np.maximum(device, host) if hw.paths_overlap else device + host
-  return experts + shape.dense_bytes_per_layer / (hw.device_bw * GB) + hw.layer_overhead_s
+  b_p, b_h, device_bw = hw.b_p * GB, hw.b_h * GB, hw.device_bw * GB
+  dma = fills * s / b_p
+  compute = (hits + fills) * s / device_bw
+  if hw.paths_overlap:
+    device = np.maximum(compute, dma + (fills > 0) * (s / device_bw))
+    host_bytes = host_runs * s
+    b_res = max(b_h - b_p, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      during = np.where(host_bytes > 0, host_bytes / b_res, 0.0) if b_res else np.where(
+          host_bytes > 0, np.inf, 0.0)
+    host = np.minimum(during, dma + np.maximum(host_bytes - dma * b_res, 0.0) / b_h)
+    experts = np.maximum(device, host)
+  else:
+    experts = dma + compute + host_runs * s / b_h
+  return experts + shape.dense_bytes_per_layer / device_bw + hw.layer_overhead_s
 
 
 def step_times(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -> np.ndarray:

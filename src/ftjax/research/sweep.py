@@ -16,18 +16,21 @@ CLI (``docs/sweep.md``)::
 
 Every replay runs the engine's own plan function (``ftjax.research.replay``), one token per
 step. The q* policies depend on the hardware only through the number of fills ``q(m)`` for
-``m`` = 0..top_k misses, so profiles with equal ``q`` tables share one replay; the others
-replay once per cache size. Miss rates count every step of the trace (prefill and decode,
+``m`` = 0..top_k misses, so profiles with equal ``q`` tables share one replay
+(``replay_many`` runs the groups of one policy and size); the others replay once per cache
+size. Miss rates count every step of the trace (prefill and decode,
 as Belady's bound does); per-step counts, bytes and the modeled tok/s (``ftjax.research.cost``)
 count decode steps (all steps when the trace has none).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import dataclasses
 import glob
 import json
+import multiprocessing
 import os
 import sys
 from typing import Iterable, Sequence
@@ -40,15 +43,18 @@ from ftjax.cache.policy import POLICIES, fill_count, get_policy
 from ftjax.model.config import ModelConfig
 from ftjax.research import synthetic
 from ftjax.research.cost import HardwareProfile, ModelShape, step_times
-from ftjax.research.replay import ReplayResult, belady_misses, expert_counts, replay
+from ftjax.research.replay import (ReplayResult, belady_misses, expert_counts, replay,
+                                   replay_many)
 from ftjax.research.traces import Trace
 from ftjax.utils.progress import Progress
 
 __all__ = ["ReplayResult", "belady_misses", "expert_counts", "replay", "sweep", "SweepRow",
-           "load_traces", "load_hardware", "write_csv", "plot"]
+           "load_traces", "load_traces_and_profiles", "split_warmup", "load_hardware",
+           "write_csv", "plot"]
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.37, 0.5, 0.6, 0.7, 0.85, 1.0)
-SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b"}  # synthetic:NAME -> ftjax.research.synthetic preset
+# synthetic:NAME -> its ftjax.research.synthetic preset
+SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b", "mixtral-8x7b": "mixtral_8x7b"}
 
 
 @dataclasses.dataclass
@@ -93,17 +99,51 @@ def _expand(specs: Iterable[str]) -> list[str]:
   return out
 
 
+HOLDOUT_SEED = 1000  # a synthetic trace's static_hot profile comes from seed + this
+DEFAULT_HOLDOUT = 0.2  # a trace file's static_hot profile: this leading fraction of its steps
+
+
 def load_traces(specs: Sequence[str], *, seed: int = 0, synthetic_steps: int = 2000,
                 synthetic_prefill: int = 0) -> dict[str, Trace]:
   """``default`` (the embedded model's packaged trace), ``synthetic:NAME`` (generated,
   deterministic for ``seed``) or trace files -> traces by name."""
-  traces = {}
+  return load_traces_and_profiles(specs, seed=seed, synthetic_steps=synthetic_steps,
+                                  synthetic_prefill=synthetic_prefill, holdout=None)[0]
+
+
+def split_warmup(trace: Trace, fraction: float) -> tuple[Trace, Trace]:
+  """(the leading ``fraction`` of the steps, the rest): a warm-up part to count a routing
+  profile on, held out from the part that is replayed."""
+  if not 0.0 < fraction < 1.0:
+    raise ValueError(f"the held-out warm-up fraction must be in (0, 1), got {fraction}")
+  cut = int(round(fraction * trace.num_steps))
+  if not 0 < cut < trace.num_steps:
+    raise ValueError(f"a trace of {trace.num_steps} steps is too short to hold out {fraction} "
+                     "of it for a routing profile")
+  parts = tuple(Trace.from_arrays(trace.ids[a:b], trace.weights[a:b], trace.num_experts,
+                                  phase=trace.phase[a:b], metadata=dict(trace.metadata))
+                for a, b in ((0, cut), (cut, trace.num_steps)))
+  parts[1].metadata["held_out_steps"] = cut
+  return parts
+
+
+def load_traces_and_profiles(specs: Sequence[str], *, seed: int = 0,
+                             synthetic_steps: int = 2000, synthetic_prefill: int = 0,
+                             holdout: float | None = DEFAULT_HOLDOUT
+                             ) -> tuple[dict[str, Trace], dict[str, np.ndarray]]:
+  """Traces by name (as ``load_traces``) and, for each, a routing profile ([L, E] counts)
+  counted on other routing, for ``static_hot``: a synthetic trace's from the same generator
+  at seed ``seed + HOLDOUT_SEED`` (other tasks, the same length); a trace file's from its
+  leading ``holdout`` fraction of steps, which is then cut from the replayed trace
+  (``split_warmup``). ``holdout=None`` counts no profiles (and cuts nothing)."""
+  traces, profiles = {}, {}
   for spec in _expand(specs):
     if spec == "default":
       if not os.path.isfile(DEFAULT_TRACE):
         raise FileNotFoundError(f"the packaged trace {DEFAULT_TRACE} is missing: reinstall "
                                 "ftjax, or write it with benchmarks/sweep.py")
       traces["default-model"] = Trace.load(DEFAULT_TRACE)
+      name = "default-model"
     elif spec.startswith("synthetic:"):
       name = spec.split(":", 1)[1]
       if name not in SYNTHETIC:
@@ -114,11 +154,19 @@ def load_traces(specs: Sequence[str], *, seed: int = 0, synthetic_steps: int = 2
                                  prefill_steps=synthetic_prefill)
       trace.metadata.setdefault("model_shape", name)
       traces[f"synthetic-{name}"] = trace
+      if holdout is not None:
+        profiles[f"synthetic-{name}"] = expert_counts(synthetic.generate(
+            model, synthetic_steps, seed=seed + HOLDOUT_SEED, prefill_steps=synthetic_prefill))
+      continue
     else:
-      traces[os.path.splitext(os.path.basename(spec))[0]] = Trace.load(spec)
+      name = os.path.splitext(os.path.basename(spec))[0]
+      traces[name] = Trace.load(spec)
+    if holdout is not None:
+      warmup, traces[name] = split_warmup(traces[name], holdout)
+      profiles[name] = expert_counts(warmup)
   if not traces:
     raise ValueError("no traces given: pass --traces=FILE.npz or synthetic:qwen3-30b-a3b")
-  return traces
+  return traces, profiles
 
 
 def load_hardware(specs: Sequence[str]):
@@ -193,12 +241,25 @@ def _row(name, policy, hw_name, fraction, result: ReplayResult, trace, shape, hw
   return row
 
 
+ORACLE = "static_hot_oracle"  # static_hot pinning the replayed trace's own hottest experts
+
+
 def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence[float],
-          hardware: Sequence, shapes: dict, *, belady: bool = True,
-          progress: bool = True) -> list[SweepRow]:
+          hardware: Sequence, shapes: dict, *, belady: bool = True, progress: bool = True,
+          hot_profiles: dict[str, np.ndarray] | None = None,
+          workers: int = 1) -> list[SweepRow]:
   """Every trace x policy x cache fraction x hardware profile, plus Belady's bound per trace
   and size (with a free preload, so that it bounds the preloaded static policies too).
-  ``shapes`` maps trace name -> ``ftjax.research.cost.ModelShape``."""
+  ``shapes`` maps trace name -> ``ftjax.research.cost.ModelShape``.
+
+  ``static_hot`` pins the hottest experts of ``hot_profiles[trace]`` ([L, E] counts from
+  other routing, ``load_traces_and_profiles``): its rows are labelled ``static_hot``. Rows
+  labelled ``static_hot_oracle`` pin the replayed trace's own hottest experts, a profile no
+  deployment has: an upper bound of static placement, not a policy.
+
+  ``workers > 1`` runs the jobs in that many processes (spawned; each compiles its own plan
+  programs); the rows come back in the same order as with one."""
+  hot_profiles = hot_profiles or {}
   for p in policies:
     get_policy(p)  # validates the name
   for f in fractions:
@@ -213,30 +274,57 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
     for fraction in fractions:
       slots = int(round(fraction * trace.num_layers * trace.num_experts))
       for policy in policies:
-        if get_policy(policy).fill_rule == "q*":
-          jobs.extend((name, policy, fraction, slots, g) for g in groups.values())
+        if get_policy(policy).fill_rule == "q*":  # one job replays all the groups
+          jobs.append((name, policy, fraction, slots, list(groups.values())))
+        elif get_policy(policy).preload == "hot":
+          if name in hot_profiles:
+            jobs.append((name, policy, fraction, slots, list(hardware)))
+          jobs.append((name, ORACLE, fraction, slots, list(hardware)))
         else:
           jobs.append((name, policy, fraction, slots, list(hardware)))
       if belady:
         jobs.append((name, "belady", fraction, slots, []))
   rows = []
   bar = Progress(len(jobs), desc="sweep", enabled=progress)
-  for name, policy, fraction, slots, group in jobs:
-    trace = traces[name]
-    if policy == "belady":
-      requests = sum(len(np.unique(r[r >= 0])) for step in trace.ids for r in step)
-      misses = belady_misses(trace, slots, preload=True)  # also bounds the static policies
-      rows.append(SweepRow(trace=name, policy="belady", hardware="", cache_fraction=fraction,
-                           cache_slots=slots, miss_rate=misses / max(requests, 1),
-                           per_layer_miss_rate=[]))
-    else:
-      bw = (group[0].b_p, group[0].b_h)
-      result = replay(trace, policy, slots, bw)
-      rows.extend(_row(name, policy, hw.name, fraction, result, trace, shapes[name], hw)
-                  for hw in group)
-    bar.update()
+  if workers > 1:  # the slowest jobs (most slots, several groups) first, spread over workers
+    order = {job[:3]: i for i, job in enumerate(jobs)}
+    jobs = sorted(jobs, key=lambda j: (-j[3], -len(j[4])))
+    context = multiprocessing.get_context("spawn")  # a forked process would inherit XLA's threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+      futures = [pool.submit(_run_job, job, traces[job[0]], shapes.get(job[0]),
+                             hot_profiles.get(job[0])) for job in jobs]
+      for future in concurrent.futures.as_completed(futures):
+        rows.extend(future.result())
+        bar.update()
+    rows.sort(key=lambda r: order[r.trace, r.policy, r.cache_fraction])
+  else:
+    for job in jobs:
+      rows.extend(_run_job(job, traces[job[0]], shapes.get(job[0]), hot_profiles.get(job[0])))
+      bar.update()
   bar.close()
   return rows
+
+
+def _run_job(job, trace: Trace, shape, hot_profile) -> list[SweepRow]:
+  """The rows of one sweep job: a policy at one cache size under a list of profiles (a q*
+  policy: a list of groups of profiles with equal fill tables), or Belady's bound."""
+  name, policy, fraction, slots, group = job
+  if policy == "belady":
+    requests = sum(len(np.unique(r[r >= 0])) for step in trace.ids for r in step)
+    misses = belady_misses(trace, slots, preload=True)  # also bounds the static policies
+    return [SweepRow(trace=name, policy="belady", hardware="", cache_fraction=fraction,
+                     cache_slots=slots, miss_rate=misses / max(requests, 1),
+                     per_layer_miss_rate=[])]
+  if policy != ORACLE and get_policy(policy).fill_rule == "q*":
+    results = replay_many(trace, policy, slots, [(g[0].b_p, g[0].b_h) for g in group])
+    return [_row(name, policy, hw.name, fraction, result, trace, shape, hw)
+            for result, g in zip(results, group) for hw in g]
+  bw = (group[0].b_p, group[0].b_h)
+  if policy == ORACLE:
+    result = replay(trace, "static_hot", slots, bw, hot_experts=expert_counts(trace))
+  else:
+    result = replay(trace, policy, slots, bw, hot_experts=hot_profile)
+  return [_row(name, policy, hw.name, fraction, result, trace, shape, hw) for hw in group]
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -290,7 +378,8 @@ def plot(rows: Sequence[SweepRow], out_dir: str, *, reference_hardware: str | No
                    if r.policy == policy and r.hardware in (ref, ""))
       if pts:
         x, y = zip(*pts)
-        style = dict(ls="--", color="black") if policy == "belady" else {}
+        style = (dict(ls="--", color="black") if policy == "belady" else
+                 dict(ls=":", color="grey") if policy == ORACLE else {})
         ax.plot(np.asarray(x) * 100, np.asarray(y) * 100, marker="o", ms=3, label=policy,
                 **style)
     ax.set(xlabel="cache size (% of all experts)", ylabel="miss rate (%)",
@@ -351,14 +440,16 @@ def main(argv) -> None:
       raise ValueError(f"cache fractions must be in [0, 1], got {fractions}")
     for p in _POLICIES.value:
       get_policy(p)
-    traces = load_traces(_TRACES.value, seed=_SEED.value, synthetic_steps=_STEPS.value,
-                         synthetic_prefill=_PREFILL.value)
+    traces, profiles = load_traces_and_profiles(
+        _TRACES.value, seed=_SEED.value, synthetic_steps=_STEPS.value,
+        synthetic_prefill=_PREFILL.value, holdout=_HOLDOUT.value)
     hardware = load_hardware(_HARDWARE.value)
     shapes = {name: trace_shape(t, _SHAPE.value) for name, t in traces.items()}
     for name, t in traces.items():
       print(f"{name}: {t.num_steps} steps x {t.num_layers} layers x top-{t.top_k} of "
             f"{t.num_experts}; modeled as {shapes[name].name}", file=sys.stderr)
-    rows = sweep(traces, _POLICIES.value, fractions, hardware, shapes, belady=_BELADY.value)
+    rows = sweep(traces, _POLICIES.value, fractions, hardware, shapes, belady=_BELADY.value,
+                 hot_profiles=profiles)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"ftjax.sweep: error: {e}") from None
   paths = list(write_csv(rows, _OUT.value))
@@ -381,7 +472,7 @@ def cli() -> None:
   """``python -m ftjax.sweep``: defines the flags (only here, so that importing the library
   defines none) and runs ``main``."""
   global _TRACES, _FRACTIONS, _POLICIES, _HARDWARE, _SHAPE, _OUT, _SEED, _STEPS, _PREFILL
-  global _BELADY, _PLOTS
+  global _BELADY, _PLOTS, _HOLDOUT
   _TRACES = flags.DEFINE_list("traces", ["default"],
                               "trace files (.npz, globs), synthetic:NAME (qwen3-30b-a3b) and/or "
                               "default (routing of the embedded default model)")
@@ -399,6 +490,10 @@ def cli() -> None:
   _PREFILL = flags.DEFINE_integer("synthetic_prefill", 0, "prefill steps of synthetic traces",
                                   lower_bound=0)
   _BELADY = flags.DEFINE_bool("belady", True, "include Belady's offline bound")
+  _HOLDOUT = flags.DEFINE_float("holdout", DEFAULT_HOLDOUT,
+                                "static_hot's routing profile of a trace file: this leading "
+                                "fraction of its steps, cut from the replayed part (synthetic "
+                                "traces: another seed)", lower_bound=0.01, upper_bound=0.99)
   _PLOTS = flags.DEFINE_bool("plots", True, "write PNG plots (needs matplotlib)")
   app.run(main)
 
