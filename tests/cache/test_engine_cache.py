@@ -84,13 +84,15 @@ def _engine_logic_only(model):
 
 def _sizes(config):
   total = config.num_layers * config.num_experts
-  return [0, 1, config.top_k, total // 3, total]
+  return [0, 1, total // 3, total]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_every_policy_and_size_matches_the_dense_reference(family_model, references, policy,
                                                            batch):
+  if batch > 1 and family_model.config.model_type == "qwen2_moe":
+    pytest.skip("batches: covered by the qwen3_moe and qwen3_5_moe cases (CI time)")
   prompts, ref = references[batch]
   hot = np.arange(family_model.config.num_layers * family_model.config.num_experts)[::-1]
   for slots in _sizes(family_model.config):
