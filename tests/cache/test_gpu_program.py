@@ -60,7 +60,10 @@ def test_pinned_host_pool_matches_the_dense_reference(model):
   total = c.num_layers * c.num_experts
   hot = np.arange(total)[::-1]
   for policy in POLICIES:
-    for slots in (0, 1, total // 3, total):
+    # Every policy where slots and pool share the work; every size for the two fill rules'
+    # representatives (CI time).
+    sizes = (0, 1, total // 3, total) if policy in ("freetoken", "lru_fill") else (total // 3,)
+    for slots in sizes:
       engine = ftjax.Engine(model, kernels="ffi", cache_slots=slots, policy=policy,
                             bandwidths=(12.0, 24.0), hot_experts=hot, pool="pinned_host",
                             cache_capacity=total)

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+from ftjax.cache import POLICIES
+
 CHILD = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -124,7 +126,7 @@ def cases():
 
 def test_four_devices_equal_one(cases):
   *cases, last = cases
-  assert len(cases) == 6 * 4
+  assert len(cases) == len(POLICIES) * 4
   assert len(last["generate"]) == 4
   for name, (one, four) in last["generate"].items():
     assert one == four and len(one) == 12, name
