@@ -500,7 +500,7 @@ class CachedExperts:
     else:
       stream = worth_streaming(p, ids, self.bandwidths, **costs)
     if o.fill != "kernels" and layer + 1 < cache.num_layers:
-      ahead = self._predict(p, ids, cache, layer + 1, **costs)
+      ahead = self._predict(p, ids, routes, cache, layer + 1, **costs)
       (_, experts, elems), dtype = _pool_layout(bank, o)
       started = jax.lax.cond(ahead, lambda: fetch_layer_start(bank, layer + 1, o).block,
                              lambda: jnp.zeros((experts, elems), dtype))
@@ -511,8 +511,10 @@ class CachedExperts:
     return self.replace(cache=cache.replace(slots=slots),
                         stats=self.stats.record(layer, p, stream, routes), inflight=inflight), y
 
-  def _predict(self, p: Plan, ids, cache: ExpertCache, layer: int, **costs) -> jax.Array:
-    """[] bool: ``_chosen_step``'s early choice for ``layer`` from the previous plan ``p``."""
+  def _predict(self, p: Plan, ids, routes, cache: ExpertCache, layer: int,
+               **costs) -> jax.Array:
+    """[] bool: ``_chosen_step``'s early choice for ``layer`` from the previous plan ``p``
+    (``routes``: its host routes)."""
     f32 = jnp.float32
     num_experts = costs["experts"]
     distinct = (p.hits + p.fills + p.host).astype(f32)
@@ -526,7 +528,7 @@ class CachedExperts:
     # the most-routed misses first, so they take fewer routes than the average expert), or
     # the average over its distinct experts when it ran none on the host.
     host_prev = p.host.astype(f32)
-    per_host = jnp.where(host_prev > 0, host_route_count(p, ids) / jnp.maximum(host_prev, 1.0),
+    per_host = jnp.where(host_prev > 0, routes / jnp.maximum(host_prev, 1.0),
                          jnp.sum(ids >= 0).astype(f32) / jnp.maximum(distinct, 1.0))
     fills = expect * fill_share
     host = expect - fills
