@@ -5,8 +5,10 @@
 * ``replay``: a trace through the engine's own plan function under ``lax.scan``, and Belady's
   offline bound.
 * ``routing_stats``: overlap, popularity and LRU statistics of a trace.
-* ``synthetic``: a routing generator calibrated to Qwen3-30B-A3B.
+* ``synthetic``: a routing generator calibrated to Qwen3-30B-A3B and Mixtral-8x7B.
 * ``cost``: the decode cost model with hardware profiles.
+* ``bound``: on a synthetic trace, the least miss rate any online policy can expect, from the
+  law of each step (``synthetic.next_step_probabilities``).
 * ``sweep``: traces x policies x cache sizes x hardware (``python -m ftjax.sweep``).
 * ``calibrate``: a machine's cost-model hardware profile from a measured bandwidth profile and
   a short decode (``python -m ftjax.profile --hardware_out``).

@@ -5,6 +5,7 @@ Library::
   result = ftjax.research.sweep.replay(trace, "freetoken", cache_slots=64, bandwidths=(12.0, 24.0))
   result.miss_rate, result.per_layer_miss_rate, result.fills, result.host_runs
   ftjax.research.sweep.belady_misses(trace, cache_slots=64)   # the offline lower bound
+  ftjax.research.bound.online_bound(trace, law, cache_slots=64)  # the online one (synthetic)
   rows = ftjax.research.sweep.sweep(traces, policies, fractions, hardware, shapes)  # the CLI's
 
 CLI (``docs/sweep.md``)::
@@ -42,6 +43,7 @@ from ftjax.assets import DEFAULT_TRACE  # --traces=default
 from ftjax.cache.policy import POLICIES, fill_count, get_policy
 from ftjax.model.config import ModelConfig
 from ftjax.research import synthetic
+from ftjax.research.bound import best_split, online_bound
 from ftjax.research.cost import HardwareProfile, ModelShape, step_times
 from ftjax.research.replay import (ReplayResult, belady_misses, expert_counts, replay,
                                    replay_many)
@@ -242,12 +244,14 @@ def _row(name, policy, hw_name, fraction, result: ReplayResult, trace, shape, hw
 
 
 ORACLE = "static_hot_oracle"  # static_hot pinning the replayed trace's own hottest experts
+ONLINE_BOUND = "online_bound"  # the least miss rate of an online policy (synthetic traces)
+PRESCIENT = "prescient"  # the placement of the C likeliest experts, free between steps
 
 
 def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence[float],
           hardware: Sequence, shapes: dict, *, belady: bool = True, progress: bool = True,
           hot_profiles: dict[str, np.ndarray] | None = None,
-          workers: int = 1) -> list[SweepRow]:
+          workers: int = 1, bound_samples: int = 0) -> list[SweepRow]:
   """Every trace x policy x cache fraction x hardware profile, plus Belady's bound per trace
   and size (with a free preload, so that it bounds the preloaded static policies too).
   ``shapes`` maps trace name -> ``ftjax.research.cost.ModelShape``.
@@ -258,7 +262,13 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
   deployment has: an upper bound of static placement, not a policy.
 
   ``workers > 1`` runs the jobs in that many processes (spawned; each compiles its own plan
-  programs); the rows come back in the same order as with one."""
+  programs); the rows come back in the same order as with one.
+
+  ``bound_samples > 0`` adds, for every trace of ``ftjax.research.synthetic`` (others have no
+  known law), the rows of ``ftjax.research.bound`` per size, after Belady's: ``online_bound``
+  (the least expected miss rate of an online policy, no hardware) and ``prescient`` (the C
+  likeliest experts at every step, rearranged for free, with each layer-step's misses split
+  as the cost model likes best; not a policy), from that many samples of each step's law."""
   hot_profiles = hot_profiles or {}
   for p in policies:
     get_policy(p)  # validates the name
@@ -302,7 +312,39 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
       rows.extend(_run_job(job, traces[job[0]], shapes.get(job[0]), hot_profiles.get(job[0])))
       bar.update()
   bar.close()
+  if bound_samples > 0:
+    rows = _with_bounds(rows, traces, fractions, hardware, shapes, bound_samples, progress)
   return rows
+
+
+def _with_bounds(rows, traces, fractions, hardware, shapes, samples, progress):
+  """``rows`` with each synthetic trace's bound rows after its rows of each size."""
+  extra: dict[tuple[str, float], list[SweepRow]] = {}
+  for name, trace in traces.items():
+    if trace.metadata.get("source") != "ftjax.research.synthetic":
+      continue
+    law = synthetic.next_step_probabilities(trace, samples=samples, progress=progress)
+    for fraction in fractions:
+      slots = int(round(fraction * trace.num_layers * trace.num_experts))
+      b = online_bound(trace, law, slots)
+      new = [SweepRow(trace=name, policy=ONLINE_BOUND, hardware="", cache_fraction=fraction,
+                      cache_slots=slots, miss_rate=b.miss_rate, per_layer_miss_rate=[])]
+      shape, misses = shapes.get(name), b.routed - b.prescient_hits
+      for hw in hardware:  # without a shape only the miss rate is reported
+        fills, host = (best_split(hw, shape, b.prescient_hits, misses) if shape is not None
+                       else (np.zeros_like(misses), misses))
+        result = ReplayResult(PRESCIENT, slots, b.prescient_hits, fills, host)
+        new.append(_row(name, PRESCIENT, hw.name, fraction, result, trace, shape,
+                        hw if shape is not None else None))
+      extra[name, fraction] = new
+  out = []
+  for i, row in enumerate(rows):  # after the last row of each (trace, size)
+    out.append(row)
+    key = (row.trace, row.cache_fraction)
+    if key in extra and (i + 1 == len(rows) or (rows[i + 1].trace, rows[i + 1].cache_fraction)
+                         != key):
+      out.extend(extra.pop(key))
+  return out
 
 
 def _run_job(job, trace: Trace, shape, hot_profile) -> list[SweepRow]:
@@ -379,6 +421,8 @@ def plot(rows: Sequence[SweepRow], out_dir: str, *, reference_hardware: str | No
       if pts:
         x, y = zip(*pts)
         style = (dict(ls="--", color="black") if policy == "belady" else
+                 dict(ls="-.", color="black") if policy == ONLINE_BOUND else
+                 dict(ls=":", color="black") if policy == PRESCIENT else
                  dict(ls=":", color="grey") if policy == ORACLE else {})
         ax.plot(np.asarray(x) * 100, np.asarray(y) * 100, marker="o", ms=3, label=policy,
                 **style)
@@ -402,7 +446,8 @@ def plot(rows: Sequence[SweepRow], out_dir: str, *, reference_hardware: str | No
                      if r.policy == policy and r.hardware == hw)
         if pts:
           x, y = zip(*pts)
-          ax.plot(np.asarray(x) * 100, y, marker="o", ms=2, label=policy)
+          style = dict(ls=":", color="black") if policy == PRESCIENT else {}
+          ax.plot(np.asarray(x) * 100, y, marker="o", ms=2, label=policy, **style)
       ax.set_title(hw, fontsize=9)
       ax.set_xlabel("cache size (% of experts)", fontsize=8)
       ax.set_ylabel("modeled tok/s", fontsize=8)
@@ -449,7 +494,7 @@ def main(argv) -> None:
       print(f"{name}: {t.num_steps} steps x {t.num_layers} layers x top-{t.top_k} of "
             f"{t.num_experts}; modeled as {shapes[name].name}", file=sys.stderr)
     rows = sweep(traces, _POLICIES.value, fractions, hardware, shapes, belady=_BELADY.value,
-                 hot_profiles=profiles)
+                 hot_profiles=profiles, bound_samples=_BOUND_SAMPLES.value)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"ftjax.sweep: error: {e}") from None
   paths = list(write_csv(rows, _OUT.value))
@@ -472,7 +517,7 @@ def cli() -> None:
   """``python -m ftjax.sweep``: defines the flags (only here, so that importing the library
   defines none) and runs ``main``."""
   global _TRACES, _FRACTIONS, _POLICIES, _HARDWARE, _SHAPE, _OUT, _SEED, _STEPS, _PREFILL
-  global _BELADY, _PLOTS, _HOLDOUT
+  global _BELADY, _PLOTS, _HOLDOUT, _BOUND_SAMPLES
   _TRACES = flags.DEFINE_list("traces", ["default"],
                               "trace files (.npz, globs), synthetic:NAME (qwen3-30b-a3b) and/or "
                               "default (routing of the embedded default model)")
@@ -490,6 +535,10 @@ def cli() -> None:
   _PREFILL = flags.DEFINE_integer("synthetic_prefill", 0, "prefill steps of synthetic traces",
                                   lower_bound=0)
   _BELADY = flags.DEFINE_bool("belady", True, "include Belady's offline bound")
+  _BOUND_SAMPLES = flags.DEFINE_integer(
+      "bound_samples", 256, "synthetic traces: samples of each step's routing law for the "
+      "online bound and the prescient placement (ftjax.research.bound); 0 leaves them out",
+      lower_bound=0)
   _HOLDOUT = flags.DEFINE_float("holdout", DEFAULT_HOLDOUT,
                                 "static_hot's routing profile of a trace file: this leading "
                                 "fraction of its steps, cut from the replayed part (synthetic "

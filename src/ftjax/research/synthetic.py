@@ -55,6 +55,7 @@ import numpy as np
 
 from ftjax.research import routing_stats
 from ftjax.research.traces import Trace
+from ftjax.utils.progress import Progress
 
 PREFILL, DECODE = routing_stats.PREFILL, routing_stats.DECODE
 
@@ -175,6 +176,75 @@ class RoutingModel:
             for p in (PREFILL, DECODE)}
 
 
+class _Router:
+  """The generator's state between steps: the experts of the last step, the working set and
+  the task's laws. ``generate`` samples each step from it; ``next_step_probabilities``
+  replays a trace through it and estimates each step's law."""
+
+  def __init__(self, model: RoutingModel, *, seed: int, prefill_steps: int, steps: int):
+    layers, experts = model.num_layers, model.num_experts
+    self.model, self.prefill_steps = model, prefill_steps
+    self.tasks = np.random.default_rng([seed, 1])  # task orders: a stream of their own
+    self.task_steps = model.task_steps or max(steps, 1)
+    self.reuse = {PREFILL: np.asarray(model.prefill_reuse, np.float32)[:, None],
+                  DECODE: np.asarray(model.reuse, np.float32)[:, None]}
+    self.recall = np.asarray(model.working_set, np.float32)[:, None]
+    self.decay = np.asarray(model.working_set_decay, np.float32)[:, None]
+    self.rows = np.arange(layers)[:, None]
+    self.recent = np.zeros((layers, experts), np.float32)  # working-set weight of each expert
+    self.previous = np.zeros((layers, model.top_k), np.int64)  # the experts of the last step
+    self.t = 0
+    self.laws = None
+
+  def law(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Step ``t``'s law: (the mixture new experts are drawn from [L, E], the experts of the
+    last step [L, E] bool, each one's chance to be kept [L, 1], or None at the first step)."""
+    model, t = self.model, self.t
+    phase = PREFILL if t < self.prefill_steps else DECODE
+    if t == 0 or (phase == DECODE and t > self.prefill_steps and
+                  (t - self.prefill_steps) % self.task_steps == 0):  # a new task
+      laws = (model.task_popularity(self.tasks) if any(model.drift) else
+              {p: model.popularity(p) for p in (PREFILL, DECODE)})
+      self.laws = {p: law.astype(np.float32) for p, law in laws.items()}
+    was_routed = np.zeros((model.num_layers, model.num_experts), bool)
+    if t:
+      was_routed[self.rows, self.previous] = True
+    candidates = np.where(was_routed, np.float32(0), self.recent)  # [L, E]
+    mass = candidates.sum(1, keepdims=True)
+    recall = np.where(mass > 0, self.recall, np.float32(0))  # nothing to recall yet: popularity
+    mixture = (1 - recall) * self.laws[phase] + (recall / np.maximum(mass, 1e-30)) * candidates
+    return mixture, was_routed, (self.reuse[phase] if t else None)
+
+  def draw(self, rng: np.random.Generator, law, samples: int | None = None) -> np.ndarray:
+    """Routes drawn from ``law`` (``self.law()``): [L, K], or [samples, L, K]."""
+    mixture, was_routed, reuse = law
+    layers, experts, top_k = self.model.num_layers, self.model.num_experts, self.model.top_k
+    lead = () if samples is None else (samples,)
+    if reuse is not None:
+      keep = rng.random(lead + (layers, top_k), dtype=np.float32) < reuse  # [.., L, K]
+    else:
+      keep = np.zeros(lead + (layers, top_k), bool)
+    # Exponential race: the top_k smallest noise / mixture are a draw without replacement with
+    # probabilities proportional to the mixture, in draw order.
+    keys = rng.standard_exponential(lead + (layers, experts), dtype=np.float32) / np.maximum(
+        mixture, np.float32(1e-30))
+    keys[..., was_routed] += np.float32(1e34)  # dropped experts only if nothing else is left
+    previous = np.broadcast_to(self.previous, keep.shape)
+    kept = np.nonzero(keep)
+    keys[kept[:-1] + (previous[kept],)] = np.inf  # kept experts are routed already
+    best = np.argpartition(keys, top_k - 1, axis=-1)[..., :top_k]  # [.., L, K] unordered
+    best = np.take_along_axis(best, np.argsort(np.take_along_axis(keys, best, -1), -1), -1)
+    fresh_index = np.cumsum(~keep, axis=-1) - 1  # the n-th new route takes the n-th draw
+    return np.where(keep, previous, np.take_along_axis(best, np.maximum(fresh_index, 0), -1))
+
+  def advance(self, current: np.ndarray) -> None:
+    """Moves to the next step after routing ``current`` [L, K]."""
+    self.recent *= self.decay
+    self.recent[self.rows, current] += np.float32(1)
+    self.previous = np.asarray(current, np.int64)
+    self.t += 1
+
+
 def generate(model: RoutingModel, steps: int, *, seed: int, prefill_steps: int = 0) -> Trace:
   """Samples a trace of ``prefill_steps`` prefill steps followed by ``steps`` decode steps.
 
@@ -186,51 +256,14 @@ def generate(model: RoutingModel, steps: int, *, seed: int, prefill_steps: int =
   if steps < 0 or prefill_steps < 0:
     raise ValueError(f"steps and prefill_steps must be non-negative, got {steps} and "
                      f"{prefill_steps}")
-  layers, experts, top_k = model.num_layers, model.num_experts, model.top_k
+  layers, top_k = model.num_layers, model.top_k
   total = prefill_steps + steps
   rng = np.random.default_rng(seed)
-  tasks = np.random.default_rng([seed, 1])  # task orders: a stream of their own
-  task_steps = model.task_steps or max(steps, 1)
-  reuse = {PREFILL: np.asarray(model.prefill_reuse, np.float32)[:, None],
-           DECODE: np.asarray(model.reuse, np.float32)[:, None]}
-  recall = np.asarray(model.working_set, np.float32)[:, None]
-  decay = np.asarray(model.working_set_decay, np.float32)[:, None]
-  rows = np.arange(layers)[:, None]
+  router = _Router(model, seed=seed, prefill_steps=prefill_steps, steps=steps)
   ids = np.zeros((total, layers, top_k), np.int32)
-  recent = np.zeros((layers, experts), np.float32)  # working-set weight of each expert
-  previous = np.zeros((layers, top_k), np.int64)  # the experts of the last step
   for t in range(total):
-    phase = PREFILL if t < prefill_steps else DECODE
-    if t == 0 or (phase == DECODE and t > prefill_steps and
-                  (t - prefill_steps) % task_steps == 0):  # a new task
-      laws = (model.task_popularity(tasks) if any(model.drift) else
-              {p: model.popularity(p) for p in (PREFILL, DECODE)})
-      laws = {p: law.astype(np.float32) for p, law in laws.items()}
-    was_routed = np.zeros((layers, experts), bool)
-    if t:
-      keep = rng.random((layers, top_k), dtype=np.float32) < reuse[phase]  # [L, K]
-      was_routed[rows, previous] = True
-    else:
-      keep = np.zeros((layers, top_k), bool)
-    candidates = np.where(was_routed, np.float32(0), recent)  # [L, E]
-    mass = candidates.sum(1, keepdims=True)
-    recall_now = np.where(mass > 0, recall, np.float32(0))  # nothing to recall yet: popularity
-    mixture = (1 - recall_now) * laws[phase] + (recall_now / np.maximum(mass, 1e-30)) * candidates
-    # Exponential race: the top_k smallest noise / mixture are a draw without replacement with
-    # probabilities proportional to the mixture, in draw order.
-    keys = rng.standard_exponential((layers, experts), dtype=np.float32) / np.maximum(
-        mixture, np.float32(1e-30))
-    keys[was_routed] += np.float32(1e34)  # dropped experts only if nothing else is left
-    kept_rows, kept_cols = np.nonzero(keep)
-    keys[kept_rows, previous[kept_rows, kept_cols]] = np.inf  # kept experts are routed already
-    best = np.argpartition(keys, top_k - 1, axis=1)[:, :top_k]  # [L, K] unordered
-    best = np.take_along_axis(best, np.argsort(np.take_along_axis(keys, best, 1), 1), 1)
-    fresh_index = np.cumsum(~keep, axis=1) - 1  # the n-th new route takes the n-th draw
-    current = np.where(keep, previous, np.take_along_axis(best, np.maximum(fresh_index, 0), 1))
-    ids[t] = current
-    recent *= decay
-    recent[rows, current] += np.float32(1)
-    previous = current
+    ids[t] = router.draw(rng, router.law())
+    router.advance(ids[t])
   weights = rng.gamma(model.weight_concentration, size=(total, layers, top_k))
   weights = -np.sort(-weights, axis=-1)
   weights /= weights.sum(-1, keepdims=True)
@@ -238,7 +271,52 @@ def generate(model: RoutingModel, steps: int, *, seed: int, prefill_steps: int =
   phases = (np.arange(total) >= prefill_steps).astype(np.uint8)
   metadata = {"source": "ftjax.research.synthetic", "seed": int(seed),
               "prefill_steps": int(prefill_steps), "routing_model": dataclasses.asdict(model)}
-  return Trace.from_arrays(ids, weights, experts, phase=phases, metadata=metadata)
+  return Trace.from_arrays(ids, weights, model.num_experts, phase=phases, metadata=metadata)
+
+
+def model_of(trace: Trace) -> RoutingModel:
+  """The ``RoutingModel`` a trace of ``generate`` was sampled from (its metadata)."""
+  meta = trace.metadata
+  if meta.get("source") != "ftjax.research.synthetic" or "routing_model" not in meta:
+    raise ValueError("the trace was not sampled by ftjax.research.synthetic.generate (its "
+                     "metadata names no routing model): the law of its next steps is unknown")
+  fields = dict(meta["routing_model"])
+  return RoutingModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+def next_step_probabilities(trace: Trace, *, samples: int = 256, seed: int = 0,
+                            progress: bool = False) -> np.ndarray:
+  """Each expert's chance to be routed at each step of a synthetic trace, given the steps
+  before it: [S, L, E] float32 (rows sum to ``top_k``).
+
+  The trace is replayed through its generator (``model_of``): at each step its law (the kept
+  experts of the last step, the new ones drawn from the popularity and working-set mixture
+  of the step's task) is sampled ``samples`` times from a stream of its own (``seed``), and
+  an expert's probability is the share of those draws that route it: a Monte Carlo estimate
+  with a standard error of at most ``0.5 / sqrt(samples)``. The layers of the generator are
+  independent, so a step's earlier layers say nothing more about a layer.
+  (``ftjax.research.bound`` turns these into an upper bound on every online policy.)
+  """
+  if samples < 1:
+    raise ValueError(f"samples must be positive, got {samples}")
+  model = model_of(trace)
+  meta = trace.metadata
+  prefill = int(meta.get("prefill_steps", 0))
+  router = _Router(model, seed=int(meta["seed"]), prefill_steps=prefill,
+                   steps=trace.num_steps - prefill)
+  mc = np.random.default_rng([seed, 2])
+  out = np.zeros((trace.num_steps, model.num_layers, model.num_experts), np.float32)
+  inclusion = np.zeros((samples, model.num_layers, model.num_experts), np.float32)
+  bar = Progress(trace.num_steps, desc="next-step law", enabled=progress)
+  for t in range(trace.num_steps):
+    draws = router.draw(mc, router.law(), samples)  # [samples, L, K]
+    inclusion[:] = 0
+    np.put_along_axis(inclusion, draws, np.float32(1), -1)
+    out[t] = inclusion.mean(0)
+    router.advance(trace.ids[t])
+    bar.update()
+  bar.close()
+  return out
 
 
 def fit_skew(model: RoutingModel, shares: Sequence[float], *, top_n: int | None = None,
