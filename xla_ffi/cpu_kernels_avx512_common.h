@@ -161,16 +161,25 @@ inline void DecodeMxfp4Avx512(const uint8_t* codes, const uint8_t* scales, int64
 // One token (the decode GEMV), fused: the activations are deinterleaved once per call (per
 // block of 32: the 16 even inputs, then the 16 odd ones) into a stack buffer, so each row's
 // codes are looked up and multiplied in registers, with no interleaving and no weight buffer:
-// the low nibbles' values times the even inputs, the high nibbles' times the odd ones. The rows
-// are read one after the other (one sequential stream of codes, one of scales). Inputs past
-// kMxfp4OneTokenChunk are taken in further chunks, each row's partial sums added.
+// per block, the low nibbles' E2M1 values times the even inputs plus the high nibbles' times
+// the odd ones, a block sum that does not depend on the running sums; the block's scale (a
+// power of two: exact) multiplies it into one of 4 running sums, so consecutive blocks'
+// multiply-adds do not wait on each other (with one running sum per nibble half, the
+// multiply-add latency held the loop to a block per 4 cycles: ~8 weights a cycle, the kernel
+// compute-bound under the read bandwidth). Same products as the dequantised weights', summed
+// in another order. The rows are read one after the other (one sequential stream of codes,
+// one of scales), the codes kPrefetchBytes ahead prefetched as the one-token row kernels do.
+// Inputs past kMxfp4OneTokenChunk are taken in further chunks, each row's partial sums added.
 using cpu_kernels_impl::kMxfp4OneTokenChunk;
+template <int kLocality>
 inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
   const __m512 values = _mm512_loadu_ps(cpu_kernels_impl::kE2M1Values);
   const __m512i even =
       _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd =
       _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const uintptr_t prefetch_end =
+      reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
   alignas(64) float x_split[kMxfp4OneTokenChunk];
   for (int64_t i = 0; i < p.n; i += kMxfp4OneTokenChunk) {
     const int64_t blocks =
@@ -184,18 +193,33 @@ inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
     for (int64_t r = 0; r < p.rows; ++r) {
       const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
       const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        const __m512 table =
-            _mm512_mul_ps(values, _mm512_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b])));
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      auto block = [&](int64_t b, int k) {
         const __m512i bytes = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
-        acc0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(bytes, table),
-                               _mm512_load_ps(x_split + 32 * b), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table),
-                               _mm512_load_ps(x_split + 32 * b + 16), acc1);
+        const __m512 sum = _mm512_fmadd_ps(
+            _mm512_permutexvar_ps(bytes, values), _mm512_load_ps(x_split + 32 * b),
+            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values),
+                          _mm512_load_ps(x_split + 32 * b + 16)));
+        acc[k] = _mm512_fmadd_ps(
+            sum, _mm512_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b])), acc[k]);
+      };
+      int64_t b = 0;
+      for (; b + 4 <= blocks; b += 4) {  // 64 bytes of codes: one cache line
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(codes + 16 * b) +
+                               cpu_kernels_impl::kPrefetchBytes;
+        if (ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
+        }
+        block(b, 0);
+        block(b + 1, 1);
+        block(b + 2, 2);
+        block(b + 3, 3);
       }
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+      for (; b < blocks; ++b) block(b, static_cast<int>(b & 3));
+      const float sum = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
       p.c[r] = i == 0 ? sum : p.c[r] + sum;
     }
   }
@@ -203,7 +227,11 @@ inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
 
 inline void DotMxfp4F32Avx512(const Mxfp4DotProblem& p) {
   if (p.tokens == 1) {
-    OneTokenMxfp4Avx512(p);
+    if (PrefetchNonTemporal()) {
+      OneTokenMxfp4Avx512<0>(p);
+    } else {
+      OneTokenMxfp4Avx512<2>(p);
+    }
   } else {
     cpu_kernels_impl::DotMxfp4<F32F32Ops512, DecodeMxfp4Avx512>(p);
   }
