@@ -148,11 +148,15 @@ void DecodeMxfp4Avx2(const uint8_t* codes, const uint8_t* scales, int64_t n, flo
 // nibbles to twice their E2M1 values as int8 (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12: exact), which
 // are widened to float32 and multiplied with the inputs; the block's sum is then scaled by half
 // its scale (a power of two: exact), as the dequantised weights' products summed in another
-// order.
+// order, into two running sums. The codes kPrefetchBytes ahead are prefetched as the one-token
+// row kernels do.
+template <int kLocality>
 void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
   const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i nibble = _mm_set1_epi8(0x0f);
   auto widen = [](__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); };
+  const uintptr_t prefetch_end =
+      reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
   alignas(32) float x_split[cpu_kernels_impl::kMxfp4OneTokenChunk];
   for (int64_t i = 0; i < p.n; i += cpu_kernels_impl::kMxfp4OneTokenChunk) {
     const int64_t rest = p.n - i;
@@ -162,26 +166,32 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
     for (int64_t r = 0; r < p.rows; ++r) {
       const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
       const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
+      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      auto block = [&](int64_t b) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b));
         const __m128i low = _mm_shuffle_epi8(twice, _mm_and_si128(bytes, nibble));
         const __m128i high =
             _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
         const float* x = x_split + 32 * b;
-        __m256 block = _mm256_mul_ps(widen(low), _mm256_load_ps(x));
-        block = _mm256_fmadd_ps(widen(_mm_srli_si128(low, 8)), _mm256_load_ps(x + 8), block);
-        block = _mm256_fmadd_ps(widen(high), _mm256_load_ps(x + 16), block);
-        block = _mm256_fmadd_ps(widen(_mm_srli_si128(high, 8)), _mm256_load_ps(x + 24), block);
+        __m256 sum = _mm256_mul_ps(widen(low), _mm256_load_ps(x));
+        sum = _mm256_fmadd_ps(widen(_mm_srli_si128(low, 8)), _mm256_load_ps(x + 8), sum);
+        sum = _mm256_fmadd_ps(widen(high), _mm256_load_ps(x + 16), sum);
+        sum = _mm256_fmadd_ps(widen(_mm_srli_si128(high, 8)), _mm256_load_ps(x + 24), sum);
         const __m256 half_scale =
             _mm256_set1_ps(0.5f * cpu_kernels_impl::Mxfp4Scale(scales[b]));
-        if (b % 2 == 0) {
-          acc0 = _mm256_fmadd_ps(block, half_scale, acc0);
-        } else {
-          acc1 = _mm256_fmadd_ps(block, half_scale, acc1);
+        acc[b & 1] = _mm256_fmadd_ps(sum, half_scale, acc[b & 1]);
+      };
+      int64_t b = 0;
+      for (; b + 4 <= blocks; b += 4) {  // 64 bytes of codes: one cache line
+        const uintptr_t ahead =
+            reinterpret_cast<uintptr_t>(codes + 16 * b) + cpu_kernels_impl::kPrefetchBytes;
+        if (ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
         }
+        for (int64_t k = 0; k < 4; ++k) block(b + k);
       }
-      const float sum = Sum256(_mm256_add_ps(acc0, acc1));
+      for (; b < blocks; ++b) block(b);
+      const float sum = Sum256(_mm256_add_ps(acc[0], acc[1]));
       p.c[r] = i == 0 ? sum : p.c[r] + sum;
     }
   }
@@ -189,7 +199,11 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
 
 void DotMxfp4F32Avx2(const Mxfp4DotProblem& p) {
   if (p.tokens == 1) {
-    OneTokenMxfp4Avx2(p);
+    if (PrefetchNonTemporal()) {
+      OneTokenMxfp4Avx2<0>(p);
+    } else {
+      OneTokenMxfp4Avx2<2>(p);
+    }
   } else {
     cpu_kernels_impl::DotMxfp4<F32F32Ops256, DecodeMxfp4Avx2>(p);
   }

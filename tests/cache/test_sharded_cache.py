@@ -1,7 +1,8 @@
-"""Expert-parallel slots (``devices=``) on 4 CPU devices give the one-device result: every
-policy at sizes 0, 1, L·E/3 and L·E, over a prefill and 8 greedy steps: same tokens, logits
-within float32 tolerance, the same cache tables, and the slot buffer really split over the
-devices.
+"""Expert-parallel slots (``devices=``) on 4 CPU devices give the one-device result over a
+prefill and 8 greedy steps: same tokens, logits within float32 tolerance, the same cache
+tables, and the slot buffer really split over the devices. ``freetoken`` and ``lru_fill`` at
+sizes 0, 1, L·E/3 and L·E, every other policy at L·E/3 (the sharded fill and serve paths do
+not depend on the policy, whose plan every device computes alike; CI time).
 
 JAX fixes its CPU device count at start-up, so the check runs in a child process started with
 ``JAX_NUM_CPU_DEVICES=4``; it prints one JSON line per case for the assertions here."""
@@ -51,7 +52,9 @@ CHILD = textwrap.dedent("""
 
     for kernels in sys.argv[1].split(","):
         for policy in POLICIES:
-            for slots in (0, 1, total // 3, total):
+            sizes = (0, 1, total // 3, total) if policy in ("freetoken", "lru_fill") else (
+                total // 3,)
+            for slots in sizes:
                 opts = dict(kernels=kernels, cache_slots=slots, policy=policy,
                             bandwidths=(12.0, 24.0), hot_experts=np.arange(total)[::-1],
                             cache_capacity=total)
@@ -126,7 +129,7 @@ def cases():
 
 def test_four_devices_equal_one(cases):
   *cases, last = cases
-  assert len(cases) == len(POLICIES) * 4
+  assert len(cases) == len(POLICIES) + 2 * 3
   assert len(last["generate"]) == 4
   for name, (one, four) in last["generate"].items():
     assert one == four and len(one) == 12, name
