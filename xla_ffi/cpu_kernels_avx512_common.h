@@ -158,19 +158,36 @@ inline void DecodeMxfp4Avx512(const uint8_t* codes, const uint8_t* scales, int64
     _mm512_storeu_ps(out + 32 * b + 16, _mm512_permutex2var_ps(low, second, high));
   }
 }
-// One token (the decode GEMV), fused: the activations are deinterleaved once per call (per
-// block of 32: the 16 even inputs, then the 16 odd ones) into a stack buffer, so each row's
-// codes are looked up and multiplied in registers, with no interleaving and no weight buffer:
-// per block, the low nibbles' E2M1 values times the even inputs plus the high nibbles' times
-// the odd ones, a block sum that does not depend on the running sums; the block's scale (a
-// power of two: exact) multiplies it into one of 4 running sums, so consecutive blocks'
-// multiply-adds do not wait on each other (with one running sum per nibble half, the
-// multiply-add latency held the loop to a block per 4 cycles: ~8 weights a cycle, the kernel
-// compute-bound under the read bandwidth). Same products as the dequantised weights', summed
-// in another order. The rows are read one after the other (one sequential stream of codes,
-// one of scales), the codes kPrefetchBytes ahead prefetched as the one-token row kernels do.
-// Inputs past kMxfp4OneTokenChunk are taken in further chunks, each row's partial sums added.
+// One token (the decode GEMV), fused, with as few shuffles as the lookups need (the shuffle
+// port bounds this loop on Zen 5: widening each block's 16 code bytes to 32-bit lanes, two
+// vpermps and a scale broadcast per 32 weights ran ~8 weights a cycle, under the read
+// bandwidth). Per group of 4 blocks (128 inputs, 64 code bytes): the 64 bytes are loaded as 16
+// dwords, and dword k holds the nibbles of inputs 8k .. 8k + 7 (low nibble first); shifted
+// right by 4j, its low 4 bits are input 8k + j's code, which vpermps (reading only those 4
+// bits) maps to its E2M1 value: 8 shifts and 8 vpermps give all 128 values, each lane k
+// multiplied with x[8k + j] from a copy of the activations transposed that way once per call
+// (the two halves of j summed apart, so the multiply-adds do not wait on each other). Lane k
+// belongs to block k / 4, so the group's sum is multiplied by the 4 block scales spread over
+// the lanes (powers of two: exact) into one of 2 running sums. Same products as the
+// dequantised weights', summed in another order. Blocks past the last whole group (n / 32 not
+// a multiple of 4) take the per-block form: each block's 16 bytes widened to lanes, the low
+// and high nibbles looked up against the even and odd inputs. The rows are read one after the
+// other (one sequential stream of codes, one of scales), the codes kPrefetchBytes ahead
+// prefetched as the one-token row kernels do. Inputs past kMxfp4OneTokenChunk are taken in
+// further chunks, each row's partial sums added.
 using cpu_kernels_impl::kMxfp4OneTokenChunk;
+
+// The 4 E8M0 scales at `scales` as float32 (Mxfp4Scale), each in 4 consecutive lanes.
+inline __m512 Mxfp4GroupScales(const uint8_t* scales) {
+  int32_t four;
+  __builtin_memcpy(&four, scales, sizeof(four));
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(
+      _mm_cvtsi32_si128(four), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)));
+  const __mmask16 zero = _mm512_testn_epi32_mask(e, e);
+  return _mm512_castsi512_ps(
+      _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000)));
+}
+
 template <int kLocality>
 inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
   const __m512 values = _mm512_loadu_ps(cpu_kernels_impl::kE2M1Values);
@@ -180,46 +197,58 @@ inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
       _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   const uintptr_t prefetch_end =
       reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
-  alignas(64) float x_split[kMxfp4OneTokenChunk];
+  // Groups: x[128 g + 8 k + j] at 128 g + 16 j + k; then the blocks past them, even/odd split.
+  alignas(64) float x_t[kMxfp4OneTokenChunk];
   for (int64_t i = 0; i < p.n; i += kMxfp4OneTokenChunk) {
     const int64_t blocks =
         (p.n - i < kMxfp4OneTokenChunk ? p.n - i : kMxfp4OneTokenChunk) / 32;
+    const int64_t groups = blocks / 4;
     const float* x = p.a[0] + i;
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int k = 0; k < 16; ++k) {
+        for (int j = 0; j < 8; ++j) x_t[128 * g + 16 * j + k] = x[128 * g + 8 * k + j];
+      }
+    }
+    for (int64_t b = 4 * groups; b < blocks; ++b) {
       const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-      _mm512_store_ps(x_split + 32 * b, _mm512_permutex2var_ps(x0, even, x1));
-      _mm512_store_ps(x_split + 32 * b + 16, _mm512_permutex2var_ps(x0, odd, x1));
+      _mm512_store_ps(x_t + 32 * b, _mm512_permutex2var_ps(x0, even, x1));
+      _mm512_store_ps(x_t + 32 * b + 16, _mm512_permutex2var_ps(x0, odd, x1));
     }
     for (int64_t r = 0; r < p.rows; ++r) {
       const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
       const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-      auto block = [&](int64_t b, int k) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
-        const __m512 sum = _mm512_fmadd_ps(
-            _mm512_permutexvar_ps(bytes, values), _mm512_load_ps(x_split + 32 * b),
-            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values),
-                          _mm512_load_ps(x_split + 32 * b + 16)));
-        acc[k] = _mm512_fmadd_ps(
-            sum, _mm512_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b])), acc[k]);
-      };
-      int64_t b = 0;
-      for (; b + 4 <= blocks; b += 4) {  // 64 bytes of codes: one cache line
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(codes + 16 * b) +
-                               cpu_kernels_impl::kPrefetchBytes;
+      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t g = 0; g < groups; ++g) {
+        const uintptr_t ahead =
+            reinterpret_cast<uintptr_t>(codes + 64 * g) + cpu_kernels_impl::kPrefetchBytes;
         if (ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
           __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
         }
-        block(b, 0);
-        block(b + 1, 1);
-        block(b + 2, 2);
-        block(b + 3, 3);
+        const __m512i dwords = _mm512_loadu_si512(codes + 64 * g);
+        const float* xg = x_t + 128 * g;
+        __m512 half[2] = {
+            _mm512_mul_ps(_mm512_permutexvar_ps(dwords, values), _mm512_load_ps(xg)),
+            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(dwords, 4), values),
+                          _mm512_load_ps(xg + 16))};
+        for (int j = 2; j < 8; ++j) {
+          half[j & 1] = _mm512_fmadd_ps(
+              _mm512_permutexvar_ps(_mm512_srl_epi32(dwords, _mm_cvtsi32_si128(4 * j)), values),
+              _mm512_load_ps(xg + 16 * j), half[j & 1]);
+        }
+        acc[g & 1] = _mm512_fmadd_ps(_mm512_add_ps(half[0], half[1]),
+                                     Mxfp4GroupScales(scales + 4 * g), acc[g & 1]);
       }
-      for (; b < blocks; ++b) block(b, static_cast<int>(b & 3));
-      const float sum = _mm512_reduce_add_ps(
-          _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+      for (int64_t b = 4 * groups; b < blocks; ++b) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
+        const __m512 sum = _mm512_fmadd_ps(
+            _mm512_permutexvar_ps(bytes, values), _mm512_load_ps(x_t + 32 * b),
+            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values),
+                          _mm512_load_ps(x_t + 32 * b + 16)));
+        acc[b & 1] = _mm512_fmadd_ps(
+            sum, _mm512_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b])), acc[b & 1]);
+      }
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
       p.c[r] = i == 0 ? sum : p.c[r] + sum;
     }
   }
