@@ -132,6 +132,10 @@ def test_errors_name_the_problem(small):
   trace, law = small
   with pytest.raises(ValueError, match="not sampled by ftjax.research.synthetic"):
     synthetic.next_step_probabilities(dataclasses.replace(trace, metadata={}))
+  head, tail = sweep.split_warmup(trace, 0.25)
+  with pytest.raises(ValueError, match="follows the first 102 steps of a generated trace"):
+    synthetic.next_step_probabilities(tail)
+  assert synthetic.next_step_probabilities(head, samples=64).shape == (102, 4, 8)
   with pytest.raises(ValueError, match="samples must be positive"):
     synthetic.next_step_probabilities(trace, samples=0)
   with pytest.raises(ValueError, match="probabilities must be"):

@@ -264,8 +264,9 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
   ``workers > 1`` runs the jobs in that many processes (spawned; each compiles its own plan
   programs); the rows come back in the same order as with one.
 
-  ``bound_samples > 0`` adds, for every trace of ``ftjax.research.synthetic`` (others have no
-  known law), the rows of ``ftjax.research.bound`` per size, after Belady's: ``online_bound``
+  ``bound_samples > 0`` adds, for every whole trace of ``ftjax.research.synthetic`` (others
+  have no known law; a generated trace file whose first steps were held out for a profile has
+  lost the steps its law depends on), the rows of ``ftjax.research.bound`` per size, after Belady's: ``online_bound``
   (the least expected miss rate of an online policy, no hardware) and ``prescient`` (the C
   likeliest experts at every step, rearranged for free, with each layer-step's misses split
   as the cost model likes best; not a policy), from that many samples of each step's law."""
@@ -321,7 +322,8 @@ def _with_bounds(rows, traces, fractions, hardware, shapes, samples, progress):
   """``rows`` with each synthetic trace's bound rows after its rows of each size."""
   extra: dict[tuple[str, float], list[SweepRow]] = {}
   for name, trace in traces.items():
-    if trace.metadata.get("source") != "ftjax.research.synthetic":
+    if (trace.metadata.get("source") != "ftjax.research.synthetic" or
+        "held_out_steps" in trace.metadata):  # no known law, or a generated trace's tail
       continue
     law = synthetic.next_step_probabilities(trace, samples=samples, progress=progress)
     for fraction in fractions:

@@ -301,6 +301,10 @@ def next_step_probabilities(trace: Trace, *, samples: int = 256, seed: int = 0,
     raise ValueError(f"samples must be positive, got {samples}")
   model = model_of(trace)
   meta = trace.metadata
+  if "held_out_steps" in meta:  # sweep.split_warmup's replayed part
+    raise ValueError(f"the trace is what follows the first {meta['held_out_steps']} steps of a "
+                     "generated trace, and the law of its steps depends on those: pass the "
+                     "whole trace")
   prefill = int(meta.get("prefill_steps", 0))
   router = _Router(model, seed=int(meta["seed"]), prefill_steps=prefill,
                    steps=trace.num_steps - prefill)
