@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import ftjax
-from ftjax.cache import POLICIES
 from ftjax.runtime import model as model_lib
 from ftjax.runtime import programs
 from ftjax.runtime.engine import prompt_bucket
@@ -58,9 +57,12 @@ def _reference_loop(engine, prompt, new):
   return out
 
 
-# Every policy with a third of the experts cached (where plans differ most); empty and full
-# caches for the two fill rules' representatives (q* and fill-all) only (CI time).
-_CASES = [(None, 0)] + [(p, "1/3") for p in POLICIES] + [
+# With a third of the experts cached (where plans differ most): a policy of each kind of state
+# the loop carries (recency, LRFU scores with the layer cycle, free-slot fills, a preloaded
+# cache); empty and full caches for the two fill rules' representatives (q* and fill-all).
+# The other policies differ only inside the plan function, the same in both loops (CI time).
+_CASES = [(None, 0)] + [(p, "1/3") for p in ("freetoken", "lru_fill", "freetoken_lrfu_cycle",
+                                            "freetoken_free", "static_hot")] + [
     (p, f) for p in ("freetoken", "lru_fill") for f in ("0", "1")]
 
 
