@@ -152,6 +152,7 @@ void DecodeMxfp4Avx2(const uint8_t* codes, const uint8_t* scales, int64_t n, flo
 // row kernels do.
 template <int kLocality>
 void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
+  if (p.rows <= 0) return;
   const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i nibble = _mm_set1_epi8(0x0f);
   auto widen = [](__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); };

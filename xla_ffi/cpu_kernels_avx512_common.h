@@ -190,6 +190,7 @@ inline __m512 Mxfp4GroupScales(const uint8_t* scales) {
 
 template <int kLocality>
 inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
+  if (p.rows <= 0) return;
   const __m512 values = _mm512_loadu_ps(cpu_kernels_impl::kE2M1Values);
   const __m512i even =
       _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);

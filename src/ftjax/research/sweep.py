@@ -266,10 +266,11 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
 
   ``bound_samples > 0`` adds, for every whole trace of ``ftjax.research.synthetic`` (others
   have no known law; a generated trace file whose first steps were held out for a profile has
-  lost the steps its law depends on), the rows of ``ftjax.research.bound`` per size, after Belady's: ``online_bound``
-  (the least expected miss rate of an online policy, no hardware) and ``prescient`` (the C
-  likeliest experts at every step, rearranged for free, with each layer-step's misses split
-  as the cost model likes best; not a policy), from that many samples of each step's law."""
+  lost the steps its law depends on), the rows of ``ftjax.research.bound`` per size, after
+  Belady's: ``online_bound`` (the least expected miss rate of an online policy, no hardware)
+  and ``prescient`` (the C likeliest experts at every step, rearranged for free, with each
+  layer-step's misses split as the cost model likes best; not a policy), from that many
+  samples of each step's law."""
   hot_profiles = hot_profiles or {}
   for p in policies:
     get_policy(p)  # validates the name
