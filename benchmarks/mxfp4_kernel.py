@@ -47,12 +47,13 @@ def main():
   from common import machine_info, write_results  # noqa: PLC0415
   from ftjax.kernels import ExpertVariant, expert_ffn, read_probe  # noqa: PLC0415
 
+  from ftjax.utils.quant import mxfp4_block_bytes, mxfp4_offsets  # noqa: PLC0415
+
   D = F = 2880
   layers, experts, top_k = 2, 32, 4
-  align = lambda n: -(-n // 64) * 64  # noqa: E731
-  scales_at = align(3 * F * D // 2)
-  biases_at = scales_at + align(3 * F * D // 32)
-  block = align(biases_at + 4 * (2 * F + D))
+  offsets = mxfp4_offsets(F, D)
+  scales_at, biases_at = offsets["scales"]["gate"], offsets["biases"]["gate"]
+  block = -(-mxfp4_block_bytes(F, D) // 64) * 64  # blocks padded to 64 bytes
   rng = np.random.default_rng(0)
   bank_np = rng.integers(0, 256, (layers, experts, block), dtype=np.uint8)
   bank_np[..., scales_at:scales_at + 3 * F * D // 32] = rng.integers(
