@@ -143,56 +143,124 @@ void DecodeMxfp4Avx2(const uint8_t* codes, const uint8_t* scales, int64_t n, flo
     }
   }
 }
-// One token (the decode GEMV), fused: activations deinterleaved once per call (the even inputs
-// of each block of 32, then the odd ones); per block, vpshufb maps the 16 low and the 16 high
-// nibbles to twice their E2M1 values as int8 (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12: exact), which
-// are widened to float32 and multiplied with the inputs; the block's sum is then scaled by half
-// its scale (a power of two: exact), as the dequantised weights' products summed in another
-// order, into two running sums. The codes kPrefetchBytes ahead are prefetched as the one-token
-// row kernels do.
+// One token (the decode GEMV), fused, with as few vector operations per weight as this ISA
+// allows (the loop is bound by them: the earlier form, vpshufb to twice the E2M1 values as int8,
+// widened and converted, ran ~42 per 64 weights; a vpermps lookup with a blend for the sign
+// ~52). Per group of 2 blocks (64 inputs, 32 code bytes, one block per 128-bit lane): the low
+// and high nibbles look up the high and the low bytes of their E2M1 values' bfloat16 bits
+// (4 vpshufb: bfloat16 holds E2M1 exactly; the sign is in the high byte); vpunpck{l,h}bw pairs
+// them into 4 vectors of 16 bfloat16 values, whose even words shifted left by 16 and odd words
+// masked are float32 (8 vectors), multiplied with a copy of the activations permuted to match
+// once per call: 29 operations per 64 weights. Each lane half's sum is multiplied by its
+// block's scale (a power of two: exact), the scales of a row's blocks converted 8 at a time
+// before its groups. Same products as the dequantised weights', summed in another order. An
+// odd last block takes the low lane, the high one reading codes and inputs of zero. The codes
+// kPrefetchBytes ahead are prefetched as the one-token row kernels do; inputs past
+// kMxfp4OneTokenChunk are taken in further chunks, each row's partial sums added.
 template <int kLocality>
 void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
   if (p.rows <= 0) return;
-  const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-  const __m128i nibble = _mm_set1_epi8(0x0f);
-  auto widen = [](__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); };
+  // bf16 bits of the E2M1 values: high bytes (sign in bit 7) and low bytes, in both lanes.
+  const __m256i high_bytes = _mm256_setr_epi8(
+      0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -128, -65, -65, -65, -64, -64, -64, -64,
+      0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -128, -65, -65, -65, -64, -64, -64, -64);
+  const __m256i low_bytes = _mm256_setr_epi8(
+      0, 0, -128, -64, 0, 0x40, -128, -64, 0, 0, -128, -64, 0, 0x40, -128, -64,
+      0, 0, -128, -64, 0, 0x40, -128, -64, 0, 0, -128, -64, 0, 0x40, -128, -64);
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  const __m256i top_half = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
   const uintptr_t prefetch_end =
       reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
-  alignas(32) float x_split[cpu_kernels_impl::kMxfp4OneTokenChunk];
-  for (int64_t i = 0; i < p.n; i += cpu_kernels_impl::kMxfp4OneTokenChunk) {
-    const int64_t rest = p.n - i;
-    const int64_t blocks = (rest < cpu_kernels_impl::kMxfp4OneTokenChunk
-                                ? rest : cpu_kernels_impl::kMxfp4OneTokenChunk) / 32;
-    cpu_kernels_impl::DeinterleaveMxfp4Loop(p.a[0] + i, blocks, x_split);
+  constexpr int64_t kChunk = cpu_kernels_impl::kMxfp4OneTokenChunk;
+  alignas(32) float x_p[kChunk + 64];
+  alignas(32) float scale_of[kChunk / 8];  // 8 per group of 2 blocks
+  const __m256 subnormal = _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000));
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  for (int64_t i = 0; i < p.n; i += kChunk) {
+    const int64_t blocks = (p.n - i < kChunk ? p.n - i : kChunk) / 32;
+    const int64_t groups = blocks / 2, last = blocks & 1;
+    const float* x = p.a[0] + i;
+    for (int64_t g = 0; g < groups + last; ++g) {
+      for (int m = 0; m < 4; ++m) {
+        for (int par = 0; par < 2; ++par) {
+          for (int l = 0; l < 2; ++l) {
+            for (int d = 0; d < 4; ++d) {
+              const int k = 2 * d + par;
+              const int w = (m & 1 ? 2 * (k + 8) : 2 * k) + (m >> 1);
+              x_p[64 * g + 8 * (2 * m + par) + 4 * l + d] =
+                  (g < groups || l == 0) ? x[64 * g + 32 * l + w] : 0.0f;
+            }
+          }
+        }
+      }
+    }
     for (int64_t r = 0; r < p.rows; ++r) {
       const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
       const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-      auto block = [&](int64_t b) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b));
-        const __m128i low = _mm_shuffle_epi8(twice, _mm_and_si128(bytes, nibble));
-        const __m128i high =
-            _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-        const float* x = x_split + 32 * b;
-        __m256 sum = _mm256_mul_ps(widen(low), _mm256_load_ps(x));
-        sum = _mm256_fmadd_ps(widen(_mm_srli_si128(low, 8)), _mm256_load_ps(x + 8), sum);
-        sum = _mm256_fmadd_ps(widen(high), _mm256_load_ps(x + 16), sum);
-        sum = _mm256_fmadd_ps(widen(_mm_srli_si128(high, 8)), _mm256_load_ps(x + 24), sum);
-        const __m256 half_scale =
-            _mm256_set1_ps(0.5f * cpu_kernels_impl::Mxfp4Scale(scales[b]));
-        acc[b & 1] = _mm256_fmadd_ps(sum, half_scale, acc[b & 1]);
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      // The unscaled sum of a group's products, its two blocks in the two lane halves.
+      auto group = [&](int64_t g, __m256i bytes) -> __m256 {
+        const float* xg = x_p + 64 * g;
+        const __m256i lo = _mm256_and_si256(bytes, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+        const __m256i words[4] = {
+            _mm256_unpacklo_epi8(_mm256_shuffle_epi8(low_bytes, lo),
+                                 _mm256_shuffle_epi8(high_bytes, lo)),
+            _mm256_unpackhi_epi8(_mm256_shuffle_epi8(low_bytes, lo),
+                                 _mm256_shuffle_epi8(high_bytes, lo)),
+            _mm256_unpacklo_epi8(_mm256_shuffle_epi8(low_bytes, hi),
+                                 _mm256_shuffle_epi8(high_bytes, hi)),
+            _mm256_unpackhi_epi8(_mm256_shuffle_epi8(low_bytes, hi),
+                                 _mm256_shuffle_epi8(high_bytes, hi))};
+        __m256 half[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int m = 0; m < 4; ++m) {
+          half[0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(words[m], 16)),
+                                    _mm256_load_ps(xg + 16 * m), half[0]);
+          half[1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(words[m], top_half)),
+                                    _mm256_load_ps(xg + 16 * m + 8), half[1]);
+        }
+        return _mm256_add_ps(half[0], half[1]);
       };
-      int64_t b = 0;
-      for (; b + 4 <= blocks; b += 4) {  // 64 bytes of codes: one cache line
+      // The group scales, 8 blocks at a time: E8M0 bytes to float32 (Mxfp4Scale), then each
+      // group's two spread over the lanes' halves.
+      for (int64_t q = 0; q < (blocks + 7) / 8; ++q) {
+        alignas(8) uint8_t e8[8] = {};
+        for (int64_t k = 0; k < 8 && 8 * q + k < blocks; ++k) e8[k] = scales[8 * q + k];
+        const __m256i e =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e8)));
+        const __m256 f = _mm256_blendv_ps(
+            _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), subnormal,
+            _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
+        for (int k = 0; k < 4; ++k) {
+          const __m256i pick = _mm256_add_epi32(spread, _mm256_set1_epi32(2 * k));
+          _mm256_store_ps(scale_of + 32 * q + 8 * k, _mm256_permutevar8x32_ps(f, pick));
+        }
+      }
+      auto add = [&](int64_t g, __m256i bytes, __m256& acc) {
+        acc = _mm256_fmadd_ps(group(g, bytes), _mm256_load_ps(scale_of + 8 * g), acc);
+      };
+      auto whole = [&](int64_t g) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * g));
+      };
+      int64_t g = 0;
+      for (; g + 2 <= groups; g += 2) {  // 64 bytes of codes: one cache line
         const uintptr_t ahead =
-            reinterpret_cast<uintptr_t>(codes + 16 * b) + cpu_kernels_impl::kPrefetchBytes;
+            reinterpret_cast<uintptr_t>(codes + 32 * g) + cpu_kernels_impl::kPrefetchBytes;
         if (ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
           __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
         }
-        for (int64_t k = 0; k < 4; ++k) block(b + k);
+        add(g, whole(g), acc0);
+        add(g + 1, whole(g + 1), acc1);
       }
-      for (; b < blocks; ++b) block(b);
-      const float sum = Sum256(_mm256_add_ps(acc[0], acc[1]));
+      if (g < groups) {
+        add(g, whole(g), acc0);
+        ++g;
+      }
+      if (last) {
+        add(g, _mm256_zextsi128_si256(
+                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * g))), acc1);
+      }
+      const float sum = Sum256(_mm256_add_ps(acc0, acc1));
       p.c[r] = i == 0 ? sum : p.c[r] + sum;
     }
   }

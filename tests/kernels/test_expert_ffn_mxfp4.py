@@ -58,7 +58,8 @@ CASES = {
   "decode_tokens_5_skips": Case(T=5, K=2, E=5, D=96, F=32, skip_fraction=0.2),
   "decode_two_chunks": Case(T=3, K=2, E=4, D=1056, F=32, pad=100),  # rows of > 1024 inputs
   "one_token_two_chunks": Case(T=1, K=2, E=3, D=4128, F=32),  # > 4096: the fused GEMV's chunks
-  # 5 and 3 blocks of 32 inputs: the fused GEMV's groups of 4 blocks, then single blocks
+  # 5 and 3 blocks of 32 inputs: the fused GEMVs' groups (4 blocks on AVX-512, then single
+  # blocks; 2 on AVX2, a pair of groups or one, then an odd last block)
   "one_token_groups_and_blocks": Case(T=1, K=2, E=3, D=160, F=96),
   # grouped prefill form (T > 8)
   "grouped_tokens_41": Case(T=41, K=3, E=8, D=64, F=96, L=2, layer=1, skip_fraction=0.1),
