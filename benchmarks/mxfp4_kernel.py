@@ -11,10 +11,16 @@ round, one after the other:
           4 experts per call (53 MB of codes, scales and biases), the 4 rotating over all 64
           (layer, expert) blocks so that nothing is served from the caches
 
-GB/s = bytes of the 4 blocks read / seconds per call. The ratio to the read probe is taken
-within each round; the summary reports medians over the rounds.
+  prefill ftjax.kernels.expert_ffn at T = --prefill_tokens (512), top-4 over the 32 experts of
+          layer 0 (the grouped form: ~64 routes an expert, the packed GEMM), and as its peer the
+          same call on a bf16 bank of the same shape (3 x 2880 x 2880 weights and the biases
+          an expert: what a bf16 checkpoint runs), alternating
 
-  python benchmarks/mxfp4_kernel.py [--rounds 9] [--isa avx2]
+GB/s = bytes of the 4 blocks read / seconds per call. The ratio to the read probe is taken
+within each round; the summary reports medians over the rounds. Prefill GFLOP/s = 2 x 3 x F x
+D x routes / seconds, its ratio the mxfp4 call's to the bf16 call's in the same round.
+
+  python benchmarks/mxfp4_kernel.py [--rounds 9] [--isa avx2] [--prefill_tokens 512]
 
 Writes ``results/mxfp4_kernel.json`` (``mxfp4_kernel_avx2.json`` with ``--isa avx2``: the
 kernels of that ISA, chosen with FTJAX_ISA before ftjax is imported), machine and ISA
@@ -37,12 +43,14 @@ def main():
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--calls", type=int, default=32, help="decode calls timed per round")
   parser.add_argument("--isa", default=None, help="FTJAX_ISA for this run (e.g. avx2)")
+  parser.add_argument("--prefill_tokens", type=int, default=512)
   args = parser.parse_args()
   if args.isa:
     os.environ["FTJAX_ISA"] = args.isa
 
   import jax  # noqa: PLC0415 (FTJAX_ISA must be set before ftjax loads its kernels)
   import jax.numpy as jnp  # noqa: PLC0415
+  import ml_dtypes  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   from common import machine_info, write_results  # noqa: PLC0415
   from ftjax.kernels import ExpertVariant, expert_ffn, read_probe  # noqa: PLC0415
@@ -76,6 +84,27 @@ def main():
     jax.block_until_ready(decode[l](x, ids))  # compiles
   call_bytes = top_k * block
 
+  # Prefill: layer 0's experts, mxfp4 and a bf16 bank of the same shape.
+  T = args.prefill_tokens
+  bf16_bank = jnp.asarray((rng.standard_normal((1, experts, 3 * F * D + 2 * F + D)) * 0.02)
+                          .astype(ml_dtypes.bfloat16))
+  x_t = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+  ids_t = jnp.asarray(np.argsort(rng.random((T, experts)), axis=1)[:, :top_k].astype(np.int32))
+  weights_t = jnp.full((T, top_k), 1.0 / top_k, jnp.float32)
+  prefill = {name: jax.jit(lambda x, b=b: expert_ffn(x, ids_t, weights_t, b, 0, ffn_dim=F,
+                                                       variant=variant))
+             for name, b in (("mxfp4", bank), ("bf16", bf16_bank))}
+  for f in prefill.values():
+    jax.block_until_ready(f(x_t))  # compiles
+  prefill_flops = 2 * 3 * F * D * T * top_k
+
+  def timed_prefill(name, calls=2):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = prefill[name](x_t)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls
+
   def timed_decode():
     start = time.perf_counter()
     out = None
@@ -95,19 +124,28 @@ def main():
     read = bank.nbytes / timed_read() / 1e9
     seconds = timed_decode()
     gbps = call_bytes / seconds / 1e9
+    order_names = ("mxfp4", "bf16") if r % 2 == 0 else ("bf16", "mxfp4")
+    prefill_s = {name: timed_prefill(name) for name in order_names}
+    gflops = {name: prefill_flops / sec / 1e9 for name, sec in prefill_s.items()}
     rounds.append({"read_GBps": read, "decode_ms": seconds * 1e3, "decode_GBps": gbps,
-                   "decode_over_read": gbps / read})
+                   "decode_over_read": gbps / read,
+                   "prefill_mxfp4_GFLOPs": gflops["mxfp4"], "prefill_bf16_GFLOPs": gflops["bf16"],
+                   "prefill_mxfp4_over_bf16": gflops["mxfp4"] / gflops["bf16"]})
     print(f"round {r + 1}/{args.rounds}: read {read:.1f} GB/s, decode {seconds * 1e3:.3f} ms "
-          f"= {gbps:.1f} GB/s ({gbps / read:.2f} of read)", flush=True)
+          f"= {gbps:.1f} GB/s ({gbps / read:.2f} of read); prefill T={T} mxfp4 "
+          f"{gflops['mxfp4']:.0f} GFLOP/s, bf16 {gflops['bf16']:.0f} "
+          f"({gflops['mxfp4'] / gflops['bf16']:.2f})", flush=True)
   med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
   info = machine_info()
   print(f"medians: read {med['read_GBps']:.1f} GB/s, decode {med['decode_GBps']:.1f} GB/s, "
-        f"{med['decode_over_read']:.2f} of read ({info['ftjax_kernels']['isa']} kernels)")
+        f"{med['decode_over_read']:.2f} of read; prefill mxfp4 {med['prefill_mxfp4_GFLOPs']:.0f} "
+        f"GFLOP/s, {med['prefill_mxfp4_over_bf16']:.2f} of bf16's "
+        f"({info['ftjax_kernels']['isa']} kernels)")
   name = "mxfp4_kernel" + (f"_{args.isa}" if args.isa else "")
   path = write_results(name, {
       "machine": info, "shape": {"D": D, "F": F, "top_k": top_k, "layers": layers,
                                  "experts": experts, "block_bytes": block,
-                                 "bank_bytes": int(bank.nbytes)},
+                                 "bank_bytes": int(bank.nbytes), "prefill_tokens": T},
       "variant": "gpt-oss clamped SwiGLU with biases", "calls_per_round": args.calls,
       "rounds": rounds, "medians": med})
   print(f"wrote {path}")

@@ -195,10 +195,14 @@ struct KernelTable {
   // product) 4 rows and up to 1024 inputs at a time into a buffer that stays in L1, then
   // multiplied by dot_f32_f32's code (AVX-512: vpermps on the nibbles; AVX2: two vpermps and a
   // blend; scalar: a table lookup). One token (AVX-512, AVX2): fused, the activations
-  // deinterleaved once (even inputs, odd inputs) and each row's codes looked up in registers
-  // (AVX-512: vpermps; AVX2: vpshufb to twice the E2M1 value as int8, block sums scaled by half
-  // the scale), reading the 4.25-bit weights once as one stream. Never null.
+  // permuted once and each row's codes looked up in registers (AVX-512: vpermps on the
+  // nibbles; AVX2: vpshufb to the bytes of the values' bfloat16 bits), block sums scaled, the
+  // 4.25-bit weights read once as one stream. Never null.
   DotMxfp4F32Fn dot_mxfp4_f32;
+  // out[i] = E2M1[code i] * scale[i / 32] for i < n (n a multiple of 32; codes and scales as a
+  // Mxfp4DotProblem's row): the dequantised weights, exact in float32; dot_mxfp4_f32's decode.
+  // The grouped expert FFN decodes rows with it for the packed GEMMs. Never null.
+  void (*decode_mxfp4)(const uint8_t* codes, const uint8_t* scales, int64_t n, float* out);
 };
 
 // The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read

@@ -647,6 +647,7 @@ const KernelTable kAvx2Table = {
     /*packed_dot_i8_f32=*/PackedDotI8F32Avx2,
     /*dot_i8_i8=*/nullptr,
     /*dot_mxfp4_f32=*/DotMxfp4F32Avx2,
+    /*decode_mxfp4=*/DecodeMxfp4Avx2,
 };
 
 }  // namespace

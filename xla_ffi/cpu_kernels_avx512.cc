@@ -39,6 +39,7 @@ const KernelTable kAvx512Table = {
     /*packed_dot_i8_f32=*/PackedDotI8F32Avx512,
     /*dot_i8_i8=*/nullptr,
     /*dot_mxfp4_f32=*/DotMxfp4F32Avx512,
+    /*decode_mxfp4=*/DecodeMxfp4Avx512,
 };
 
 }  // namespace

@@ -218,6 +218,7 @@ const KernelTable kAvx512Bf16Table = {
     /*packed_dot_i8_f32=*/PackedDotI8F32Avx512,
     /*dot_i8_i8=*/DotI8I8Avx512,
     /*dot_mxfp4_f32=*/DotMxfp4F32Avx512,
+    /*decode_mxfp4=*/DecodeMxfp4Avx512,
 };
 
 }  // namespace

@@ -173,6 +173,7 @@ const KernelTable kScalarTable = {
     /*packed_dot_i8_f32=*/nullptr,
     /*dot_i8_i8=*/nullptr,
     /*dot_mxfp4_f32=*/DotMxfp4F32,
+    /*decode_mxfp4=*/cpu_kernels_impl::DecodeMxfp4Loop,
 };
 
 }  // namespace

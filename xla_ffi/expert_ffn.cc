@@ -26,7 +26,9 @@
 // biases gate [F], up [F], down [D]: they always have biases (the gpt-oss variant). F and D are
 // multiples of 32, P of 64. KernelTable::dot_mxfp4_f32 decodes the codes times their scale
 // (exact in float32) and multiplies with float32 FMA: the result is that of the dequantised
-// weights to float32 rounding, and a decode call reads the 4.25-bit bytes once.
+// weights to float32 rounding, and a decode call reads the 4.25-bit bytes once. Experts that
+// take the packed GEMM (below) have each task's rows decoded to bf16 once (exact), then
+// multiplied with all their routes by the bf16 packed GEMM.
 //
 // Three layers, as STYLE.md section 6 asks:
 //   ExpertFfn        the kernel, no XLA types: plans the work and runs it on the workers with
@@ -373,12 +375,35 @@ struct WorkerScratch {
   float* up;           // [kTokenTile, kFfnChunk] (or transposed)
   float* down;         // [kTokenTile, kModelChunk] (or transposed)
   Bf16Bits* rounded;   // [kFfnChunk, kTokenTile], packed bf16 experts only
+  // Packed mxfp4 experts only: a task's weight rows decoded (DecodeMxfp4Rows), gate and up
+  // [2, kFfnChunk, D] or down [kModelChunk, F], and one row in float32 on the way.
+  Bf16Bits* decoded;
+  float* decoded_row;  // [max(D, F)]
 };
+
+// mxfp4 rows for the packed GEMMs: rows [row, row + rows) of part `part` (0 gate, 1 up, 2 down)
+// of an expert block, dequantised (KernelTable::decode_mxfp4) and stored as bf16 at out
+// [rows, n]: exact, an E2M1 value times a power of two having 2 significant bits. A task's rows
+// are decoded once and multiplied with all its routes by packed_dot_bf16_f32 (bf16 weights
+// widened against float32 activations: the float32 products of the dequantised weights).
+void DecodeMxfp4Rows(const KernelTable& kernels, const uint8_t* block, const ExpertFfnDims& dims,
+                     int part, int64_t row, int64_t rows, float* row_f32, Bf16Bits* out) {
+  const int64_t F = dims.ffn_dim, D = dims.model_dim;
+  const int64_t n = part == 2 ? F : D;
+  const uint8_t* codes = block + part * (F * D / 2) + row * (n / 2);
+  const uint8_t* scales =
+      block + Mxfp4ScalesOffset(F, D) + part * (F * D / kMxfp4Block) + row * (n / kMxfp4Block);
+  for (int64_t r = 0; r < rows; ++r) {
+    kernels.decode_mxfp4(codes + r * (n / 2), scales + r * (n / kMxfp4Block), n, row_f32);
+    kernels.round_to_bf16(row_f32, out + r * n, n);
+  }
+}
 
 // Where one active expert's activations live. Experts with more than
 // KernelTable::packed_min_tokens routes use the packed-activation GEMM when the ISA has it (AVX2,
 // AVX-512): x and h are stored packed (cpu_kernels.h) in groups of 16 routes; the others use the
-// dot-product kernels on rows of x and h.
+// dot-product kernels on rows of x and h. (mxfp4 experts: the packed GEMM of bf16 weights, on
+// rows decoded per task.)
 struct ExpertStorage {
   bool packed = false;
   int64_t groups = 0;         // ceil(routes / 16) when packed
@@ -399,7 +424,10 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   constexpr int64_t kGroupsPerTile = kTokenTile / kPackedGroup;
   constexpr bool kRound = std::is_same_v<ActivationT, Bf16Bits>;
   constexpr bool kQuantise = std::is_same_v<ActivationT, int8_t>;  // int8_activations
-  const auto packed_dot = PackedDotFor<WeightT, ActivationT>(kernels);
+  constexpr bool kMxfp4 = std::is_same_v<WeightT, uint8_t>;
+  // The packed GEMM's weights: the bank's, or mxfp4 rows decoded to bf16 (DecodeMxfp4Rows).
+  using PackedWeightT = std::conditional_t<kMxfp4, Bf16Bits, WeightT>;
+  const auto packed_dot = PackedDotFor<PackedWeightT, ActivationT>(kernels);
   const int num_workers = workers.num_workers();
 
   // The plan: storage of every expert's activations, all scratch sized up front and taken from
@@ -435,6 +463,12 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   const bool round_hidden = packed_x_size > 0 && kRound;
   const int64_t at_worker_rounded =
       plan.Add<Bf16Bits>(round_hidden ? num_workers * kTokenTile * kFfnChunk : 0);
+  const bool decode_rows = kMxfp4 && packed_x_size > 0;
+  const int64_t decoded_elements = std::max(2 * kFfnChunk * D, kModelChunk * F);
+  const int64_t at_worker_decoded =
+      plan.Add<Bf16Bits>(decode_rows ? num_workers * decoded_elements : 0);
+  const int64_t at_worker_decoded_row =
+      plan.Add<float>(decode_rows ? num_workers * std::max(D, F) : 0);
   unsigned char* buffer = Scratch(plan);
 
   const ActivationT* x_td;
@@ -481,6 +515,10 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     scratch[w].rounded = round_hidden
                              ? At<Bf16Bits>(buffer, at_worker_rounded) + w * kTokenTile * kFfnChunk
                              : nullptr;
+    scratch[w].decoded =
+        decode_rows ? At<Bf16Bits>(buffer, at_worker_decoded) + w * decoded_elements : nullptr;
+    scratch[w].decoded_row =
+        decode_rows ? At<float>(buffer, at_worker_decoded_row) + w * std::max(D, F) : nullptr;
   }
 
   // Phase 0 (packed experts only): pack each expert's x rows.
@@ -508,9 +546,18 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     const WeightT* block = bank_ep + groups.experts[i] * dims.block_size;
     const auto biases = act.biases ? BiasesOf(block, dims) : nullptr;  // gate [F], up [F]
     WorkerScratch& s = scratch[worker];
-    if (storage[i].packed) {  // float and int8 banks
-      const WeightT* gate_fd = block + f0 * D;
-      const WeightT* up_fd = block + F * D + f0 * D;
+    if (storage[i].packed) {
+      const PackedWeightT* gate_fd;
+      const PackedWeightT* up_fd;
+      if constexpr (kMxfp4) {
+        DecodeMxfp4Rows(kernels, block, dims, 0, f0, rows, s.decoded_row, s.decoded);
+        DecodeMxfp4Rows(kernels, block, dims, 1, f0, rows, s.decoded_row, s.decoded + rows * D);
+        gate_fd = s.decoded;
+        up_fd = s.decoded + rows * D;
+      } else {
+        gate_fd = block + f0 * D;
+        up_fd = block + F * D + f0 * D;
+      }
       const RowScales gate_scales = ScalesOf(block, dims, 0, f0);
       const RowScales up_scales = ScalesOf(block, dims, 1, f0);
       const ExpertStorage& e = storage[i];
@@ -588,8 +635,15 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
         const auto bias_d = BiasesOf(block, dims) + 2 * F + d0;
         for (int64_t d = 0; d < rows; ++d) down_bias[d] = WidenWeight(bias_d[d]);
       }
-      if (storage[i].packed) {  // float and int8 banks
-        const WeightT* down_df = block + 2 * F * D;
+      if (storage[i].packed) {
+        const PackedWeightT* down_df;  // rows d0 .. d0 + rows
+        if constexpr (kMxfp4) {
+          DecodeMxfp4Rows(kernels, block, dims, 2, d0, rows, scratch[worker].decoded_row,
+                          scratch[worker].decoded);
+          down_df = scratch[worker].decoded;
+        } else {
+          down_df = block + 2 * F * D + d0 * F;
+        }
         const RowScales down_scales = ScalesOf(block, dims, 2, d0);
         const ExpertStorage& e = storage[i];
         for (int64_t g0 = 0; g0 < e.groups; g0 += kGroupsPerTile) {
@@ -600,7 +654,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           const int64_t tokens = std::min(tile_groups * kPackedGroup, groups.offsets[i + 1] - r0);
           const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
           // Transposed: z_dt[d][t].
-          packed_dot({down_df + d0 * F, F, rows, h, tile_groups, half, F, z, kTokenTile});
+          packed_dot({down_df, F, rows, h, tile_groups, half, F, z, kTokenTile});
           down_scales.ApplyTransposed(rows, tokens, z, kTokenTile);
           for (int64_t j = 0; j < tokens; ++j) {
             const float weight = groups.route_weight[r0 + j];
@@ -667,7 +721,7 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
       RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_f32,
                                  workers, act, y_td);
     }
-  } else if constexpr (std::is_same_v<WeightT, uint8_t>) {  // mxfp4: never packed
+  } else if constexpr (std::is_same_v<WeightT, uint8_t>) {  // mxfp4
     RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_mxfp4_f32,
                                workers, act, y_td);
   } else {

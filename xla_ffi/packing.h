@@ -43,8 +43,6 @@ template <typename WeightT, typename ActivationT>
 auto PackedDotFor(const KernelTable& kernels) {
   if constexpr (std::is_same_v<ActivationT, int8_t>) {  // no packed int8 x int8 GEMM
     return static_cast<void (*)(const PackedDotProblem<WeightT, int8_t>&)>(nullptr);
-  } else if constexpr (std::is_same_v<WeightT, uint8_t>) {  // mxfp4: no packed GEMM
-    return static_cast<void (*)(const PackedDotProblem<uint8_t, ActivationT>&)>(nullptr);
   } else if constexpr (std::is_same_v<WeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>) {
     return kernels.packed_dot_bf16;
   } else if constexpr (std::is_same_v<WeightT, Bf16Bits>) {
