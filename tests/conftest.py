@@ -12,9 +12,17 @@ import gc
 import json
 import os
 
-import jax
-import numpy as np
-import pytest
+# CI time: the suite's programs are tiny, so compiling them is most of its time, and XLA's
+# backend at optimisation level 0 compiles them 20-30% faster (the same HLO, the same IEEE
+# arithmetic; only the generated code is slower, which tiny shapes do not feel). Set before
+# jax starts a backend; subprocesses inherit it. An XLA_FLAGS that names the level wins.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+      filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
