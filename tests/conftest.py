@@ -7,10 +7,13 @@ pyproject.toml puts this folder on the path).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import json
 import os
+import shutil
+import tempfile
 
 # CI time: the suite's programs are tiny, so compiling them is most of its time, and XLA's
 # backend at optimisation level 0 compiles them 20-30% faster (the same HLO, the same IEEE
@@ -19,6 +22,17 @@ import os
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(
       filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+
+# CI time: programs that recur (the same tiny model's in several modules after the per-module
+# cache clearing below, the embedded models' in every CLI subprocess) are compiled once per run,
+# in JAX's persistent compilation cache in a fresh folder for this run (removed at exit;
+# subprocesses inherit it). A JAX_COMPILATION_CACHE_DIR of one's own is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _compile_cache = tempfile.mkdtemp(prefix="ftjax-tests-xla-cache-")
+  atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _compile_cache
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

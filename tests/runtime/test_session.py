@@ -64,9 +64,11 @@ def _check_continuation(engine, session, ids, what):
   return got
 
 
+# Each way of taking anchors on one hybrid family (both families' recurrent layers are the
+# same code; their differences are test_hybrid_parity's), plus the attention-only family (CI
+# time).
 @pytest.mark.parametrize("name,mode,chunk", [
-    ("qwen3_next", "inside", 2048), ("qwen3_next", "split", 2048),
-    ("qwen3_5_moe_text", "inside", 2048), ("qwen3_5_moe_text", "split", 2048),
+    ("qwen3_next", "inside", 2048), ("qwen3_5_moe_text", "split", 2048),
     ("qwen3_moe", "inside", 2048),
     # Segments longer than the prefill chunk are read chunk by chunk, anchors in each.
     ("qwen3_next", "inside", 7), ("qwen3_moe", "inside", 7)])
