@@ -172,7 +172,7 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
   const uintptr_t prefetch_end =
       reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
   constexpr int64_t kChunk = cpu_kernels_impl::kMxfp4OneTokenChunk;
-  alignas(32) float x_p[kChunk + 64];
+  alignas(32) float x_p[kChunk];  // an odd last block's group ends at kChunk at most
   alignas(32) float scale_of[kChunk / 8];  // 8 per group of 2 blocks
   const __m256 subnormal = _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000));
   const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);

@@ -230,17 +230,7 @@ static inline void DecodeMxfp4Loop(const uint8_t* codes, const uint8_t* scales, 
   }
 }
 
-// The one-token mxfp4 GEMVs' activations, deinterleaved per block of 32 inputs: the 16 even
-// inputs, then the 16 odd ones (the low and the high nibbles' inputs), for `blocks` blocks.
-static inline void DeinterleaveMxfp4Loop(const float* x, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int j = 0; j < 16; ++j) {
-      out[32 * b + j] = x[32 * b + 2 * j];
-      out[32 * b + 16 + j] = x[32 * b + 2 * j + 1];
-    }
-  }
-}
-constexpr int64_t kMxfp4OneTokenChunk = 4096;  // inputs deinterleaved at a time (16 KiB)
+constexpr int64_t kMxfp4OneTokenChunk = 4096;  // one-token inputs permuted at a time (16 KiB)
 
 // KernelTable::dot_mxfp4_f32 on top of an ISA's float32 Ops and its decode
 // (Decode(codes, scales, n, out), as DecodeMxfp4Loop): kMxfp4Rows rows and kMxfp4Chunk inputs
