@@ -2,6 +2,7 @@
 
   python benchmarks/gpu_check.py                 # on the GPU machine, from the checkout root
   python benchmarks/gpu_check.py --dry_run       # here, on the CPU: every stage that can run
+                                                 # (1 layer, shorter rounds: ~2.5 min, 9 GB)
 
 On the lent machine (the device tool's ``run``, ``timeout_s`` about 590): the script writes its
 results after every stage and, when ``$OUT`` is set, copies them to ``$OUT/gpu/`` too, so they
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import gzip
 import json
 import os
@@ -66,6 +68,76 @@ GOAL_MODEL_RATIO = 1.2
 
 def log(msg: str) -> None:
   print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def memory_now() -> dict:
+  """This process's resident memory (GB): now (anonymous, file-backed) and its peak since the
+  last ``reset_peak`` (VmHWM: anonymous and file pages together)."""
+  out = {}
+  with open("/proc/self/status") as f:
+    for line in f:
+      key, _, value = line.partition(":")
+      if key in ("VmHWM", "RssAnon", "RssFile"):
+        out[{"VmHWM": "peak_rss_gb", "RssAnon": "anon_gb", "RssFile": "file_gb"}[key]] = round(
+            int(value.split()[0]) * 1024 / 1e9, 3)
+  return out
+
+
+def reset_peak() -> None:
+  """Starts a new VmHWM window (Linux: writing 5 to clear_refs resets the peak to the RSS now)."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+  except OSError:
+    pass  # the peak then covers the process so far
+
+
+def host_memory_plan(layers: int, dry_run: bool) -> dict:
+  """What the run expects to hold in host memory at its peak (GB), stage by stage, before it
+  starts. The pool is the Qwen3-30B-A3B-shaped bank (9.44 MB an expert, 128 a layer), mapped
+  from its FTW file and pre-faulted (file pages: the kernel can drop them, but they are counted).
+
+  * GPU: the pool, its pinned_host copy (the ``auto`` placement under XLA's pinned cap; the
+    ``mapped`` row registers the file's pages instead), dense weights, and jax/XLA itself. The
+    expert cache is in device memory.
+  * Dry run (CPU): device memory is host memory, so the largest cache (all experts) is host
+    memory too; the ``pinned_host`` row adds the pinned copy and its programs' temporaries,
+    about three pools (XLA:CPU widens the bfloat16 pool to float32 for its slices and hoists
+    that out of the decode loop: ``memory_analysis`` of the compiled decode program gives 3.6 GB
+    for a 1.2 GB pool; ``ftjax.runtime.programs.check_host_memory`` refuses such a program
+    with a clear error where it would not fit). The rows run one at a time: a dropped
+    engine's cache and pinned copy are freed before the next (tests/runtime/test_engine_memory.py).
+  """
+  from decode_e2e import qwen3_30b_shape  # noqa: PLC0415
+  c = qwen3_30b_shape(layers)
+  gb = 1e9
+  expert = c.expert_block_elems * 2
+  pool = layers * c.num_experts * expert / gb
+  dense = (2 * c.vocab_size * c.hidden_size * 2
+           + layers * 2 * (c.num_heads + c.num_kv_heads) * c.head_dim * c.hidden_size * 2) / gb
+  runtime = 3.0  # jax, XLA, compiled programs, the builtin check's engines
+  base = pool + dense + runtime
+  if dry_run:
+    slots = 1 << (layers * c.num_experts - 1).bit_length()  # the all-experts cache's bucket
+    at_37 = 1 << (int(0.37 * layers * c.num_experts) - 1).bit_length()
+    peaks = {"decode, all experts cached": base + slots * expert / gb,
+             "decode, pinned_host row": base + pool + at_37 * expert / gb + 3 * pool}
+  else:
+    peaks = {"decode (pinned_host pool)": base + pool}
+  total = _mem_total_gb()
+  peak = max(peaks.values())
+  return {"pool_gb": round(pool, 2), "dense_gb": round(dense, 2), "runtime_gb": runtime,
+          "peaks_gb": {k: round(v, 1) for k, v in peaks.items()},
+          "expected_peak_gb": round(peak, 1), "mem_total_gb": round(total, 1),
+          "fits": peak <= 0.8 * total}
+
+
+def _mem_total_gb() -> float:
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemTotal:"):
+        return int(line.split()[1]) * 1024 / 1e9
+  raise RuntimeError("no MemTotal in /proc/meminfo")
 
 
 class Run:
@@ -101,6 +173,7 @@ class Run:
       return None
     log(f"{name} ...")
     self.current = name
+    reset_peak()
     t0 = time.perf_counter()
     entry = {}
     try:
@@ -112,8 +185,12 @@ class Run:
       entry["traceback"] = traceback.format_exc()[-4000:]
       value, ok = None, False
     entry["seconds"] = round(time.perf_counter() - t0, 2)
+    entry["memory"] = memory_now()  # peak_rss_gb: this stage's peak
     self.results["stages"][name] = entry
-    log(f"{name}: {'ok' if ok else 'FAILED: ' + entry['error']} ({entry['seconds']} s)")
+    self.results["peak_rss_gb"] = max(self.results.get("peak_rss_gb", 0.0),
+                                      entry["memory"]["peak_rss_gb"])
+    log(f"{name}: {'ok' if ok else 'FAILED: ' + entry['error']} ({entry['seconds']} s, peak RSS "
+        f"{entry['memory']['peak_rss_gb']:.1f} GB)")
     self.write()
     return value
 
@@ -366,6 +443,7 @@ def decode(model, prof, args, run: Run) -> dict:
       rows[f"{policy}@{fraction}/{pool}"] = {"skipped": "time"}
       continue
     key = f"{policy}@{fraction}/{pool}"
+    engine = None
     try:
       engine = ftjax.Engine(model, cache_fraction=fraction, policy=policy,
                             profile=prof["path"], pool=pool, decode_chunk=16)
@@ -393,10 +471,13 @@ def decode(model, prof, args, run: Run) -> dict:
       rows[key]["measured_over_model"] = rows[key]["tok_s"] / rows[key]["model_tok_s"]
       log(f"  {key}: {rows[key]['tok_s']:.1f} tok/s (model {rows[key]['model_tok_s']:.1f}), "
           f"miss {rows[key]['miss_rate']:.2f}")
-      del engine
     except Exception as e:  # recorded per configuration
       rows[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
       log(f"  {key}: FAILED {rows[key]['error']}")
+    finally:
+      del engine  # its cache (and a pinned copy no other engine holds) goes before the next row
+      gc.collect()
+    rows[key]["memory_after"] = memory_now()  # the peak covers the stage so far
     run.results["decode_partial"] = rows
     run.write()
   goals = {}
@@ -434,6 +515,7 @@ def prefill(model, prof, args, run: Run) -> dict:
       if run.left_s() < 60:
         rows[key] = {"skipped": "time"}
         continue
+      engine = None
       try:
         engine = ftjax.Engine(model, cache_fraction=0.37, policy="freetoken",
                               profile=prof["path"], stream_prefill_tokens=stream,
@@ -445,11 +527,13 @@ def prefill(model, prof, args, run: Run) -> dict:
                      "streamed_layer_steps": st["streamed_layer_steps"], "bytes": st["bytes"],
                      "stream_ceiling_tok_s": tokens / (pool_bytes / (prof["b_p_gb_s"] * 1e9))}
         log(f"  {key}: {rows[key]['tok_s']:.0f} tok/s")
-        del engine
       except Exception as e:  # recorded per configuration
         rows[key] = {"error": f"{type(e).__name__}: {e}",
                      "traceback": traceback.format_exc()[-3000:]}
         log(f"  {key}: FAILED {rows[key]['error']}")
+      finally:
+        del engine
+        gc.collect()
   return rows
 
 
@@ -538,12 +622,17 @@ def main() -> None:
   parser.add_argument("--nobuild", action="store_true", help="use the installed ftjax as is")
   parser.add_argument("--dry_run", action="store_true",
                       help="CPU backend: run every stage that does not need CUDA")
-  parser.add_argument("--layers", type=int, default=8)
+  parser.add_argument("--layers", type=int, default=None,
+                      help="layers of the Qwen3-30B-A3B-shaped model (default 8 on the GPU, "
+                      "1 for --dry_run: see host_memory_plan)")
   parser.add_argument("--model_dir", default="/tmp/ftjax-gpu-check")
-  parser.add_argument("--tokens", type=int, default=48)
+  parser.add_argument("--tokens", type=int, default=None,
+                      help="decode tokens per round (default 48; 16 for --dry_run)")
   parser.add_argument("--prompt_tokens", type=int, default=32)
-  parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--profile_rounds", type=int, default=3)
+  parser.add_argument("--rounds", type=int, default=None,
+                      help="timed decode rounds (default 3; 1 for --dry_run)")
+  parser.add_argument("--profile_rounds", type=int, default=None,
+                      help="bandwidth profile rounds (default 3; 1 for --dry_run)")
   parser.add_argument("--budget_s", type=float, default=480.0)
   parser.add_argument("--build_rc", type=int, default=None)
   parser.add_argument("--build_s", type=float, default=None)
@@ -551,9 +640,23 @@ def main() -> None:
   if args.dry_run:  # a CPU run's numbers never mix with the GPU's
     global RESULTS
     RESULTS = os.path.join(RESULTS, "dry_run_cpu")
+  # The dry run exercises every stage on the CPU (its numbers say nothing about a GPU), sized
+  # to fit a 24 GiB development machine in about 2.5 minutes.
+  for name, gpu, dry in (("layers", 8, 1), ("tokens", 48, 16), ("rounds", 3, 1),
+                         ("profile_rounds", 3, 1)):
+    if getattr(args, name) is None:
+      setattr(args, name, dry if args.dry_run else gpu)
+  plan = host_memory_plan(args.layers, args.dry_run)
+  log(f"host memory expected at the peak: {plan['expected_peak_gb']:.1f} GB of "
+      f"{plan['mem_total_gb']:.0f} GB ({plan['peaks_gb']}; pool {plan['pool_gb']} GB)")
+  if not plan["fits"]:
+    sys.exit(f"gpu_check: {args.layers} layers would need about {plan['expected_peak_gb']:.0f} "
+             f"GB of host memory at the peak, over 80% of this machine's "
+             f"{plan['mem_total_gb']:.0f} GB: give fewer --layers")
   if not args.nobuild and not args.dry_run:
     build()  # re-executes
   run = Run(args)
+  run.results["host_memory_plan"] = plan
   if args.build_rc is not None:
     run.results["stages"]["build"] = {"rc": args.build_rc, "seconds": args.build_s,
                                       "log": "benchmarks/results/gpu/build.log"}

@@ -115,9 +115,10 @@ def pinned_cap_bytes() -> int:
   return int(float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * 2**30)
 
 
-# Per bank (by identity, while it lives): its host array and its pinned_host copy, made once,
-# so that the engines of one model (a sweep over policies and cache sizes) share one pinned
-# pool and one registration instead of a copy each.
+# Per bank (by identity, while it lives): its host array, and its pinned_host copy while an
+# engine holds it, so that the live engines of one model (a sweep over policies and cache
+# sizes) share one pinned pool instead of a copy each. The copy is held weakly: it is as large
+# as the pool, and it goes with the last engine that uses it, not with the model.
 _PLACED: dict[int, dict] = {}
 
 
@@ -138,10 +139,12 @@ def _host_array(bank) -> np.ndarray:
 
 def _pinned(bank) -> jax.Array:
   entry = _placed(bank)
-  if "pinned" not in entry:
+  pinned = entry["pinned"]() if "pinned" in entry else None
+  if pinned is None:
     sharding = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    entry["pinned"] = jax.device_put(bank, sharding)
-  return entry["pinned"]
+    pinned = jax.device_put(bank, sharding)
+    entry["pinned"] = weakref.ref(pinned)
+  return pinned
 
 
 def resolve_pool(requested: str, bank, kernels: str, *, caching: bool) -> Placement:

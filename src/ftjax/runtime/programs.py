@@ -161,10 +161,51 @@ class Programs:
         if fn is None:
           t0 = time.perf_counter()
           fn = program.lower(self.runner, *args, **static).compile()
+          check_host_memory(key, fn, self.runner)
           self._table[key] = fn
           if on_compile is not None:
             on_compile(time.perf_counter() - t0)
     return fn
+
+
+def available_host_bytes() -> int | None:
+  """The kernel's estimate of memory that new allocations can take without swapping or the
+  OOM killer (``MemAvailable``); None where /proc/meminfo does not say."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def check_host_memory(key: tuple, compiled, runner: Runner) -> None:
+  """On the CPU backend a program's buffers are host memory: refuses, with the cause and the
+  fix, a compiled program whose new buffers (temporaries and outputs that do not reuse a
+  donated input) exceed the memory available now, instead of letting the OOM killer end the
+  process half-way through it."""
+  if jax.default_backend() != "cpu":
+    return  # device memory: XLA's allocator reports its own out-of-memory error
+  available = available_host_bytes()
+  analysis = compiled.memory_analysis()
+  if available is None or analysis is None:
+    return
+  needed = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes)
+  if needed <= available:
+    return
+  if runner.offload.fill == "slices":
+    fix = ("The pool is in pinned_host memory, which on the CPU backend runs the GPU "
+           "program's semantics, not for speed: XLA:CPU widens the whole bfloat16 pool to "
+           "float32 for its slices. Use pool='device' (the CPU backend's default)")
+  else:
+    fix = "Lower max_seq_len, prefill_chunk or the cache size, or free memory"
+  raise MemoryError(
+      f"the compiled {key[0]} program needs {needed / 2**30:.1f} GiB of new buffers, but "
+      f"{available / 2**30:.1f} GiB of host memory is available: running it would get the "
+      f"process killed. {fix}")
 
 
 # Values are weak: a table goes when its last engine does.
