@@ -160,6 +160,19 @@ def test_top_p_keeps_the_smallest_nucleus():
   assert draws == {0}
 
 
+def test_top_k_keeps_the_k_most_probable():
+  logits = jnp.log(jnp.array([0.3, 0.25, 0.2, 0.15, 0.1], jnp.float32))
+  draw = jax.jit(sample)
+  for k, expect in ((2, {0, 1}), (3, {0, 1, 2}), (0, {0, 1, 2, 3, 4})):
+    top = Sampling.make(greedy=False, temperature=1.0, top_k=k, seed=0)
+    assert {int(draw(logits, top, jnp.int32(i))) for i in range(300)} == expect
+  # With top_p too, the smaller set wins: top_p 0.5 needs tokens 0 and 1; top_k 1 keeps 0.
+  both = Sampling.make(greedy=False, temperature=1.0, top_p=0.5, top_k=1, seed=0)
+  assert {int(draw(logits, both, jnp.int32(i))) for i in range(50)} == {0}
+  with pytest.raises(ValueError, match="top_k"):
+    Sampling.make(greedy=False, top_k=-1)
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_fresh_prefill_equals_attending_over_the_whole_cache(tiny_config, window):
   import dataclasses  # noqa: PLC0415

@@ -19,6 +19,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import anthropic
 import numpy as np
 import openai
 import optax
@@ -77,6 +78,8 @@ def served(request, tmp_path_factory):
                                        ServerConfig(model_name="agent")))
   client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
                          timeout=120)
+  client.anthropic = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0,
+                                         timeout=120)
   yield client
   server.stop()
 
@@ -120,3 +123,64 @@ def test_tool_choice_none_leaves_the_call_as_text(served):
   choice = out.choices[0]
   assert choice.finish_reason == "stop" and not choice.message.tool_calls
   assert choice.message.content.startswith('<tool_call>\n{"name": "get_weather"')
+
+
+def test_anthropic_tool_use_round_trip(served):
+  claude = served.anthropic
+  tools = [{"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}]
+  question = [{"role": "user", "content": QUESTION[1]["content"]}]
+  kwargs = dict(model="agent", max_tokens=40, system=QUESTION[0]["content"], tools=tools,
+                extra_body={"temperature": 0})
+  first = claude.messages.create(messages=question, **kwargs)
+  assert first.stop_reason == "tool_use"
+  (use,) = [b for b in first.content if b.type == "tool_use"]
+  assert use.name == "get_weather" and use.input == {"city": "Paris"}
+  assert all(b.type == "tool_use" or (b.type == "text" and not b.text) for b in first.content)
+
+  with claude.messages.stream(messages=question, **kwargs) as stream:  # the same, streamed
+    events = list(stream)
+    streamed = stream.get_final_message()
+  assert [b.type for b in streamed.content] == [b.type for b in first.content]
+  assert [b.input for b in streamed.content if b.type == "tool_use"] == [{"city": "Paris"}]
+  assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+             for e in events)
+  assert streamed.stop_reason == "tool_use"
+
+  # The result goes back as a tool_result block; the answer reuses the first turn's state.
+  turn = [*question, {"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                       for b in first.content]},
+          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                        "content": RESULT["content"]}]}]
+  second = claude.messages.create(messages=turn, **kwargs)
+  assert [b.type for b in second.content] == ["text"]
+  assert second.content[0].text == ANSWER["content"]
+  assert second.stop_reason == "end_turn"
+  assert second.usage.cache_read_input_tokens >= first.usage.input_tokens // 2
+
+
+def test_responses_function_call_round_trip(served):
+  client = served
+  tool = {"type": "function", **WEATHER["function"]}
+  kwargs = dict(model="agent", instructions=QUESTION[0]["content"], tools=[tool],
+                max_output_tokens=40, temperature=0)
+  first = client.responses.create(input=QUESTION[1]["content"], **kwargs)
+  (call,) = [item for item in first.output if item.type == "function_call"]
+  assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+  assert first.status == "completed" and not first.output_text
+
+  with client.responses.stream(input=QUESTION[1]["content"], **kwargs) as stream:
+    done = [e for e in stream if e.type == "response.function_call_arguments.done"]
+    streamed = stream.get_final_response()
+  assert [json.loads(e.arguments) for e in done] == [{"city": "Paris"}]
+  assert [i.type for i in streamed.output] == [i.type for i in first.output]
+
+  # Stateless: the client sends the call and its output back as items.
+  items = [{"role": "user", "content": QUESTION[1]["content"]},
+           *[item.model_dump(exclude_none=True) for item in first.output],
+           {"type": "function_call_output", "call_id": call.call_id,
+            "output": RESULT["content"]}]
+  second = client.responses.create(input=items, **kwargs)
+  assert second.output_text == ANSWER["content"]
+  assert [i.type for i in second.output] == ["message"]
+  assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 2

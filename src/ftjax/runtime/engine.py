@@ -746,16 +746,17 @@ class Engine:
     return state, loop, logits, now - t0, plan.full + 1
 
   def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
-               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+               temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
                stop_tokens: Sequence[int] = (), on_token: Callable[[int], None] | None = None
                ) -> list[int]:
     """New tokens after ``token_ids`` (a prefill program, then the decode loop)."""
     return self.generate_timed(token_ids, max_new_tokens, greedy, temperature=temperature,
-                               top_p=top_p, seed=seed, stop_tokens=stop_tokens,
+                               top_p=top_p, seed=seed, top_k=top_k, stop_tokens=stop_tokens,
                                on_token=on_token).tokens
 
   def generate_timed(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True,
                      *, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                     top_k: int = 0,
                      stop_tokens: Sequence[int] = (),
                      on_token: Callable[[int], None] | None = None,
                      on_progress: Callable[[int, int], None] | None = None) -> GenerateResult:
@@ -763,7 +764,8 @@ class Engine:
     apart), and the number of programs the request executed. ``on_progress(done, total)``
     is told of each prefill chunk as it completes (prompts longer than ``prefill_chunk``;
     ``done = 0`` when the first starts, after the compiles)."""
-    sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
+    sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
+                             top_k=top_k)
     if max_new_tokens < 0:
       raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     ids = np.asarray(token_ids, np.int32).reshape(-1)

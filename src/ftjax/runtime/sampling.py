@@ -1,4 +1,5 @@
-"""Next-token choice on the device: greedy, or temperature with nucleus (top-p), in JAX.
+"""Next-token choice on the device: greedy, or temperature with top-k and nucleus (top-p)
+filtering, in JAX.
 
 Runs inside the decode loop's program, so no logits row ever goes to the host. Sampling is
 deterministic for a seed: token ``i`` of a request draws with ``fold_in(key(seed), i)``,
@@ -13,33 +14,38 @@ import numpy as np
 from flax import struct
 
 
-def check_sampling_args(greedy: bool, temperature: float, top_p: float) -> None:
+def check_sampling_args(greedy: bool, temperature: float, top_p: float, top_k: int = 0) -> None:
   if not greedy and not temperature > 0:
     raise ValueError(f"--temperature must be > 0 when sampling (got {temperature}); "
                      "use --greedy for deterministic argmax decoding")
   if not 0 < top_p <= 1:
     raise ValueError(f"--top_p must be in (0, 1] (got {top_p})")
+  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+    raise ValueError(f"--top_k must be an int >= 0 (0: no top-k filter), got {top_k!r}")
 
 
 @struct.dataclass
 class Sampling:
-  """How a request picks tokens. ``greedy`` and whether top-p applies are static (they change
-  the program); the temperature, the top-p mass and the seed are data (no recompile). ``make``
-  builds it on the host (numpy leaves); the engine moves it to the device explicitly."""
+  """How a request picks tokens. ``greedy`` and whether a filter (top-p or top-k) applies are
+  static (they change the program); the temperature, the top-p mass, k and the seed are data
+  (no recompile). ``make`` builds it on the host (numpy leaves); the engine moves it to the
+  device explicitly."""
   temperature: jax.Array  # float32 []
   top_p: jax.Array  # float32 []
   seed: jax.Array  # uint32 []
+  top_k: jax.Array  # int32 []: keep the k most probable tokens (0: all)
   greedy: bool = struct.field(pytree_node=False, default=True)
-  nucleus: bool = struct.field(pytree_node=False, default=False)  # top_p < 1
+  nucleus: bool = struct.field(pytree_node=False, default=False)  # top_p < 1 or top_k > 0
 
   @classmethod
   def make(cls, *, greedy: bool, temperature: float = 1.0, top_p: float = 1.0,
-           seed: int = 0) -> "Sampling":
-    check_sampling_args(greedy, temperature, top_p)
+           seed: int = 0, top_k: int = 0) -> "Sampling":
+    check_sampling_args(greedy, temperature, top_p, top_k)
     if not 0 <= seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     return cls(temperature=np.float32(temperature), top_p=np.float32(top_p),
-               seed=np.uint32(seed), greedy=bool(greedy), nucleus=(not greedy) and top_p < 1.0)
+               seed=np.uint32(seed), top_k=np.int32(min(top_k, 2**31 - 1)), greedy=bool(greedy),
+               nucleus=(not greedy) and (top_p < 1.0 or top_k > 0))
 
 
 def sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
@@ -49,11 +55,14 @@ def sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array
     return jnp.argmax(logits).astype(jnp.int32)
   z = logits.astype(jnp.float32) / sampling.temperature
   if sampling.nucleus:
-    # Keep the smallest set of most probable tokens whose mass reaches top_p.
+    # Keep the smallest set of most probable tokens whose mass reaches top_p, and of those at
+    # most the top_k most probable (top_k 0: no limit).
     probs = jax.nn.softmax(z)
     order = jnp.argsort(-probs, stable=True)
     sorted_p = probs[order]
     keep_sorted = jnp.cumsum(sorted_p) - sorted_p < sampling.top_p
+    rank = jnp.arange(z.shape[-1], dtype=jnp.int32)
+    keep_sorted &= (sampling.top_k <= 0) | (rank < sampling.top_k)
     keep = jnp.zeros(z.shape, bool).at[order].set(keep_sorted)
     z = jnp.where(keep, z, -jnp.inf)
   key = jax.random.fold_in(jax.random.key(sampling.seed), index)

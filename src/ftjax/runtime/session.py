@@ -427,8 +427,8 @@ class Session:
     return result
 
   def generate(self, max_new_tokens: int, greedy: bool = True, *, temperature: float = 1.0,
-               top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
-               on_token: Callable[[int], None] | None = None,
+               top_p: float = 1.0, seed: int = 0, top_k: int = 0,
+               stop_tokens: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
                cancel: Callable[[], bool] | None = None) -> list[int]:
     """Continues the context by up to ``max_new_tokens`` tokens (sampled as
     ``Engine.generate`` samples them: the same tokens for the same seed) and returns them;
@@ -443,7 +443,8 @@ class Session:
       raise ValueError("the session has no context: call set_context(token_ids) first")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
       raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed)
+    sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
+                             top_k=top_k)
     user_stops = {int(t) for t in stop_tokens}
     if self._pending is not None:  # read the last generated token first
       self._set_context(self.tokens, turn=False)

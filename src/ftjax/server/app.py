@@ -38,10 +38,11 @@ from ftjax.runtime.chat_template import ChatTemplateError, load_chat_template
 from ftjax.runtime.engine import Engine
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
+from ftjax.server import anthropic, responses
 from ftjax.server.metrics import Metrics
 from ftjax.server.outputs import Delta, ReplyParser, StopMatcher, opens_thinking
 from ftjax.server.pool import SessionPool
-from ftjax.server.protocol import ApiError, ChatRequest, CompletionRequest
+from ftjax.server.protocol import ApiError, ChatRequest, ChatSpec, CompletionRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Outcome:
   decode_tok_s: float | None
   cancelled: bool = False  # the client went away before the reply was complete
   after_cancel: int = 0  # tokens generated after the client went away (at most one chunk)
+  stop_sequence: str | None = None  # the request's stop string that ended the reply
 
 
 class Worker:
@@ -217,7 +219,7 @@ class Worker:
       return Outcome(prompt_tokens=len(job.ids), completion_tokens=count,
                      cached_tokens=context.reused_tokens, finish_reason=finish, ttft_s=ttft,
                      decode_tok_s=rate, cancelled=job.cancelled.is_set(),
-                     after_cancel=after_cancel)
+                     after_cancel=after_cancel, stop_sequence=stops.matched)
     finally:
       self.pool.done(session)
 
@@ -292,21 +294,18 @@ class Server:
                      f"{self.config.model_name!r} (GET /v1/models)", param="model",
                      code="model_not_found")
 
-  def _limit(self, prompt_len: int, requested: int | None, param: str) -> int:
+  def _limit(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
+    """The completion limit: as requested (or the server's default), clipped to the room the
+    prompt leaves in the context (the reply then ends with ``length``, as llama-server does).
+    Only a prompt that does not fit on its own is refused."""
     window = self.engine.max_seq_len
-    if requested is None:
-      left = window - prompt_len
-      if left < 1:
-        raise ApiError(400, f"the prompt is {prompt_len} tokens, which leaves no room in this "
-                       f"model's context of {window} tokens: shorten it", param="messages",
-                       code="context_length_exceeded")
-      return min(self.config.default_max_tokens, left)
-    if prompt_len + requested > window:
-      raise ApiError(400, f"this model's context is {window} tokens, but the request needs "
-                     f"{prompt_len + requested} ({prompt_len} in the prompt, {requested} for the "
-                     f"completion): shorten the prompt or lower {param}", param=param,
+    left = window - prompt_len
+    if left < 1:
+      raise ApiError(400, f"the prompt is {prompt_len} tokens, which leaves no room in this "
+                     f"model's context of {window} tokens: shorten it, or serve a longer "
+                     "context (--max_seq_len)", param=prompt_param,
                      code="context_length_exceeded")
-    return requested
+    return min(self.config.default_max_tokens if requested is None else requested, left)
 
   def _sampling(self, req) -> dict[str, Any]:
     temperature = 1.0 if req.temperature is None else req.temperature
@@ -315,28 +314,41 @@ class Server:
     seed = req.seed % 2**32 if req.seed is not None else random.getrandbits(32)
     if temperature == 0:
       return {"greedy": True, "seed": seed}
-    return {"greedy": False, "temperature": temperature, "top_p": top_p, "seed": seed}
+    out = {"greedy": False, "temperature": temperature, "top_p": top_p, "seed": seed}
+    if getattr(req, "top_k", None):
+      out["top_k"] = req.top_k
+    return out
 
-  def chat_job(self, req: ChatRequest, loop, received: float) -> Job:
-    self._check_model(req.model)
-    messages = [m.for_template() for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+  def render(self, spec: ChatSpec, prompt_param: str = "messages") -> str:
+    """The prompt text of ``spec`` by the model's chat template (a 400 naming the problem)."""
     try:
-      prompt = self.template.render(messages, tools=tools, add_generation_prompt=True,
-                                    **(req.chat_template_kwargs or {}))
+      return self.template.render(spec.messages, tools=spec.tools, add_generation_prompt=True,
+                                  **spec.template_options)
     except ChatTemplateError as e:
       raise ApiError(400, f"the messages cannot be rendered with the model's chat template: {e}",
-                     param="messages") from None
+                     param=prompt_param) from None
     except TypeError as e:
-      raise ApiError(400, f"chat_template_kwargs are not valid template options: {e}",
-                     param="chat_template_kwargs") from None
+      raise ApiError(400, f"{sorted(spec.template_options)} are not valid template options: "
+                     f"{e}", param="chat_template_kwargs") from None
+
+  def spec_job(self, spec: ChatSpec, loop, received: float,
+               prompt_param: str = "messages") -> Job:
+    """The job of a chat request of any API."""
+    self._check_model(spec.model)
+    prompt = self.render(spec, prompt_param)
     ids = self.encoder.encode(prompt)
-    limit = self._limit(len(ids), req.limit, "max_completion_tokens"
-                        if req.max_completion_tokens is not None else "max_tokens")
-    return Job(ids=ids, max_tokens=limit, sampling=self._sampling(req), stops=req.stops,
-               stream=req.stream, chat=True, reasoning=opens_thinking(prompt),
-               tool_calls=bool(tools) and req.tool_choice != "none", loop=loop,
-               received=received)
+    limit = self._limit(len(ids), spec.max_tokens, prompt_param)
+    return Job(ids=ids, max_tokens=limit, sampling=self._sampling(spec), stops=spec.stops,
+               stream=spec.stream, chat=True, reasoning=opens_thinking(prompt),
+               tool_calls=spec.parse_tool_calls, loop=loop, received=received)
+
+  def chat_job(self, req: ChatRequest, loop, received: float) -> Job:
+    return self.spec_job(req.spec(), loop, received)
+
+  def count_tokens(self, spec: ChatSpec, prompt_param: str = "messages") -> int:
+    """The prompt tokens ``spec`` would be given (the generation prompt included)."""
+    self._check_model(spec.model)
+    return len(self.encoder.encode(self.render(spec, prompt_param)))
 
   def completion_job(self, req: CompletionRequest, loop, received: float) -> Job:
     self._check_model(req.model)
@@ -351,38 +363,43 @@ class Server:
       if bad:
         raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}",
                        param="prompt")
-    limit = self._limit(len(ids), req.limit, "max_tokens")
+    limit = self._limit(len(ids), req.limit, "prompt")
     return Job(ids=ids, max_tokens=limit, sampling=self._sampling(req), stops=req.stops,
                stream=req.stream, chat=False, reasoning=False, tool_calls=False, loop=loop,
                received=received)
 
   # -- Jobs to responses --------------------------------------------------------------------
 
-  async def _events(self, job: Job) -> AsyncIterator[tuple[str, Any]]:
+  async def events(self, job: Job, heartbeat_s: float | None = None
+                   ) -> AsyncIterator[tuple[str, Any]]:
+    """The job's events as the worker sends them, to ``done``, ``error`` or ``cancelled``;
+    with ``heartbeat_s``, a ``("ping", None)`` after each that long without one (a stream
+    waiting in the queue or in a long prefill stays visibly alive)."""
     while True:
-      kind, payload = await job.events.get()
+      if heartbeat_s is None:
+        kind, payload = await job.events.get()
+      else:
+        try:
+          kind, payload = await asyncio.wait_for(job.events.get(), heartbeat_s)
+        except asyncio.TimeoutError:
+          yield "ping", None
+          continue
       yield kind, payload
       if kind in ("done", "error", "cancelled"):
         return
 
-  async def run(self, job: Job, request: Request, endpoint: str) -> dict[str, Any]:
-    """Waits for the whole reply (a client that goes away cancels the job)."""
-    rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
-    content, reasoning, calls = [], [], []
+  async def collect(self, job: Job, request: Request, endpoint: str
+                    ) -> tuple[list[Delta], Outcome | None]:
+    """Runs ``job`` to its end: its deltas and outcome (None when the client went away, which
+    cancels the job). Raises the worker's exception if generation failed."""
+    deltas: list[Delta] = []
     outcome = None
-    events = self._events(job)
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
       self.worker.submit(job)  # last: the worker starts while this task waits
-      async for kind, payload in events:
+      async for kind, payload in self.events(job):
         if kind == "deltas":
-          for d in payload:
-            if d.kind == "content":
-              content.append(d.text)
-            elif d.kind == "reasoning":
-              reasoning.append(d.text)
-            else:
-              calls.append(d.call)
+          deltas += payload
         elif kind == "error":
           raise payload
         elif kind == "done":
@@ -390,9 +407,20 @@ class Server:
     finally:
       watcher.cancel()
       job.cancelled.set()  # a no-op when done; drops the job if this task was cancelled
+    if outcome is not None:
+      self.metrics.finished(endpoint, outcome)
+    return deltas, outcome
+
+  async def run(self, job: Job, request: Request, endpoint: str) -> dict[str, Any]:
+    """Waits for the whole reply in OpenAI's format (a client that goes away cancels the
+    job)."""
+    rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+    deltas, outcome = await self.collect(job, request, endpoint)
     if outcome is None:  # cancelled: the client is gone
       return {}
-    self.metrics.finished(endpoint, outcome)
+    content = [d.text for d in deltas if d.kind == "content"]
+    reasoning = [d.text for d in deltas if d.kind == "reasoning"]
+    calls = [d.call for d in deltas if d.kind == "tool_call"]
     base = {"id": rid, "created": int(time.time()), "model": self.config.model_name,
             "system_fingerprint": f"ftjax-{self.engine.kernels}", "usage": _usage(outcome)}
     text = "".join(content)
@@ -434,7 +462,7 @@ class Server:
     try:
       if job.chat:
         yield chunk({"role": "assistant", "content": ""})
-      async for kind, payload in self._events(job):
+      async for kind, payload in self.events(job):
         if kind == "deltas":
           for d in payload:
             if not job.chat:
@@ -458,6 +486,19 @@ class Server:
                     "choices": [], "usage": _usage(payload)}
             yield f"data: {json.dumps(body)}\n\n"
           yield "data: [DONE]\n\n"
+    finally:
+      watcher.cancel()
+      job.cancelled.set()  # a no-op when done; stops the job when the client went away
+
+
+  async def watched(self, job: Job, request: Request, chunks: AsyncIterator[str]
+                    ) -> AsyncIterator[str]:
+    """``chunks`` of a streamed reply, with the job cancelled as soon as its client goes away
+    (or the stream is closed)."""
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+      async for chunk in chunks:
+        yield chunk
     finally:
       watcher.cancel()
       job.cancelled.set()  # a no-op when done; stops the job when the client went away
@@ -532,7 +573,9 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
   @app.exception_handler(ApiError)
   async def api_error(request: Request, exc: ApiError):
     server.metrics.rejected(request.url.path, exc.status)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    body = (anthropic.error_body(exc) if request.url.path.startswith("/v1/messages")
+            else exc.body())  # each API's errors in its own shape
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
   @app.exception_handler(RequestValidationError)
   async def invalid(request: Request, exc: RequestValidationError):
@@ -543,8 +586,9 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
   async def http_error(request: Request, exc: StarletteHTTPException):
     if exc.status_code == 404:
       message = (f"no route {request.method} {request.url.path}: this server serves "
-                 "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health "
-                 "and GET /metrics")
+                 "POST /v1/chat/completions, POST /v1/completions, POST /v1/messages, "
+                 "POST /v1/messages/count_tokens, POST /v1/responses, GET /v1/models, "
+                 "GET /health and GET /metrics")
     elif exc.status_code == 405:
       message = f"{request.method} is not allowed on {request.url.path}"
     else:
@@ -557,6 +601,10 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
   async def unexpected(request: Request, exc: Exception):
     return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}: "
                                              f"{exc}"))
+
+  @app.api_route("/", methods=["GET", "HEAD"])
+  async def root():  # clients probe it (Claude Code sends HEAD /)
+    return {"status": "ok", "model": config.model_name}
 
   @app.get("/health")
   async def health():
@@ -589,8 +637,51 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
     job = server.completion_job(req, asyncio.get_running_loop(), received)
     return await _respond(server, job, request, "completions", req)
 
+  @app.post("/v1/messages")
+  async def messages(req: anthropic.MessagesRequest, request: Request):
+    received = time.perf_counter()
+    job = server.spec_job(anthropic.to_spec(req), asyncio.get_running_loop(), received)
+    rid = anthropic.message_id()
+    if req.stream:
+      server.worker.submit(job)  # a 429 is raised here, before the stream starts
+      chunks = anthropic.stream(server.events(job, heartbeat_s=PING_S), rid, config.model_name,
+                                len(job.ids), lambda o: server.metrics.finished("messages", o))
+      return _event_stream(server.watched(job, request, chunks))
+    deltas, outcome = await server.collect(job, request, "messages")
+    if outcome is None:  # cancelled: the client is gone
+      return JSONResponse({})
+    return JSONResponse(anthropic.message_body(rid, config.model_name, deltas, outcome))
+
+  @app.post("/v1/messages/count_tokens")
+  async def count_tokens(req: anthropic.CountTokensRequest):
+    return {"input_tokens": server.count_tokens(anthropic.to_spec(req))}
+
+  @app.post("/v1/responses")
+  async def create_response(req: responses.Request, request: Request):
+    received = time.perf_counter()
+    job = server.spec_job(responses.to_spec(req), asyncio.get_running_loop(), received,
+                          prompt_param="input")
+    rid = responses.response_id()
+    if req.stream:
+      server.worker.submit(job)  # a 429 is raised here, before the stream starts
+      chunks = responses.stream(server.events(job), rid, req, config.model_name,
+                                lambda o: server.metrics.finished("responses", o))
+      return _event_stream(server.watched(job, request, chunks))
+    deltas, outcome = await server.collect(job, request, "responses")
+    if outcome is None:  # cancelled: the client is gone
+      return JSONResponse({})
+    return JSONResponse(responses.response_body(rid, req, config.model_name, deltas, outcome))
+
   app.add_middleware(BodyLimit, limit=config.max_body_bytes)
   return app
+
+
+PING_S = 5.0  # a streamed Anthropic reply sends a ping after this long without an event
+
+
+def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+  return StreamingResponse(chunks, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})
 
 
 async def _respond(server: Server, job: Job, request: Request, endpoint: str, req):

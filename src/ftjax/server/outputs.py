@@ -66,6 +66,7 @@ class StopMatcher:
   def __init__(self, stops: Sequence[str] = ()):
     self.stops = [s for s in stops if s]
     self.stopped = False
+    self.matched: str | None = None  # the stop string that ended the text
     self._held = ""
 
   def push(self, text: str) -> str:
@@ -74,10 +75,11 @@ class StopMatcher:
     held = self._held + text
     if not self.stops:
       return held
-    hits = [i for i in (held.find(s) for s in self.stops) if i >= 0]
+    hits = [(i, s) for i, s in ((held.find(s), s) for s in self.stops) if i >= 0]
     if hits:
+      at, self.matched = min(hits, key=lambda hit: hit[0])
       self.stopped, self._held = True, ""
-      return held[:min(hits)]
+      return held[:at]
     keep = _partial_suffix(held, self.stops)
     self._held = held[len(held) - keep:] if keep else ""
     return held[:len(held) - keep]

@@ -8,6 +8,7 @@ honour (``n`` > 1, ``logprobs``, penalties, a JSON ``response_format``, a forced
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,39 +35,59 @@ class ApiError(Exception):
                       "param": self.param, "code": self.code}}
 
 
-class _Body(BaseModel):
+@dataclasses.dataclass
+class ChatSpec:
+  """What every chat API's request maps to (OpenAI chat completions, Anthropic Messages, OpenAI
+  Responses): the messages and tools as the chat template reads them (OpenAI's shapes), the
+  template's options, and how to generate. The server makes one job of it, whichever API."""
+  model: str
+  messages: list[dict[str, Any]]
+  tools: list[dict[str, Any]] | None = None
+  template_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  parse_tool_calls: bool = False  # turn <tool_call> blocks into calls (tools given, not "none")
+  max_tokens: int | None = None  # None: the server's default (clipped to the context left)
+  temperature: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  seed: int | None = None
+  stops: list[str] = dataclasses.field(default_factory=list)
+  stream: bool = False
+
+
+class Body(BaseModel):
+  """A request body: fields the server does not use are accepted and ignored."""
   model_config = ConfigDict(extra="ignore")
 
 
-class FunctionDef(_Body):
+class FunctionDef(Body):
   name: str = Field(min_length=1)
   description: str | None = None
   parameters: dict[str, Any] | None = None
   strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
   type: Literal["function"]
   function: FunctionDef
 
 
-class CalledFunction(_Body):
+class CalledFunction(Body):
   name: str
   arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCallIn(_Body):
+class ToolCallIn(Body):
   id: str | None = None
   type: Literal["function"] = "function"
   function: CalledFunction
 
 
-class TextPart(_Body):
+class TextPart(Body):
   type: Literal["text"]
   text: str
 
 
-class Message(_Body):
+class Message(Body):
   role: Literal["system", "developer", "user", "assistant", "tool"]
   content: str | list[TextPart] | None = None
   name: str | None = None
@@ -90,11 +111,11 @@ class Message(_Body):
     return out
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
   include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
   model: str = Field(min_length=1)
   temperature: float | None = Field(default=None, ge=0, le=2)
   top_p: float | None = Field(default=None, gt=0, le=1)
@@ -163,6 +184,14 @@ class ChatRequest(_Sampling):
   def limit(self) -> int | None:
     return self.max_completion_tokens if self.max_completion_tokens is not None \
         else self.max_tokens
+
+  def spec(self) -> ChatSpec:
+    tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+    return ChatSpec(model=self.model, messages=[m.for_template() for m in self.messages],
+                    tools=tools, template_options=dict(self.chat_template_kwargs or {}),
+                    parse_tool_calls=bool(tools) and self.tool_choice != "none",
+                    max_tokens=self.limit, temperature=self.temperature, top_p=self.top_p,
+                    seed=self.seed, stops=self.stops, stream=self.stream)
 
 
 class CompletionRequest(_Sampling):

@@ -1,0 +1,352 @@
+"""The OpenAI Responses API (``POST /v1/responses``) as a mapping onto the server's chat jobs.
+
+Stateless: the server keeps no responses, so ``previous_response_id`` is a 400 that says to
+send the whole conversation in ``input`` (what Codex does, with ``store: false``); ``store``
+is accepted and nothing is stored.
+
+Input items map to the chat template's messages: ``instructions`` is the system message;
+``message`` items (``input_text`` / ``output_text`` parts; ``developer`` is rendered as
+``system``) are messages; ``function_call`` items are the tool calls of the assistant message
+they follow (or of a new one); ``function_call_output`` items are tool messages; a
+``reasoning`` item's text is the ``reasoning_content`` of the assistant message after it.
+Images, files and references to stored items are refused with a 400 naming the item.
+
+The reply's deltas become output items in order: ``reasoning`` (``reasoning_text`` content),
+``message`` (one ``output_text`` part) and ``function_call`` (``call_id``, ``arguments`` as
+JSON text); streamed, as the events the ``openai`` SDK parses, each with its
+``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ftjax.server.outputs import Delta
+from ftjax.server.protocol import ApiError, Body, ChatSpec
+
+THINKING_OFF = ("none", "minimal")  # reasoning.effort values that switch thinking off
+
+
+class Request(Body):
+  model: str = Field(min_length=1)
+  input: str | list[dict[str, Any]]
+  instructions: str | None = None
+  tools: list[dict[str, Any]] | None = None
+  tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+  max_output_tokens: int | None = Field(default=None, ge=1)
+  temperature: float | None = Field(default=None, ge=0, le=2)
+  top_p: float | None = Field(default=None, gt=0, le=1)
+  parallel_tool_calls: bool | None = None
+  reasoning: dict[str, Any] | None = None
+  text: dict[str, Any] | None = None
+  stream: bool = False
+  store: bool | None = None
+  previous_response_id: str | None = None
+  conversation: Any = None
+  background: bool | None = None
+  top_logprobs: int | None = None
+  metadata: dict[str, Any] | None = None
+
+  @field_validator("tools")
+  @classmethod
+  def _function_tools(cls, v):
+    for i, tool in enumerate(v or []):
+      if tool.get("type") != "function":
+        raise ValueError(f"tools.{i}: tools of type {tool.get('type')!r} are not supported by "
+                         "this server: give function tools ({'type': 'function', 'name', "
+                         "'parameters'})")
+      if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise ValueError(f"tools.{i}: a function tool needs a 'name'")
+    return v
+
+  @model_validator(mode="after")
+  def _supported(self):
+    if self.previous_response_id is not None:
+      raise ValueError("previous_response_id is not supported: this server keeps no responses; "
+                       "send the whole conversation in 'input' (and store: false)")
+    if self.conversation is not None:
+      raise ValueError("conversation is not supported: this server keeps no conversations; "
+                       "send the whole conversation in 'input'")
+    if self.background:
+      raise ValueError("background responses are not supported by this server")
+    if self.top_logprobs:
+      raise ValueError("top_logprobs is not supported by this server: leave it out")
+    if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+      raise ValueError("tool_choice forcing a tool call is not supported: the chat template "
+                       "cannot force one; use 'auto' or 'none'")
+    fmt = ((self.text or {}).get("format") or {}).get("type", "text")
+    if fmt != "text":
+      raise ValueError(f"text.format {fmt!r} is not supported by this server: only 'text'")
+    effort = (self.reasoning or {}).get("effort")
+    if effort is not None and effort not in (*THINKING_OFF, "low", "medium", "high", "xhigh"):
+      raise ValueError(f"reasoning.effort must be none, minimal, low, medium, high or xhigh, "
+                       f"got {effort!r}")
+    return self
+
+
+def _parts_text(content, where: str, kinds: tuple[str, ...]) -> str:
+  if isinstance(content, str):
+    return content
+  if not isinstance(content, list):
+    raise ApiError(400, f"{where}: content must be a string or a list of parts", param=where)
+  texts = []
+  for i, part in enumerate(content):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in kinds and isinstance(part.get("text"), str):
+      texts.append(part["text"])
+    elif kind == "refusal" and isinstance(part.get("refusal"), str):
+      texts.append(part["refusal"])
+    elif kind in ("input_image", "input_file", "input_audio"):
+      raise ApiError(400, f"{where}.{i}: {kind} parts are not supported: this server's model "
+                     "reads text only", param=f"{where}.{i}")
+    else:
+      raise ApiError(400, f"{where}.{i}: expected a text part ({', '.join(kinds)}), got type "
+                     f"{kind!r}", param=f"{where}.{i}")
+  return "\n".join(texts)
+
+
+def _field(item: dict, name: str, where: str) -> str:
+  value = item.get(name)
+  if not isinstance(value, str):
+    raise ApiError(400, f"{where}: a {item.get('type')} item needs '{name}' (a string)",
+                   param=where)
+  return value
+
+
+def _messages(req: Request) -> list[dict[str, Any]]:
+  messages: list[dict[str, Any]] = []
+  if req.instructions:
+    messages.append({"role": "system", "content": req.instructions})
+  if isinstance(req.input, str):
+    messages.append({"role": "user", "content": req.input})
+    return messages
+  reasoning: list[str] = []  # for the next assistant message
+
+  def assistant() -> dict[str, Any]:
+    """The assistant message that takes the next tool call or text."""
+    if not (messages and messages[-1]["role"] == "assistant"):
+      messages.append({"role": "assistant", "content": ""})
+    if reasoning:
+      messages[-1]["reasoning_content"] = "\n".join(reasoning)
+      reasoning.clear()
+    return messages[-1]
+
+  for i, item in enumerate(req.input):
+    where = f"input.{i}"
+    if not isinstance(item, dict):
+      raise ApiError(400, f"{where}: an input item must be an object", param=where)
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+      role = item.get("role")
+      if role not in ("user", "system", "developer", "assistant"):
+        raise ApiError(400, f"{where}: role must be user, system, developer or assistant, got "
+                       f"{role!r}", param=f"{where}.role")
+      text = _parts_text(item.get("content"), f"{where}.content",
+                         ("input_text", "output_text", "text"))
+      if role == "assistant":
+        message = {"role": "assistant", "content": ""}
+        messages.append(message)
+        message = assistant()
+        message["content"] = text
+      else:
+        messages.append({"role": "system" if role == "developer" else role, "content": text})
+    elif kind == "function_call":
+      message = assistant()
+      message.setdefault("tool_calls", []).append({
+          "id": _field(item, "call_id", where), "type": "function",
+          "function": {"name": _field(item, "name", where),
+                       "arguments": _field(item, "arguments", where)}})
+    elif kind == "function_call_output":
+      output = item.get("output")
+      text = output if isinstance(output, str) else _parts_text(
+          output, f"{where}.output", ("input_text", "output_text", "text"))
+      messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
+                       "content": text})
+    elif kind == "reasoning":
+      parts = item.get("content") or item.get("summary") or []
+      reasoning.append(_parts_text(parts, f"{where}.content",
+                                   ("reasoning_text", "summary_text", "text")))
+    elif kind == "item_reference":
+      raise ApiError(400, f"{where}: item references are not supported: this server keeps no "
+                     "items; send the item itself", param=where)
+    else:
+      raise ApiError(400, f"{where}: input items of type {kind!r} are not supported: give "
+                     "message, function_call, function_call_output or reasoning items",
+                     param=where)
+  return messages
+
+
+def to_spec(req: Request) -> ChatSpec:
+  """The chat job's spec of a Responses request."""
+  tools = None
+  if req.tools:
+    tools = [{"type": "function", "function": {
+        k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}}
+        for t in req.tools]
+  options = {}
+  effort = (req.reasoning or {}).get("effort")
+  if effort is not None:
+    options["enable_thinking"] = effort not in THINKING_OFF
+  return ChatSpec(model=req.model, messages=_messages(req), tools=tools,
+                  template_options=options,
+                  parse_tool_calls=bool(tools) and req.tool_choice != "none",
+                  max_tokens=req.max_output_tokens, temperature=req.temperature,
+                  top_p=req.top_p, stream=req.stream)
+
+
+def response_id() -> str:
+  return "resp_" + uuid.uuid4().hex
+
+
+class Builder:
+  """A response's output items, built from the reply's deltas in order, and the response
+  object around them. ``push`` returns the streaming events each delta makes; ``finish`` the
+  closing ones."""
+
+  def __init__(self, rid: str, req: Request, model: str):
+    self.rid, self.req, self.model = rid, req, model
+    self.created = int(time.time())
+    self.items: list[dict[str, Any]] = []
+    self.open = False  # the last item is still receiving text
+    self.sequence = 0
+
+  def response(self, status: str, outcome=None) -> dict[str, Any]:
+    r = self.req
+    body = {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "error": None, "incomplete_details": None, "model": self.model,
+            "output": self.items if status != "in_progress" else [],
+            "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
+            "parallel_tool_calls": True if r.parallel_tool_calls is None
+            else r.parallel_tool_calls,
+            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "top_p": 1.0 if r.top_p is None else r.top_p,
+            "tool_choice": r.tool_choice or "auto", "tools": r.tools or [],
+            "reasoning": r.reasoning or {"effort": None, "summary": None},
+            "text": {"format": {"type": "text"}}, "store": False, "metadata": r.metadata or {},
+            "usage": None}
+    if outcome is not None:
+      if outcome.finish_reason == "length":
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+      body["usage"] = {"input_tokens": outcome.prompt_tokens,
+                       "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
+                       "output_tokens": outcome.completion_tokens,
+                       "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+    return body
+
+  def event(self, kind: str, **fields) -> str:
+    body = {"type": kind, "sequence_number": self.sequence, **fields}
+    self.sequence += 1
+    return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+  def _close(self) -> list[str]:
+    if not self.open:
+      return []
+    self.open = False
+    index, item = len(self.items) - 1, self.items[-1]
+    item["status"] = "completed"
+    out = []
+    if item["type"] == "message":
+      part = item["content"][0]
+      out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                            content_index=0, text=part["text"], logprobs=[]))
+      out.append(self.event("response.content_part.done", item_id=item["id"],
+                            output_index=index, content_index=0, part=part))
+    else:
+      out.append(self.event("response.reasoning_text.done", item_id=item["id"],
+                            output_index=index, content_index=0,
+                            text=item["content"][0]["text"]))
+    out.append(self.event("response.output_item.done", output_index=index, item=item))
+    return out
+
+  def push(self, d: Delta) -> list[str]:
+    out: list[str] = []
+    if d.kind == "tool_call":
+      out += self._close()
+      item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": d.call.id,
+              "name": d.call.name, "arguments": "", "status": "in_progress"}
+      self.items.append(item)
+      index = len(self.items) - 1
+      out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
+      out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=index, delta=d.call.arguments))
+      item["arguments"], item["status"] = d.call.arguments, "completed"
+      out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=index, name=d.call.name,
+                            arguments=d.call.arguments))
+      out.append(self.event("response.output_item.done", output_index=index, item=item))
+      return out
+    kind = "reasoning" if d.kind == "reasoning" else "message"
+    if not (self.open and self.items[-1]["type"] == kind):
+      out += self._close()
+      if kind == "message":
+        item = {"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
+                "role": "assistant", "content": []}
+      else:
+        item = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
+                "content": [], "status": "in_progress"}
+      self.items.append(item)
+      index = len(self.items) - 1
+      out.append(self.event("response.output_item.added", output_index=index,
+                            item=json.loads(json.dumps(item))))
+      if kind == "message":
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        out.append(self.event("response.content_part.added", item_id=item["id"],
+                              output_index=index, content_index=0, part=dict(part)))
+      else:
+        part = {"type": "reasoning_text", "text": ""}
+      item["content"].append(part)
+      self.open = True
+    index, item = len(self.items) - 1, self.items[-1]
+    item["content"][0]["text"] += d.text
+    name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+    extra = {"logprobs": []} if kind == "message" else {}
+    out.append(self.event(name, item_id=item["id"], output_index=index, content_index=0,
+                          delta=d.text, **extra))
+    return out
+
+  def finish(self) -> list[str]:
+    return self._close()
+
+
+def response_body(rid: str, req: Request, model: str, deltas: list[Delta], outcome
+                  ) -> dict[str, Any]:
+  builder = Builder(rid, req, model)
+  for d in deltas:
+    builder.push(d)
+  builder.finish()
+  return builder.response("incomplete" if outcome.finish_reason == "length" else "completed",
+                          outcome)
+
+
+async def stream(events: AsyncIterator[tuple[str, Any]], rid: str, req: Request, model: str,
+                 on_done) -> AsyncIterator[str]:
+  """The Responses API's server-sent events of a job's ``events``."""
+  builder = Builder(rid, req, model)
+  yield builder.event("response.created", response=builder.response("in_progress"))
+  yield builder.event("response.in_progress", response=builder.response("in_progress"))
+  async for kind, payload in events:
+    if kind == "deltas":
+      for d in payload:
+        for out in builder.push(d):
+          yield out
+    elif kind == "error":
+      for out in builder.finish():
+        yield out
+      body = builder.response("failed")
+      body["error"] = {"code": "server_error",
+                       "message": f"generation failed: {type(payload).__name__}: {payload}"}
+      yield builder.event("response.failed", response=body)
+      return
+    elif kind == "done":
+      for out in builder.finish():
+        yield out
+      on_done(payload)
+      # Always response.completed, its status "incomplete" where max_output_tokens cut the
+      # reply: the openai SDK's stream helper and Codex end a turn on that event only.
+      status = "incomplete" if payload.finish_reason == "length" else "completed"
+      yield builder.event("response.completed", response=builder.response(status, payload))
