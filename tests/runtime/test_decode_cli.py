@@ -46,7 +46,7 @@ def test_no_flags_runs_the_embedded_default_model(tmp_path):
 @pytest.mark.parametrize("flag, message", [
     ("--top_p=1.5", "top_p must be in (0, 1]"),
     ("--temperature=-1", "temperature must be > 0"),
-    ("--max_new_tokens=5000", "exceeds the context of 4096 tokens"),
+    ("--max_new_tokens=70000", "exceeds the context of 65536 tokens"),
     ("--model=/nonexistent/model", "does not exist"),
 ])
 def test_bad_flags_are_clear_errors(tmp_path, flag, message):

@@ -214,7 +214,7 @@ def _messages_bad(name):
       ("max_tokens 0", with_(max_tokens=0), 400),
       ("no messages", with_(messages=[]), 400),
       ("unknown model", with_(model="claude-opus"), 404),
-      ("bad role", with_(messages=[{"role": "system", "content": "x"}]), 400),
+      ("bad role", with_(messages=[{"role": "tool", "content": "x"}]), 400),
       ("image block", with_(messages=user({"type": "image", "source": {}})), 400),
       ("document block", with_(messages=user({"type": "document", "source": {}})), 400),
       ("unknown block", with_(messages=user({"type": "video"})), 400),
@@ -242,7 +242,7 @@ def _messages_bad(name):
       ("empty stop sequence", with_(stop_sequences=[""]), 400),
       ("structured output", with_(output_config={"format": {"type": "json_schema"}}), 400),
       ("system not text", with_(system=[{"type": "image"}]), 400),
-      ("prompt past the context", with_(messages=[{"role": "user", "content": "x " * 9000}]),
+      ("prompt past the context", with_(messages=[{"role": "user", "content": "x " * 70000}]),
        400),
   ]
 
@@ -281,13 +281,13 @@ def _responses_bad(name):
       ("item not an object", with_(input=["hi"]), 400),
       ("temperature 3", with_(temperature=3), 400),
       ("top_logprobs", with_(top_logprobs=2), 400),
-      ("prompt past the context", with_(input="x " * 9000), 400),
+      ("prompt past the context", with_(input="x " * 70000), 400),
   ]
 
 
 def test_bad_requests_answer_in_each_apis_error_shape(served):
   name, engine, server, oai, claude = served
-  assert engine.max_seq_len < 9000  # "x " * 9000 does not fit
+  assert engine.max_seq_len < 70000  # "x " * 70000 does not fit
   cases = [("/v1/messages", c) for c in _messages_bad(name)]
   cases += [("/v1/messages/count_tokens", ("count_tokens: image", {
       "model": name, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400))]

@@ -6,7 +6,8 @@ engine never know which API a job came from.
 
 Blocks map to the template's messages as follows:
 
-- ``system`` (a string or text blocks) is the first, system, message;
+- ``system`` (a string or text blocks) is the first, system, message; system messages among
+  the turns (Claude Code sends them) stay where they are;
 - a user message's ``text`` blocks are its content (joined by a newline); each ``tool_result``
   block becomes a tool message before it (``is_error`` results are prefixed ``Error: ``, as the
   template has no other way to say so); ``image`` and ``document`` blocks are refused (the
@@ -44,7 +45,8 @@ def error_body(error: ApiError) -> dict[str, Any]:
 
 
 class Message(Body):
-  role: Literal["user", "assistant"]
+  # Claude Code (2.1) also sends system messages between the turns (agent listings, reminders).
+  role: Literal["user", "assistant", "system"]
   content: str | list[dict[str, Any]]
 
 
@@ -210,7 +212,9 @@ def to_spec(req: CountTokensRequest) -> ChatSpec:
     messages.append({"role": "system", "content": system})
   for i, m in enumerate(req.messages):
     where = f"messages.{i}.content"
-    if isinstance(m.content, str):
+    if m.role == "system":
+      messages.append({"role": "system", "content": _text_of(m.content, where)})
+    elif isinstance(m.content, str):
       messages.append({"role": m.role, "content": m.content})
     elif m.role == "user":
       messages += _user_messages(m.content, where)

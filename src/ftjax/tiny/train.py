@@ -147,7 +147,7 @@ class TrainConfig:
         hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, num_experts=self.num_experts,
         top_k=self.top_k, moe_intermediate_size=self.moe_intermediate_size, rms_norm_eps=1e-6,
-        rope_theta=10000.0, max_position_embeddings=4096, layer_types=layer_types,
+        rope_theta=10000.0, max_position_embeddings=65536, layer_types=layer_types,
         qk_norm="per_head", norm_topk_prob=True,
         shared_expert_intermediate_size=self.shared_expert_size,
         shared_expert_gate=self.shared_expert_size > 0,
