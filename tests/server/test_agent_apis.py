@@ -159,9 +159,12 @@ def test_every_api_renders_the_conversation_as_chat_does(served):
   claude_reply = claude.messages.create(model=name, max_tokens=24, system=SYSTEM,
                                         messages=ANTHROPIC, tools=anthropic_tools,
                                         extra_body=GREEDY)
+  # Codex's shapes: the function inside a namespace, and a hosted tool nothing here runs.
   reply = oai.responses.create(model=name, instructions=SYSTEM, input=RESPONSES,
                                max_output_tokens=24, temperature=0,
-                               tools=[{"type": "function", **TOOL}])
+                               tools=[{"type": "namespace", "name": "files", "description": "",
+                                       "tools": [{"type": "function", **TOOL}]},
+                                      {"type": "web_search", "external_web_access": False}])
   assert reply.usage.input_tokens == prompt
   with_tools = oai.chat.completions.create(model=name, messages=CHAT, max_tokens=24,
                                            temperature=0, tools=tools)
@@ -264,7 +267,9 @@ def _responses_bad(name):
       ("background", with_(background=True), 400),
       ("tool_choice required", with_(tool_choice="required"), 400),
       ("tool_choice forced", with_(tool_choice={"type": "function", "name": "f"}), 400),
-      ("web_search tool", with_(tools=[{"type": "web_search"}]), 400),
+      ("unknown tool type", with_(tools=[{"type": "teleport"}]), 400),
+      ("namespace with a bad tool", with_(tools=[{"type": "namespace", "name": "n",
+                                                  "tools": [{"type": "function"}]}]), 400),
       ("function tool without name", with_(tools=[{"type": "function"}]), 400),
       ("json output", with_(text={"format": {"type": "json_object"}}), 400),
       ("unknown effort", with_(reasoning={"effort": "max"}), 400),

@@ -8,12 +8,17 @@ sessions held and their memory, anchors and their bytes.
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+_LOG = logging.getLogger("uvicorn.error")
 
 
 class _CacheTotals(Collector):
@@ -67,6 +72,11 @@ class Metrics:
     r.register(_CacheTotals(engine))
 
   def finished(self, endpoint: str, outcome) -> None:
+    # One line a request at --log_level=info (uvicorn's logger, so it goes where uvicorn's
+    # access lines go); benchmarks/agent_clients.py reads TTFT and reuse from it.
+    _LOG.info("ftjax request: endpoint=%s prompt=%d reused=%d generated=%d ttft_s=%.3f "
+              "finish=%s", endpoint, outcome.prompt_tokens, outcome.cached_tokens,
+              outcome.completion_tokens, outcome.ttft_s, outcome.finish_reason)
     self.requests.labels(endpoint, "200").inc()
     self.prompt_tokens.inc(outcome.prompt_tokens)
     self.completion_tokens.inc(outcome.completion_tokens)
@@ -76,6 +86,7 @@ class Metrics:
       self.rate.labels(endpoint).observe(outcome.decode_tok_s)
 
   def rejected(self, path: str, status: int) -> None:
-    endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path,
-                                                                                      "other")
+    endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
+                "/v1/responses": "responses"}.get(path, "other")
     self.requests.labels(endpoint, str(status)).inc()

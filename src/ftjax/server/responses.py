@@ -11,6 +11,11 @@ they follow (or of a new one); ``function_call_output`` items are tool messages;
 ``reasoning`` item's text is the ``reasoning_content`` of the assistant message after it.
 Images, files and references to stored items are refused with a 400 naming the item.
 
+Tools: ``function`` tools, and the functions inside ``namespace`` tools under their own names,
+are offered to the model; hosted tools (``web_search``, ``file_search``, ... : ``HOSTED_TOOLS``)
+are not, since nothing here runs them, and the request is served without them (Codex sends
+``web_search`` with every request). Any other tool type is a 400.
+
 The reply's deltas become output items in order: ``reasoning`` (``reasoning_text`` content),
 ``message`` (one ``output_text`` part) and ``function_call`` (``call_id``, ``arguments`` as
 JSON text); streamed, as the events the ``openai`` SDK parses, each with its
@@ -30,6 +35,37 @@ from ftjax.server.outputs import Delta
 from ftjax.server.protocol import ApiError, Body, ChatSpec
 
 THINKING_OFF = ("none", "minimal")  # reasoning.effort values that switch thinking off
+# Tools that OpenAI's servers run themselves (or, for custom and local_shell, that take
+# free-form input the chat template has no syntax for): not offered to the model here. Codex
+# sends web_search with every request, so refusing them would refuse Codex.
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter",
+                "image_generation", "computer_use_preview", "mcp", "local_shell", "custom")
+
+
+def function_tools(tools: list[dict[str, Any]], where: str = "tools"
+                   ) -> tuple[list[dict[str, Any]], list[str]]:
+  """The function tools the model is offered, in the chat template's shape, and the types of
+  the hosted tools left out. A ``namespace`` tool's functions are offered under their own
+  names (Codex groups its sub-agent tools so). Raises ValueError for a tool it cannot read."""
+  out, skipped = [], []
+  for i, tool in enumerate(tools):
+    at = f"{where}.{i}"
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind == "function":
+      if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise ValueError(f"{at}: a function tool needs a 'name'")
+      out.append({"type": "function", "function": {
+          k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}})
+    elif kind == "namespace":
+      inner, more = function_tools(tool.get("tools") or [], f"{at}.tools")
+      out += inner
+      skipped += more
+    elif kind in HOSTED_TOOLS:
+      skipped.append(kind)
+    else:
+      raise ValueError(f"{at}: tools of type {kind!r} are not supported by this server: give "
+                       "function tools ({'type': 'function', 'name', 'parameters'})")
+  return out, skipped
 
 
 class Request(Body):
@@ -55,13 +91,7 @@ class Request(Body):
   @field_validator("tools")
   @classmethod
   def _function_tools(cls, v):
-    for i, tool in enumerate(v or []):
-      if tool.get("type") != "function":
-        raise ValueError(f"tools.{i}: tools of type {tool.get('type')!r} are not supported by "
-                         "this server: give function tools ({'type': 'function', 'name', "
-                         "'parameters'})")
-      if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise ValueError(f"tools.{i}: a function tool needs a 'name'")
+    function_tools(v or [])  # raises ValueError naming the tool
     return v
 
   @model_validator(mode="after")
@@ -183,11 +213,7 @@ def _messages(req: Request) -> list[dict[str, Any]]:
 
 def to_spec(req: Request) -> ChatSpec:
   """The chat job's spec of a Responses request."""
-  tools = None
-  if req.tools:
-    tools = [{"type": "function", "function": {
-        k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}}
-        for t in req.tools]
+  tools = function_tools(req.tools or [])[0] or None
   options = {}
   effort = (req.reasoning or {}).get("effort")
   if effort is not None:

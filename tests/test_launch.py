@@ -1,0 +1,101 @@
+"""``python -m ftjax.launch``: the clients' configurations, the error for a client that is not
+installed, and a real launch: the server started, a client process pointed at it (here a
+Python program using the ``anthropic`` SDK as Claude Code would, from the environment the
+launcher gives it), and the server stopped when the client exits. The three agent CLIs
+themselves are run by benchmarks/agent_clients.py (they are installed from npm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tomllib
+
+from ftjax.launch import client_env, parse
+
+URL = "http://127.0.0.1:8123"
+
+
+def test_codex_gets_a_responses_provider_in_its_own_home(tmp_path):
+  env = client_env("codex", URL, "default-hybrid", 65536, str(tmp_path))
+  assert env == {"CODEX_HOME": str(tmp_path / "codex")}
+  with open(tmp_path / "codex" / "config.toml", "rb") as f:
+    config = tomllib.load(f)
+  assert config["model"] == "default-hybrid" and config["model_provider"] == "ftjax"
+  assert config["model_context_window"] == 65536
+  assert config["model_providers"]["ftjax"] == {"name": "ftjax", "base_url": URL + "/v1",
+                                                "wire_api": "responses"}
+
+
+def test_opencode_gets_a_provider_with_the_context_limit(tmp_path):
+  env = client_env("opencode", URL, "m", 4096, str(tmp_path))
+  with open(env["OPENCODE_CONFIG"]) as f:
+    config = json.load(f)
+  assert os.path.dirname(env["OPENCODE_CONFIG"]) == str(tmp_path)
+  provider = config["provider"]["ftjax"]
+  assert provider["options"]["baseURL"] == URL + "/v1"
+  assert provider["models"]["m"]["limit"] == {"context": 4096, "output": 2048}
+  assert config["model"] == "ftjax/m"
+
+
+def test_claude_gets_environment_variables_only(tmp_path):
+  env = client_env("claude", URL, "m", 4096, str(tmp_path))
+  assert env["ANTHROPIC_BASE_URL"] == URL and env["ANTHROPIC_MODEL"] == "m"
+  assert all(env[f"ANTHROPIC_DEFAULT_{a}_MODEL"] == "m" for a in ("OPUS", "SONNET", "HAIKU"))
+  assert env["CLAUDE_CONFIG_DIR"].startswith(str(tmp_path))
+  assert os.listdir(tmp_path) == ["claude"] and not os.listdir(tmp_path / "claude")
+
+
+def test_flags_split_between_launcher_server_and_client():
+  args, serve, client = parse(["codex", "--model=default", "--client_bin=/x/codex",
+                               "--max_seq_len=8192", "--", "exec", "--json", "hi"])
+  assert args.client == "codex" and args.client_bin == "/x/codex" and args.url is None
+  assert serve == ["--model=default", "--max_seq_len=8192"]
+  assert client == ["exec", "--json", "hi"]
+
+
+def _launch(*argv, env=None, timeout=300):
+  return subprocess.run([sys.executable, "-m", "ftjax.launch", *argv], capture_output=True,
+                        text=True, timeout=timeout, env=env, check=False)
+
+
+def test_a_client_that_is_not_installed_says_how_to_install_it(tmp_path):
+  env = {**os.environ, "PATH": str(tmp_path)}  # no client on it
+  for name, package in (("claude", "@anthropic-ai/claude-code"), ("codex", "@openai/codex"),
+                        ("opencode", "opencode-ai")):
+    done = _launch(name, env=env)
+    assert done.returncode == 2
+    assert f"npm install -g {package}" in done.stderr, done.stderr
+
+
+CLIENT = r'''
+import os, sys, anthropic
+client = anthropic.Anthropic(base_url=os.environ["ANTHROPIC_BASE_URL"],
+                             auth_token=os.environ["ANTHROPIC_AUTH_TOKEN"], api_key=None)
+reply = client.messages.create(model=os.environ["ANTHROPIC_MODEL"], max_tokens=4,
+                               messages=[{"role": "user", "content": sys.argv[1]}])
+print("REPLY", reply.usage.output_tokens, os.environ["ANTHROPIC_BASE_URL"], flush=True)
+sys.exit(int(sys.argv[2]))
+'''
+
+
+def test_launch_runs_the_client_against_a_server_it_starts_and_stops(tmp_path):
+  client = tmp_path / "client"
+  client.write_text(f"#!{sys.executable}\n{CLIENT}")
+  client.chmod(0o755)
+  log = tmp_path / "server.log"
+  done = _launch("claude", f"--client_bin={client}", "--model=default", "--max_seq_len=512",
+                 f"--server_log={log}", "--log_level=info", "--", "def f():", "3")
+  assert done.returncode == 3, done.stdout + done.stderr  # the client's own status
+  (line,) = [x for x in done.stdout.splitlines() if x.startswith("REPLY")]
+  _, tokens, url = line.split()
+  assert tokens == "4"
+  assert "512-token context" in done.stdout
+  text = log.read_text()
+  assert "ftjax request: endpoint=messages" in text
+  assert '"POST /v1/messages HTTP/1.1" 200' in text  # uvicorn's access line, from its stdout
+  host, port = url.removeprefix("http://").split(":")
+  with socket.socket() as s:  # the server went with the client
+    assert s.connect_ex((host, int(port))) != 0
