@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import time
 
 import anthropic
 import openai
@@ -351,3 +353,44 @@ def test_max_tokens_past_the_context_is_clipped():
     assert reply.status == "incomplete" and reply.usage.output_tokens == room
   finally:
     server.stop()
+
+
+def _stream_then_hang_up(server, path: str, body: dict, events: int = 3) -> None:
+  """Sends a streamed request on a raw socket, reads a few events, and closes the socket."""
+  sock = socket.create_connection((server.host, server.port), timeout=60)
+  data = json.dumps(body).encode()
+  sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+  got = b""
+  while got.count(b"data: ") < events:
+    got += sock.recv(65536)
+  sock.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_a_closed_stream_stops_within_a_chunk_and_keeps_its_context(served, path):
+  """Every API: a client that closes its stream stops the generation after the decode chunk in
+  progress, and the session keeps what was computed (the next turn reuses it)."""
+  name, engine, server, oai, _ = served
+  if name != MODELS[0]:
+    pytest.skip("server logic: one model is enough (CI time)")
+  prompt = [{"role": "user", "content": QUESTION + " # cancelled " + path}]
+  body = {"model": name, "stream": True, "temperature": 0, "messages": prompt}
+  if path == "/v1/responses":
+    body = {"model": name, "stream": True, "temperature": 0, "input": prompt,
+            "max_output_tokens": 3000}
+  else:
+    body["max_tokens"] = 3000
+  worker = server.app.state.server.worker
+  worker.last_outcome = None
+  _stream_then_hang_up(server, path, body)
+  deadline = time.monotonic() + 120
+  while worker.last_outcome is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+  outcome = worker.last_outcome
+  assert outcome is not None and outcome.cancelled, outcome
+  assert outcome.completion_tokens < 3000
+  assert outcome.after_cancel <= engine.options.decode_chunk, outcome
+  # The next request of the same conversation reuses the prompt and what was generated.
+  again = oai.chat.completions.create(model=name, messages=prompt, max_tokens=1, temperature=0)
+  assert again.usage.prompt_tokens_details.cached_tokens >= outcome.prompt_tokens - 1
