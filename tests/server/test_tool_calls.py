@@ -68,10 +68,9 @@ def fine_tuned(name: str, out_dir: str, steps: int = 50) -> str:
   return out_dir
 
 
-# The default model only: tool-call parsing, streaming and the second turn are server logic;
-# the hybrid's serving (state reuse across turns included) is test_server.py's (CI time: the
-# fine-tuning is most of this test).
-@pytest.fixture(scope="module", params=("default",))
+# Both embedded models: the tool round trip through every API (the hybrid's second turn resumes
+# its recurrent state from an anchor).
+@pytest.fixture(scope="module", params=("default", "default-hybrid"))
 def served(request, tmp_path_factory):
   path = fine_tuned(request.param, str(tmp_path_factory.mktemp("tools") / request.param))
   server = BackgroundServer(create_app(ftjax.Engine(ftjax.load(path)),
