@@ -160,6 +160,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  print(f"compilation cache: {cli_flags.start_compilation_cache(_ENGINE)}", file=sys.stderr,
+        flush=True)
   try:
     engine = cli_flags.build_engine(_ENGINE)
     model = engine.model

@@ -11,6 +11,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from ftjax.cache import POLICIES
+from ftjax.runtime import compile_cache
 from ftjax.runtime.engine import Engine
 from ftjax.runtime.model import load
 
@@ -21,7 +22,7 @@ MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted onc
 
 def define_engine_flags() -> dict[str, flags.FlagHolder]:
   """--model, --max_seq_len, --kernels, --decode_chunk, the expert-cache flags, --pool,
-  --prefill_chunk, --kv_dtype and --devices."""
+  --prefill_chunk, --kv_dtype, --devices and --compilation_cache."""
   return {
       "model": flags.DEFINE_string("model", None, MODEL_HELP),
       "max_seq_len": flags.DEFINE_integer("max_seq_len", None,
@@ -53,6 +54,9 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
       "prefill_chunk": flags.DEFINE_integer(
           "prefill_chunk", 2048, "prompts longer than this are prefilled chunk by chunk into "
           "the KV cache (bounded activation memory)", lower_bound=1),
+      "compilation_cache": flags.DEFINE_boolean(
+          "compilation_cache", True, "keep compiled programs in $FTJAX_CACHE_DIR/xla (default "
+          "~/.cache/ftjax/xla), so that a restart compiles nothing it compiled before"),
       "kv_dtype": flags.DEFINE_enum(
           "kv_dtype", None, ["float32", "bfloat16"],
           "KV cache dtype; default bfloat16 for bfloat16 models, float32 otherwise"),
@@ -98,6 +102,13 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
   if holders["kv_dtype"].value is not None:
     cache["kv_dtype"] = holders["kv_dtype"].value
   return cache
+
+
+def start_compilation_cache(holders: dict[str, flags.FlagHolder]) -> str:
+  """Turns on the persistent compilation cache unless --nocompilation_cache; says which."""
+  if not holders["compilation_cache"].value:
+    return "off (--nocompilation_cache)"
+  return compile_cache.enable()
 
 
 def build_engine(holders: dict[str, flags.FlagHolder]) -> Engine:

@@ -154,6 +154,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # keep JAX's backend probing out of the output
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; pass the prompt with --prompt")
+  compiled_in = cli_flags.start_compilation_cache(_ENGINE)
+  print(f"compilation cache: {compiled_in}", file=sys.stderr, flush=True)
   cache = cli_flags.cache_options(_ENGINE)
   prompt = _PROMPT.value
   if _PROMPT_FILE.value is not None:

@@ -37,6 +37,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  compiled_in = cli_flags.start_compilation_cache(_ENGINE)
   try:
     engine = cli_flags.build_engine(_ENGINE)
     model = engine.model
@@ -55,6 +56,7 @@ def main(argv):
   shown = f"[{host}]" if ":" in host else host
   print(f"ftjax.serve: {config.model_name} ({model.config.model_type}, kernels "
         f"{engine.kernels_path}) on http://{shown}:{port}/v1", flush=True)
+  print(f"ftjax.serve: compilation cache: {compiled_in}", flush=True)
   server = uvicorn.Server(uvicorn.Config(application, log_level=_FLAGS["log_level"].value,
                                          timeout_graceful_shutdown=5))
   try:

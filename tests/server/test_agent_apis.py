@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import re
 import socket
 import time
 
@@ -394,3 +396,36 @@ def test_a_closed_stream_stops_within_a_chunk_and_keeps_its_context(served, path
   # The next request of the same conversation reuses the prompt and what was generated.
   again = oai.chat.completions.create(model=name, messages=prompt, max_tokens=1, temperature=0)
   assert again.usage.prompt_tokens_details.cached_tokens >= outcome.prompt_tokens - 1
+
+
+def test_compiles_while_serving_are_counted_and_logged():
+  """Until every program is compiled at start-up (issue 29), a request can wait for a compile:
+  each one is a warning naming the program and its sizes, and /metrics counts them."""
+  records = []
+
+  class Keep(logging.Handler):
+    def emit(self, record):
+      records.append(record.getMessage())
+
+  handler = Keep(level=logging.WARNING)
+  # decode_chunk 3: a runner of its own, so no live engine has compiled its programs before.
+  engine = ftjax.Engine(ftjax.load("default"), max_seq_len=384, decode_chunk=3)
+  server = BackgroundServer(create_app(engine, ServerConfig(model_name="m")))
+  logging.getLogger("uvicorn.error").addHandler(handler)  # after uvicorn configured logging
+  try:
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    oai.chat.completions.create(model="m", max_tokens=12, temperature=0,
+                                messages=[{"role": "user", "content": QUESTION}])
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+  finally:
+    server.stop()
+    logging.getLogger("uvicorn.error").removeHandler(handler)
+  counted = float(re.search(r"^ftjax_compiles_total (\S+)$", text, re.M).group(1))
+  seconds = float(re.search(r"^ftjax_compile_seconds_total (\S+)$", text, re.M).group(1))
+  assert counted == engine.compile_count >= 2 and seconds > 0  # an extend and a decode program
+  compiled = [r for r in records if "while serving" in r]
+  assert len(compiled) == engine.compile_count
+  assert any("the extend program" in r for r in compiled), compiled  # the session's prefill

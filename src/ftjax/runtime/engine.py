@@ -285,7 +285,8 @@ class Engine:
   The engine owns the expert cache: it persists across requests, rides (donated) in the
   ``EngineState`` of every program, and is resized only between programs. One sequence
   runs at a time. ``engine.cache`` is the current ``ExpertCache`` (None without one),
-  ``engine.compile_count`` the programs this engine had to compile, ``engine.kernels_path``
+  ``engine.compile_count`` the programs this engine had to compile (``compile_s`` their
+  seconds, ``compile_listener`` told of each), ``engine.kernels_path``
   the host-work path that runs (``"ffi_bf16 (avx2, 2 threads)"``), ``engine.placement`` where
   the pool lives and how fills and host experts run, ``engine.stream_source`` why long
   prefills do or do not stream whole layers, ``engine.mesh`` the devices the slots are split
@@ -314,6 +315,9 @@ class Engine:
         "bfloat16" if np.dtype(model.dtype) == np.dtype(jnp.bfloat16) else "float32")
     self.compile_count = 0
     self.compile_s = 0.0
+    # Told of each program this engine compiles: (key: the program's name and bucketed sizes,
+    # seconds). The server logs the compiles that happen while it serves.
+    self.compile_listener: Callable[[tuple, float], None] | None = None
     self.policy = get_policy(opts.policy) if opts.caching else None
     self._profile: dict | None = None  # the bandwidth profile, when one was given
     self.bandwidths, self.bandwidth_source = self._bandwidths()
@@ -553,6 +557,8 @@ class Engine:
     def counted(seconds):
       self.compile_count += 1
       self.compile_s += seconds
+      if self.compile_listener is not None:
+        self.compile_listener(key, seconds)
     return self.programs.compiled(key, program, *args, on_compile=counted, **static)
 
   def _engine_state(self, decode: DecodeState) -> EngineState:

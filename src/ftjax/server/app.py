@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import queue
 import random
@@ -43,6 +44,9 @@ from ftjax.server.metrics import Metrics
 from ftjax.server.outputs import Delta, ReplyParser, StopMatcher, opens_thinking
 from ftjax.server.pool import SessionPool
 from ftjax.server.protocol import ApiError, ChatRequest, ChatSpec, CompletionRequest
+
+
+_LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +289,8 @@ class Server:
     self.worker = Worker(engine, config)
     self.metrics.bind(self.worker, engine)
     self.created = int(time.time())
+    engine.compile_listener = _warn_compile
+
 
   # -- Requests to jobs ---------------------------------------------------------------------
 
@@ -502,6 +508,12 @@ class Server:
     finally:
       watcher.cancel()
       job.cancelled.set()  # a no-op when done; stops the job when the client went away
+
+
+def _warn_compile(key: tuple, seconds: float) -> None:
+  """A compile while serving: a request waited for it (a shape not seen before)."""
+  _LOG.warning("ftjax.serve: compiled the %s program for %s in %.2f s while serving (a new "
+               "shape; counted in ftjax_compiles_total)", key[0], key[1:], seconds)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (``GET /metrics``), in their own registry.
 
 Counters: requests by endpoint and status, prompt/completion/cached tokens, expert-cache hits,
-fills and host-run experts (``Engine.cache_totals``). Histograms: time to first token (queue
+fills and host-run experts (``Engine.cache_totals``), the engine's compiles and their seconds. Histograms: time to first token (queue
 wait included) and decode tokens per second. Gauges, read at scrape time: requests waiting,
 sessions held and their memory, anchors and their bytes.
 """
@@ -33,6 +33,14 @@ class _CacheTotals(Collector):
       family = CounterMetricFamily(f"ftjax_expert_cache_{key}", help_)
       family.add_metric([], totals[key])
       yield family
+    # XLA compiles of the engine's programs (a persistent-cache hit is a quick one): each one
+    # while serving is a request that waited for it.
+    compiles = CounterMetricFamily("ftjax_compiles", "programs the engine compiled")
+    compiles.add_metric([], self.engine.compile_count)
+    yield compiles
+    seconds = CounterMetricFamily("ftjax_compile_seconds", "seconds spent compiling programs")
+    seconds.add_metric([], self.engine.compile_s)
+    yield seconds
 
 
 class Metrics:

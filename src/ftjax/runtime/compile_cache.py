@@ -1,0 +1,63 @@
+"""A persistent XLA compilation cache for ftjax's commands: a restart compiles nothing it
+compiled before.
+
+``enable(directory=None)`` points JAX's persistent compilation cache at
+``$FTJAX_CACHE_DIR/xla/<build>`` (``FTJAX_CACHE_DIR`` defaults to ``~/.cache/ftjax``, where
+converted weights live too), and caches every program whatever its compile time. JAX's own key
+already covers the program (its HLO, so the model's shapes and the runtime flags that change
+it), jax and jaxlib, the backend, the device and XLA's flags. ``<build>`` adds what that key
+cannot see: ftjax's version and its compiled C++ modules (the FFI kernels a program calls by
+name), so a rebuilt ftjax never loads an executable made against another build.
+
+``python -m ftjax.decode``, ``ftjax.chat`` and ``ftjax.serve`` call it at start-up
+(``--compilation_cache``, on by default; ``--nocompilation_cache`` turns it off). A
+``JAX_COMPILATION_CACHE_DIR`` set in the environment wins: it is used as it is.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.metadata
+import os
+
+import jax
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ftjax/
+
+
+def default_root() -> str:
+  return os.environ.get("FTJAX_CACHE_DIR",
+                        os.path.join(os.path.expanduser("~"), ".cache", "ftjax"))
+
+
+def build_key() -> str:
+  """ftjax's version and a digest of its compiled modules (name, size, mtime)."""
+  version = ftjax_version()
+  digest = hashlib.sha256(version.encode())
+  for path in sorted(set(glob.glob(os.path.join(_PACKAGE, "_ffi*")))):
+    st = os.stat(path)
+    digest.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+  return f"ftjax-{version}-{digest.hexdigest()[:16]}"
+
+
+def ftjax_version() -> str:
+  try:
+    return importlib.metadata.version("ftjax")
+  except importlib.metadata.PackageNotFoundError:  # a source tree on the path
+    return "unknown"
+
+
+def enable(directory: str | None = None) -> str:
+  """Turns the persistent compilation cache on and returns its directory (created)."""
+  given = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if given:
+    path = given
+  else:
+    path = directory or os.path.join(default_root(), "xla", build_key())
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  # Every program, however quick to compile: a server's start-up is made of many small ones.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
