@@ -44,4 +44,6 @@ def test_the_cache_can_be_turned_off(tmp_path):
 def test_the_key_follows_the_build():
   key = compile_cache.build_key()
   assert key.startswith(f"ftjax-{ftjax.__version__}-") and len(key) > 20
-  assert compile_cache.build_key() == key  # stable for one build
+  assert compile_cache.build_key() == key  # stable for one build and machine
+  identity = compile_cache.cpu_identity()
+  assert "flags" in identity and "model name" in identity  # keyed by the CPU's ISA too

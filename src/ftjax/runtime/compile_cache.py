@@ -7,7 +7,8 @@ converted weights live too), and caches every program whatever its compile time.
 already covers the program (its HLO, so the model's shapes and the runtime flags that change
 it), jax and jaxlib, the backend, the device and XLA's flags. ``<build>`` adds what that key
 cannot see: ftjax's version and its compiled C++ modules (the FFI kernels a program calls by
-name), so a rebuilt ftjax never loads an executable made against another build.
+name), so a rebuilt ftjax never loads an executable made against another build, and the CPU's
+model and instruction-set flags (XLA:CPU compiles for the host's ISA).
 
 ``python -m ftjax.decode``, ``ftjax.chat`` and ``ftjax.serve`` call it at start-up
 (``--compilation_cache``, on by default; ``--nocompilation_cache`` turns it off). A
@@ -32,13 +33,32 @@ def default_root() -> str:
 
 
 def build_key() -> str:
-  """ftjax's version and a digest of its compiled modules (name, size, mtime)."""
+  """ftjax's version and a digest of its compiled modules (name, size, mtime) and of the CPU
+  (its model and instruction-set flags: XLA:CPU compiles for the host's ISA, and a cache
+  directory shared by machines with different ones must not hand an AVX-512 program to an
+  AVX2 machine)."""
   version = ftjax_version()
   digest = hashlib.sha256(version.encode())
   for path in sorted(set(glob.glob(os.path.join(_PACKAGE, "_ffi*")))):
     st = os.stat(path)
     digest.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+  digest.update(cpu_identity().encode())
   return f"ftjax-{version}-{digest.hexdigest()[:16]}"
+
+
+def cpu_identity() -> str:
+  """The first processor's model name and flags from /proc/cpuinfo ('' where unreadable)."""
+  keep = []
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if not line.strip():
+          break  # the first processor only
+        if line.startswith(("model name", "flags", "vendor_id", "cpu family", "model\t")):
+          keep.append(line.strip())
+  except OSError:
+    pass
+  return "\n".join(keep)
 
 
 def ftjax_version() -> str:
