@@ -10,6 +10,7 @@ import pytest
 from ftjax.assets import DEFAULT_HYBRID_MODEL_DIR
 from ftjax.runtime.chat_template import load_chat_template
 from ftjax.runtime.tokenizer import load_tokenizer
+from ftjax.server.anthropic import tool_input
 from ftjax.server.app import TurnEncoder
 from ftjax.server.outputs import ReplyParser, StopMatcher, opens_thinking
 
@@ -151,3 +152,11 @@ def test_turn_encoder_refuses_a_tokenizer_that_adds_tokens():
   encoder = TurnEncoder(WithBos())
   assert not encoder.per_turn
   assert encoder.encode("a<|im_start|>b") == WithBos().encode("a<|im_start|>b")
+
+
+def test_anthropic_tool_input_is_always_an_object():
+  assert tool_input('{"city": "Paris"}') == {"city": "Paris"}
+  # A model that wrote its arguments as a string that is not an object: kept whole.
+  assert tool_input("Paris") == {"arguments": "Paris"}
+  assert tool_input('"Paris"') == {"arguments": '"Paris"'}
+  assert tool_input("[1, 2]") == {"arguments": "[1, 2]"}

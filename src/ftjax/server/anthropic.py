@@ -254,13 +254,24 @@ def usage(outcome) -> dict[str, int]:
           "output_tokens": outcome.completion_tokens}
 
 
+def tool_input(arguments: str) -> dict[str, Any]:
+  """A tool call's ``input`` object: its arguments, which the model wrote as a JSON object (or,
+  rarely, as a string that is not one: then kept whole as ``{"arguments": TEXT}``, since
+  Anthropic's ``input`` must be an object)."""
+  try:
+    value = json.loads(arguments)
+  except ValueError:
+    value = None
+  return value if isinstance(value, dict) else {"arguments": arguments}
+
+
 def content_blocks(deltas: list[Delta]) -> list[dict[str, Any]]:
   """The reply's deltas as content blocks, in order (consecutive text merged)."""
   blocks: list[dict[str, Any]] = []
   for d in deltas:
     if d.kind == "tool_call":
       blocks.append({"type": "tool_use", "id": d.call.id, "name": d.call.name,
-                     "input": json.loads(d.call.arguments)})
+                     "input": tool_input(d.call.arguments)})
       continue
     kind, field = ("thinking", "thinking") if d.kind == "reasoning" else ("text", "text")
     if blocks and blocks[-1]["type"] == kind:
@@ -317,7 +328,8 @@ async def stream(events: AsyncIterator[tuple[str, Any]], rid: str, model: str,
           yield _event("content_block_start", {"index": index, "content_block": {
               "type": "tool_use", "id": d.call.id, "name": d.call.name, "input": {}}})
           yield _event("content_block_delta", {"index": index, "delta": {
-              "type": "input_json_delta", "partial_json": d.call.arguments}})
+              "type": "input_json_delta",
+              "partial_json": json.dumps(tool_input(d.call.arguments), ensure_ascii=False)}})
           yield _event("content_block_stop", {"index": index})
           continue
         block = "thinking" if d.kind == "reasoning" else "text"
