@@ -42,12 +42,11 @@ HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpr
                 "image_generation", "computer_use_preview", "mcp", "local_shell", "custom")
 
 
-def function_tools(tools: list[dict[str, Any]], where: str = "tools"
-                   ) -> tuple[list[dict[str, Any]], list[str]]:
-  """The function tools the model is offered, in the chat template's shape, and the types of
-  the hosted tools left out. A ``namespace`` tool's functions are offered under their own
-  names (Codex groups its sub-agent tools so). Raises ValueError for a tool it cannot read."""
-  out, skipped = [], []
+def function_tools(tools: list[dict[str, Any]], where: str = "tools") -> list[dict[str, Any]]:
+  """The function tools the model is offered, in the chat template's shape (hosted tools are
+  left out). A ``namespace`` tool's functions are offered under their own names (Codex groups
+  its sub-agent tools so). Raises ValueError for a tool it cannot read."""
+  out = []
   for i, tool in enumerate(tools):
     at = f"{where}.{i}"
     kind = tool.get("type") if isinstance(tool, dict) else None
@@ -57,15 +56,13 @@ def function_tools(tools: list[dict[str, Any]], where: str = "tools"
       out.append({"type": "function", "function": {
           k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}})
     elif kind == "namespace":
-      inner, more = function_tools(tool.get("tools") or [], f"{at}.tools")
-      out += inner
-      skipped += more
+      out += function_tools(tool.get("tools") or [], f"{at}.tools")
     elif kind in HOSTED_TOOLS:
-      skipped.append(kind)
+      continue
     else:
       raise ValueError(f"{at}: tools of type {kind!r} are not supported by this server: give "
                        "function tools ({'type': 'function', 'name', 'parameters'})")
-  return out, skipped
+  return out
 
 
 class Request(Body):
@@ -179,10 +176,8 @@ def _messages(req: Request) -> list[dict[str, Any]]:
       text = _parts_text(item.get("content"), f"{where}.content",
                          ("input_text", "output_text", "text"))
       if role == "assistant":
-        message = {"role": "assistant", "content": ""}
-        messages.append(message)
-        message = assistant()
-        message["content"] = text
+        messages.append({"role": "assistant", "content": text})
+        assistant()  # takes the reasoning items before it
       else:
         messages.append({"role": "system" if role == "developer" else role, "content": text})
     elif kind == "function_call":
@@ -213,7 +208,7 @@ def _messages(req: Request) -> list[dict[str, Any]]:
 
 def to_spec(req: Request) -> ChatSpec:
   """The chat job's spec of a Responses request."""
-  tools = function_tools(req.tools or [])[0] or None
+  tools = function_tools(req.tools or []) or None
   options = {}
   effort = (req.reasoning or {}).get("effort")
   if effort is not None:
