@@ -170,7 +170,9 @@ def main(argv):
     loop = ChatLoop(session, system=_SYSTEM.value, max_new_tokens=_SAMPLING["max_new_tokens"].value,
                     sampling=sampling, thinking=_THINKING.value,
                     anchor_budget_bytes=_ANCHOR_BUDGET.value)
-  except (ValueError, FileNotFoundError, KernelsUnavailable) as e:
+    if _PRECOMPILE.value:
+      cli_flags.precompile(engine, session.anchor_slots, "ftjax.chat")
+  except (ValueError, FileNotFoundError, KernelsUnavailable, MemoryError) as e:
     raise SystemExit(f"ftjax.chat: error: {e}") from None
   interactive = sys.stdin.isatty()
   sys.stderr.write(f"ftjax.chat: {model.path} ({model.config.model_type}), kernels "
@@ -184,8 +186,9 @@ def main(argv):
 
 def cli() -> None:
   """Defines the flags and runs ``main`` (``python -m ftjax.chat``)."""
-  global _ENGINE, _SAMPLING, _SYSTEM, _THINKING, _ANCHOR_BUDGET
+  global _ENGINE, _SAMPLING, _SYSTEM, _THINKING, _ANCHOR_BUDGET, _PRECOMPILE
   _ENGINE = cli_flags.define_engine_flags()
+  _PRECOMPILE = cli_flags.define_precompile_flag(False)
   _SAMPLING = cli_flags.define_sampling_flags(max_new_tokens=256, greedy=False)
   _SYSTEM = flags.DEFINE_string("system", None, "a system message opening the conversation")
   _THINKING = flags.DEFINE_boolean("thinking", True, "let the model think first (the "

@@ -8,6 +8,9 @@ arguments of ``ftjax.Engine``.
 
 from __future__ import annotations
 
+import sys
+import time
+
 from absl import app, flags
 
 from ftjax.cache import POLICIES
@@ -52,8 +55,13 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "where the host expert pool lives: device (CPU default), pinned_host (fills as "
           "async copies), mapped (GPU, registered by the CUDA module); auto picks per backend"),
       "prefill_chunk": flags.DEFINE_integer(
-          "prefill_chunk", 2048, "prompts longer than this are prefilled chunk by chunk into "
-          "the KV cache (bounded activation memory)", lower_bound=1),
+          "prefill_chunk", 2048, "the most tokens one prefill program reads: a prompt is read "
+          "in chunks of this size and its quarters down to 16 (bounded activation memory, "
+          "the same programs for every length)", lower_bound=1),
+      "kv_growth": flags.DEFINE_enum(
+          "kv_growth", "auto", ["auto", "max", "grow"],
+          "the KV buffer: max (the whole context from the start: one set of programs), "
+          "grow (4096 rows, grown 4x as a context grows), auto (max up to 64 MiB)"),
       "compilation_cache": flags.DEFINE_boolean(
           "compilation_cache", True, "keep compiled programs in $FTJAX_CACHE_DIR/xla (default "
           "~/.cache/ftjax/xla), so that a restart compiles nothing it compiled before"),
@@ -99,6 +107,7 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
   if holders["devices"].value is not None:
     cache["devices"] = holders["devices"].value
   cache["prefill_chunk"] = holders["prefill_chunk"].value
+  cache["kv_growth"] = holders["kv_growth"].value
   if holders["kv_dtype"].value is not None:
     cache["kv_dtype"] = holders["kv_dtype"].value
   return cache
@@ -109,6 +118,27 @@ def start_compilation_cache(holders: dict[str, flags.FlagHolder]) -> str:
   if not holders["compilation_cache"].value:
     return "off (--nocompilation_cache)"
   return compile_cache.enable()
+
+
+def define_precompile_flag(default: bool) -> flags.FlagHolder:
+  return flags.DEFINE_boolean(
+      "precompile", default, "compile every program a request can run before the first one "
+      "(a restart reads them from the compilation cache), so that no request waits for a "
+      "compile")
+
+
+def precompile(engine: Engine, anchor_slots: int, name: str) -> None:
+  """``engine.precompile`` with its progress on stderr (one line, rewritten)."""
+  t0 = time.perf_counter()
+
+  def progress(done: int, total: int, key: tuple) -> None:
+    sys.stderr.write(f"\r{name}: compiling programs {done + 1}/{total} ({key[0]}) ...")
+    sys.stderr.flush()
+
+  keys = engine.precompile(anchor_slots, progress)
+  if keys:
+    sys.stderr.write(f"\r{name}: compiled {len(keys)} programs in "
+                     f"{time.perf_counter() - t0:.1f} s{' ' * 12}\n")
 
 
 def build_engine(holders: dict[str, flags.FlagHolder]) -> Engine:

@@ -47,7 +47,8 @@ def main(argv):
         default_max_tokens=_FLAGS["default_max_tokens"].value,
         session_budget_bytes=_FLAGS["session_budget_bytes"].value,
         max_sessions=_FLAGS["max_sessions"].value, session_reuse=_FLAGS["session_reuse"].value,
-        anchor_budget_bytes=_FLAGS["anchor_budget_bytes"].value)
+        anchor_budget_bytes=_FLAGS["anchor_budget_bytes"].value,
+        precompile=_FLAGS["precompile"].value)
     application = create_app(engine, config)
     sock = bind(_FLAGS["host"].value, _FLAGS["port"].value)
   except (ValueError, FileNotFoundError, KernelsUnavailable, OSError) as e:
@@ -57,6 +58,9 @@ def main(argv):
   print(f"ftjax.serve: {config.model_name} ({model.config.model_type}, kernels "
         f"{engine.kernels_path}) on http://{shown}:{port}/v1", flush=True)
   print(f"ftjax.serve: compilation cache: {compiled_in}", flush=True)
+  if config.precompile:
+    print(f"ftjax.serve: compiling the {len(engine.programs_needed())} programs a request can "
+          "run before serving; GET /health answers 503 until they are done", flush=True)
   server = uvicorn.Server(uvicorn.Config(application, log_level=_FLAGS["log_level"].value,
                                          timeout_graceful_shutdown=5))
   try:
@@ -73,6 +77,7 @@ def cli() -> None:
   d = ServerConfig()
   _FLAGS = {
       "host": flags.DEFINE_string("host", "127.0.0.1", "address to listen on"),
+      "precompile": cli_flags.define_precompile_flag(True),
       "port": flags.DEFINE_integer("port", 8000, "TCP port (0: the OS chooses)", lower_bound=0,
                                    upper_bound=65535),
       "served_model_name": flags.DEFINE_string(

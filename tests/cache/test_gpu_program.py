@@ -167,13 +167,12 @@ def test_the_streamed_prefill_exports_for_cuda(tiny_config):
                                   sharding=SingleDeviceSharding(jax.devices()[0],
                                                                 memory_kind="pinned_host"))
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    fn = jax.jit(lambda *a: programs.prefill_program(runner, *a))
+    fn = jax.jit(lambda *a: programs.extend_program(runner, *a))
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS]
     exported = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
         jax.tree.map(spec, model.params), bank,
         jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256))),
-        jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar, scalar,
-        jax.ShapeDtypeStruct((8,), jnp.int32), jax.tree.map(spec, Sampling.make(greedy=True)))
+        jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar)
     text = exported.mlir_module()
     # Streamed: no host experts; each whole layer comes by the fill mechanism, started one
     # layer ahead (CUDA: a side-stream copy whose done the layer's compute waits for).
@@ -203,13 +202,12 @@ def test_the_per_layer_stream_choice_exports_for_cuda(tiny_config):
                                offload=Offload(fill="cuda", host="cuda", pool=pool,
                                                host_gflops=100.0))
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  fn = jax.jit(lambda *a: programs.prefill_program(runner, *a))
+  fn = jax.jit(lambda *a: programs.extend_program(runner, *a))
   checks = [export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS]
   exported = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
       jax.tree.map(spec, model.params), None,
       jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256))),
-      jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar, scalar,
-      jax.ShapeDtypeStruct((8,), jnp.int32), jax.tree.map(spec, Sampling.make(greedy=True)))
+      jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar)
   text = exported.mlir_module()
   layers = tiny_config.num_layers
   for target in ("ftjax_cuda_host_experts_start", "ftjax_cuda_host_experts_done",

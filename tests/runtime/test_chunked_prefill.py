@@ -57,7 +57,8 @@ def test_chunked_generate_and_progress(model):
   assert result.tokens == whole.generate(ids, 12)
   n = len(ids)
   assert seen == [(0, n), (CHUNK, n), (2 * CHUNK, n), (n, n)]
-  assert result.programs == 3 + 2  # three prefill chunks, two decode programs of 8 steps
+  # Three prefill chunks, the first token, two decode programs of 8 steps.
+  assert result.programs == 3 + 1 + 2
   # A prompt within one chunk makes no progress calls.
   seen.clear()
   chunked.generate_timed(ids[:CHUNK], 2, on_progress=lambda d, t: seen.append((d, t)))

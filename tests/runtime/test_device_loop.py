@@ -19,7 +19,7 @@ import pytest
 import ftjax
 from ftjax.runtime import model as model_lib
 from ftjax.runtime import programs
-from ftjax.runtime.engine import prompt_bucket
+from ftjax.runtime.engine import chunk_sizes, split_tokens
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2]
 NEW = 11
@@ -175,7 +175,8 @@ def test_host_round_trips_are_bounded(sharp_model, policy):
         result = engine.generate_timed(PROMPT, new)
       assert len(result.tokens) == new
       assert len(executed) == result.programs
-      assert result.programs <= 1 + math.ceil(new / CHUNK) + 1
+      # One extend chunk, the first token, the decode chunks and one dispatched ahead.
+      assert result.programs <= 2 + math.ceil(new / CHUNK) + 1
   finally:
     table.update(saved)
   # The routing record and the stats came back once per chunk, complete.
@@ -185,23 +186,23 @@ def test_host_round_trips_are_bounded(sharp_model, policy):
                                                            3 * CHUNK + 1))
 
 
-def test_requests_within_a_bucket_do_not_recompile(sharp_model):
+def test_requests_of_any_length_and_sampling_do_not_recompile(sharp_model):
   programs.clear_compiled()  # earlier tests compiled these programs already
   engine = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK,
                         **_options(sharp_model, "freetoken", 5))
   engine.generate([1, 2, 3], 5)
   first = engine.compile_count
-  assert first == 2  # one prefill, one decode program
-  # Other prompt lengths in the same bucket, other lengths, stop lists and sampling values.
-  assert prompt_bucket(3) == prompt_bucket(11)
+  assert first == 3  # an extend chunk, the first token, the decode loop
+  # Other prompt lengths (two chunks for 40 tokens), lengths, stop lists, greedy and sampled
+  # with and without a top-p or top-k filter: the same programs.
   engine.generate([7] * 11, 9, stop_tokens=(5,))
   engine.generate([4, 5], 1, greedy=True)
-  assert engine.compile_count == first
   engine.generate([4, 5, 6], 6, greedy=False, temperature=0.7, top_p=0.9, seed=1)
-  sampled = engine.compile_count
-  assert sampled == first + 2  # sampling is another program, once
-  engine.generate([9] * 13, 4, greedy=False, temperature=1.7, top_p=0.5, seed=2)
-  assert engine.compile_count == sampled
+  engine.generate([9] * 40, 4, greedy=False, temperature=1.7, top_k=3, seed=2)
+  engine.generate([9] * 13, 4, greedy=False, temperature=1.7, seed=2)
+  assert engine.compile_count == first
+  assert sorted(key[0] for key in engine.programs_needed()) == ["decode"] + ["extend"] * len(
+      engine.chunk_sizes) + ["first"]
   # A second engine of the same model and options shares the compiled programs.
   other = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK,
                        **_options(sharp_model, "freetoken", 5))
@@ -223,7 +224,7 @@ def test_compiled_programs_go_with_their_last_engine(sharp_model):
   assert table() is None
   fresh = ftjax.Engine(sharp_model, **opts)
   fresh.generate(PROMPT, 4)
-  assert fresh.compile_count == 2  # compiled again: nothing was kept
+  assert fresh.compile_count == 3  # compiled again: nothing was kept
 
 
 def _memory_mappings() -> int:
@@ -252,9 +253,22 @@ def test_dropped_engines_and_cleared_jax_caches_return_their_code_mappings(sharp
   assert _memory_mappings() <= before + 16
 
 
-def test_prompt_buckets():
-  assert [prompt_bucket(n) for n in (1, 16, 17, 64, 65, 100, 291, 512, 513, 1500, 2319, 5000)
-          ] == [16, 16, 32, 64, 80, 112, 320, 512, 640, 1536, 2560, 5120]
+def test_chunk_sizes_and_splits():
+  assert chunk_sizes(2048) == (2048, 512, 128, 32)
+  assert chunk_sizes(1000) == (1000, 250, 62)
+  assert chunk_sizes(8) == (8,)
+  sizes = chunk_sizes(2048)
+  assert split_tokens(5, sizes) == [(5, 32)]
+  assert split_tokens(130, sizes) == [(128, 128), (2, 32)]
+  assert split_tokens(300, sizes) == [(300, 512)]
+  assert split_tokens(4100, sizes) == [(2048, 2048), (2048, 2048), (4, 32)]
+  for n in range(1, 5000, 7):
+    chunks = split_tokens(n, sizes)
+    assert sum(t for t, _ in chunks) == n and all(0 < t <= s for t, s in chunks)
+    assert all(t == s for t, s in chunks[:-1])  # only the last chunk is padded
+    tail = n % 2048 or 2048
+    assert sum(s for _, s in chunks) - n < max(tail, 32)  # padding under the tail's length
+    assert len(chunks) <= n // 2048 + 5
 
 
 _NO_FFI = textwrap.dedent("""

@@ -24,7 +24,7 @@ from ftjax import kernels as host_kernels
 from ftjax.cache import ExpertCache, PolicyConfig, get_policy
 from ftjax.cache.policy import initial_cache
 from ftjax.experts import KERNELS
-from ftjax.model import DecodeState, init_state
+from ftjax.model import DecodeState, KVCache, init_state
 from ftjax.runtime import programs
 from ftjax.runtime.model import Model
 from ftjax.runtime.placement import (EXPERT_AXIS, POOLS, expert_mesh, prefill_stream_threshold,
@@ -36,23 +36,57 @@ from ftjax.runtime.state import EngineState
 
 KV_DTYPES = ("float32", "bfloat16")
 PREFILL_STREAMS = ("auto", "always", "cost")
-_STATE_BUCKET = 256  # KV capacity is rounded up to this, so nearby lengths share a compile
-_STOP_BUCKET = 8  # stop-token lists are padded to a multiple of this
+KV_GROWTHS = ("auto", "max", "grow")
+STOP_BUCKET = 32  # stop-token lists are padded to a multiple of this (one size in practice)
+MIN_KV_ROWS = 4096  # the smallest KV capacity of a state that grows (by 4x)
+MIN_CHUNK = 16  # the smallest prefill chunk size
+KV_MAX_AUTO_BYTES = 64 << 20  # kv_growth="auto": one buffer of the whole context up to this
 
 
 class ContextLengthError(ValueError):
   pass
 
 
-def prompt_bucket(length: int) -> int:
-  """Prefill length for a prompt (or a session's segment) of ``length`` tokens: a power of two
-  from 16 up to 64, then four buckets per octave (multiples of 16 up to 128, of 32 up to 256,
-  of 64 up to 512, ... and of at most 512), so nearby lengths share one compiled prefill and
-  padding stays under a quarter of the work."""
-  if length <= 64:
-    return max(16, 1 << (length - 1).bit_length())
-  step = min(512, 1 << ((length - 1).bit_length() - 3))
-  return -(-length // step) * step
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """One extend program of a prefill: ``tokens`` real tokens from ``begin`` (counted in the
+  tokens being read), padded to ``size``; ``anchors``: positions in the chunk at which the
+  recurrent layers' states are kept."""
+  begin: int
+  tokens: int
+  size: int
+  anchors: tuple[int, ...] = ()
+
+
+def chunk_sizes(largest: int) -> tuple[int, ...]:
+  """The chunk sizes of a prefill whose chunks hold at most ``largest`` tokens: ``largest``
+  and its quarters down to ``MIN_CHUNK`` (2048, 512, 128, 32), largest first. Each size is one
+  compiled extend program per KV capacity."""
+  sizes = [largest]
+  while sizes[-1] // 4 >= MIN_CHUNK:
+    sizes.append(sizes[-1] // 4)
+  return tuple(sizes)
+
+
+def split_tokens(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+  """``n`` tokens as (tokens, size) chunks of ``sizes`` (largest first): whole chunks of the
+  largest size, then the rest in the smallest size that holds it when that size is less than
+  twice the rest, else in chunks of the next size down, and so on. Padding stays under the
+  rest's own length (the last chunk at most doubles), in few chunks."""
+  out = []
+  while n > 0:
+    if n >= sizes[0]:
+      out.append((sizes[0], sizes[0]))
+      n -= sizes[0]
+      continue
+    i = max(j for j, size in enumerate(sizes) if size >= n)  # the smallest size that holds n
+    if 2 * n > sizes[i] or i == len(sizes) - 1:
+      out.append((n, sizes[i]))
+      break
+    whole = n // sizes[i + 1]  # 1 or 2: n > sizes[i + 1] and 2n <= sizes[i] = 4 sizes[i + 1]
+    out += [(sizes[i + 1], sizes[i + 1])] * whole
+    n -= whole * sizes[i + 1]
+  return out
 
 
 def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
@@ -137,10 +171,20 @@ class RuntimeOptions:
     contiguous block of slots each) and the large dense weights along their first axis, with
     ``jax.sharding``; None or 1: one device. Every placement works (the pool is read by every
     device); long prefills do not stream. Test it on a CPU with ``JAX_NUM_CPU_DEVICES=4``.
-  prefill_chunk: prompts longer than this many tokens are prefilled chunk by chunk into the
-    KV cache (each chunk's queries attend the cache written so far), so a prefill's
-    activation memory is bounded by one chunk whatever the prompt's length. The chunks
-    share one compiled program; the last is bucketed like any prompt.
+  prefill_chunk: the most tokens one prefill program reads. A prompt (or a session's next
+    segment) is read in chunks of a few fixed sizes, this one and its quarters down to 16
+    (``chunk_sizes``; 2048, 512, 128, 32), each chunk's queries attending the KV cache written
+    so far: a prefill's activation memory is bounded by one chunk, and a context of any length
+    runs the same compiled programs (``split_tokens`` says how a length is split).
+  kv_growth: how a decode state's KV buffer is sized. Programs are compiled per KV capacity,
+    and the buffer is addressed with the state's length, so its capacity is not the context's.
+    "max": one buffer of the whole context limit (``max_seq_len`` plus one small chunk's
+    padding) from the first token: one set of programs for every request. "grow": 4096 rows,
+    grown 4x (with a copy) as a context outgrows them, up to the limit: about
+    ``log4(max_seq_len / 4096) + 1`` sets of programs (3 for 65536 tokens), memory within 4x
+    of the context's. "auto" (default): "max" when that buffer (with the recurrent states)
+    takes at most 64 MiB and no ``device_budget_bytes`` shares memory with it, else "grow".
+    ``engine.kv_capacities`` lists the capacities a state can have.
   kv_dtype: the KV cache's dtype, "float32" or "bfloat16". Default (None): bfloat16 for
     bfloat16 models, float32 otherwise. Keys and values are rounded once when written;
     attention reads them widened and accumulates in float32.
@@ -165,12 +209,15 @@ class RuntimeOptions:
   devices: int | None = None
   prefill_chunk: int = 2048
   kv_dtype: str | None = None
+  kv_growth: str = "auto"
 
   def __post_init__(self):
     if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
         or self.prefill_chunk < 1):
       raise ValueError(f"prefill_chunk must be a positive int (tokens per prefill chunk), got "
                        f"{self.prefill_chunk!r}")
+    if self.kv_growth not in KV_GROWTHS:
+      raise ValueError(f"kv_growth must be one of {KV_GROWTHS}, got {self.kv_growth!r}")
     if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"kv_dtype must be one of {KV_DTYPES} (or None: bfloat16 for bfloat16 "
                        f"models), got {self.kv_dtype!r}")
@@ -266,19 +313,6 @@ class GenerateResult:
     return steps / self.decode_s if self.decode_s else float("nan")
 
 
-@dataclasses.dataclass(frozen=True)
-class _PrefillPlan:
-  chunk: int  # tokens per whole chunk
-  full: int  # whole chunks before the last
-  last: int  # tokens of the last chunk (1..chunk)
-  last_bucket: int  # its padded length
-
-  @property
-  def rows(self) -> int:
-    """KV rows the prefill writes (the last chunk's padding included)."""
-    return self.full * self.chunk + self.last_bucket
-
-
 class Engine:
   """``Engine(model, **runtime_options)``; see ``RuntimeOptions`` for the options.
 
@@ -313,6 +347,19 @@ class Engine:
     self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
     self.kv_dtype = opts.kv_dtype or (
         "bfloat16" if np.dtype(model.dtype) == np.dtype(jnp.bfloat16) else "float32")
+    self.chunk_sizes = chunk_sizes(opts.prefill_chunk)
+    # The KV rows a state can need: the context limit, plus the padding of a last chunk that
+    # ends past it (``plan_chunks`` keeps that under the smallest chunk size).
+    top = self.max_seq_len + self.chunk_sizes[-1]
+    self.kv_growth = opts.kv_growth
+    if self.kv_growth == "auto":
+      small = state_bytes(model.config, 1, top, self.kv_dtype) <= KV_MAX_AUTO_BYTES
+      self.kv_growth = "max" if small and opts.device_budget_bytes is None else "grow"
+    capacities = [top]
+    if self.kv_growth == "grow":  # 4096, 16384, ... while the next still fits, then the limit
+      capacities = [MIN_KV_ROWS << 2 * i for i in range(32) if MIN_KV_ROWS << 2 * i + 1 <= top]
+      capacities.append(top)
+    self.kv_capacities = tuple(capacities)
     self.compile_count = 0
     self.compile_s = 0.0
     # Told of each program this engine compiles: (key: the program's name and bucketed sizes,
@@ -632,15 +679,41 @@ class Engine:
   def _slot_capacity(self) -> int:
     return -1 if self._cache is None else self._cache.capacity
 
+  def kv_capacity(self, rows: int) -> int:
+    """The KV capacity of a state that must hold ``rows`` rows: the smallest of
+    ``kv_capacities`` that does."""
+    for capacity in self.kv_capacities:
+      if capacity >= rows:
+        return capacity
+    raise ContextLengthError(f"{rows} KV rows exceed the context limit of {self.max_seq_len} "
+                             "tokens")
+
   def new_state(self, batch: int, capacity: int) -> DecodeState:
-    """An empty decode state for ``capacity`` tokens (rounded up to a bucket of 256, at most
-    the context limit). With a device budget, the cache is re-divided for its KV size."""
-    capacity = min(-(-capacity // _STATE_BUCKET) * _STATE_BUCKET, self.max_seq_len)
-    return self._new_state(batch, capacity)
+    """An empty decode state for ``capacity`` tokens (rounded up to one of
+    ``kv_capacities``, at most the largest). With a device budget, the cache is re-divided
+    for its KV size."""
+    return self._new_state(batch, self.kv_capacity(min(capacity, self.kv_capacities[-1])))
 
   def _new_state(self, batch: int, capacity: int) -> DecodeState:
     self._fit_cache_to_state(batch, capacity)
     return init_state(self.model.config, batch, capacity, jnp.dtype(self.kv_dtype))
+
+  def grow_state(self, state: DecodeState, rows: int) -> DecodeState:
+    """``state`` (donated) with a KV capacity of at least ``rows`` rows: the same state when
+    it has room, else grown through ``kv_capacities`` (each step one compiled copy) to the
+    first that holds them. With a device budget, the cache is re-divided for the new KV size."""
+    held = state.capacity
+    if not held or held >= rows:
+      return state
+    target = self.kv_capacity(rows)
+    batch = next(layer.k.shape[0] for layer in state.layers if isinstance(layer, KVCache))
+    self._fit_cache_to_state(batch, target)
+    for capacity in self.kv_capacities:
+      if held < capacity <= target:
+        grow = self._compiled(("grow", held, capacity), programs.grow_program, state,
+                              capacity=capacity)
+        state, held = grow(state), capacity
+    return state
 
   def _fit_cache_to_state(self, batch: int, capacity: int) -> None:
     """With a device budget, re-divides it for a decode state of ``capacity`` tokens."""
@@ -668,6 +741,175 @@ class Engine:
           f"this {self.model.config.model_type} checkpoint): ftjax runs the text model only, so "
           "image and video inputs are not supported; remove them from the prompt")
 
+  # -- Prefill: fixed-size chunks ----------------------------------------------------------------
+
+  def plan_chunks(self, start: int, n: int, anchors_at: Sequence[int] = (),
+                  anchor_slots: int = 0) -> list[Chunk]:
+    """How ``n`` tokens after ``start`` held tokens are read: chunks of ``chunk_sizes``
+    (``split_tokens``), each with the ``anchors_at`` positions (counted in the ``n`` tokens,
+    ascending) that fall in it. A chunk holds at most ``anchor_slots`` of them (0: none are
+    taken): one that would hold more ends before the next. Near the context limit the last
+    chunks take the smallest size, so that no chunk's padding runs past the KV buffer."""
+    limit = self.kv_capacities[-1]
+    out: list[Chunk] = []
+    begin = 0
+    while begin < n:
+      tokens, size = split_tokens(n - begin, self.chunk_sizes)[0]
+      if start + begin + size > limit:
+        size = self.chunk_sizes[-1]
+        tokens = min(tokens, size)
+      inside = [p - begin for p in anchors_at if begin <= p < begin + tokens]
+      if anchor_slots and len(inside) > anchor_slots:
+        tokens, size = split_tokens(inside[anchor_slots], self.chunk_sizes)[0]
+        inside = [p for p in inside if p < tokens]
+      out.append(Chunk(begin=begin, tokens=tokens, size=size,
+                       anchors=tuple(inside) if anchor_slots else ()))
+      begin += tokens
+    return out
+
+  def extend(self, state: DecodeState, ids: Sequence[int] | np.ndarray, *,
+             anchors_at: Sequence[int] = (), anchor_slots: int = 0,
+             on_progress: Callable[[int, int], None] | None = None, start: int | None = None):
+    """Reads ``ids`` into ``state`` (donated) after the tokens it holds, in the chunks of
+    ``plan_chunks``; the state grows first if its KV buffer is too small. With
+    ``anchor_slots``, every chunk keeps the recurrent layers' states at the ``anchors_at``
+    positions (counted in ``ids``) that fall in it. ``start``: the tokens ``state`` holds,
+    when the caller knows it (saves a read from the device).
+
+    Returns (state, logits [V] on the device after the last token, snapshots: a list of
+    (position, {layer: LinearState of numpy arrays}), seconds of the chunks (every program
+    compiled before the clock starts), programs run). ``on_progress(done, total)`` is told
+    of each chunk as it completes, when there is more than one (``done = 0`` first)."""
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    n = len(ids)
+    if start is None:
+      start = int(state.length)
+    plan = self.plan_chunks(start, n, sorted(anchors_at), anchor_slots)
+    last = plan[-1]
+    state = self.grow_state(state, start + last.begin + last.size)
+    est = self._engine_state(state)
+    params, bank = self.params, self.bank
+    fns = {}
+    for chunk in plan:
+      if chunk.size not in fns:
+        args = self._chunk_args(chunk.size, anchor_slots)
+        key = ("extend", chunk.size, state.capacity, self._slot_capacity(), anchor_slots)
+        fns[chunk.size] = self._compiled(key, programs.extend_program, params, bank, est, *args)
+    progress = on_progress if len(plan) > 1 else None
+    if progress is not None:
+      progress(0, n)
+    snapshots = []
+    logits = None
+    t0 = time.perf_counter()
+    for chunk in plan:
+      tokens = np.zeros((1, chunk.size), np.int32)
+      tokens[0, :chunk.tokens] = ids[chunk.begin:chunk.begin + chunk.tokens]
+      args = [tokens, np.int32(chunk.tokens)]
+      if anchor_slots:
+        at = np.zeros(anchor_slots, np.int32)
+        at[:len(chunk.anchors)] = chunk.anchors
+        args.append(at)
+      begun = time.perf_counter()
+      est, logits, record, *snaps = fns[chunk.size](params, bank, est, *self._put(tuple(args)))
+      state = self._keep(est)  # the engine always holds the newest cache, even if a read fails
+      self._record(record, chunk.tokens, time.perf_counter() - begun, "prefill")
+      if chunk.anchors:
+        host = jax.device_get([layer for layer in snaps[0] if layer is not None])
+        recurrent = [i for i, layer in enumerate(snaps[0]) if layer is not None]
+        for j, position in enumerate(chunk.anchors):
+          snapshots.append((chunk.begin + position, {
+              i: jax.tree.map(lambda x: np.array(x[j], copy=True), layer)
+              for i, layer in zip(recurrent, host)}))
+      if progress is not None:
+        jax.block_until_ready(logits)
+        progress(chunk.begin + chunk.tokens, n)
+    jax.block_until_ready(logits)
+    return state, logits, snapshots, time.perf_counter() - t0, len(plan)
+
+  def _chunk_args(self, size: int, anchor_slots: int) -> tuple:
+    """Abstract arguments of an extend program after the state: tokens [1, size], the count
+    of real ones, and with ``anchor_slots`` the anchor positions."""
+    sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct((1, size), jnp.int32, sharding=sharding),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)]
+    if anchor_slots:
+      args.append(jax.ShapeDtypeStruct((anchor_slots,), jnp.int32, sharding=sharding))
+    return tuple(args)
+
+  def first_program(self, logits, max_new, stop_ids, sampling):
+    """The compiled program that samples the first new token from ``logits`` [V] and makes
+    the decode loop's starting carry (one for every request)."""
+    return self._compiled(("first", len(stop_ids)), programs.first_program, logits, max_new,
+                          stop_ids, sampling)
+
+  def decode_program(self, state: EngineState, loop, stop_ids, sampling):
+    """The compiled decode loop for ``state``'s KV capacity (``decode_chunk`` steps a
+    program)."""
+    key = ("decode", state.decode.capacity, self._slot_capacity(), len(stop_ids))
+    return self._compiled(key, programs.decode_program, self.params, self.bank, state, loop,
+                          stop_ids, sampling)
+
+  def stop_ids(self, stops: Sequence[int]) -> np.ndarray:
+    """Stop tokens padded with -1 to a multiple of ``STOP_BUCKET`` (one size in practice)."""
+    stops = np.asarray(list(stops), np.int32).reshape(-1)
+    out = np.full(max(STOP_BUCKET, -(-len(stops) // STOP_BUCKET) * STOP_BUCKET), -1, np.int32)
+    out[:len(stops)] = stops
+    return out
+
+  def programs_needed(self, anchor_slots: int = 0) -> list[tuple]:
+    """The keys of every program a request (or a session with ``anchor_slots``) can run on
+    this engine: per KV capacity, one extend program per chunk size and the decode loop; the
+    first-token program; the copies between consecutive capacities. A request never compiles
+    another, unless the expert cache is resized past its buffer or more than ``STOP_BUCKET``
+    stop tokens are given."""
+    slots = self._slot_capacity()
+    keys = [("first", STOP_BUCKET)]
+    for i, capacity in enumerate(self.kv_capacities):
+      keys += [("extend", size, capacity, slots, anchor_slots) for size in self.chunk_sizes]
+      keys.append(("decode", capacity, slots, STOP_BUCKET))
+      if i:
+        keys.append(("grow", self.kv_capacities[i - 1], capacity))
+    return keys
+
+  def precompile(self, anchor_slots: int = 0,
+                 on_progress: Callable[[int, int, tuple], None] | None = None) -> list[tuple]:
+    """Compiles every program of ``programs_needed(anchor_slots)`` not compiled yet (from
+    abstract shapes: no state is allocated), so that no request compiles. Returns the keys
+    compiled now; ``on_progress(done, total, key)`` is told before each."""
+    keys = [key for key in self.programs_needed(anchor_slots) if key not in self.programs]
+    sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+    def spec(shape, dtype):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    sampling = jax.tree.map(lambda x: spec(np.shape(x), np.asarray(x).dtype),
+                            Sampling.make(greedy=True))
+    stop_ids, scalar = spec((STOP_BUCKET,), jnp.int32), spec((), jnp.int32)
+    loop = programs.Loop(token=scalar, count=scalar, max_new=scalar,
+                         done=spec((), jnp.bool_))
+    logits = spec((self.model.config.vocab_size,), jnp.float32)
+    for done, key in enumerate(keys):
+      if on_progress is not None:
+        on_progress(done, len(keys), key)
+      if key[0] == "first":
+        self._compiled(key, programs.first_program, logits, scalar, stop_ids, sampling)
+        continue
+      state = self._abstract_state(key[2] if key[0] == "extend" else key[1])
+      if key[0] == "grow":
+        self._compiled(key, programs.grow_program, state, capacity=key[2])
+      elif key[0] == "extend":
+        self._compiled(key, programs.extend_program, self.params, self.bank,
+                       self._engine_state(state), *self._chunk_args(key[1], anchor_slots))
+      else:
+        self._compiled(key, programs.decode_program, self.params, self.bank,
+                       self._engine_state(state), loop, stop_ids, sampling)
+    return keys
+
+  def _abstract_state(self, capacity: int) -> DecodeState:
+    """The shapes of a one-sequence decode state of ``capacity`` rows (nothing allocated)."""
+    return jax.eval_shape(lambda: init_state(self.model.config, 1, capacity,
+                                             jnp.dtype(self.kv_dtype)))
+
   # -- Public API ----------------------------------------------------------------------------
 
   def forward_logits(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -685,77 +927,21 @@ class Engine:
 
   def prefill_logits(self, token_ids: Sequence[int],
                      on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-    """The logits [V] after the prompt's last token, by the prefill ``generate`` runs
-    (chunked when the prompt is longer than ``prefill_chunk``); the expert cache is used and
-    updated as by a request."""
+    """The logits [V] after the prompt's last token, by the prefill ``generate`` runs (in
+    chunks, ``plan_chunks``); the expert cache is used and updated as by a request."""
     ids = np.asarray(token_ids, np.int32).reshape(-1)
     self._check_ids(ids)
     self.check_context(len(ids), 0)
-    plan = self._prefill_plan(len(ids))
-    state = self._engine_state(self._new_state(
-        1, -(-plan.rows // _STATE_BUCKET) * _STATE_BUCKET))
-    stop_ids, sampling = self._put((np.full(_STOP_BUCKET, -1, np.int32),
-                                         Sampling.make(greedy=True)))
-    sizes = (state.decode.capacity, self._slot_capacity(), _STOP_BUCKET, True, False)
-    _, _, logits, _, _ = self._prefill(ids, plan, state, sizes, self._put(np.int32(1)),
-                                       stop_ids, sampling, on_progress)
+    last = self.plan_chunks(0, len(ids))[-1]
+    state = self._new_state(1, self.kv_capacity(last.begin + last.size))
+    _, logits, _, _, _ = self.extend(state, ids, on_progress=on_progress, start=0)
     return np.asarray(logits, np.float32)
-
-  def _prefill_plan(self, n: int) -> "_PrefillPlan":
-    """How a prompt of ``n`` tokens is prefilled: whole chunks of ``prefill_chunk`` tokens,
-    then the rest in its length bucket (one bucket when it fits one chunk)."""
-    chunk = self.options.prefill_chunk
-    full = (n - 1) // chunk  # whole chunks before the last (which holds 1..chunk tokens)
-    last = n - full * chunk
-    return _PrefillPlan(chunk=chunk, full=full, last=last, last_bucket=prompt_bucket(last))
-
-  def _prefill(self, ids, plan: "_PrefillPlan", state: EngineState, sizes: tuple, max_new,
-               stop_ids, sampling, on_progress):
-    """Runs ``plan`` over ``ids`` from the empty ``state``: (state, loop, logits [V] on the
-    device, seconds without compiles, programs executed). Every program is compiled before
-    the clock starts; each chunk is read back before the next is counted done."""
-    params, bank = self.params, self.bank
-    n = len(ids)
-    chunk_args = self._put((np.zeros((1, plan.chunk), np.int32), np.int32(plan.chunk)))
-    extend = {}  # by `fresh`: the first whole chunk, then the others
-    for fresh in [True, False][:plan.full]:
-      extend[fresh] = self._compiled(("prefill_chunk", plan.chunk, fresh, *sizes[:2]),
-                                     programs.extend_program, params, bank, state,
-                                     *chunk_args, fresh=fresh)
-    last_fresh = plan.full == 0
-    tokens = np.zeros((1, plan.last_bucket), np.int32)
-    tokens[0, :plan.last] = ids[n - plan.last:]
-    tokens, num_valid = self._put((tokens, np.int32(plan.last)))
-    last = self._compiled(("prefill", plan.last_bucket, last_fresh, *sizes),
-                          programs.prefill_program, params, bank, state, tokens, num_valid,
-                          max_new, stop_ids, sampling, fresh=last_fresh)
-    if on_progress is not None and plan.full:
-      on_progress(0, n)
-    t0 = time.perf_counter()
-    for i in range(plan.full):
-      piece = self._put((ids[None, i * plan.chunk:(i + 1) * plan.chunk], np.int32(plan.chunk)))
-      start = time.perf_counter()
-      state, _, record = extend[i == 0](params, bank, state, *piece)
-      self._keep(state)
-      self._record(record, plan.chunk, time.perf_counter() - start, "prefill")  # reads it back
-      if on_progress is not None:
-        on_progress((i + 1) * plan.chunk, n)
-    start = time.perf_counter()
-    state, loop, record, logits = last(params, bank, state, tokens, num_valid, max_new,
-                                       stop_ids, sampling)
-    self._keep(state)  # the engine always holds the newest cache, even if a read fails
-    jax.block_until_ready((loop.token, loop.done))
-    now = time.perf_counter()
-    self._record(record, plan.last, now - start, "prefill")
-    if on_progress is not None and plan.full:
-      on_progress(n, n)
-    return state, loop, logits, now - t0, plan.full + 1
 
   def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
                stop_tokens: Sequence[int] = (), on_token: Callable[[int], None] | None = None
                ) -> list[int]:
-    """New tokens after ``token_ids`` (a prefill program, then the decode loop)."""
+    """New tokens after ``token_ids`` (the prefill's chunks, then the decode loop)."""
     return self.generate_timed(token_ids, max_new_tokens, greedy, temperature=temperature,
                                top_p=top_p, seed=seed, top_k=top_k, stop_tokens=stop_tokens,
                                on_token=on_token).tokens
@@ -777,26 +963,23 @@ class Engine:
     ids = np.asarray(token_ids, np.int32).reshape(-1)
     self._check_ids(ids)
     self.check_context(len(ids), max_new_tokens)
-    stops = np.asarray(list(stop_tokens), np.int32).reshape(-1)
-    stop_ids = np.full(max(_STOP_BUCKET, -(-len(stops) // _STOP_BUCKET) * _STOP_BUCKET), -1,
-                       np.int32)
-    stop_ids[:len(stops)] = stops
-    plan = self._prefill_plan(len(ids))
-    capacity = max(plan.rows, min(-(-(len(ids) + max_new_tokens) // _STATE_BUCKET)
-                                  * _STATE_BUCKET, self.max_seq_len))
-    max_new, stop_ids, sampling = self._put((np.int32(max_new_tokens), stop_ids, sampling))
-    state = self._engine_state(self._new_state(1, capacity))
+    last = self.plan_chunks(0, len(ids))[-1]
+    capacity = self.kv_capacity(max(last.begin + last.size, len(ids) + max_new_tokens))
+    max_new, stop_ids, sampling = self._put((np.int32(max_new_tokens),
+                                             self.stop_ids(stop_tokens), sampling))
+    state = self._new_state(1, capacity)
     params, bank = self.params, self.bank
     compile_before = self.compile_s
-    sizes = (capacity, self._slot_capacity(), len(stop_ids), sampling.greedy, sampling.nucleus)
+    sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+    logits_spec = jax.ShapeDtypeStruct((self.model.config.vocab_size,), jnp.float32,
+                                       sharding=sharding)
+    first_fn = self.first_program(logits_spec, max_new, stop_ids, sampling)
     decode = None
     if max_new_tokens > 1:
-      sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
       scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
       loop_spec = programs.Loop(token=scalar, count=scalar, max_new=scalar,
                                 done=jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding))
-      decode = self._compiled(("decode", *sizes), programs.decode_program, params, bank, state,
-                              loop_spec, stop_ids, sampling)
+      decode = self.decode_program(self._engine_state(state), loop_spec, stop_ids, sampling)
 
     out: list[int] = []
 
@@ -806,11 +989,16 @@ class Engine:
         if on_token is not None:
           on_token(int(tok))
 
-    state, loop, _, prefill_s, executed = self._prefill(
-        ids, plan, state, sizes, max_new, stop_ids, sampling, on_progress)
+    decode_state, logits, _, prefill_s, executed = self.extend(
+        state, ids, on_progress=on_progress, start=0)
+    t0 = time.perf_counter()
+    loop = first_fn(logits, max_new, stop_ids, sampling)
     first, done = jax.device_get((loop.token, loop.done))
+    prefill_s += time.perf_counter() - t0
+    executed += 1
     if max_new_tokens > 0:
       emit([first])
+    state = self._engine_state(decode_state)
     t0 = time.perf_counter()
     chunk = self.options.decode_chunk
     if not done:

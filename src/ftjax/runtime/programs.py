@@ -1,10 +1,12 @@
 """The engine's compiled programs, held by a frozen, hashable ``Runner``.
 
-A request runs as two kinds of program (a session adds ``extend``, the next segment of a
-context appended to a state that already holds a prefix):
+A request runs as three kinds of program, whose shapes do not depend on the request:
 
-* ``prefill``: the prompt, padded to a length bucket (padding gets no expert route and does
-  not count in the length), then the first new token sampled on the device;
+* ``extend``: a chunk of the context (a prompt, or a session's next segment), padded to one of
+  a few chunk sizes (padding gets no expert route and does not count in the length), appended
+  to a state that already holds a prefix (none for a prompt's first chunk), against a KV
+  buffer of a fixed capacity addressed with the state's length;
+* ``first``: the first new token, sampled on the device from the last chunk's logits;
 * ``decode``: a ``lax.while_loop`` of up to ``Runner.chunk`` decode steps, each a forward
   pass plus sampling, stopped on the device by a stop token or ``max_new_tokens``. Its
   outputs are the chunk's tokens and, per step, the cache counts (and the routing record when
@@ -150,6 +152,9 @@ class Programs:
         programs = _SHARED[runner] = cls(runner)
       return programs
 
+  def __contains__(self, key: tuple) -> bool:
+    return key in self._table
+
   def compiled(self, key: tuple, program: Callable, *args, on_compile=None,
                **static) -> Callable:
     """The executable of ``program`` for ``key``, compiled ahead of time from ``args`` (and
@@ -235,37 +240,28 @@ def _stopped(token, count, max_new, stop_ids):
   return jnp.any(token == stop_ids) | (count >= max_new)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("fresh",),
-                   donate_argnames=("state",))
-def prefill_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid,
-                    max_new, stop_ids, sampling: Sampling, *, fresh: bool = True):
-  """The prompt ``tokens [1, bucket]`` (the first ``num_valid`` real) into a fresh state, or
-  with ``fresh=False`` the last chunk of a chunked prompt appended to the state that holds the
-  chunks before it; then the first new token. Returns (state, loop, record, logits [V] float32
-  after the last real token)."""
-  positions = state.decode.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  state, logits, record = runner.forward(params, bank, state, tokens, positions,
-                                         last_only=True, fresh=fresh, num_valid=num_valid)
-  token = sample(logits[0, -1], sampling, jnp.zeros((), jnp.int32))
+@functools.partial(jax.jit, static_argnums=0)
+def first_program(runner: Runner, logits, max_new, stop_ids, sampling: Sampling) -> Loop:
+  """The first new token, sampled from ``logits [V]`` (after a prompt's last token): the
+  decode loop's starting carry."""
+  del runner  # the table's key; the program needs only its arguments
+  token = sample(logits, sampling, jnp.zeros((), jnp.int32))
   count = jnp.ones((), jnp.int32)
-  loop = Loop(token=token, count=count, max_new=max_new,
+  return Loop(token=token, count=count, max_new=max_new,
               done=_stopped(token, count, max_new, stop_ids))
-  return state, loop, record, logits[0, -1]
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("fresh",),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
 def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid,
-                   snapshot_at=None, *, fresh: bool = False):
-  """``tokens [1, bucket]`` (the first ``num_valid`` real) appended to a state that already
-  holds ``state.decode.length`` tokens (a session's next segment of context, or a chunk of a
-  long prompt; ``fresh=True`` promises an empty state: the first chunk). The state's KV
-  capacity must hold the whole bucket past that length. Returns (state, logits [V] float32
-  after the last real token, record), and with ``snapshot_at`` (int32 [A] positions in the
-  segment) the recurrent layers' states after that many of its tokens (per layer, a
-  ``LinearState`` with a leading [A] axis, None for attention layers)."""
+                   snapshot_at=None):
+  """``tokens [1, size]`` (the first ``num_valid`` real) appended to a state that already
+  holds ``state.decode.length`` tokens (a prompt's chunk, or a session's next segment of
+  context). The state's KV capacity must hold the whole chunk past that length. Returns
+  (state, logits [V] float32 after the last real token, record), and with ``snapshot_at``
+  (int32 [A] positions in the chunk) the recurrent layers' states after that many of its
+  tokens (per layer, a ``LinearState`` with a leading [A] axis, None for attention layers)."""
   positions = state.decode.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  outs = runner.forward(params, bank, state, tokens, positions, last_only=True, fresh=fresh,
+  outs = runner.forward(params, bank, state, tokens, positions, last_only=True, fresh=False,
                         num_valid=num_valid, snapshot_at=snapshot_at)
   state, logits, record = outs[:3]
   if snapshot_at is None:

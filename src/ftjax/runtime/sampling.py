@@ -26,16 +26,16 @@ def check_sampling_args(greedy: bool, temperature: float, top_p: float, top_k: i
 
 @struct.dataclass
 class Sampling:
-  """How a request picks tokens. ``greedy`` and whether a filter (top-p or top-k) applies are
-  static (they change the program); the temperature, the top-p mass, k and the seed are data
-  (no recompile). ``make`` builds it on the host (numpy leaves); the engine moves it to the
-  device explicitly."""
+  """How a request picks tokens. Every field is data, so one compiled program serves every
+  request whatever its options: the device branches on ``greedy`` and ``nucleus`` (a
+  conditional runs only the branch taken, so greedy decoding pays no sort). ``make`` builds
+  it on the host (numpy leaves); the engine moves it to the device explicitly."""
   temperature: jax.Array  # float32 []
   top_p: jax.Array  # float32 []
   seed: jax.Array  # uint32 []
   top_k: jax.Array  # int32 []: keep the k most probable tokens (0: all)
-  greedy: bool = struct.field(pytree_node=False, default=True)
-  nucleus: bool = struct.field(pytree_node=False, default=False)  # top_p < 1 or top_k > 0
+  greedy: jax.Array  # bool []: argmax
+  nucleus: jax.Array  # bool []: a filter applies (top_p < 1 or top_k > 0)
 
   @classmethod
   def make(cls, *, greedy: bool, temperature: float = 1.0, top_p: float = 1.0,
@@ -44,26 +44,32 @@ class Sampling:
     if not 0 <= seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     return cls(temperature=np.float32(temperature), top_p=np.float32(top_p),
-               seed=np.uint32(seed), top_k=np.int32(min(top_k, 2**31 - 1)), greedy=bool(greedy),
-               nucleus=(not greedy) and (top_p < 1.0 or top_k > 0))
+               seed=np.uint32(seed), top_k=np.int32(min(top_k, 2**31 - 1)),
+               greedy=np.bool_(greedy), nucleus=np.bool_((not greedy) and (top_p < 1.0 or top_k > 0)))
 
 
 def sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
   """logits [V] float32 -> token id (int32 []); ``index`` is the token's number in the
   request (0 for the first new token), which picks its random draw."""
-  if sampling.greedy:
-    return jnp.argmax(logits).astype(jnp.int32)
-  z = logits.astype(jnp.float32) / sampling.temperature
-  if sampling.nucleus:
-    # Keep the smallest set of most probable tokens whose mass reaches top_p, and of those at
-    # most the top_k most probable (top_k 0: no limit).
-    probs = jax.nn.softmax(z)
-    order = jnp.argsort(-probs, stable=True)
-    sorted_p = probs[order]
-    keep_sorted = jnp.cumsum(sorted_p) - sorted_p < sampling.top_p
-    rank = jnp.arange(z.shape[-1], dtype=jnp.int32)
-    keep_sorted &= (sampling.top_k <= 0) | (rank < sampling.top_k)
-    keep = jnp.zeros(z.shape, bool).at[order].set(keep_sorted)
-    z = jnp.where(keep, z, -jnp.inf)
-  key = jax.random.fold_in(jax.random.key(sampling.seed), index)
-  return jax.random.categorical(key, z).astype(jnp.int32)
+  logits = logits.astype(jnp.float32)
+
+  def draw(z):
+    z = jax.lax.cond(sampling.nucleus, _filtered, lambda z, s: z, z, sampling)
+    key = jax.random.fold_in(jax.random.key(sampling.seed), index)
+    return jax.random.categorical(key, z).astype(jnp.int32)
+
+  return jax.lax.cond(sampling.greedy, lambda z: jnp.argmax(z).astype(jnp.int32),
+                      lambda z: draw(z / sampling.temperature), logits)
+
+
+def _filtered(z: jax.Array, sampling: Sampling) -> jax.Array:
+  """``z`` with -inf outside the smallest set of most probable tokens whose mass reaches
+  top_p, and of those at most the top_k most probable (top_k 0: no limit)."""
+  probs = jax.nn.softmax(z)
+  order = jnp.argsort(-probs, stable=True)
+  sorted_p = probs[order]
+  keep_sorted = jnp.cumsum(sorted_p) - sorted_p < sampling.top_p
+  rank = jnp.arange(z.shape[-1], dtype=jnp.int32)
+  keep_sorted &= (sampling.top_k <= 0) | (rank < sampling.top_k)
+  keep = jnp.zeros(z.shape, bool).at[order].set(keep_sorted)
+  return jnp.where(keep, z, -jnp.inf)

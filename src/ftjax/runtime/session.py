@@ -52,10 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.model import DecodeState, KVCache, LinearState
-from ftjax.runtime import checkpoint, programs
+from ftjax.runtime import checkpoint
 from ftjax.runtime.checkpoint import CheckpointError
-from ftjax.runtime.engine import _STATE_BUCKET, _STOP_BUCKET, Engine, prompt_bucket, state_bytes
-from ftjax.runtime.sampling import Sampling, sample
+from ftjax.runtime.engine import Engine, state_bytes
+from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.tokenizer import load_tokenizer
 
 # Special tokens at which anchors are taken by default (Qwen's chat tokens), and the one that
@@ -64,6 +64,9 @@ DEFAULT_ANCHOR_TOKENS = ("<|im_start|>", "<think>", "</think>", "<tool_call>", "
                          "<tool_response>", "</tool_response>")
 TURN_TOKEN = "<|im_start|>"
 DEFAULT_ANCHOR_BUDGET_BYTES = 1 << 30
+# Anchors one prefill chunk can take (its program's fixed count): a chunk that would hold more
+# ends before the next.
+ANCHOR_SLOTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +107,6 @@ def _close_writers(writers: dict) -> None:
   for writer in writers.values():
     writer.wait()
     writer.close()
-
-
-@jax.jit
-def _sample_first(logits, sampling: Sampling):
-  return sample(logits, sampling, jnp.zeros((), jnp.int32))
 
 
 class Session:
@@ -206,6 +204,13 @@ class Session:
     return bool(self._recurrent and self.anchor_ids
                 and self.anchor_bytes <= self.anchor_budget_bytes)
 
+  @property
+  def anchor_slots(self) -> int:
+    """Anchors each prefill chunk's program can take (0 when this session takes none inside
+    a prefill): with the engine's ``programs_needed(anchor_slots)``, every program this
+    session can run."""
+    return ANCHOR_SLOTS if self.anchoring and self.anchor_prefill == "inside" else 0
+
   # -- State ----------------------------------------------------------------------------------
 
   @property
@@ -214,17 +219,12 @@ class Session:
     return self._fed + ([self._pending] if self._pending is not None else [])
 
   def _ensure_capacity(self, needed: int) -> None:
-    """A state whose KV caches hold at least ``needed`` rows (whole buckets)."""
-    capacity = max(_STATE_BUCKET, -(-needed // _STATE_BUCKET) * _STATE_BUCKET)
+    """A state whose KV caches hold at least ``needed`` rows (one of the engine's
+    ``kv_capacities``)."""
     if self._state is None:
-      self._state = self.engine._new_state(1, capacity)
-      return
-    held = self._state.capacity
-    if held and held < needed:
-      self.engine._fit_cache_to_state(1, capacity)
-      grow = self.engine._compiled(("grow", held, capacity), programs.grow_program,
-                                   self._state, capacity=capacity)
-      self._state = grow(self._state)
+      self._state = self.engine.new_state(1, needed)
+    else:
+      self._state = self.engine.grow_state(self._state, needed)
 
   def _rewind(self, position: int, anchor: Anchor | None) -> None:
     """The state after ``self._fed[:position]``: KV caches truncated; recurrent layers from
@@ -315,53 +315,19 @@ class Session:
       del self._anchors[victim.position]
 
   def _extend(self, segment: Sequence[int], anchors_at: Sequence[int] = ()) -> jax.Array:
-    """Reads ``segment`` after the tokens already read; returns the logits after it. Anchors
-    are taken inside it at the positions ``anchors_at`` (counted in the context; the token at
-    each is a boundary). A segment longer than the engine's ``prefill_chunk`` is read chunk
-    by chunk (bounded activation memory), each chunk taking the anchors that fall in it."""
-    chunk = self.engine.options.prefill_chunk
-    logits = None
-    for start in range(0, len(segment), chunk):
-      piece = segment[start:start + chunk]
-      first = len(self._fed)
-      logits = self._extend_piece(
-          piece, [p for p in anchors_at if first <= p < first + len(piece)])
-    return logits
-
-  def _extend_piece(self, segment: Sequence[int], anchors_at: Sequence[int] = ()) -> jax.Array:
-    """``_extend`` of at most one chunk, in one extend program."""
+    """Reads ``segment`` after the tokens already read, in the engine's fixed-size chunks
+    (``Engine.extend``); returns the logits after it. Anchors are taken inside it at the
+    positions ``anchors_at`` (counted in the context; the token at each is a boundary)."""
     engine = self.engine
-    n = len(segment)
-    bucket = prompt_bucket(n)
-    length = len(self._fed)
-    self._ensure_capacity(length + bucket)
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, :n] = segment
-    tokens, num_valid = jax.device_put((tokens, np.int32(n)))
-    args = [tokens, num_valid]
-    if anchors_at:
-      slots = max(4, 1 << (len(anchors_at) - 1).bit_length())  # few compiles
-      at = np.zeros(slots, np.int32)
-      at[:len(anchors_at)] = [p - length for p in anchors_at]
-      args.append(jax.device_put(at))
-    est = engine._engine_state(self._state)
-    params, bank = engine.params, engine.bank
-    key = ("extend", bucket, self._state.capacity, engine._slot_capacity(),
-           len(args[2]) if anchors_at else 0)
-    fn = engine._compiled(key, programs.extend_program, params, bank, est, *args)
-    t0 = time.perf_counter()
-    est, logits, record, *snaps = fn(params, bank, est, *args)
-    self._state = engine._keep(est)
-    if record.stats is not None or record.routing is not None:
-      jax.block_until_ready(logits)
-      engine._record(record, n, time.perf_counter() - t0, "prefill")
+    first = len(self._fed)
+    last = engine.plan_chunks(first, len(segment))[-1]
+    self._ensure_capacity(first + last.begin + last.size)
+    self._state, logits, snapshots, _, _ = engine.extend(
+        self._state, segment, anchors_at=[p - first for p in anchors_at],
+        anchor_slots=self.anchor_slots, start=first)
     self._fed.extend(int(t) for t in segment)
-    if anchors_at:
-      host = jax.device_get({i: snaps[0][i] for i in self._recurrent})
-      for j, position in enumerate(anchors_at):
-        layers = {i: jax.tree.map(lambda x: np.array(x[j], copy=True), host[i])
-                  for i in self._recurrent}
-        self._store(position, layers, self._fed, self._fed[position])
+    for position, layers in snapshots:
+      self._store(first + position, layers, self._fed, self._fed[first + position])
     return logits
 
   # -- Public API -----------------------------------------------------------------------------
@@ -452,13 +418,12 @@ class Session:
     if max_new_tokens == 0:
       return []
     pause = sorted(user_stops | (self.anchor_ids if self.anchoring else set()))
-    stop_ids = np.full(max(_STOP_BUCKET, -(-len(pause) // _STOP_BUCKET) * _STOP_BUCKET), -1,
-                       np.int32)
-    stop_ids[:len(pause)] = pause
     self._ensure_capacity(len(self._fed) + max_new_tokens)
-    stop_ids, sampling_dev, max_new = jax.device_put(
-        (stop_ids, sampling, np.int32(max_new_tokens)))
-    first = int(_sample_first(jnp.asarray(self._logits), sampling_dev))
+    stop_ids, sampling_dev, max_new, logits = jax.device_put(
+        (engine.stop_ids(pause), sampling, np.int32(max_new_tokens), self._logits))
+    loop = engine.first_program(logits, max_new, stop_ids, sampling_dev)(
+        logits, max_new, stop_ids, sampling_dev)
+    first = int(loop.token)
     out: list[int] = []
 
     def emit(tok: int) -> None:
@@ -472,16 +437,12 @@ class Session:
     emit(first)
     self._pending, self._logits = first, None
     params, bank = engine.params, engine.bank
-    loop = programs.Loop(token=jnp.asarray(first, jnp.int32), count=jnp.ones((), jnp.int32),
-                         max_new=max_new, done=jnp.zeros((), jnp.bool_))
+    loop = loop.replace(done=jnp.zeros((), jnp.bool_))  # a pause token stops only the host
     while not finished(self._pending) and not (cancel is not None and cancel()):
       if self.anchoring and self._pending in self.anchor_ids:
         self._snapshot(self._pending)  # before the boundary token is read
       est = engine._engine_state(self._state)
-      sizes = (self._state.capacity, engine._slot_capacity(), len(stop_ids), sampling.greedy,
-               sampling.nucleus)
-      decode = engine._compiled(("decode", *sizes), programs.decode_program, params, bank, est,
-                                loop, stop_ids, sampling_dev)
+      decode = engine.decode_program(est, loop, stop_ids, sampling_dev)
       t0 = time.perf_counter()
       est, loop, new, steps, record = decode(params, bank, est, loop, stop_ids, sampling_dev)
       self._state = engine._keep(est)

@@ -57,7 +57,10 @@ class ServerConfig:
   default_max_tokens: the completion limit of a chat request that gives none (clipped to the
     context left).
   session_budget_bytes, max_sessions, session_reuse, anchor_budget_bytes: the session pool
-    (``session_reuse=False``: a fresh session per request, nothing reused)."""
+    (``session_reuse=False``: a fresh session per request, nothing reused).
+  precompile: compile every program a request can run (``Engine.programs_needed``) before
+    the first request is served, so that no request waits for a compile; ``GET /health``
+    answers 503 with the progress until then. ``python -m ftjax.serve`` does by default."""
   model_name: str = "default"
   max_queue: int = 16
   max_body_bytes: int = 8 << 20
@@ -66,6 +69,7 @@ class ServerConfig:
   max_sessions: int = 8
   session_reuse: bool = True
   anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES
+  precompile: bool = False
 
   def __post_init__(self):
     for name in ("max_queue", "default_max_tokens", "max_sessions", "max_body_bytes"):
@@ -127,6 +131,10 @@ class Worker:
     self.running = False
     self.mean_job_s = 1.0  # running mean, for Retry-After
     self.last_outcome: Outcome | None = None
+    # Start-up compilation: programs to compile, compiled so far, seconds, done, error.
+    self.startup: dict[str, Any] = {"precompile": config.precompile, "programs": 0,
+                                    "compiled": 0, "seconds": 0.0,
+                                    "done": not config.precompile, "error": None}
     self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
     self._thread.start()
 
@@ -144,7 +152,36 @@ class Worker:
     self._jobs.put(None)
     self._thread.join(timeout=60)
 
+  def _precompile(self) -> None:
+    """Compiles every program a request can run before taking the first job, with progress
+    in ``startup`` and the log."""
+    anchor_slots = self.pool.new_session().anchor_slots
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int, key: tuple) -> None:
+      self.startup.update(programs=total, compiled=done, seconds=time.perf_counter() - t0)
+      if done == 0:
+        _LOG.warning("ftjax.serve: compiling the %d programs a request can run before serving "
+                     "(a later start reads them from the compilation cache)", total)
+      _LOG.warning("ftjax.serve: compiling %d/%d: the %s program for %s", done + 1, total,
+                   key[0], key[1:])
+
+    try:
+      keys = self.engine.precompile(anchor_slots, progress)
+    except Exception as e:  # noqa: BLE001 - the server still serves, compiling as it goes
+      self.startup.update(error=f"{type(e).__name__}: {e}")
+      _LOG.error("ftjax.serve: start-up compilation failed (%s): requests compile as they "
+                 "come", self.startup["error"])
+    else:
+      self.startup.update(programs=len(keys), compiled=len(keys))
+      _LOG.warning("ftjax.serve: compiled %d programs in %.1f s; ready (%d held in all)",
+                   len(keys), time.perf_counter() - t0,
+                   len(self.engine.programs_needed(anchor_slots)))
+    self.startup.update(seconds=time.perf_counter() - t0, done=True)
+
   def _run(self) -> None:
+    if not self.startup["done"]:
+      self._precompile()
     while True:
       job = self._jobs.get()
       if job is None:
@@ -286,10 +323,15 @@ class Server:
     self.encoder = TurnEncoder(self.tokenizer)
     self.template = load_chat_template(model.path)
     self.metrics = Metrics()
+    engine.compile_listener = self._compiled
     self.worker = Worker(engine, config)
     self.metrics.bind(self.worker, engine)
     self.created = int(time.time())
-    engine.compile_listener = _warn_compile
+
+  def _compiled(self, key: tuple, seconds: float) -> None:
+    worker = getattr(self, "worker", None)  # None while the worker starts
+    if worker is not None and worker.startup["done"]:  # start-up compiles log as progress
+      _warn_compile(key, seconds)
 
 
   # -- Requests to jobs ---------------------------------------------------------------------
@@ -621,8 +663,12 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
   @app.get("/health")
   async def health():
     w = server.worker
-    return {"status": "ok", "model": config.model_name, "waiting": w.waiting,
-            "running": w.running}
+    startup = dict(w.startup)
+    body = {"status": "ok" if startup["done"] else "starting", "model": config.model_name,
+            "waiting": w.waiting, "running": w.running, "startup": startup}
+    # 503 until start-up compilation is done (as llama-server while it loads): requests sent
+    # before then wait for it.
+    return JSONResponse(body, status_code=200 if startup["done"] else 503)
 
   @app.get("/v1/models")
   async def models():

@@ -77,6 +77,12 @@ class Metrics:
           registry=r).set_function(lambda: pool.stats()["anchors"])
     Gauge("ftjax_anchor_bytes", "bytes of the anchors held",
           registry=r).set_function(lambda: pool.stats()["anchor_bytes"])
+    Gauge("ftjax_startup_done", "1 once start-up compilation is done (or not asked for)",
+          registry=r).set_function(lambda: int(worker.startup["done"]))
+    Gauge("ftjax_startup_programs", "programs compiled at start-up",
+          registry=r).set_function(lambda: worker.startup["compiled"])
+    Gauge("ftjax_startup_seconds", "seconds of start-up compilation",
+          registry=r).set_function(lambda: worker.startup["seconds"])
     r.register(_CacheTotals(engine))
 
   def finished(self, endpoint: str, outcome) -> None:

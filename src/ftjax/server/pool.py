@@ -43,9 +43,13 @@ class SessionPool:
     self.forked = 0
     self.evicted = 0
 
+  def new_session(self) -> Session:
+    """A session as the pool makes them (not held by the pool)."""
+    return Session(self.engine, anchor_budget_bytes=self.anchor_budget_bytes)
+
   def _new(self) -> Session:
     self.created += 1
-    return Session(self.engine, anchor_budget_bytes=self.anchor_budget_bytes)
+    return self.new_session()
 
   def take(self, token_ids: Sequence[int]) -> Session:
     """The session to serve ``token_ids`` with (the best match, or a new one); it becomes the

@@ -1,0 +1,128 @@
+"""Start-up of ``python -m ftjax.serve`` with its start-up compilation (``--precompile``, on by
+default): cold and warm from the persistent compilation cache.
+
+  python benchmarks/serve_startup.py [--rounds=2] [--models=default,default-hybrid,DIR]
+
+For each model, a fresh server process three ways, alternating within each round:
+
+* cold: an empty ``FTJAX_CACHE_DIR`` (every program compiled, then stored);
+* warm: the same directory again (every program loaded from the cache);
+* lazy: ``--noprecompile`` with the warm cache (ready at once; requests compile as they come).
+
+Reported per way: seconds from the process's start to ``GET /health`` answering 200 (the
+interpreter, jax and the model's loading included), the programs compiled at start-up and
+their seconds as ``/health`` reports them, and the compiles the first request paid
+(``/metrics``). The first request is a 600-token completion of one token. Medians over
+rounds; writes ``results/serve_startup.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import machine_info, write_results
+
+LISTEN = re.compile(r"on http://\[?([^\]/]+?)\]?:(\d+)/v1")
+
+
+def _get(port: int, path: str, body: dict | None = None) -> tuple[int, str]:
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+  if body is None:
+    conn.request("GET", path)
+  else:
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+  response = conn.getresponse()
+  text = response.read().decode()
+  conn.close()
+  return response.status, text
+
+
+def _metric(text: str, name: str) -> float:
+  return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def run(model: str, cache_root: str, *flags: str) -> dict:
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["FTJAX_CACHE_DIR"] = cache_root
+  t0 = time.perf_counter()
+  proc = subprocess.Popen([sys.executable, "-m", "ftjax.serve", f"--model={model}", "--port=0",
+                           *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True, env=env)
+  try:
+    port = None
+    while port is None:
+      line = proc.stdout.readline()
+      if not line:
+        raise RuntimeError(f"ftjax.serve exited ({proc.wait()}) before listening")
+      found = LISTEN.search(line)
+      port = int(found.group(2)) if found else None
+    while True:
+      try:
+        status, text = _get(port, "/health")
+      except OSError:
+        status = None
+      if status == 200:
+        break
+      if time.perf_counter() - t0 > 900:
+        raise RuntimeError("the server was not ready after 900 s")
+      time.sleep(0.05)
+    ready = time.perf_counter() - t0
+    startup = json.loads(text)["startup"]
+    before = _metric(_get(port, "/metrics")[1], "ftjax_compiles_total")
+    prompt = " ".join(f"word{i}" for i in range(300))
+    t1 = time.perf_counter()
+    status, _ = _get(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1,
+                                               "temperature": 0})
+    first = time.perf_counter() - t1
+    after = _metric(_get(port, "/metrics")[1], "ftjax_compiles_total")
+    return {"ready_s": ready, "startup_programs": startup["compiled"],
+            "startup_compile_s": startup["seconds"], "first_request_s": first,
+            "first_request_compiles": after - before, "first_request_status": status}
+  finally:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--models", default="default,default-hybrid")
+  args = parser.parse_args()
+  results = {"machine": machine_info(), "command": "python -m ftjax.serve --port=0",
+             "models": {}}
+  for model in args.models.split(","):
+    rows = {"cold": [], "warm": [], "lazy": []}
+    for r in range(args.rounds):
+      root = tempfile.mkdtemp(prefix="ftjax-serve-startup-")
+      try:
+        rows["cold"].append(run(model, root, "--served_model_name=m"))
+        rows["warm"].append(run(model, root, "--served_model_name=m"))
+        rows["lazy"].append(run(model, root, "--served_model_name=m", "--noprecompile"))
+      finally:
+        shutil.rmtree(root, ignore_errors=True)
+      print(f"{model} round {r + 1}: " + ", ".join(
+          f"{way} ready {rows[way][-1]['ready_s']:.1f} s, first request "
+          f"{rows[way][-1]['first_request_s']:.2f} s" for way in rows), flush=True)
+    summary = {way: {key: statistics.median(row[key] for row in rows[way])
+                     for key in rows[way][0]} for way in rows}
+    results["models"][model] = {"rounds": rows, "median": summary}
+    for way, row in summary.items():
+      print(f"{model:>16} {way:>5}: ready in {row['ready_s']:6.1f} s "
+            f"({row['startup_programs']:.0f} programs at start-up, "
+            f"{row['startup_compile_s']:.1f} s); first request {row['first_request_s']:.2f} s "
+            f"with {row['first_request_compiles']:.0f} compiles", flush=True)
+  print("wrote", write_results("serve_startup", results))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,120 @@
+"""Compile-free serving (issue 29): a server started with ``precompile`` compiles every program
+a request can run before it reports ready, and then a scripted agent session, whose context
+grows past KV capacities and chunk sizes, with dropped thinking, trimmed tool results,
+sampled and greedy replies and stop strings, compiles nothing more. Through a real server
+on 127.0.0.1 and the ``openai`` client."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import sysconfig
+import time
+
+import openai
+import pytest
+
+import ftjax
+from ftjax.runtime.tokenizer import load_tokenizer
+from ftjax.server import BackgroundServer, ServerConfig, create_app
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}]
+
+
+def _get(server, path):
+  conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+  conn.request("GET", path)
+  response = conn.getresponse()
+  body = response.read().decode()
+  conn.close()
+  return response.status, body
+
+
+def _texts(tokenizer):
+  """Windows of standard-library source of a given token count."""
+  source = open(sysconfig.get_paths()["stdlib"] + "/argparse.py", encoding="utf-8").read()
+  offset = 0
+
+  def take(tokens):
+    nonlocal offset
+    ids = tokenizer.encode(source[offset:offset + 8 * tokens])[:tokens]
+    offset += 8 * tokens
+    return tokenizer.decode(ids)
+  return take
+
+
+def _requests(take, turns):
+  """An agent's requests: each turn appends a reply (reasoning and a tool call) and its tool
+  result; only the newest reply keeps its reasoning, and every third request the result two
+  turns back is cut short, as context-trimming clients do."""
+  history = [{"role": "system", "content": "You are a coding agent. " + take(20)},
+             {"role": "user", "content": "Fix the failing test. " + take(20)}]
+  results, out = [], []
+  for turn in range(turns):
+    request = [dict(m) for m in history]
+    replies = [i for i, m in enumerate(request) if m["role"] == "assistant"]
+    for i in replies[:-1]:
+      request[i].pop("reasoning_content", None)
+    if len(results) >= 2 and turn % 3 == 2:
+      history[results[-2]]["content"] = history[results[-2]]["content"][:60] + " [cut]"
+      request[results[-2]] = dict(history[results[-2]])
+    out.append(request)
+    history.append({"role": "assistant", "content": "", "reasoning_content": take(40),
+                    "tool_calls": [{"id": f"c{turn}", "type": "function", "function": {
+                        "name": "read_file",
+                        "arguments": json.dumps({"path": f"src/m{turn}.py"})}}]})
+    history.append({"role": "tool", "tool_call_id": f"c{turn}", "content": take(450)})
+    results.append(len(history) - 1)
+  return out
+
+
+def test_a_precompiled_server_compiles_nothing_while_serving():
+  # Small chunks and two capacities, so that a short session crosses them: KV buffers of
+  # 4096 and 16384 + 16 rows (grown with a copy), chunks of 256, 64 and 16 tokens.
+  engine = ftjax.Engine(ftjax.load("default-hybrid"), max_seq_len=16384, prefill_chunk=256,
+                        kv_growth="grow", decode_chunk=4)
+  assert engine.kv_capacities == (4096, 16384 + 16) and engine.chunk_sizes == (256, 64, 16)
+  server = BackgroundServer(create_app(engine, ServerConfig(model_name="m", precompile=True)))
+  try:
+    statuses = []
+    deadline = time.monotonic() + 600
+    while True:
+      status, body = _get(server, "/health")
+      statuses.append(status)
+      if status == 200 or time.monotonic() > deadline:
+        break
+      assert status == 503 and json.loads(body)["status"] == "starting"
+      time.sleep(0.05)
+    startup = json.loads(body)["startup"]
+    assert statuses[-1] == 200 and startup["done"] and startup["error"] is None
+    needed = engine.programs_needed(anchor_slots=8)  # a hybrid model's sessions take anchors
+    assert len(needed) == 2 * (3 + 1) + 1 + 1  # per capacity 3 chunks and decode; first; grow
+    assert all(key in engine.programs for key in needed)
+    compiled = engine.compile_count
+    assert startup["compiled"] == compiled <= len(needed)
+
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                        timeout=300)
+    take = _texts(load_tokenizer(engine.model.path, engine.model.config.vocab_size))
+    options = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=1),
+               dict(temperature=0.7, seed=2, stop=["\n\n"]),
+               dict(temperature=1.0, extra_body={"top_k": 5}, seed=3)]
+    longest = 0
+    for i, messages in enumerate(_requests(take, 13)):
+      out = oai.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                        max_tokens=3 + 5 * (i % 3), **options[i % 4])
+      longest = max(longest, out.usage.prompt_tokens)
+    # Raw completions that start new conversations, a short and a long one.
+    oai.completions.create(model="m", prompt=take(300), max_tokens=2, temperature=0)
+    oai.completions.create(model="m", prompt=take(5000), max_tokens=1, temperature=0)
+    assert longest > 4096  # the session outgrew the first KV buffer
+    assert engine.compile_count == compiled, "a request compiled a program"
+    _, text = _get(server, "/metrics")
+    assert float(re.search(r"^ftjax_compiles_total (\S+)$", text, re.M).group(1)) == compiled
+    assert float(re.search(r"^ftjax_startup_done (\S+)$", text, re.M).group(1)) == 1
+  finally:
+    server.stop()
