@@ -41,7 +41,9 @@ the identical text through their completion endpoints, asking for exactly one gr
 a request's wall time in the client (``http.client``, body serialised beforehand, one kept-alive
 connection) is its TTFT:
 
-- ftjax: ``python -m ftjax.serve --model FTW --port P`` (one sequence, its default threads),
+- ftjax: ``python -m ftjax.serve --model FTW --port P --max_seq_len CONTEXT`` (one sequence,
+  its default threads, the same context as llama-server's; it compiles its programs at
+  start-up, ``--precompile``),
   ``POST /v1/completions`` ``{"model", "prompt", "max_tokens": 1, "temperature": 0}``;
 - llama-server: ``llama-server -m GGUF -t 2 -c CONTEXT -np 1 --host 127.0.0.1 --port P``
   (CONTEXT: 1.25x the longest prompt + 16, rounded up to 256; llama.cpp's own token counts
@@ -338,8 +340,9 @@ def compile_metrics(port: int) -> dict:
           "compile_s": metric(text, "ftjax_compile_seconds_total")}
 
 
-def run_ftjax(args, ftw_dir: str, reqs: list[dict], rnd: int) -> dict:
-  cmd = [sys.executable, "-m", "ftjax.serve", "--model", ftw_dir, "--port", str(free_port())]
+def run_ftjax(args, ftw_dir: str, reqs: list[dict], rnd: int, context: int) -> dict:
+  cmd = [sys.executable, "-m", "ftjax.serve", "--model", ftw_dir, "--port", str(free_port()),
+         "--max_seq_len", str(context)]
   server = Server("ftjax.serve", cmd, os.path.join(args.cache_dir, f"ftjax-round{rnd}.log"),
                   cwd=args.cache_dir)
   model = os.path.basename(os.path.normpath(ftw_dir))  # its default served name
@@ -509,7 +512,7 @@ def main() -> None:
     for side in order:
       print(f"round {rnd + 1}: {side}", flush=True)
       if side == "ftjax":
-        res = run_ftjax(args, ftw_dir, reqs, rnd)
+        res = run_ftjax(args, ftw_dir, reqs, rnd, context)
         extra = (f", {res['compiles_after_start']:g} compiles after start-up "
                  f"({res['compile_s_after_start']:.2f} s)"
                  if res["compiles_after_start"] is not None else ", compile metrics missing")
