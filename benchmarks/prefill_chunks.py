@@ -102,9 +102,10 @@ def main() -> None:
     print(f"  {chunk:>13} " + "".join(f"{med[chunk][n]:9.0f}" for n in suffixes) + mark)
   if llama_med:
     print("  {:>13} ".format("llama.cpp") + "".join(f"{llama_med[n]:9.0f}" for n in suffixes))
-    if default in med:
-      print("  ratio of the default to llama.cpp: " + ", ".join(
-          f"{n}: {med[default][n] / llama_med[n]:.2f}" for n in suffixes))
+    for chunk in chunks:
+      mark = " (default)" if chunk == default else ""
+      print(f"  ratio to llama.cpp, prefill_chunk {chunk}{mark}: " + ", ".join(
+          f"{n}: {med[chunk][n] / llama_med[n]:.2f}" for n in suffixes))
   results = {"machine": machine_info(), "model": args.model, "context": len(base),
              "suffixes": suffixes, "rounds": args.rounds, "default_prefill_chunk": default,
              "ftjax_tok_s": {str(c): {str(n): v for n, v in per.items()} for c, per in med.items()},
@@ -112,9 +113,8 @@ def main() -> None:
                               for c, per in rows.items()},
              "llama_tok_s": {str(n): v for n, v in llama_med.items()},
              "llama_rounds": {str(n): v for n, v in llama.items()},
-             "ratio_default_to_llama": ({str(n): med[default][n] / llama_med[n]
-                                         for n in suffixes} if llama_med and default in med
-                                        else None)}
+             "ratio_to_llama": ({str(c): {str(n): med[c][n] / llama_med[n] for n in suffixes}
+                                 for c in chunks} if llama_med else None)}
   print("wrote", write_results("prefill_chunks", results))
 
 

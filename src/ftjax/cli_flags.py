@@ -55,7 +55,7 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "where the host expert pool lives: device (CPU default), pinned_host (fills as "
           "async copies), mapped (GPU, registered by the CUDA module); auto picks per backend"),
       "prefill_chunk": flags.DEFINE_integer(
-          "prefill_chunk", 2048, "the most tokens one prefill program reads: a prompt is read "
+          "prefill_chunk", 1024, "the most tokens one prefill program reads: a prompt is read "
           "in chunks of this size and its quarters down to 16 (bounded activation memory, "
           "the same programs for every length)", lower_bound=1),
       "kv_growth": flags.DEFINE_enum(

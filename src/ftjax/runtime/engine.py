@@ -173,9 +173,10 @@ class RuntimeOptions:
     device); long prefills do not stream. Test it on a CPU with ``JAX_NUM_CPU_DEVICES=4``.
   prefill_chunk: the most tokens one prefill program reads. A prompt (or a session's next
     segment) is read in chunks of a few fixed sizes, this one and its quarters down to 16
-    (``chunk_sizes``; 2048, 512, 128, 32), each chunk's queries attending the KV cache written
+    (``chunk_sizes``; 1024, 256, 64, 16), each chunk's queries attending the KV cache written
     so far: a prefill's activation memory is bounded by one chunk, and a context of any length
-    runs the same compiled programs (``split_tokens`` says how a length is split).
+    runs the same compiled programs (``split_tokens`` says how a length is split). 1024 was
+    the fastest of 256-2048 for suffixes of 60-2000 tokens (``benchmarks/prefill_chunks.py``).
   kv_growth: how a decode state's KV buffer is sized. Programs are compiled per KV capacity,
     and the buffer is addressed with the state's length, so its capacity is not the context's.
     "max": one buffer of the whole context limit (``max_seq_len`` plus one small chunk's
@@ -207,7 +208,7 @@ class RuntimeOptions:
   prefill_stream: str = "auto"
   host_gflops: float | None = None
   devices: int | None = None
-  prefill_chunk: int = 2048
+  prefill_chunk: int = 1024
   kv_dtype: str | None = None
   kv_growth: str = "auto"
 
@@ -782,6 +783,8 @@ class Engine:
     of each chunk as it completes, when there is more than one (``done = 0`` first)."""
     ids = np.asarray(ids, np.int32).reshape(-1)
     n = len(ids)
+    if n == 0:
+      raise ValueError("extend needs at least one token to read")
     if start is None:
       start = int(state.length)
     plan = self.plan_chunks(start, n, sorted(anchors_at), anchor_slots)
@@ -876,11 +879,11 @@ class Engine:
     """Compiles every program of ``programs_needed(anchor_slots)`` not compiled yet (from
     abstract shapes: no state is allocated), so that no request compiles. Returns the keys
     compiled now; ``on_progress(done, total, key)`` is told before each."""
+    if self.mesh is not None:
+      raise ValueError("precompile compiles one device's programs; an engine with devices= "
+                       "compiles its programs on first use")
     keys = [key for key in self.programs_needed(anchor_slots) if key not in self.programs]
-    sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-
-    def spec(shape, dtype):
-      return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    spec = jax.ShapeDtypeStruct
 
     sampling = jax.tree.map(lambda x: spec(np.shape(x), np.asarray(x).dtype),
                             Sampling.make(greedy=True))
