@@ -191,18 +191,20 @@ def test_requests_of_any_length_and_sampling_do_not_recompile(sharp_model):
   engine = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK,
                         **_options(sharp_model, "freetoken", 5))
   engine.generate([1, 2, 3], 5)
+  assert engine.compile_count == 3  # an extend chunk, the first token, the decode loop
+  assert sorted(key[0] for key in engine.programs_needed()) == ["decode"] + ["extend"] * len(
+      engine.chunk_sizes) + ["first"]
+  engine.precompile()  # the other chunk sizes
   first = engine.compile_count
-  assert first == 3  # an extend chunk, the first token, the decode loop
-  # Other prompt lengths (two chunks for 40 tokens), lengths, stop lists, greedy and sampled
-  # with and without a top-p or top-k filter: the same programs.
+  assert first == len(engine.programs_needed())
+  # Other prompt lengths (one to three chunks), lengths, stop lists, greedy and sampled with
+  # and without a top-p or top-k filter: the same programs.
   engine.generate([7] * 11, 9, stop_tokens=(5,))
   engine.generate([4, 5], 1, greedy=True)
   engine.generate([4, 5, 6], 6, greedy=False, temperature=0.7, top_p=0.9, seed=1)
   engine.generate([9] * 40, 4, greedy=False, temperature=1.7, top_k=3, seed=2)
-  engine.generate([9] * 13, 4, greedy=False, temperature=1.7, seed=2)
+  engine.generate([9] * 100, 4, greedy=False, temperature=1.7, seed=2)
   assert engine.compile_count == first
-  assert sorted(key[0] for key in engine.programs_needed()) == ["decode"] + ["extend"] * len(
-      engine.chunk_sizes) + ["first"]
   # A second engine of the same model and options shares the compiled programs.
   other = ftjax.Engine(sharp_model, kernels="ffi", decode_chunk=CHUNK,
                        **_options(sharp_model, "freetoken", 5))
@@ -269,6 +271,34 @@ def test_chunk_sizes_and_splits():
     tail = n % 2048 or 2048
     assert sum(s for _, s in chunks) - n < max(tail, 32)  # padding under the tail's length
     assert len(chunks) <= n // 2048 + 5
+
+
+def test_plan_chunks_bounds_anchors_and_the_kv_buffer(sharp_model):
+  engine = ftjax.Engine(sharp_model, kernels="ffi", prefill_chunk=64, max_seq_len=200,
+                        kv_growth="max")
+  assert engine.chunk_sizes == (64, 16) and engine.kv_capacities == (216,)
+
+  def check(start, n, plan, anchors=()):
+    assert [c.begin for c in plan] == list(np.cumsum([0] + [c.tokens for c in plan[:-1]]))
+    assert sum(c.tokens for c in plan) == n
+    assert all(0 < c.tokens <= c.size for c in plan)
+    assert all(start + c.begin + c.size <= engine.kv_capacities[-1] for c in plan)
+    assert [c.begin + p for c in plan for p in c.anchors] == sorted(anchors)
+
+  plan = engine.plan_chunks(0, 100)
+  assert [(c.tokens, c.size) for c in plan] == [(64, 64), (36, 64)]
+  check(0, 100, plan)
+  # Near the limit the padding of a 64-chunk would run past the buffer: 16-chunks instead.
+  plan = engine.plan_chunks(100, 100)
+  assert [(c.tokens, c.size) for c in plan] == [(64, 64), (16, 16), (16, 16), (4, 16)]
+  check(100, 100, plan)
+  # At most 8 anchors a chunk: a chunk that would hold more ends before the ninth.
+  anchors = list(range(0, 100, 3))
+  plan = engine.plan_chunks(0, 100, anchors, anchor_slots=8)
+  assert all(len(c.anchors) <= 8 for c in plan) and len(plan) > 2
+  check(0, 100, plan, anchors)
+  plan = engine.plan_chunks(150, 50, anchors[:17], anchor_slots=8)
+  check(150, 50, plan, [p for p in anchors[:17] if p < 50])
 
 
 _NO_FFI = textwrap.dedent("""

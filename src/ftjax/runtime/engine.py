@@ -60,7 +60,7 @@ class Chunk:
 
 def chunk_sizes(largest: int) -> tuple[int, ...]:
   """The chunk sizes of a prefill whose chunks hold at most ``largest`` tokens: ``largest``
-  and its quarters down to ``MIN_CHUNK`` (2048, 512, 128, 32), largest first. Each size is one
+  and its quarters down to ``MIN_CHUNK`` (1024: 1024, 256, 64, 16), largest first. Each size is one
   compiled extend program per KV capacity."""
   sizes = [largest]
   while sizes[-1] // 4 >= MIN_CHUNK:
@@ -171,7 +171,8 @@ class RuntimeOptions:
     contiguous block of slots each) and the large dense weights along their first axis, with
     ``jax.sharding``; None or 1: one device. Every placement works (the pool is read by every
     device); long prefills do not stream. Test it on a CPU with ``JAX_NUM_CPU_DEVICES=4``.
-  prefill_chunk: the most tokens one prefill program reads. A prompt (or a session's next
+  prefill_chunk: the most tokens one prefill program reads (at most ``max_seq_len``, and 4096
+    when the KV buffer grows: ``engine.chunk_sizes`` says what runs). A prompt (or a session's next
     segment) is read in chunks of a few fixed sizes, this one and its quarters down to 16
     (``chunk_sizes``; 1024, 256, 64, 16), each chunk's queries attending the KV cache written
     so far: a prefill's activation memory is bounded by one chunk, and a context of any length
@@ -348,14 +349,19 @@ class Engine:
     self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
     self.kv_dtype = opts.kv_dtype or (
         "bfloat16" if np.dtype(model.dtype) == np.dtype(jnp.bfloat16) else "float32")
-    self.chunk_sizes = chunk_sizes(opts.prefill_chunk)
+    self.kv_growth = opts.kv_growth
+    if self.kv_growth == "auto":
+      small = (state_bytes(model.config, 1, self.max_seq_len + MIN_CHUNK, self.kv_dtype)
+               <= KV_MAX_AUTO_BYTES)
+      self.kv_growth = "max" if small and opts.device_budget_bytes is None else "grow"
+    # A chunk fits the smallest KV buffer: at most the context limit, and with "grow" at most
+    # the first capacity.
+    largest = min(opts.prefill_chunk, self.max_seq_len,
+                  MIN_KV_ROWS if self.kv_growth == "grow" else opts.prefill_chunk)
+    self.chunk_sizes = chunk_sizes(largest)
     # The KV rows a state can need: the context limit, plus the padding of a last chunk that
     # ends past it (``plan_chunks`` keeps that under the smallest chunk size).
     top = self.max_seq_len + self.chunk_sizes[-1]
-    self.kv_growth = opts.kv_growth
-    if self.kv_growth == "auto":
-      small = state_bytes(model.config, 1, top, self.kv_dtype) <= KV_MAX_AUTO_BYTES
-      self.kv_growth = "max" if small and opts.device_budget_bytes is None else "grow"
     capacities = [top]
     if self.kv_growth == "grow":  # 4096, 16384, ... while the next still fits, then the limit
       capacities = [MIN_KV_ROWS << 2 * i for i in range(32) if MIN_KV_ROWS << 2 * i + 1 <= top]
@@ -756,13 +762,13 @@ class Engine:
     begin = 0
     while begin < n:
       tokens, size = split_tokens(n - begin, self.chunk_sizes)[0]
-      if start + begin + size > limit:
-        size = self.chunk_sizes[-1]
-        tokens = min(tokens, size)
       inside = [p - begin for p in anchors_at if begin <= p < begin + tokens]
       if anchor_slots and len(inside) > anchor_slots:
         tokens, size = split_tokens(inside[anchor_slots], self.chunk_sizes)[0]
-        inside = [p for p in inside if p < tokens]
+      if start + begin + size > limit:
+        size = self.chunk_sizes[-1]
+        tokens = min(tokens, size)
+      inside = [p for p in inside if p < tokens]
       out.append(Chunk(begin=begin, tokens=tokens, size=size,
                        anchors=tuple(inside) if anchor_slots else ()))
       begin += tokens
