@@ -135,10 +135,20 @@ class Server:
     self.url = found.group(1)
     # The rest of its stdout (uvicorn's access lines at --log_level=info) goes to the log too.
     threading.Thread(target=self._copy_stdout, daemon=True).start()
+    shown = None
     while True:
       try:
         if _get_json(self.url + "/health", timeout=2).get("status") == "ok":
           break
+      except urllib.error.HTTPError as e:  # 503 while it compiles its programs at start-up
+        try:
+          startup = json.loads(e.read()).get("startup") or {}
+        except ValueError:
+          startup = {}
+        if startup.get("programs") and startup.get("compiled") != shown:
+          shown = startup["compiled"]
+          print(f"ftjax.launch: the server is compiling its programs: {shown}/"
+                f"{startup['programs']}", flush=True)
       except (OSError, ValueError):
         pass
       if self.proc.poll() is not None or time.monotonic() - t0 > timeout_s:
