@@ -45,7 +45,8 @@ class Sampling:
       raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     return cls(temperature=np.float32(temperature), top_p=np.float32(top_p),
                seed=np.uint32(seed), top_k=np.int32(min(top_k, 2**31 - 1)),
-               greedy=np.bool_(greedy), nucleus=np.bool_((not greedy) and (top_p < 1.0 or top_k > 0)))
+               greedy=np.bool_(greedy),
+               nucleus=np.bool_((not greedy) and (top_p < 1.0 or top_k > 0)))
 
 
 def sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
