@@ -30,13 +30,12 @@ import time
 
 import ftjax
 from ftjax.runtime.engine import RuntimeOptions
+from ftjax.runtime.tokenizer import load_tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agent_peer import default_cache_dir  # noqa: E402
 from agent_sessions import Texts  # noqa: E402
 from common import machine_info, write_results  # noqa: E402
-
-from ftjax.runtime.tokenizer import load_tokenizer  # noqa: E402
 
 
 def llama_pp(build: str, gguf: str, suffix: int, depth: int) -> float:

@@ -133,6 +133,17 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array |
   return out.reshape(*out.shape[:2], h, a)
 
 
+def _write_rows(buffer: jax.Array, rows: jax.Array, start) -> jax.Array:
+  """``buffer`` with ``rows`` written at ``start``, in place. A bfloat16 buffer is written
+  through its uint16 bits: XLA:CPU widens a bfloat16 dynamic-update-slice to float32, which
+  converts the whole buffer (every KV row of the context's capacity) at every decode step."""
+  if buffer.dtype != jnp.bfloat16:
+    return jax.lax.dynamic_update_slice(buffer, rows, start)
+  bits = jax.lax.dynamic_update_slice(jax.lax.bitcast_convert_type(buffer, jnp.uint16),
+                                      jax.lax.bitcast_convert_type(rows, jnp.uint16), start)
+  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
 KV_BLOCK = 256  # cache rows per step of blocked_attention (KV capacities are multiples of it)
 
 
@@ -264,8 +275,7 @@ class Attention(nnx.Module):
     # prefill attends to exactly what later chunks and decode steps read back.
     k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
     start = (0, length, 0, 0)
-    cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k, start),
-                    v=jax.lax.dynamic_update_slice(cache.v, v, start))
+    cache = KVCache(k=_write_rows(cache.k, k, start), v=_write_rows(cache.v, v, start))
     sinks = _f32(self.sinks_h) if self.sinks else None
     if kernels in ("ffi", "ffi_bf16", "ffi_int8"):  # fresh or not: no T x S scores in memory
       out = attention(q, cache.k, cache.v, length + t,

@@ -1,12 +1,16 @@
-"""The engine: a request is one prefill program plus a decode loop on the device.
+"""The engine: a request is a prefill in fixed-size chunks, a first-token program and a decode
+loop on the device.
 
 Without an expert cache every routed expert is computed from the host expert bank (the
 reference execution); with one, each layer-step is planned by the cache policy and split
 between slots and the bank (``ftjax.cache``). The decode loop runs ``chunk`` tokens per
 program (``ftjax.runtime.programs``): sampling, stop checks, cache statistics and the routing
 record all stay on the device, and the host reads them once per chunk to stream the text.
-Programs are compiled ahead of time per bucketed shape, shared by the engines of the process,
-and their compile time is reported separately, so throughput numbers measure execution only.
+No program's shapes depend on the request: a few chunk sizes, a few KV capacities addressed
+with the sequence's length, sampling options as data (``Engine.programs_needed`` lists them
+all, ``Engine.precompile`` compiles them). Programs are compiled ahead of time, shared by the
+engines of the process, and their compile time is reported separately, so throughput numbers
+measure execution only.
 """
 
 from __future__ import annotations
@@ -356,8 +360,9 @@ class Engine:
       self.kv_growth = "max" if small and opts.device_budget_bytes is None else "grow"
     # A chunk fits the smallest KV buffer: at most the context limit, and with "grow" at most
     # the first capacity.
-    largest = min(opts.prefill_chunk, self.max_seq_len,
-                  MIN_KV_ROWS if self.kv_growth == "grow" else opts.prefill_chunk)
+    largest = min(opts.prefill_chunk, self.max_seq_len)
+    if self.kv_growth == "grow":
+      largest = min(largest, MIN_KV_ROWS)
     self.chunk_sizes = chunk_sizes(largest)
     # The KV rows a state can need: the context limit, plus the padding of a last chunk that
     # ends past it (``plan_chunks`` keeps that under the smallest chunk size).

@@ -323,14 +323,13 @@ class Server:
     self.encoder = TurnEncoder(self.tokenizer)
     self.template = load_chat_template(model.path)
     self.metrics = Metrics()
-    engine.compile_listener = self._compiled
     self.worker = Worker(engine, config)
     self.metrics.bind(self.worker, engine)
     self.created = int(time.time())
+    engine.compile_listener = self._compiled
 
   def _compiled(self, key: tuple, seconds: float) -> None:
-    worker = getattr(self, "worker", None)  # None while the worker starts
-    if worker is not None and worker.startup["done"]:  # start-up compiles log as progress
+    if self.worker.startup["done"]:  # start-up compiles are logged as progress
       _warn_compile(key, seconds)
 
 
