@@ -1,4 +1,5 @@
-"""The package's layering, read from its sources with ``ast``: imports run one way.
+"""The package's layering, read from its sources with ``ast``: imports run one way, and no
+module uses another's private (underscored) names.
 
   runtime -> model, runtime -> cache -> experts -> kernels, model -> kernels (dense ops only:
   GEMV/GEMM and attention),
@@ -163,6 +164,59 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     if v not in index:
       visit(v)
   return out
+
+
+def private_uses(sources: dict[str, str]) -> list[str]:
+  """Private names used across modules: ``from ftjax.x import _name``, and ``obj._name``
+  (``obj`` not ``self`` or ``cls``) where the module does not define ``_name`` itself (as a
+  function, a class, an assigned name or a ``self._name`` attribute). Underscored names are a
+  module's own: another module uses its public API."""
+  found = []
+  for module, source in sources.items():
+    tree = ast.parse(source)
+    own = set()
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        own.add(node.name)
+      elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        own.add(node.id)
+      elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        own.add(node.attr)
+      elif isinstance(node, ast.arg):
+        own.add(node.arg)
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ftjax"):
+        for alias in node.names:
+          if alias.name.startswith("_") and not alias.name.startswith("__"):
+            found.append(f"{module}:{node.lineno} imports the private {node.module}."
+                         f"{alias.name}")
+      elif isinstance(node, ast.Attribute):
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__") or name in own:
+          continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+          continue
+        found.append(f"{module}:{node.lineno} uses another module's private name "
+                     f"{ast.unparse(node)}")
+  return found
+
+
+def test_no_private_name_is_used_across_modules():
+  assert private_uses(read_package(ROOT)) == []
+
+
+@pytest.mark.parametrize("sources,expected", [
+    ({"ftjax.runtime.a": "from ftjax.runtime.b import _helper", "ftjax.runtime.b": ""},
+     "imports the private ftjax.runtime.b._helper"),
+    ({"ftjax.runtime.a": "def f(engine):\n  return engine._keep(1)\n",
+      "ftjax.runtime.b": "class E:\n  def _keep(self, x):\n    return x\n"},
+     "private name engine._keep"),
+])
+def test_private_checker_finds_each_kind(sources, expected):
+  found = private_uses(sources)
+  assert any(expected in v for v in found), found
+  module = "ftjax.runtime.a"
+  assert all(v.startswith(module) for v in found)
 
 
 def test_allowed_directions_have_no_cycle():

@@ -44,6 +44,7 @@ def main(argv):
     config = ServerConfig(
         model_name=_FLAGS["served_model_name"].value or served_name(_ENGINE["model"].value),
         max_queue=_FLAGS["max_queue"].value, max_body_bytes=_FLAGS["max_body_bytes"].value,
+        max_running=_FLAGS["max_running"].value,
         default_max_tokens=_FLAGS["default_max_tokens"].value,
         session_budget_bytes=_FLAGS["session_budget_bytes"].value,
         max_sessions=_FLAGS["max_sessions"].value, session_reuse=_FLAGS["session_reuse"].value,
@@ -84,8 +85,11 @@ def cli() -> None:
           "served_model_name", None, "the model id clients send (default: the embedded "
           "model's name or the model directory's base name)"),
       "max_queue": flags.DEFINE_integer(
-          "max_queue", d.max_queue, "requests that may wait behind the running one; more get "
-          "429 with Retry-After", lower_bound=1),
+          "max_queue", d.max_queue, "requests that may wait behind the running ones; more "
+          "get 429 with Retry-After", lower_bound=1),
+      "max_running": flags.DEFINE_integer(
+          "max_running", d.max_running, "requests that decode together in one batch "
+          "(continuous batching; 1: one at a time)", lower_bound=1),
       "max_body_bytes": flags.DEFINE_integer("max_body_bytes", d.max_body_bytes,
                                              "largest request body (more: 413)", lower_bound=1),
       "default_max_tokens": flags.DEFINE_integer(

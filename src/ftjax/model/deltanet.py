@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
-from ftjax.model.layers import RMSNorm, _f32, _normal, linear
+from ftjax.model.layers import RMSNorm, f32, normal_param, linear
 
 CHUNK = 64  # Q: tokens per chunk of the chunked form (transformers' and FLA's default)
 
@@ -194,22 +194,22 @@ class GatedDeltaNet(nnx.Module):
                value_dim: int, conv_width: int, eps: float, rngs: nnx.Rngs, dtype=jnp.float32):
     d, j, m, u, y, w = width, key_heads, value_heads, key_dim, value_dim, conv_width
     x = 2 * j * u + m * y
-    self.w_qkv_xd = _normal(rngs, (x, d), dtype)
-    self.w_z_myd = _normal(rngs, (m, y, d), dtype)
-    self.w_b_md = _normal(rngs, (m, d), dtype)
-    self.w_a_md = _normal(rngs, (m, d), dtype)
+    self.w_qkv_xd = normal_param(rngs, (x, d), dtype)
+    self.w_z_myd = normal_param(rngs, (m, y, d), dtype)
+    self.w_b_md = normal_param(rngs, (m, d), dtype)
+    self.w_a_md = normal_param(rngs, (m, d), dtype)
     self.conv_xw = nnx.Param((0.3 * jax.random.normal(rngs.params(), (x, w))).astype(dtype))
     self.dt_bias_m = nnx.Param(jnp.ones((m,), dtype))
     self.a_log_m = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (m,), minval=1.0,
                                                         maxval=16.0)).astype(dtype))
     self.norm = RMSNorm(y, eps, dtype=dtype)  # plain scale (init 1), not zero-centred
-    self.w_out_dmy = _normal(rngs, (d, m, y), dtype)
+    self.w_out_dmy = normal_param(rngs, (d, m, y), dtype)
     self.key_heads, self.value_heads, self.key_dim, self.value_dim = j, m, u, y
     self.conv_width = w
 
   def __call__(self, x: jax.Array, state: LinearState, *, kernels: str = "xla",
                valid: jax.Array | None = None, num_valid: jax.Array | None = None,
-               snapshot_at: jax.Array | None = None):
+               snapshot_at: jax.Array | None = None, active: jax.Array | None = None):
     """x [B, T, D] -> (new state, y [B, T, D]).
 
     ``valid [B, T]`` marks real tokens and ``num_valid`` counts them (padding comes last):
@@ -217,7 +217,9 @@ class GatedDeltaNet(nnx.Module):
     real inputs. One token runs the recurrent form, more the chunked form. With
     ``snapshot_at`` (int32 [A] positions in [0, T]) a third result holds the state after each
     position's first tokens (a ``LinearState`` with a leading [A] axis), from the chunked
-    form's own intermediates (the anchors of ``ftjax.Session``)."""
+    form's own intermediates (the anchors of ``ftjax.Session``). ``active`` (bool [B]): the
+    sequences that read their tokens; the others' states stay as they are (with ``valid``
+    false for them)."""
     bsz, t, _ = x.shape
     j, m, u, y = self.key_heads, self.value_heads, self.key_dim, self.value_dim
     qkv = linear(x, self.w_qkv_xd, 1, kernels=kernels)  # [B, T, X]
@@ -228,11 +230,13 @@ class GatedDeltaNet(nnx.Module):
     # Causal depthwise conv over [the last W-1 inputs, this chunk].
     w = self.conv_width
     ext = jnp.concatenate([state.conv.astype(jnp.float32), qkv], axis=1)  # [B, W-1+T, X]
-    kernel = _f32(self.conv_xw)  # [X, W]
+    kernel = f32(self.conv_xw)  # [X, W]
     conv = sum(ext[:, i:i + t] * kernel[:, i] for i in range(w))
     qkv = jax.nn.silu(conv)
     start = t if num_valid is None else num_valid
     new_conv = jax.lax.dynamic_slice_in_dim(ext, start, w - 1, axis=1).astype(state.conv.dtype)
+    if active is not None:
+      new_conv = jnp.where(active[:, None, None], new_conv, state.conv)
     snap_conv = None
     if snapshot_at is not None:  # the W-1 inputs before each position
       snap_conv = jax.vmap(lambda p: jax.lax.dynamic_slice_in_dim(ext, p, w - 1, axis=1))(
@@ -246,7 +250,7 @@ class GatedDeltaNet(nnx.Module):
     if m != j:  # each key head serves M/J consecutive value heads
       q, k = jnp.repeat(q, m // j, axis=2), jnp.repeat(k, m // j, axis=2)
     beta = jax.nn.sigmoid(b)
-    g = -jnp.exp(_f32(self.a_log_m)) * jax.nn.softplus(a + _f32(self.dt_bias_m))
+    g = -jnp.exp(f32(self.a_log_m)) * jax.nn.softplus(a + f32(self.dt_bias_m))
     if valid is not None:
       beta = jnp.where(valid[..., None], beta, 0.0)
       g = jnp.where(valid[..., None], g, 0.0)

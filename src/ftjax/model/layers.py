@@ -24,11 +24,11 @@ from ftjax.model.router import route
 _INIT_STD = 0.02
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype):
+def normal_param(rngs: nnx.Rngs, shape, dtype):
   return nnx.Param((_INIT_STD * jax.random.normal(rngs.params(), shape)).astype(dtype))
 
 
-def _f32(p: nnx.Param) -> jax.Array:
+def f32(p: nnx.Param) -> jax.Array:
   return p[...].astype(jnp.float32)
 
 
@@ -64,7 +64,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    scale = _f32(self.scale) + 1.0 if self.zero_centred else _f32(self.scale)
+    scale = f32(self.scale) + 1.0 if self.zero_centred else f32(self.scale)
     return scale * (x * jax.lax.rsqrt(var + self.eps))
 
 
@@ -121,7 +121,12 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array |
   g = k.shape[2]
   q5 = q.reshape(*q.shape[:2], g, h // g, a)  # [B, T, G, R, A]
   scores = jnp.einsum("BTGRA,BSGA->BGRTS", q5, k.astype(jnp.float32)) * (a ** -0.5)
-  allowed = _allowed(start + jnp.arange(t), jnp.arange(k.shape[1]), window)
+  kv_rows = jnp.arange(k.shape[1])
+  if jnp.ndim(start):  # one start per sequence: [B, 1, 1, T, S]
+    allowed = jax.vmap(lambda s: _allowed(s + jnp.arange(t), kv_rows, window))(start)
+    allowed = allowed[:, None, None]
+  else:
+    allowed = _allowed(start + jnp.arange(t), kv_rows, window)
   scores = jnp.where(allowed, scores, -jnp.inf)
   if sinks is not None:
     sink = sinks.reshape(g, -1)[None, :, :, None, None]  # [1, G, R, 1, 1]
@@ -142,6 +147,17 @@ def _write_rows(buffer: jax.Array, rows: jax.Array, start) -> jax.Array:
   bits = jax.lax.dynamic_update_slice(jax.lax.bitcast_convert_type(buffer, jnp.uint16),
                                       jax.lax.bitcast_convert_type(rows, jnp.uint16), start)
   return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def _write_kv(buffer: jax.Array, rows: jax.Array, length: jax.Array) -> jax.Array:
+  """``rows`` [B, T, G, A] written into the cache ``buffer`` [B, S, G, A] at row ``length``:
+  one row for every sequence (an int32 []), or each sequence's own (int32 [B], a batch of
+  sequences at different lengths: one in-place write per sequence)."""
+  if not jnp.ndim(length):
+    return _write_rows(buffer, rows, (0, length, 0, 0))
+  for b in range(buffer.shape[0]):
+    buffer = _write_rows(buffer, rows[b:b + 1], (b, length[b], 0, 0))
+  return buffer
 
 
 KV_BLOCK = 256  # cache rows per step of blocked_attention (KV capacities are multiples of it)
@@ -206,14 +222,14 @@ class Attention(nnx.Module):
                zero_centred_norm: bool = False, yarn: Yarn | None = None, dtype=jnp.float32):
     h, g, a, d = num_heads, num_kv_heads, head_dim, width
     self.yarn = yarn
-    self.w_q_had = _normal(rngs, (h, a, d), dtype)
+    self.w_q_had = normal_param(rngs, (h, a, d), dtype)
     if output_gate:
-      self.w_gate_had = _normal(rngs, (h, a, d), dtype)
+      self.w_gate_had = normal_param(rngs, (h, a, d), dtype)
     self.output_gate = output_gate
     self.rotary_dim = None if rotary_dim in (None, a) else rotary_dim
-    self.w_k_gad = _normal(rngs, (g, a, d), dtype)
-    self.w_v_gad = _normal(rngs, (g, a, d), dtype)
-    self.w_o_dha = _normal(rngs, (d, h, a), dtype)
+    self.w_k_gad = normal_param(rngs, (g, a, d), dtype)
+    self.w_v_gad = normal_param(rngs, (g, a, d), dtype)
+    self.w_o_dha = normal_param(rngs, (d, h, a), dtype)
     if qkv_bias:
       self.b_q_ha = nnx.Param(jnp.zeros((h, a), dtype))
       self.b_k_ga = nnx.Param(jnp.zeros((g, a), dtype))
@@ -243,7 +259,7 @@ class Attention(nnx.Module):
     k = linear(x, self.w_k_gad, 2, kernels=kernels)  # [B, T, G, A]
     v = linear(x, self.w_v_gad, 2, kernels=kernels)
     if self.qkv_bias:
-      q, k, v = q + _f32(self.b_q_ha), k + _f32(self.b_k_ga), v + _f32(self.b_v_ga)
+      q, k, v = q + f32(self.b_q_ha), k + f32(self.b_k_ga), v + f32(self.b_v_ga)
     if self.qk_norm == "per_head":
       q, k = self.q_norm(q), self.k_norm(k)
     elif self.qk_norm == "full":
@@ -257,6 +273,8 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array, cache: KVCache, length: jax.Array, positions: jax.Array,
                *, kernels: str = "xla", fresh: bool = False) -> tuple[KVCache, jax.Array]:
     """x [B, T, D]; writes the T new keys/values at cache rows [length, length + T).
+    ``length``: int32 [] (every sequence at one length), or int32 [B] (a batch of sequences
+    at their own lengths, one token each: a batched decode step).
 
     With the FFI kernels the host attention op (``ftjax.kernels.attention``, blocked flash
     form) reads the cache in place: in the decode loop XLA's einsums would copy and transpose
@@ -274,12 +292,19 @@ class Attention(nnx.Module):
     # Keys and values as the cache stores them (rounded once for a bfloat16 cache): a fresh
     # prefill attends to exactly what later chunks and decode steps read back.
     k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-    start = (0, length, 0, 0)
-    cache = KVCache(k=_write_rows(cache.k, k, start), v=_write_rows(cache.v, v, start))
-    sinks = _f32(self.sinks_h) if self.sinks else None
+    cache = KVCache(k=_write_kv(cache.k, k, length), v=_write_kv(cache.v, v, length))
+    sinks = f32(self.sinks_h) if self.sinks else None
     if kernels in ("ffi", "ffi_bf16", "ffi_int8"):  # fresh or not: no T x S scores in memory
-      out = attention(q, cache.k, cache.v, length + t,
-                      scale=self.head_dim ** -0.5, window=self.window, sinks=sinks)
+      scale = self.head_dim ** -0.5
+      if jnp.ndim(length) and length.shape[0] == 1:
+        length = length[0]
+      if jnp.ndim(length):  # a batch at different lengths: the kernel once per sequence
+        out = jax.vmap(lambda q, k, v, n: attention(
+            q[None], k[None], v[None], n, scale=scale, window=self.window, sinks=sinks)[0])(
+                q, cache.k, cache.v, length + t)
+      else:
+        out = attention(q, cache.k, cache.v, length + t, scale=scale, window=self.window,
+                        sinks=sinks)
     # XLA (float32 einsums; keys and values widened from the cache's dtype).
     elif fresh:  # the chunk's own keys and values: T x T scores
       out = dense_attention(q, k, v, 0, window=self.window, sinks=sinks)
@@ -295,7 +320,7 @@ class Attention(nnx.Module):
       out = out * gate
     y = linear(out, self.w_o_dha, 1, kernels=kernels)
     if self.o_bias:
-      y = y + _f32(self.b_o_d)
+      y = y + f32(self.b_o_d)
     return y
 
 
@@ -303,9 +328,9 @@ class MLP(nnx.Module):
   """Dense SwiGLU MLP (the shared expert of Qwen2-MoE)."""
 
   def __init__(self, *, width: int, hidden: int, rngs: nnx.Rngs, dtype=jnp.float32):
-    self.w_gate_id = _normal(rngs, (hidden, width), dtype)
-    self.w_up_id = _normal(rngs, (hidden, width), dtype)
-    self.w_down_di = _normal(rngs, (width, hidden), dtype)
+    self.w_gate_id = normal_param(rngs, (hidden, width), dtype)
+    self.w_up_id = normal_param(rngs, (hidden, width), dtype)
+    self.w_down_di = normal_param(rngs, (width, hidden), dtype)
 
   def __call__(self, x: jax.Array, *, kernels: str = "xla") -> jax.Array:
     h = jax.nn.silu(linear(x, self.w_gate_id, 1, kernels=kernels))
@@ -324,7 +349,7 @@ class MoE(nnx.Module):
                norm_topk_prob: bool, shared_hidden: int, shared_gate: bool, rngs: nnx.Rngs,
                router_groups: int = 1, router_topk_groups: int = 1, scaling: float = 1.0,
                router_bias: bool = False, dtype=jnp.float32):
-    self.w_router_ed = _normal(rngs, (num_experts, width), dtype)
+    self.w_router_ed = normal_param(rngs, (num_experts, width), dtype)
     if router_bias:
       self.b_logits_e = nnx.Param(jnp.zeros((num_experts,), dtype))  # added to the logits
     self.router_bias = router_bias
@@ -335,7 +360,7 @@ class MoE(nnx.Module):
     if shared_hidden:
       self.shared = MLP(width=width, hidden=shared_hidden, rngs=rngs, dtype=dtype)
     if shared_gate:
-      self.w_shared_gate_d = _normal(rngs, (width,), dtype)
+      self.w_shared_gate_d = normal_param(rngs, (width,), dtype)
     self.has_shared = bool(shared_hidden)
     self.shared_gate = shared_gate
     self.top_k = top_k
@@ -355,12 +380,12 @@ class MoE(nnx.Module):
     x2 = x.reshape(-1, width)  # [B·T, D]
     logits = linear(x2, self.w_router_ed, 1, kernels=kernels)  # [T, E]
     if self.router_bias:
-      logits = logits + _f32(self.b_logits_e)
+      logits = logits + f32(self.b_logits_e)
     if sow_router_logits:
       self.sow(nnx.Intermediate, "router_logits", logits)
     weights, ids = route(
         logits, kind=self.router, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
-        bias=_f32(self.b_router_e) if self.router == "sigmoid_group" else None,
+        bias=f32(self.b_router_e) if self.router == "sigmoid_group" else None,
         n_group=self.router_groups, topk_group=self.router_topk_groups, scaling=self.scaling)
     if valid is not None:
       keep = valid.reshape(-1, 1)
@@ -370,6 +395,6 @@ class MoE(nnx.Module):
     if self.has_shared:
       shared = self.shared(x2, kernels=kernels)
       if self.shared_gate:
-        shared = jax.nn.sigmoid(x2 @ _f32(self.w_shared_gate_d))[:, None] * shared
+        shared = jax.nn.sigmoid(x2 @ f32(self.w_shared_gate_d))[:, None] * shared
       y = y + shared
     return experts, y.reshape(*lead, width)

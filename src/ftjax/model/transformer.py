@@ -18,7 +18,7 @@ from flax import struct
 
 from ftjax.model.config import ModelConfig
 from ftjax.model.deltanet import GatedDeltaNet, LinearState
-from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, _normal, linear
+from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, normal_param, linear
 from ftjax.model.moe import RoutedExperts
 from ftjax.utils.arrays import take
 
@@ -33,7 +33,9 @@ class DecodeState:
   statistics, routing record) wraps this one (``ftjax.runtime.state.EngineState``).
   """
   layers: tuple[KVCache | LinearState, ...]
-  length: jax.Array  # int32 [], rows [0, length) of every KV cache are filled
+  # int32 []: rows [0, length) of every KV cache are filled; or int32 [B], each sequence's
+  # own (a batch of sequences at different lengths, ``ftjax.runtime.executor``)
+  length: jax.Array
 
   @property
   def capacity(self) -> int:
@@ -89,14 +91,14 @@ class DecoderLayer(nnx.Module):
         scaling=c.routed_scaling_factor, router_bias=c.router_bias, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cache, length, positions, layer, experts, *, kernels, fresh, valid,
-               num_valid=None, sow_router_logits=False, snapshot_at=None):
+               num_valid=None, sow_router_logits=False, snapshot_at=None, active=None):
     snaps = None
     if self.linear and snapshot_at is not None:
       cache, h, snaps = self.linear_attn(self.attn_norm(x), cache, kernels=kernels, valid=valid,
                                          num_valid=num_valid, snapshot_at=snapshot_at)
     elif self.linear:
       cache, h = self.linear_attn(self.attn_norm(x), cache, kernels=kernels, valid=valid,
-                                  num_valid=num_valid)
+                                  num_valid=num_valid, active=active)
     else:
       cache, h = self.attn(self.attn_norm(x), cache, length, positions, kernels=kernels,
                            fresh=fresh)
@@ -113,19 +115,20 @@ class Transformer(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
     c = config
-    self.embed_vd = _normal(rngs, (c.vocab_size, c.hidden_size), dtype)
+    self.embed_vd = normal_param(rngs, (c.vocab_size, c.hidden_size), dtype)
     self.layers = nnx.List([DecoderLayer(c, kind, rngs=rngs, dtype=dtype)
                             for kind in c.layer_types])
     self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=c.norm_zero_centred,
                               dtype=dtype)
     if not c.tie_word_embeddings:
-      self.w_lm_vd = _normal(rngs, (c.vocab_size, c.hidden_size), dtype)
+      self.w_lm_vd = normal_param(rngs, (c.vocab_size, c.hidden_size), dtype)
     self.tie_word_embeddings = c.tie_word_embeddings
 
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
                experts: RoutedExperts, *, kernels: str = "xla", last_only: bool = False,
                fresh: bool = False, num_valid: jax.Array | None = None,
-               sow_router_logits: bool = False, snapshot_at: jax.Array | None = None):
+               sow_router_logits: bool = False, snapshot_at: jax.Array | None = None,
+               active: jax.Array | None = None):
     """tokens, positions [B, T] -> (new state, experts, logits [B, T or 1, V] float32).
 
     ``experts`` serves every MoE layer's routed experts (``ftjax.model.moe``) and comes back
@@ -137,17 +140,26 @@ class Transformer(nnx.Module):
     the logits are those of the last real token. ``sow_router_logits`` sows each layer's
     router logits (``nnx.capture``, training). ``snapshot_at`` (int32 [A] positions in
     [0, T]) adds a fourth result: per layer, the recurrent state after each position's first
-    tokens (a ``LinearState`` with a leading [A] axis; None for attention layers)."""
+    tokens (a ``LinearState`` with a leading [A] axis; None for attention layers).
+
+    A batch of sequences at their own lengths (``state.length`` int32 [B]) steps one token
+    each: ``active`` (bool [B]) marks the sequences that read theirs; the others' states,
+    lengths and expert routes are left alone (a batched decode step with idle rows)."""
     t = tokens.shape[1]
+    if jnp.ndim(state.length) and t != 1:
+      raise ValueError(f"a state with one length per sequence steps one token each, got {t}")
     x = take(self.embed_vd[...], tokens).astype(jnp.float32)  # [B, T, D]
     valid = None
     if num_valid is not None:
       valid = jnp.broadcast_to(jnp.arange(t) < num_valid, tokens.shape)  # [B, T]
+    if active is not None:
+      valid = jnp.broadcast_to(active[:, None], tokens.shape)
     caches, snapshots = [], []
     for i, layer in enumerate(self.layers):
       outs = layer(x, state.layers[i], state.length, positions, i, experts, kernels=kernels,
                    fresh=fresh, valid=valid, num_valid=num_valid,
-                   sow_router_logits=sow_router_logits, snapshot_at=snapshot_at)
+                   sow_router_logits=sow_router_logits, snapshot_at=snapshot_at,
+                   active=active)
       cache, experts, x = outs[:3]
       caches.append(cache)
       if snapshot_at is not None:
@@ -161,6 +173,8 @@ class Transformer(nnx.Module):
     w_lm = self.embed_vd if self.tie_word_embeddings else self.w_lm_vd
     logits = linear(x, w_lm, 1, kernels=kernels)  # [B, T, V]
     added = t if num_valid is None else num_valid
+    if active is not None:
+      added = jnp.where(active, added, 0).astype(state.length.dtype)
     new_state = state.replace(layers=tuple(caches), length=state.length + added)
     if snapshot_at is not None:
       return new_state, experts, logits, tuple(snapshots)

@@ -28,20 +28,19 @@ from ftjax import kernels as host_kernels
 from ftjax.cache import ExpertCache, PolicyConfig, get_policy
 from ftjax.cache.policy import initial_cache
 from ftjax.experts import KERNELS
-from ftjax.model import DecodeState, KVCache, init_state
+from ftjax.model import DecodeState, init_state
 from ftjax.runtime import programs
+from ftjax.runtime.executor import STOP_BUCKET, Executor, Generation
 from ftjax.runtime.model import Model
-from ftjax.runtime.placement import (EXPERT_AXIS, POOLS, expert_mesh, prefill_stream_threshold,
-                                     resolve_pool, shard_params)
+from ftjax.runtime.placement import (POOLS, expert_mesh, prefill_stream_threshold, resolve_pool,
+                                     shard_params)
 from ftjax.runtime.profile import ExpertShape, load_profile
 from ftjax.runtime.programs import Programs, Runner, expert_variant
 from ftjax.runtime.sampling import Sampling
-from ftjax.runtime.state import EngineState
 
 KV_DTYPES = ("float32", "bfloat16")
 PREFILL_STREAMS = ("auto", "always", "cost")
 KV_GROWTHS = ("auto", "max", "grow")
-STOP_BUCKET = 32  # stop-token lists are padded to a multiple of this (one size in practice)
 MIN_KV_ROWS = 4096  # the smallest KV capacity of a state that grows (by 4x)
 MIN_CHUNK = 16  # the smallest prefill chunk size
 KV_MAX_AUTO_BYTES = 64 << 20  # kv_growth="auto": one buffer of the whole context up to this
@@ -372,11 +371,6 @@ class Engine:
       capacities = [MIN_KV_ROWS << 2 * i for i in range(32) if MIN_KV_ROWS << 2 * i + 1 <= top]
       capacities.append(top)
     self.kv_capacities = tuple(capacities)
-    self.compile_count = 0
-    self.compile_s = 0.0
-    # Told of each program this engine compiles: (key: the program's name and bucketed sizes,
-    # seconds). The server logs the compiles that happen while it serves.
-    self.compile_listener: Callable[[tuple, float], None] | None = None
     self.policy = get_policy(opts.policy) if opts.caching else None
     self._profile: dict | None = None  # the bandwidth profile, when one was given
     self.bandwidths, self.bandwidth_source = self._bandwidths()
@@ -392,18 +386,29 @@ class Engine:
         stream_min_tokens=stream_min, prefill_stream=self._prefill_stream(stream_min),
         kv_dtype=self.kv_dtype, variant=expert_variant(c))
     self.programs = Programs.shared(self.runner)
-    self._cache: ExpertCache | None = None
-    self._steps: list[dict[str, Any]] = []
-    self._routing: list[tuple[np.ndarray, np.ndarray, str]] = []  # ids, weights [L, t, K]
-    self._totals = {"hits": 0, "fills": 0, "host": 0}  # over the engine's life
-    if opts.caching:
-      self._cache = self._initial_cache(self._requested_slots(kv_bytes=0))
+    # The programs' runner: compiles, the expert cache, per-step records and the decode loop.
+    self.executor = Executor(self, self._initial_cache(self._requested_slots(kv_bytes=0))
+                             if opts.caching else None)
 
-  def _put(self, tree):
-    """Program inputs to the device: replicated over the mesh when there is one."""
-    if self.mesh is None:
-      return jax.device_put(tree)
-    return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+  # The executor's compile counters, read and set through the engine.
+  @property
+  def compile_count(self) -> int:
+    """Programs this engine had to compile (``compile_s``: their seconds)."""
+    return self.executor.compile_count
+
+  @property
+  def compile_s(self) -> float:
+    return self.executor.compile_s
+
+  @property
+  def compile_listener(self) -> Callable[[tuple, float], None] | None:
+    """Told of each program this engine compiles: (key: the program's name and bucketed
+    sizes, seconds). The server logs the compiles that happen while it serves."""
+    return self.executor.compile_listener
+
+  @compile_listener.setter
+  def compile_listener(self, listener: Callable[[tuple, float], None] | None) -> None:
+    self.executor.compile_listener = listener
 
   def _stream_min_tokens(self) -> int:
     """Prefills of at least this many tokens stream whole layers (0: never); says why in
@@ -463,7 +468,7 @@ class Engine:
   @property
   def cache(self) -> ExpertCache | None:
     """The expert cache as of the last program (None when the engine has none)."""
-    return self._cache
+    return self.executor.cache
 
   @property
   def slot_bytes(self) -> int:
@@ -525,7 +530,7 @@ class Engine:
   def resize_cache(self, slots: int | None = None, bytes: int | None = None) -> int:  # noqa: A002
     """Resizes the expert cache between programs; keeps the most recently used slots. The
     host pool is not reloaded and nothing restarts. Returns the new slot count."""
-    if self._cache is None:
+    if self.executor.cache is None:
       raise ValueError("this engine has no expert cache: create it with cache_slots=, "
                        "cache_fraction=, cache_bytes= or device_budget_bytes=")
     if (slots is None) == (bytes is None):
@@ -535,29 +540,31 @@ class Engine:
       raise ValueError(f"the cache size must be >= 0, got {n} slots")
     n = min(n, self.total_experts)
     if self.policy.preload != "none":
-      self._cache = self._initial_cache(n)  # the preloaded set is recomputed for the new size
+      cache = self._initial_cache(n)  # the preloaded set is recomputed for the new size
     else:
-      self._cache = self._cache.resized(n, self._capacity(n))
+      cache = self.executor.cache.resized(n, self._capacity(n))
+    self.executor.cache = cache
     return n
 
   def routing_counts(self) -> np.ndarray:
     """How often the router selected each (layer, expert) so far: [L, E]."""
-    if self._cache is None:
+    if self.cache is None:
       raise ValueError("routing counts are kept by the expert cache; this engine has none")
-    return np.asarray(self._cache.expert_count)
+    return np.asarray(self.cache.expert_count)
 
   def stats(self) -> dict[str, Any]:
     """Per step and layer (hits, fills, host-run experts) and cumulative per layer.
 
     Decode steps run ``decode_chunk`` to a program: a decode step's ``seconds`` is its
     chunk's wall time divided by the chunk's steps."""
-    if self._cache is None:
+    cache, steps = self.executor.cache, self.executor.steps
+    if cache is None:
       return {"cache": None, "compiles": self.compile_count}
     layers = self.model.config.num_moe_layers
     total = {k: np.zeros(layers, np.int64) for k in ("hits", "fills", "host")}
     host_run = np.zeros(layers, np.int64)  # host misses that ran on the host (not streamed)
     streamed = np.zeros(layers, np.int64)  # layer-steps that streamed their whole layer
-    for step in self._steps:
+    for step in steps:
       for k in total:
         total[k] += step[k]
       host_run += np.where(step["streamed"], 0, step["host"])
@@ -566,11 +573,11 @@ class Engine:
     selected = total["hits"] + misses
     eb = self.model.expert_bytes
     return {
-        "policy": str(self.policy), "slots": int(self._cache.limit),
-        "capacity": self._cache.capacity, "slot_bytes": self.slot_bytes,
+        "policy": str(self.policy), "slots": int(cache.limit),
+        "capacity": cache.capacity, "slot_bytes": self.slot_bytes,
         "bandwidths_gb_s": None if self.bandwidths is None else self.bandwidths.tolist(),
-        "bandwidth_source": self.bandwidth_source, "steps": len(self._steps),
-        "per_step": self._steps,
+        "bandwidth_source": self.bandwidth_source, "steps": len(steps),
+        "per_step": steps,
         "per_layer": {**{k: v.tolist() for k, v in total.items()}, "misses": misses.tolist(),
                       "miss_rate": np.where(selected > 0, misses / np.maximum(selected, 1),
                                             0.0).tolist()},
@@ -585,14 +592,13 @@ class Engine:
   def cache_totals(self) -> dict[str, int]:
     """Expert-cache hits, fills and host-run experts over the engine's life (all zero without
     an expert cache); unlike ``stats()``, kept when the history is cleared."""
-    return dict(self._totals)
+    return dict(self.executor.totals)
 
   def clear_history(self) -> None:
     """Forgets the per-step statistics and routing record kept so far (``stats()`` and
     ``routing_record()`` start again empty): a long-running process (the server) calls it so
     that they do not grow without bound. ``cache_totals()`` keeps counting."""
-    self._steps.clear()
-    self._routing.clear()
+    self.executor.clear_history()
 
   def routing_record(self) -> dict[str, np.ndarray]:
     """Every routed token so far (needs record_routing=True): ``ids`` and ``weights``
@@ -601,67 +607,17 @@ class Engine:
     if not self.options.record_routing:
       raise ValueError("create the engine with record_routing=True to capture routing traces")
     c = self.model.config
-    if not self._routing:
+    routing = self.executor.routing
+    if not routing:
       empty = np.zeros((0, c.num_moe_layers, c.top_k))
       return {"ids": empty.astype(np.int32), "weights": empty.astype(np.float32),
               "phase": np.zeros((0,), np.uint8)}
-    return {"ids": np.concatenate([r[0].transpose(1, 0, 2) for r in self._routing]),
-            "weights": np.concatenate([r[1].transpose(1, 0, 2) for r in self._routing]),
+    return {"ids": np.concatenate([r[0].transpose(1, 0, 2) for r in routing]),
+            "weights": np.concatenate([r[1].transpose(1, 0, 2) for r in routing]),
             "phase": np.concatenate([np.full(r[0].shape[1], r[2] == "decode", np.uint8)
-                                     for r in self._routing])}
+                                     for r in routing])}
 
   # -- Programs ------------------------------------------------------------------------------
-
-  def _compiled(self, key: tuple, program, *args, **static):
-    def counted(seconds):
-      self.compile_count += 1
-      self.compile_s += seconds
-      if self.compile_listener is not None:
-        self.compile_listener(key, seconds)
-    return self.programs.compiled(key, program, *args, on_compile=counted, **static)
-
-  def _engine_state(self, decode: DecodeState) -> EngineState:
-    if self._cache is None:
-      return EngineState(decode=decode)
-    bandwidths = self.bandwidths if self.bandwidths is not None else np.ones(2, np.float32)
-    state = EngineState(decode=decode, cache=self._cache,
-                        bandwidths=jax.device_put(np.asarray(bandwidths, np.float32)))
-    if self.mesh is None:
-      return state
-    # Everything replicated but the slots, split along N: the compiled programs expect
-    # exactly these shardings.
-    slots = jax.device_put(self._cache.slots,
-                           NamedSharding(self.mesh, PartitionSpec(EXPERT_AXIS)))
-    state = self._put(state.replace(cache=self._cache.replace(slots=None)))
-    return state.replace(cache=state.cache.replace(slots=slots))
-
-  def _keep(self, state: EngineState) -> DecodeState:
-    if self._cache is not None:
-      self._cache = state.cache
-    return state.decode
-
-  def _record(self, record, tokens: int, seconds: float, phase: str, steps: int | None = None):
-    """Host copies of a program's per-step record (one read per program)."""
-    stats, routing = jax.device_get((record.stats, record.routing))
-    if stats is not None:
-      for key in ("hits", "fills", "host"):
-        self._totals[key] += int(np.sum(getattr(stats, key)[:steps] if steps is not None
-                                        else getattr(stats, key)))
-    if steps is None:  # one forward
-      if stats is not None:
-        self._steps.append({"tokens": tokens, "hits": stats.hits, "fills": stats.fills,
-                            "host": stats.host, "streamed": stats.streamed,
-                            "host_routes": stats.host_routes, "seconds": seconds})
-      if routing is not None:
-        self._routing.append((routing.ids[:, :tokens], routing.weights[:, :tokens], phase))
-      return
-    for i in range(steps):
-      if stats is not None:
-        self._steps.append({"tokens": 1, "hits": stats.hits[i], "fills": stats.fills[i],
-                            "host": stats.host[i], "streamed": stats.streamed[i],
-                            "host_routes": stats.host_routes[i], "seconds": seconds / steps})
-      if routing is not None:
-        self._routing.append((routing.ids[i], routing.weights[i], phase))
 
   def step(self, state: DecodeState, tokens: jax.Array, positions: jax.Array, *,
            last_only: bool = False, fresh: bool = False) -> tuple[DecodeState, jax.Array]:
@@ -673,23 +629,21 @@ class Engine:
     (resized since, perhaps) rides along and comes back updated."""
     if fresh and int(state.length) != 0:
       raise ValueError(f"fresh=True needs an empty state, but it holds {int(state.length)} tokens")
-    tokens, positions = self._put((jnp.asarray(tokens, jnp.int32),
-                                   jnp.asarray(positions, jnp.int32)))
-    est = self._engine_state(state)
-    key = ("step", tokens.shape, state.capacity, self._slot_capacity(), last_only, fresh)
-    fn = self._compiled(key, programs.step_program, self.params, self.bank, est,
-                        tokens, positions, last_only=last_only, fresh=fresh)
+    ex = self.executor
+    tokens, positions = ex.put((jnp.asarray(tokens, jnp.int32),
+                                jnp.asarray(positions, jnp.int32)))
+    est = ex.engine_state(state)
+    key = ("step", tokens.shape, state.capacity, ex.slot_capacity(), last_only, fresh)
+    fn = ex.compiled(key, programs.step_program, self.params, self.bank, est,
+                     tokens, positions, last_only=last_only, fresh=fresh)
     t0 = time.perf_counter()
     est, logits, record = fn(self.params, self.bank, est, tokens, positions)
-    decode = self._keep(est)
+    decode = ex.keep(est)
     if record.stats is not None or record.routing is not None:
       jax.block_until_ready(logits)
-      self._record(record, int(tokens.size), time.perf_counter() - t0,
-                   "prefill" if tokens.shape[1] > 1 else "decode")
+      ex.record(record, time.perf_counter() - t0,
+                "prefill" if tokens.shape[1] > 1 else "decode", tokens=int(tokens.size))
     return decode, logits
-
-  def _slot_capacity(self) -> int:
-    return -1 if self._cache is None else self._cache.capacity
 
   def kv_capacity(self, rows: int) -> int:
     """The KV capacity of a state that must hold ``rows`` rows: the smallest of
@@ -707,31 +661,33 @@ class Engine:
     return self._new_state(batch, self.kv_capacity(min(capacity, self.kv_capacities[-1])))
 
   def _new_state(self, batch: int, capacity: int) -> DecodeState:
-    self._fit_cache_to_state(batch, capacity)
+    self.fit_cache_to_state(batch, capacity)
     return init_state(self.model.config, batch, capacity, jnp.dtype(self.kv_dtype))
 
-  def grow_state(self, state: DecodeState, rows: int) -> DecodeState:
-    """``state`` (donated) with a KV capacity of at least ``rows`` rows: the same state when
-    it has room, else grown through ``kv_capacities`` (each step one compiled copy) to the
-    first that holds them. With a device budget, the cache is re-divided for the new KV size."""
+  def grow_state(self, state: DecodeState, rows: int, batch: int = 1) -> DecodeState:
+    """``state`` (donated; ``batch`` rows) with a KV capacity of at least ``rows`` rows: the
+    same state when it has room, else grown through ``kv_capacities`` (each step one compiled
+    copy) to the first that holds them. With a device budget, the cache is re-divided for the
+    new KV size."""
     held = state.capacity
     if not held or held >= rows:
       return state
     target = self.kv_capacity(rows)
-    batch = next(layer.k.shape[0] for layer in state.layers if isinstance(layer, KVCache))
-    self._fit_cache_to_state(batch, target)
+    self.fit_cache_to_state(batch, target)
     for capacity in self.kv_capacities:
       if held < capacity <= target:
-        grow = self._compiled(("grow", held, capacity), programs.grow_program, state,
-                              capacity=capacity)
+        grow = self.executor.compiled(("grow", batch, held, capacity), programs.grow_program,
+                                      state, capacity=capacity)
         state, held = grow(state), capacity
     return state
 
-  def _fit_cache_to_state(self, batch: int, capacity: int) -> None:
-    """With a device budget, re-divides it for a decode state of ``capacity`` tokens."""
-    if self._cache is not None and self.options.device_budget_bytes is not None:
+  def fit_cache_to_state(self, batch: int, capacity: int) -> None:
+    """With a device budget, re-divides it for a decode state of ``batch`` rows of
+    ``capacity`` tokens."""
+    cache = self.executor.cache
+    if cache is not None and self.options.device_budget_bytes is not None:
       n = self._requested_slots(state_bytes(self.model.config, batch, capacity, self.kv_dtype))
-      if n != int(self._cache.limit):
+      if n != int(cache.limit):
         self.resize_cache(slots=n)
 
   def check_context(self, prompt_len: int, new: int) -> None:
@@ -742,7 +698,8 @@ class Engine:
           f"prompt ({prompt_len} tokens) + max_new_tokens ({new}) = {prompt_len + new} exceeds the "
           f"context of {self.max_seq_len} tokens: shorten the prompt or lower max_new_tokens")
 
-  def _check_ids(self, ids: np.ndarray) -> None:
+  def check_ids(self, ids: np.ndarray) -> None:
+    """Raises a clear error for token ids outside the vocabulary or of vision inputs."""
     vocab = self.model.config.vocab_size
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
       raise ValueError(f"token ids must be in [0, {vocab}); got min {ids.min()}, max {ids.max()}")
@@ -779,150 +736,70 @@ class Engine:
       begin += tokens
     return out
 
-  def extend(self, state: DecodeState, ids: Sequence[int] | np.ndarray, *,
-             anchors_at: Sequence[int] = (), anchor_slots: int = 0,
-             on_progress: Callable[[int, int], None] | None = None, start: int | None = None):
-    """Reads ``ids`` into ``state`` (donated) after the tokens it holds, in the chunks of
-    ``plan_chunks``; the state grows first if its KV buffer is too small. With
-    ``anchor_slots``, every chunk keeps the recurrent layers' states at the ``anchors_at``
-    positions (counted in ``ids``) that fall in it. ``start``: the tokens ``state`` holds,
-    when the caller knows it (saves a read from the device).
+  def extend(self, state: DecodeState, ids: Sequence[int] | np.ndarray, **options):
+    """Reads ``ids`` into ``state`` (donated) after the tokens it holds
+    (``Executor.extend``: the options, and the ``Extended`` result)."""
+    return self.executor.extend(state, ids, **options)
 
-    Returns (state, logits [V] on the device after the last token, snapshots: a list of
-    (position, {layer: LinearState of numpy arrays}), seconds of the chunks (every program
-    compiled before the clock starts), programs run). ``on_progress(done, total)`` is told
-    of each chunk as it completes, when there is more than one (``done = 0`` first)."""
-    ids = np.asarray(ids, np.int32).reshape(-1)
-    n = len(ids)
-    if n == 0:
-      raise ValueError("extend needs at least one token to read")
-    if start is None:
-      start = int(state.length)
-    plan = self.plan_chunks(start, n, sorted(anchors_at), anchor_slots)
-    last = plan[-1]
-    state = self.grow_state(state, start + last.begin + last.size)
-    est = self._engine_state(state)
-    params, bank = self.params, self.bank
-    fns = {}
-    for chunk in plan:
-      if chunk.size not in fns:
-        args = self._chunk_args(chunk.size, anchor_slots)
-        key = ("extend", chunk.size, state.capacity, self._slot_capacity(), anchor_slots)
-        fns[chunk.size] = self._compiled(key, programs.extend_program, params, bank, est, *args)
-    progress = on_progress if len(plan) > 1 else None
-    if progress is not None:
-      progress(0, n)
-    snapshots = []
-    logits = None
-    t0 = time.perf_counter()
-    for chunk in plan:
-      tokens = np.zeros((1, chunk.size), np.int32)
-      tokens[0, :chunk.tokens] = ids[chunk.begin:chunk.begin + chunk.tokens]
-      args = [tokens, np.int32(chunk.tokens)]
-      if anchor_slots:
-        at = np.zeros(anchor_slots, np.int32)
-        at[:len(chunk.anchors)] = chunk.anchors
-        args.append(at)
-      begun = time.perf_counter()
-      est, logits, record, *snaps = fns[chunk.size](params, bank, est, *self._put(tuple(args)))
-      state = self._keep(est)  # the engine always holds the newest cache, even if a read fails
-      self._record(record, chunk.tokens, time.perf_counter() - begun, "prefill")
-      if chunk.anchors:
-        host = jax.device_get([layer for layer in snaps[0] if layer is not None])
-        recurrent = [i for i, layer in enumerate(snaps[0]) if layer is not None]
-        for j, position in enumerate(chunk.anchors):
-          snapshots.append((chunk.begin + position, {
-              i: jax.tree.map(lambda x: np.array(x[j], copy=True), layer)
-              for i, layer in zip(recurrent, host)}))
-      if progress is not None:
-        jax.block_until_ready(logits)
-        progress(chunk.begin + chunk.tokens, n)
-    jax.block_until_ready(logits)
-    return state, logits, snapshots, time.perf_counter() - t0, len(plan)
-
-  def _chunk_args(self, size: int, anchor_slots: int) -> tuple:
-    """Abstract arguments of an extend program after the state: tokens [1, size], the count
-    of real ones, and with ``anchor_slots`` the anchor positions."""
-    sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-    args = [jax.ShapeDtypeStruct((1, size), jnp.int32, sharding=sharding),
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)]
-    if anchor_slots:
-      args.append(jax.ShapeDtypeStruct((anchor_slots,), jnp.int32, sharding=sharding))
-    return tuple(args)
-
-  def first_program(self, logits, max_new, stop_ids, sampling):
-    """The compiled program that samples the first new token from ``logits`` [V] and makes
-    the decode loop's starting carry (one for every request)."""
-    return self._compiled(("first", len(stop_ids)), programs.first_program, logits, max_new,
-                          stop_ids, sampling)
-
-  def decode_program(self, state: EngineState, loop, stop_ids, sampling):
-    """The compiled decode loop for ``state``'s KV capacity (``decode_chunk`` steps a
-    program)."""
-    key = ("decode", state.decode.capacity, self._slot_capacity(), len(stop_ids))
-    return self._compiled(key, programs.decode_program, self.params, self.bank, state, loop,
-                          stop_ids, sampling)
-
-  def stop_ids(self, stops: Sequence[int]) -> np.ndarray:
-    """Stop tokens padded with -1 to a multiple of ``STOP_BUCKET`` (one size in practice)."""
-    stops = np.asarray(list(stops), np.int32).reshape(-1)
-    out = np.full(max(STOP_BUCKET, -(-len(stops) // STOP_BUCKET) * STOP_BUCKET), -1, np.int32)
-    out[:len(stops)] = stops
-    return out
-
-  def programs_needed(self, anchor_slots: int = 0) -> list[tuple]:
+  def programs_needed(self, anchor_slots: int = 0, batch: int = 1) -> list[tuple]:
     """The keys of every program a request (or a session with ``anchor_slots``) can run on
-    this engine: per KV capacity, one extend program per chunk size and the decode loop; the
-    first-token program; the copies between consecutive capacities. A request never compiles
-    another, unless the expert cache is resized past its buffer or more than ``STOP_BUCKET``
-    stop tokens are given."""
-    slots = self._slot_capacity()
+    this engine, in a decode batch of one and of ``batch`` rows: per KV capacity, one extend
+    program per chunk size and the decode loop; the first-token program; the copies between
+    consecutive capacities; with ``batch`` > 1, the batch's decode loop and growth, and the
+    copies of a sequence into and out of a row for each pair of capacities. A request never
+    compiles another, unless the expert cache is resized past its buffer or more than
+    ``STOP_BUCKET`` stop tokens are given."""
+    slots = self.executor.slot_capacity()
+    sizes = [1] + ([batch] if batch > 1 else [])
     keys = [("first", STOP_BUCKET)]
     for i, capacity in enumerate(self.kv_capacities):
       keys += [("extend", size, capacity, slots, anchor_slots) for size in self.chunk_sizes]
-      keys.append(("decode", capacity, slots, STOP_BUCKET))
-      if i:
-        keys.append(("grow", self.kv_capacities[i - 1], capacity))
+      for size in sizes:
+        keys.append(("decode", size, capacity, slots, STOP_BUCKET))
+        if i:
+          keys.append(("grow", size, self.kv_capacities[i - 1], capacity))
+    if batch > 1:
+      for held in self.kv_capacities:
+        for capacity in self.kv_capacities:
+          keys += [("join", batch, held, capacity), ("leave", batch, held, capacity)]
     return keys
 
   def precompile(self, anchor_slots: int = 0,
-                 on_progress: Callable[[int, int, tuple], None] | None = None) -> list[tuple]:
-    """Compiles every program of ``programs_needed(anchor_slots)`` not compiled yet (from
-    abstract shapes: no state is allocated), so that no request compiles. Returns the keys
-    compiled now; ``on_progress(done, total, key)`` is told before each."""
+                 on_progress: Callable[[int, int, tuple], None] | None = None,
+                 batch: int = 1) -> list[tuple]:
+    """Compiles every program of ``programs_needed(anchor_slots, batch)`` not compiled yet
+    (from abstract shapes: no state is allocated), so that no request compiles. Returns the
+    keys compiled now; ``on_progress(done, total, key)`` is told before each."""
     if self.mesh is not None:
       raise ValueError("precompile compiles one device's programs; an engine with devices= "
                        "compiles its programs on first use")
-    keys = [key for key in self.programs_needed(anchor_slots) if key not in self.programs]
+    ex = self.executor
+    keys = [key for key in self.programs_needed(anchor_slots, batch) if key not in self.programs]
     spec = jax.ShapeDtypeStruct
-
     sampling = jax.tree.map(lambda x: spec(np.shape(x), np.asarray(x).dtype),
                             Sampling.make(greedy=True))
     stop_ids, scalar = spec((STOP_BUCKET,), jnp.int32), spec((), jnp.int32)
-    loop = programs.Loop(token=scalar, count=scalar, max_new=scalar,
-                         done=spec((), jnp.bool_))
     logits = spec((self.model.config.vocab_size,), jnp.float32)
     for done, key in enumerate(keys):
       if on_progress is not None:
         on_progress(done, len(keys), key)
-      if key[0] == "first":
-        self._compiled(key, programs.first_program, logits, scalar, stop_ids, sampling)
-        continue
-      state = self._abstract_state(key[2] if key[0] == "extend" else key[1])
-      if key[0] == "grow":
-        self._compiled(key, programs.grow_program, state, capacity=key[2])
-      elif key[0] == "extend":
-        self._compiled(key, programs.extend_program, self.params, self.bank,
-                       self._engine_state(state), *self._chunk_args(key[1], anchor_slots))
+      kind = key[0]
+      if kind == "first":
+        ex.first_program(logits, scalar, stop_ids, sampling)
+      elif kind == "extend":
+        ex.extend_program(key[1], key[2], anchor_slots,
+                          ex.engine_state(ex.abstract_state(1, key[2])))
+      elif kind == "decode":
+        ex.decode_program(ex.engine_state(ex.abstract_state(key[1], key[2], rows=True)),
+                          ex.abstract_rows(key[1]))
+      elif kind == "grow":
+        ex.compiled(key, programs.grow_program, ex.abstract_state(key[1], key[2]),
+                    capacity=key[3])
+      elif kind == "join":
+        ex.join_program(key[1], key[2], key[3])
       else:
-        self._compiled(key, programs.decode_program, self.params, self.bank,
-                       self._engine_state(state), loop, stop_ids, sampling)
+        ex.leave_program(key[1], key[2], key[3])
     return keys
-
-  def _abstract_state(self, capacity: int) -> DecodeState:
-    """The shapes of a one-sequence decode state of ``capacity`` rows (nothing allocated)."""
-    return jax.eval_shape(lambda: init_state(self.model.config, 1, capacity,
-                                             jnp.dtype(self.kv_dtype)))
 
   # -- Public API ----------------------------------------------------------------------------
 
@@ -931,7 +808,7 @@ class Engine:
     ids = np.asarray(token_ids, np.int32)
     batched = ids.ndim == 2
     ids2 = ids if batched else ids[None]
-    self._check_ids(ids2)
+    self.check_ids(ids2)
     self.check_context(ids2.shape[1], 0)
     state = self.new_state(ids2.shape[0], ids2.shape[1])
     positions = np.broadcast_to(np.arange(ids2.shape[1], dtype=np.int32), ids2.shape)
@@ -944,12 +821,12 @@ class Engine:
     """The logits [V] after the prompt's last token, by the prefill ``generate`` runs (in
     chunks, ``plan_chunks``); the expert cache is used and updated as by a request."""
     ids = np.asarray(token_ids, np.int32).reshape(-1)
-    self._check_ids(ids)
+    self.check_ids(ids)
     self.check_context(len(ids), 0)
     last = self.plan_chunks(0, len(ids))[-1]
     state = self._new_state(1, self.kv_capacity(last.begin + last.size))
-    _, logits, _, _, _ = self.extend(state, ids, on_progress=on_progress, start=0)
-    return np.asarray(logits, np.float32)
+    read = self.executor.extend(state, ids, on_progress=on_progress, start=0)
+    return np.asarray(read.logits, np.float32)
 
   def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
@@ -975,79 +852,30 @@ class Engine:
     if max_new_tokens < 0:
       raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     ids = np.asarray(token_ids, np.int32).reshape(-1)
-    self._check_ids(ids)
+    self.check_ids(ids)
     self.check_context(len(ids), max_new_tokens)
     last = self.plan_chunks(0, len(ids))[-1]
     capacity = self.kv_capacity(max(last.begin + last.size, len(ids) + max_new_tokens))
-    max_new, stop_ids, sampling = self._put((np.int32(max_new_tokens),
-                                             self.stop_ids(stop_tokens), sampling))
-    state = self._new_state(1, capacity)
-    params, bank = self.params, self.bank
     compile_before = self.compile_s
-    sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-    logits_spec = jax.ShapeDtypeStruct((self.model.config.vocab_size,), jnp.float32,
-                                       sharding=sharding)
-    first_fn = self.first_program(logits_spec, max_new, stop_ids, sampling)
-    decode = None
-    if max_new_tokens > 1:
-      scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
-      loop_spec = programs.Loop(token=scalar, count=scalar, max_new=scalar,
-                                done=jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding))
-      decode = self.decode_program(self._engine_state(state), loop_spec, stop_ids, sampling)
+    read = self.executor.extend(self._new_state(1, capacity), ids, on_progress=on_progress,
+                                start=0)
+    delivered = 0
 
-    out: list[int] = []
-
-    def emit(new_tokens) -> None:
-      for tok in new_tokens:
-        out.append(int(tok))
+    def on_chunk(tokens, halted, layers) -> bool:
+      nonlocal delivered
+      for tok in tokens[:max_new_tokens - delivered]:
+        delivered += 1
         if on_token is not None:
-          on_token(int(tok))
+          on_token(tok)
+      return not halted and delivered < max_new_tokens
 
-    decode_state, logits, _, prefill_s, executed = self.extend(
-        state, ids, on_progress=on_progress, start=0)
-    t0 = time.perf_counter()
-    loop = first_fn(logits, max_new, stop_ids, sampling)
-    first, done = jax.device_get((loop.token, loop.done))
-    prefill_s += time.perf_counter() - t0
-    executed += 1
-    if max_new_tokens > 0:
-      emit([first])
-    state = self._engine_state(decode_state)
-    t0 = time.perf_counter()
-    chunk = self.options.decode_chunk
-    if not done:
-      # Each chunk is dispatched before the previous one is read, unless the previous one
-      # surely ends the request (max_new_tokens reached), so the device never waits for the
-      # host; a stop token can leave one dispatched chunk that runs no step.
-      pending = decode(params, bank, state, loop, stop_ids, sampling)
-      executed += 1
-      dispatched = 1
-      last_read = t0
-      while True:
-        state, loop = pending[0], pending[1]
-        ahead = None
-        if 1 + dispatched * chunk < max_new_tokens:
-          ahead = decode(params, bank, state, loop, stop_ids, sampling)
-          state = ahead[0]
-          executed += 1
-          dispatched += 1
-        self._keep(state)
-        new, steps, done, record = jax.device_get((pending[2], pending[3], pending[1].done,
-                                                   pending[4]))
-        now = time.perf_counter()  # a chunk's time: from the previous read to this one
-        self._record(record, 1, now - last_read, "decode", steps=int(steps))
-        last_read = now
-        emit(new[:int(steps)])
-        if ahead is None:
-          break
-        pending = ahead
-        if done:
-          break  # the chunk dispatched ahead runs no step; its state is the newest
-    jax.block_until_ready(state)
-    decode_s = time.perf_counter() - t0
-    return GenerateResult(tokens=out, prompt_tokens=len(ids), prefill_s=prefill_s,
-                          decode_s=decode_s, compile_s=self.compile_s - compile_before,
-                          programs=executed)
+    seq = Generation(state=read.state, logits=read.logits, max_new=max(max_new_tokens, 1),
+                   sampling=sampling, stops=stop_tokens, on_chunk=on_chunk)
+    decode_s = self.executor.run_one(seq)
+    return GenerateResult(tokens=seq.tokens[:max_new_tokens], prompt_tokens=len(ids),
+                          prefill_s=read.seconds + seq.first_s, decode_s=decode_s,
+                          compile_s=self.compile_s - compile_before,
+                          programs=read.programs + seq.programs)
 
 
 def _signature(model: Model) -> tuple:

@@ -7,10 +7,13 @@ A request runs as three kinds of program, whose shapes do not depend on the requ
   to a state that already holds a prefix (none for a prompt's first chunk), against a KV
   buffer of a fixed capacity addressed with the state's length;
 * ``first``: the first new token, sampled on the device from the last chunk's logits;
-* ``decode``: a ``lax.while_loop`` of up to ``Runner.chunk`` decode steps, each a forward
-  pass plus sampling, stopped on the device by a stop token or ``max_new_tokens``. Its
-  outputs are the chunk's tokens and, per step, the cache counts (and the routing record when
-  recording): the host reads them once per chunk, so text still streams.
+* ``decode``: a ``lax.while_loop`` of up to ``Runner.chunk`` decode steps of a batch of
+  sequences (one row each, at its own length; a batch of one for a lone request), each a
+  forward pass plus sampling, each row stopped on the device by its stop tokens or its
+  ``max_new_tokens``. Its outputs are the chunk's tokens and, per step, the cache counts (and
+  the routing record when recording): the host reads them once per chunk, so text still
+  streams. ``join`` and ``leave`` move a sequence's state into and out of a batch's row
+  (``ftjax.runtime.executor`` runs the loop).
 
 ``step`` is one forward over given tokens (teacher forcing, tests, the per-token reference
 loop). Every program takes the ``EngineState`` donated, so the KV cache and the expert cache
@@ -41,7 +44,7 @@ from ftjax.cache import CachedExperts, PolicyConfig, StepStats
 from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload
 from ftjax.experts import SWIGLU, BankExperts, ExpertVariant
 from ftjax.model import DecodeState, KVCache, ModelConfig
-from ftjax.runtime.sampling import Sampling, sample
+from ftjax.runtime.sampling import Sampling, sample, sample_rows
 from ftjax.runtime.state import EngineState, RecordingExperts, RoutingRecord
 
 
@@ -52,6 +55,14 @@ class Loop:
   count: jax.Array  # int32 []: new tokens so far
   max_new: jax.Array  # int32 []: max_new_tokens
   done: jax.Array  # bool []: a stop token was sampled or max_new reached
+
+
+@struct.dataclass
+class Rows:
+  """The batched decode loop's carry between chunks (on the device), one entry per row."""
+  token: jax.Array  # int32 [B]: the last sampled token, fed to the next step
+  count: jax.Array  # int32 [B]: new tokens of the row's sequence so far
+  done: jax.Array  # bool [B]: halted (a stop id sampled, or max_new reached)
 
 
 @struct.dataclass
@@ -92,10 +103,10 @@ class Runner:
   # -- Tracing ---------------------------------------------------------------------------------
 
   def forward(self, params, bank, state: EngineState, tokens, positions, *, last_only: bool,
-              fresh: bool, num_valid=None, snapshot_at=None):
+              fresh: bool, num_valid=None, snapshot_at=None, active=None):
     """One forward pass of the model over ``tokens [B, T]`` (traced inside a program):
-    (state, logits, record), and with ``snapshot_at`` the recurrent layers' snapshots too
-    (``Transformer.__call__``)."""
+    (state, logits, record, snapshots: the recurrent layers' states at ``snapshot_at``, ()
+    without; ``Transformer.__call__``). ``active`` [B]: the rows of a batch that step."""
     model = nnx.merge(self.graphdef, params)
     if self.policy is None:
       experts = BankExperts(bank=bank, ffn_dim=self.ffn_dim, kernels=self.kernels,
@@ -112,7 +123,8 @@ class Runner:
       experts = RecordingExperts(experts, RoutingRecord.empty(self.num_layers, tokens.size,
                                                               self.top_k))
     outs = model(state.decode, tokens, positions, experts, kernels=self.kernels,
-                 last_only=last_only, fresh=fresh, num_valid=num_valid, snapshot_at=snapshot_at)
+                 last_only=last_only, fresh=fresh, num_valid=num_valid, snapshot_at=snapshot_at,
+                 active=active)
     decode, experts, logits = outs[:3]
     routing = None
     if self.record_routing:
@@ -121,8 +133,9 @@ class Runner:
     if self.policy is not None:
       state = state.replace(cache=experts.cache)
       stats = experts.stats
-    result = (state.replace(decode=decode), logits, StepRecord(stats=stats, routing=routing))
-    return result if snapshot_at is None else (*result, outs[3])
+    snapshots = () if snapshot_at is None else outs[3]
+    return (state.replace(decode=decode), logits, StepRecord(stats=stats, routing=routing),
+            snapshots)
 
 
 class Programs:
@@ -232,8 +245,9 @@ def clear_compiled() -> None:
 def step_program(runner: Runner, params, bank, state: EngineState, tokens, positions, *,
                  last_only: bool = False, fresh: bool = False):
   """One forward over ``tokens [B, T]`` -> (state, logits, record)."""
-  return runner.forward(params, bank, state, tokens, positions, last_only=last_only,
-                        fresh=fresh)
+  state, logits, record, _ = runner.forward(params, bank, state, tokens, positions,
+                                            last_only=last_only, fresh=fresh)
+  return state, logits, record
 
 
 def _stopped(token, count, max_new, stop_ids):
@@ -257,16 +271,15 @@ def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num
   """``tokens [1, size]`` (the first ``num_valid`` real) appended to a state that already
   holds ``state.decode.length`` tokens (a prompt's chunk, or a session's next segment of
   context). The state's KV capacity must hold the whole chunk past that length. Returns
-  (state, logits [V] float32 after the last real token, record), and with ``snapshot_at``
-  (int32 [A] positions in the chunk) the recurrent layers' states after that many of its
-  tokens (per layer, a ``LinearState`` with a leading [A] axis, None for attention layers)."""
+  (state, logits [V] float32 after the last real token, record, snapshots): with
+  ``snapshot_at`` (int32 [A] positions in the chunk) the recurrent layers' states after that
+  many of its tokens (per layer, a ``LinearState`` with a leading [A] axis, None for attention
+  layers), else ()."""
   positions = state.decode.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  outs = runner.forward(params, bank, state, tokens, positions, last_only=True, fresh=False,
-                        num_valid=num_valid, snapshot_at=snapshot_at)
-  state, logits, record = outs[:3]
-  if snapshot_at is None:
-    return state, logits[0, -1], record
-  return state, logits[0, -1], record, outs[3]
+  state, logits, record, snapshots = runner.forward(
+      params, bank, state, tokens, positions, last_only=True, fresh=False, num_valid=num_valid,
+      snapshot_at=snapshot_at)
+  return state, logits[0, -1], record, snapshots
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity",))
@@ -284,37 +297,98 @@ def grow_program(runner: Runner, state: DecodeState, *, capacity: int) -> Decode
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
-def decode_program(runner: Runner, params, bank, state: EngineState, loop: Loop, stop_ids,
-                   sampling: Sampling):
-  """Up to ``runner.chunk`` decode steps, stopping on the device.
+def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows, go, resume,
+                   max_new, stop_ids, sampling: Sampling):
+  """Up to ``runner.chunk`` decode steps of a batch of B sequences (one row each, at its own
+  length: ``state.decode.length`` int32 [B]), stopping on the device.
 
-  Returns (state, loop, tokens [chunk] int32 (-1 past the last step), steps int32 [],
-  record with a leading [chunk] axis)."""
+  go bool [B]: the rows that hold a running sequence; resume bool [B]: rows whose halt the
+  host lifts before the first step; max_new int32 [B], stop_ids int32 [B, S] and sampling
+  (leaves [B]): each row's own. A row steps while it goes and has not halted (on one of its
+  stop ids, or at its max_new); the others' states stay as they are. The loop ends after
+  ``chunk`` steps or when no row steps.
+
+  Returns (state, rows, tokens [chunk, B] int32 (-1 where a row did not step), record with a
+  leading [chunk] axis, over the rows that stepped)."""
   n = runner.chunk
   layers = runner.num_layers
+  size = rows.token.shape[0]
   stats = StepStats.zeros(layers, (n,)) if runner.policy is not None else None
-  routing = (RoutingRecord(ids=jnp.full((n, layers, 1, runner.top_k), -1, jnp.int32),
-                           weights=jnp.zeros((n, layers, 1, runner.top_k), jnp.float32))
+  routing = (RoutingRecord(ids=jnp.full((n, layers, size, runner.top_k), -1, jnp.int32),
+                           weights=jnp.zeros((n, layers, size, runner.top_k), jnp.float32))
              if runner.record_routing else None)
-  out = jnp.full((n,), -1, jnp.int32)
+  out = jnp.full((n, size), -1, jnp.int32)
+  rows = rows.replace(done=rows.done & ~resume)
 
   def cond(carry):
-    i, _, loop, _, _ = carry
-    return (i < n) & ~loop.done
+    i, _, rows, _, _ = carry
+    return (i < n) & jnp.any(go & ~rows.done)
 
   def body(carry):
-    i, state, loop, out, record = carry
-    tokens = loop.token.reshape(1, 1)
-    positions = state.decode.length.reshape(1, 1)
-    state, logits, step = runner.forward(params, bank, state, tokens, positions,
-                                         last_only=True, fresh=False)
-    token = sample(logits[0, -1], sampling, loop.count)
-    count = loop.count + 1
-    loop = loop.replace(token=token, count=count,
-                        done=_stopped(token, count, loop.max_new, stop_ids))
-    record = jax.tree.map(lambda whole, one: whole.at[i].set(one), record, step)
-    return i + 1, state, loop, out.at[i].set(token), record
+    i, state, rows, out, record = carry
+    step = go & ~rows.done
+    state, logits, record_i, _ = runner.forward(
+        params, bank, state, rows.token[:, None], state.decode.length[:, None],
+        last_only=True, fresh=False, active=step)
+    token = sample_rows(logits[:, -1], sampling, rows.count)
+    token = jnp.where(step, token, rows.token)
+    count = rows.count + step.astype(jnp.int32)
+    halted = jax.vmap(_stopped)(token, count, max_new, stop_ids)
+    rows = Rows(token=token, count=count, done=rows.done | (step & halted))
+    record = jax.tree.map(lambda whole, one: whole.at[i].set(one), record, record_i)
+    return i + 1, state, rows, out.at[i].set(jnp.where(step, token, -1)), record
 
-  steps, state, loop, out, record = jax.lax.while_loop(
-      cond, body, (jnp.zeros((), jnp.int32), state, loop, out, StepRecord(stats, routing)))
-  return state, loop, out, steps, record
+  _, state, rows, out, record = jax.lax.while_loop(
+      cond, body, (jnp.zeros((), jnp.int32), state, rows, out, StepRecord(stats, routing)))
+  return state, rows, out, record
+
+
+def _put_rows(buffer, rows, at):
+  """``rows`` written into ``buffer`` at index tuple ``at`` (bfloat16 through its bits, as the
+  model's KV writes)."""
+  if buffer.dtype != jnp.bfloat16:
+    return jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), at)
+  bits = jax.lax.dynamic_update_slice(jax.lax.bitcast_convert_type(buffer, jnp.uint16),
+                                      jax.lax.bitcast_convert_type(rows, jnp.uint16), at)
+  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("batch", "rows"))
+def join_program(runner: Runner, batch: DecodeState, rows: Rows, row, state: DecodeState,
+                 loop: Loop):
+  """A batch (decode state of B rows, one length each, and the loop's carry) with one
+  sequence's ``state`` (one row, its length a scalar) and its first token (``loop``) in row
+  ``row``. KV rows past the smaller capacity are not copied (the batch holds the sequence)."""
+  del runner  # the table's key
+
+  def put(whole, one):
+    if isinstance(whole, KVCache):
+      m = min(whole.k.shape[1], one.k.shape[1])
+      return KVCache(k=_put_rows(whole.k, one.k[:, :m], (row, 0, 0, 0)),
+                     v=_put_rows(whole.v, one.v[:, :m], (row, 0, 0, 0)))
+    return jax.tree.map(lambda w, o: _put_rows(w, o, (row,) + (0,) * (w.ndim - 1)), whole, one)
+
+  layers = tuple(put(w, o) for w, o in zip(batch.layers, state.layers))
+  batch = DecodeState(layers=layers, length=batch.length.at[row].set(state.length))
+  rows = Rows(token=rows.token.at[row].set(loop.token), count=rows.count.at[row].set(loop.count),
+              done=rows.done.at[row].set(False))
+  return batch, rows
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity",))
+def leave_program(runner: Runner, batch: DecodeState, row, *, capacity: int) -> DecodeState:
+  """Row ``row`` of a batch as one sequence's state of ``capacity`` KV rows (its length a
+  scalar); the batch is left as it is."""
+  del runner
+
+  def take(whole):
+    if isinstance(whole, KVCache):
+      m = min(whole.k.shape[1], capacity)
+
+      def one(x):
+        x = jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0)[:, :m]
+        return jnp.pad(x, [(0, 0), (0, capacity - m), (0, 0), (0, 0)])
+      return KVCache(k=one(whole.k), v=one(whole.v))
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0), whole)
+
+  return DecodeState(layers=tuple(take(w) for w in batch.layers), length=batch.length[row])

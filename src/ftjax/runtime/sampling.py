@@ -74,3 +74,26 @@ def _filtered(z: jax.Array, sampling: Sampling) -> jax.Array:
   keep_sorted &= (sampling.top_k <= 0) | (rank < sampling.top_k)
   keep = jnp.zeros(z.shape, bool).at[order].set(keep_sorted)
   return jnp.where(keep, z, -jnp.inf)
+
+
+def sample_rows(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array:
+  """``sample`` for each row of a batch: logits [B, V], sampling with leaves [B], index [B]
+  -> tokens int32 [B], each row's token the one ``sample`` picks for it alone. The filter's
+  sort runs only when some row needs it, and draws only when some row samples."""
+  if logits.shape[0] == 1:
+    return sample(logits[0], jax.tree.map(lambda x: x[0], sampling), index[0])[None]
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def draws(z):
+    z = z / sampling.temperature[:, None]
+    z = jax.lax.cond(jnp.any(sampling.nucleus),
+                     lambda z: jnp.where(sampling.nucleus[:, None],
+                                         jax.vmap(_filtered)(z, sampling), z),
+                     lambda z: z, z)
+    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
+        sampling.seed, index)
+    return jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+
+  drawn = jax.lax.cond(jnp.all(sampling.greedy), lambda z: greedy, draws, logits)
+  return jnp.where(sampling.greedy, greedy, drawn)

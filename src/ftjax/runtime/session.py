@@ -45,14 +45,14 @@ import json
 import os
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ftjax.model import DecodeState, KVCache, LinearState
-from ftjax.runtime import checkpoint
+from ftjax.runtime import checkpoint, executor
 from ftjax.runtime.checkpoint import CheckpointError
 from ftjax.runtime.engine import Engine, state_bytes
 from ftjax.runtime.sampling import Sampling
@@ -101,6 +101,15 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return 0
   diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
   return int(diff[0]) if diff.size else n
+
+
+def _finish(steps: Iterator):
+  """Runs a generator to its end; returns its result."""
+  while True:
+    try:
+      next(steps)
+    except StopIteration as end:
+      return end.value
 
 
 def _close_writers(writers: dict) -> None:
@@ -155,6 +164,7 @@ class Session:
         config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
         + max(config.linear_conv_kernel - 1, 0) * config.linear_conv_dim)
     self._state: DecodeState | None = None
+    self._generating = False  # its state is in the engine's decode loop
     self._fed: list[int] = []  # tokens the state has read
     self._pending: int | None = None  # a generated token not read yet
     self._logits: np.ndarray | None = None  # after self._fed (when nothing is pending)
@@ -212,6 +222,11 @@ class Session:
     return ANCHOR_SLOTS if self.anchoring and self.anchor_prefill == "inside" else 0
 
   # -- State ----------------------------------------------------------------------------------
+
+  @property
+  def generating(self) -> bool:
+    """Whether a generation of this session is running (its state is in the decode loop)."""
+    return self._generating
 
   @property
   def tokens(self) -> list[int]:
@@ -282,14 +297,18 @@ class Session:
       return 0, None
     return max(usable), self._anchors[max(usable)]
 
-  def _snapshot(self, boundary: int | None) -> None:
-    """Takes an anchor of the current state, which has read ``self._fed``; ``boundary`` is the
-    token that comes next (None at the end of a context, where generation starts)."""
+  def _snapshot(self, boundary: int | None, layers: dict | None = None) -> None:
+    """Takes an anchor of the current state, which has read ``self._fed`` (``layers``: its
+    recurrent layers' states on the device, when the state is in a decode batch);
+    ``boundary`` is the token that comes next (None at the end of a context, where
+    generation starts)."""
     position = len(self._fed)
     if position == 0 or position in self._anchors:
       return
-    layers = {i: jax.tree.map(lambda x: np.array(x, copy=True),
-                              jax.device_get(self._state.layers[i])) for i in self._recurrent}
+    if layers is None:
+      layers = {i: self._state.layers[i] for i in self._recurrent}
+    layers = {i: jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(layers[i]))
+              for i in self._recurrent}
     self._store(position, layers, self._fed, boundary)
 
   def _store(self, position: int, layers: dict[int, LinearState], tokens: Sequence[int],
@@ -314,38 +333,57 @@ class Session:
       victim = min(older or self._anchors.values(), key=lambda a: a.serial)
       del self._anchors[victim.position]
 
-  def _extend(self, segment: Sequence[int], anchors_at: Sequence[int] = ()) -> jax.Array:
+  def _extend(self, segment: Sequence[int], anchors_at: Sequence[int] = ()):
     """Reads ``segment`` after the tokens already read, in the engine's fixed-size chunks
-    (``Engine.extend``); returns the logits after it. Anchors are taken inside it at the
-    positions ``anchors_at`` (counted in the context; the token at each is a boundary)."""
+    (``Executor.extend_steps``: yields after each chunk but the last); returns the logits
+    after it. Anchors are taken inside it at the positions ``anchors_at`` (counted in the
+    context; the token at each is a boundary)."""
     engine = self.engine
     first = len(self._fed)
     last = engine.plan_chunks(first, len(segment))[-1]
     self._ensure_capacity(first + last.begin + last.size)
-    self._state, logits, snapshots, _, _ = engine.extend(
-        self._state, segment, anchors_at=[p - first for p in anchors_at],
-        anchor_slots=self.anchor_slots, start=first)
+    state, self._state = self._state, None  # donated to the programs
+    try:
+      read = yield from engine.executor.extend_steps(
+          state, segment, anchors_at=[p - first for p in anchors_at],
+          anchor_slots=self.anchor_slots, start=first)
+    except BaseException:  # the state is gone: the session starts again from no context
+      self._fed.clear()
+      self._anchors.clear()
+      self._pending, self._logits = None, None
+      raise
+    self._state = read.state
     self._fed.extend(int(t) for t in segment)
-    for position, layers in snapshots:
+    for position, layers in read.snapshots:
       self._store(first + position, layers, self._fed, self._fed[first + position])
-    return logits
+    return read.logits
 
   # -- Public API -----------------------------------------------------------------------------
 
   def set_context(self, token_ids: Sequence[int] | np.ndarray) -> ContextResult:
     """Makes the context exactly ``token_ids`` (at least one token), reusing what it can."""
-    return self._set_context(token_ids, turn=True)
+    return _finish(self.context_steps(token_ids))
 
-  def _set_context(self, token_ids, *, turn: bool) -> ContextResult:
+  def context_steps(self, token_ids: Sequence[int] | np.ndarray
+                    ) -> Iterator[int]:
+    """``set_context`` one prefill chunk at a time: a generator that yields after each chunk
+    it dispatches but the last, and returns the ``ContextResult``. The server runs it between
+    the decode chunks of the sequences already running."""
+    return self._context_steps(token_ids, turn=True)
+
+  def _context_steps(self, token_ids, *, turn: bool):
     t0 = time.perf_counter()
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
       raise ValueError(f"token_ids must be a flat sequence of ints, got an array of "
                        f"{ids.dtype} with shape {ids.shape}")
     ids = ids.astype(np.int32)
-    self.engine._check_ids(ids)
+    self.engine.check_ids(ids)
     self.engine.check_context(len(ids), 0)
     new = ids.tolist()
+    if self._generating:
+      raise RuntimeError("the session is generating (its state is in a decode batch): set "
+                         "its context once the generation has ended")
     if new == self._fed and self._pending is None and self._logits is not None:
       return self._record_turn(ContextResult(
           reused_tokens=len(new), prefilled_tokens=0, anchor_position=None,
@@ -367,11 +405,11 @@ class Session:
     if self._state is not None and self.anchoring and new[start] in self.anchor_ids:
       self._snapshot(new[start])
     if self.anchor_prefill == "inside":
-      logits = self._extend(new[start:], ends)
+      logits = yield from self._extend(new[start:], ends)
     else:
       begin = start
       for end in ends + [len(new)]:
-        logits = self._extend(new[begin:end])
+        logits = yield from self._extend(new[begin:end])
         if end < len(new):
           self._snapshot(new[end])
         begin = end
@@ -404,6 +442,24 @@ class Session:
       together, ``decode_chunk`` at a time). cancel: checked after each decode program; when
       it returns True generation stops there (a client that went away): the tokens so far are
       returned and kept."""
+    seq = self.generation(max_new_tokens, greedy, temperature=temperature, top_p=top_p,
+                          seed=seed, top_k=top_k, stop_tokens=stop_tokens, on_token=on_token,
+                          cancel=cancel)
+    if seq is None:
+      return []
+    self.engine.executor.run_one(seq)
+    return list(seq.tokens)
+
+  def generation(self, max_new_tokens: int, greedy: bool = True, *, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0, top_k: int = 0,
+                 stop_tokens: Sequence[int] = (),
+                 on_token: Callable[[int], None] | None = None,
+                 cancel: Callable[[], bool] | None = None,
+                 on_done: Callable[[list[int]], None] | None = None
+                 ) -> executor.Generation | None:
+    """``generate`` as a sequence for the engine's decode loop (``Executor.run``), which the
+    server runs in a batch with other sessions' sequences; None for ``max_new_tokens = 0``.
+    ``on_done(tokens)`` is told when it has ended and the session has its state back."""
     engine = self.engine
     if not self.tokens:
       raise ValueError("the session has no context: call set_context(token_ids) first")
@@ -413,50 +469,41 @@ class Session:
                              top_k=top_k)
     user_stops = {int(t) for t in stop_tokens}
     if self._pending is not None:  # read the last generated token first
-      self._set_context(self.tokens, turn=False)
+      _finish(self._context_steps(self.tokens, turn=False))
     engine.check_context(len(self._fed), max_new_tokens)
     if max_new_tokens == 0:
-      return []
+      return None
     pause = sorted(user_stops | (self.anchor_ids if self.anchoring else set()))
     self._ensure_capacity(len(self._fed) + max_new_tokens)
-    stop_ids, sampling_dev, max_new, logits = jax.device_put(
-        (engine.stop_ids(pause), sampling, np.int32(max_new_tokens), self._logits))
-    loop = engine.first_program(logits, max_new, stop_ids, sampling_dev)(
-        logits, max_new, stop_ids, sampling_dev)
-    first = int(loop.token)
     out: list[int] = []
 
-    def emit(tok: int) -> None:
-      out.append(tok)
-      if on_token is not None:
-        on_token(tok)
+    def on_chunk(tokens: list[int], halted: bool, layers) -> bool:
+      for tok in tokens:
+        if self._pending is not None:
+          self._fed.append(self._pending)
+        self._pending, self._logits = tok, None
+        out.append(tok)
+        if on_token is not None:
+          on_token(tok)
+      if self._pending in user_stops or len(out) >= max_new_tokens:
+        return False
+      if cancel is not None and cancel():
+        return False
+      if halted and self.anchoring and self._pending in self.anchor_ids:
+        self._snapshot(self._pending, layers())  # before the boundary token is read
+      return True
 
-    def finished(tok: int) -> bool:
-      return tok in user_stops or len(out) >= max_new_tokens
+    def on_leave(seq: executor.Generation) -> None:
+      self._state, self._generating = seq.state, False
+      if self._turns:
+        self._turns[-1]["generated_tokens"] += len(out)
+      if on_done is not None:
+        on_done(out)
 
-    emit(first)
-    self._pending, self._logits = first, None
-    params, bank = engine.params, engine.bank
-    loop = loop.replace(done=jnp.zeros((), jnp.bool_))  # a pause token stops only the host
-    while not finished(self._pending) and not (cancel is not None and cancel()):
-      if self.anchoring and self._pending in self.anchor_ids:
-        self._snapshot(self._pending)  # before the boundary token is read
-      est = engine._engine_state(self._state)
-      decode = engine.decode_program(est, loop, stop_ids, sampling_dev)
-      t0 = time.perf_counter()
-      est, loop, new, steps, record = decode(params, bank, est, loop, stop_ids, sampling_dev)
-      self._state = engine._keep(est)
-      new, steps = jax.device_get((new, steps))
-      steps = int(steps)
-      engine._record(record, 1, time.perf_counter() - t0, "decode", steps=steps)
-      for tok in new[:steps]:
-        self._fed.append(self._pending)
-        self._pending = int(tok)
-        emit(int(tok))
-      loop = loop.replace(done=jnp.zeros((), jnp.bool_))
-    if self._turns:
-      self._turns[-1]["generated_tokens"] += len(out)
-    return out
+    state, self._state, self._generating = self._state, None, True
+    return executor.Generation(state=state, logits=jax.device_put(self._logits),
+                             max_new=int(max_new_tokens), sampling=sampling, stops=pause,
+                             on_chunk=on_chunk, on_leave=on_leave, cancel=cancel)
 
   def stats(self) -> dict[str, Any]:
     """Anchors held (positions, turns, bytes, and how often each was restored), anchors
@@ -562,7 +609,7 @@ class Session:
 
   def _load(self, arrays: dict, meta: dict, where: str) -> None:
     fed = [int(t) for t in meta["tokens"]]
-    self.engine._check_ids(np.asarray(fed, np.int32))
+    self.engine.check_ids(np.asarray(fed, np.int32))
     n = len(fed)
     self._ensure_capacity(n)
     layers = []

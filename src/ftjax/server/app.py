@@ -1,13 +1,10 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one engine and its session pool.
 
-Requests are validated (``protocol``), rendered with the model's chat template and tokenized
-on the event loop, then queued as jobs for one worker thread, which runs the engine: one
-sequence at a time, first come first served. At most ``max_queue`` jobs wait behind the
-running one; past that the answer is 429 with ``Retry-After``. The worker matches each job to
-a session (``SessionPool``), sets its context (KV reuse and anchors), generates, and sends the
-reply's deltas (``outputs.ReplyParser``) back to the request's task as they come, a decode
-chunk at a time. A streaming client that goes away cancels its job: a waiting job is dropped,
-a running one stops after the current decode chunk.
+Requests are validated (``protocol``, ``anthropic``, ``responses``: the API mappings),
+rendered with the model's chat template and tokenized on the event loop, then queued as jobs
+for the scheduler (``scheduler.Worker``), whose one thread runs the engine's decode loop with
+up to ``max_running`` requests in one batch. This module holds the routes, and turns a job's
+events into responses: whole, or streamed as server-sent events.
 
 ``create_app(engine, ServerConfig(...))`` makes the app; ``BackgroundServer`` runs it with
 uvicorn in a thread (tests, notebooks); ``python -m ftjax.serve`` is the command.
@@ -16,11 +13,8 @@ uvicorn in a thread (tests, notebooks); ``python -m ftjax.serve`` is the command
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
-import math
-import queue
 import random
 import socket
 import threading
@@ -37,232 +31,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ftjax.runtime.chat_template import ChatTemplateError, load_chat_template
 from ftjax.runtime.engine import Engine
-from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES
-from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
+from ftjax.runtime.tokenizer import load_tokenizer
 from ftjax.server import anthropic, responses
 from ftjax.server.metrics import Metrics
-from ftjax.server.outputs import Delta, ReplyParser, StopMatcher, opens_thinking
-from ftjax.server.pool import SessionPool
+from ftjax.server.outputs import Delta, opens_thinking
 from ftjax.server.protocol import ApiError, ChatRequest, ChatSpec, CompletionRequest
+from ftjax.server.scheduler import Job, Outcome, ServerConfig, Worker
 
 
 _LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-  """model_name: the id clients send as ``model`` (and ``/v1/models`` lists).
-  max_queue: requests that may wait behind the running one (more: 429).
-  max_body_bytes: the largest request body (more: 413).
-  default_max_tokens: the completion limit of a chat request that gives none (clipped to the
-    context left).
-  session_budget_bytes, max_sessions, session_reuse, anchor_budget_bytes: the session pool
-    (``session_reuse=False``: a fresh session per request, nothing reused).
-  precompile: compile every program a request can run (``Engine.programs_needed``) before
-    the first request is served, so that no request waits for a compile; ``GET /health``
-    answers 503 with the progress until then. ``python -m ftjax.serve`` does by default."""
-  model_name: str = "default"
-  max_queue: int = 16
-  max_body_bytes: int = 8 << 20
-  default_max_tokens: int = 512
-  session_budget_bytes: int = 4 << 30
-  max_sessions: int = 8
-  session_reuse: bool = True
-  anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES
-  precompile: bool = False
-
-  def __post_init__(self):
-    for name in ("max_queue", "default_max_tokens", "max_sessions", "max_body_bytes"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclasses.dataclass
-class Job:
-  """One request's generation, as the worker runs it."""
-  ids: list[int]
-  max_tokens: int
-  sampling: dict[str, Any]
-  stops: list[str]
-  stream: bool  # send the deltas as they come (else all at once, with the outcome)
-  chat: bool  # parse reasoning and tool calls (False: raw text, /v1/completions)
-  reasoning: bool  # the reply starts inside <think>
-  tool_calls: bool
-  loop: asyncio.AbstractEventLoop
-  received: float
-  events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-  def send(self, kind: str, payload: Any = None) -> None:
-    try:
-      self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-    except RuntimeError:  # the event loop is closed (the server stopped): nobody waits
-      self.cancelled.set()
-
-
-@dataclasses.dataclass
-class Outcome:
-  prompt_tokens: int
-  completion_tokens: int
-  cached_tokens: int
-  finish_reason: str
-  ttft_s: float
-  decode_tok_s: float | None
-  cancelled: bool = False  # the client went away before the reply was complete
-  after_cancel: int = 0  # tokens generated after the client went away (at most one chunk)
-  stop_sequence: str | None = None  # the request's stop string that ended the reply
-
-
-class Worker:
-  """The one thread that runs the engine, taking jobs in arrival order."""
-
-  def __init__(self, engine: Engine, config: ServerConfig):
-    self.engine = engine
-    model = engine.model
-    self.tokenizer = load_tokenizer(model.path, model.config.vocab_size)
-    self.eos = set(model.config.eos_token_ids)
-    self.pool = SessionPool(engine, budget_bytes=config.session_budget_bytes,
-                            max_sessions=config.max_sessions, reuse=config.session_reuse,
-                            anchor_budget_bytes=config.anchor_budget_bytes)
-    self.max_queue = config.max_queue
-    self._jobs: queue.Queue[Job | None] = queue.Queue()
-    self._lock = threading.Lock()
-    self.waiting = 0
-    self.running = False
-    self.mean_job_s = 1.0  # running mean, for Retry-After
-    self.last_outcome: Outcome | None = None
-    # Start-up compilation: programs to compile, compiled so far, seconds, done, error.
-    self.startup: dict[str, Any] = {"precompile": config.precompile, "programs": 0,
-                                    "compiled": 0, "seconds": 0.0,
-                                    "done": not config.precompile, "error": None}
-    self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
-    self._thread.start()
-
-  def submit(self, job: Job) -> None:
-    with self._lock:
-      if self.waiting >= self.max_queue:
-        retry = max(1, math.ceil(self.mean_job_s * (self.waiting + 1)))
-        raise ApiError(429, f"the server is busy: {self.waiting} requests are waiting (the "
-                       f"limit is {self.max_queue}); retry in about {retry} s",
-                       code="queue_full", headers={"Retry-After": str(retry)})
-      self.waiting += 1
-    self._jobs.put(job)
-
-  def stop(self) -> None:
-    self._jobs.put(None)
-    self._thread.join(timeout=60)
-
-  def _precompile(self) -> None:
-    """Compiles every program a request can run before taking the first job, with progress
-    in ``startup`` and the log."""
-    anchor_slots = self.pool.new_session().anchor_slots
-    t0 = time.perf_counter()
-
-    def progress(done: int, total: int, key: tuple) -> None:
-      self.startup.update(programs=total, compiled=done, seconds=time.perf_counter() - t0)
-      if done == 0:
-        _LOG.warning("ftjax.serve: compiling the %d programs a request can run before serving "
-                     "(a later start reads them from the compilation cache)", total)
-      _LOG.warning("ftjax.serve: compiling %d/%d: the %s program for %s", done + 1, total,
-                   key[0], key[1:])
-
-    try:
-      keys = self.engine.precompile(anchor_slots, progress)
-    except Exception as e:  # noqa: BLE001 - the server still serves, compiling as it goes
-      self.startup.update(error=f"{type(e).__name__}: {e}")
-      _LOG.error("ftjax.serve: start-up compilation failed (%s): requests compile as they "
-                 "come", self.startup["error"])
-    else:
-      self.startup.update(programs=len(keys), compiled=len(keys))
-      _LOG.warning("ftjax.serve: compiled %d programs in %.1f s; ready (%d held in all)",
-                   len(keys), time.perf_counter() - t0,
-                   len(self.engine.programs_needed(anchor_slots)))
-    self.startup.update(seconds=time.perf_counter() - t0, done=True)
-
-  def _run(self) -> None:
-    if not self.startup["done"]:
-      self._precompile()
-    while True:
-      job = self._jobs.get()
-      if job is None:
-        return
-      with self._lock:
-        self.waiting -= 1
-        self.running = True
-      t0 = time.perf_counter()
-      try:
-        if job.cancelled.is_set():
-          job.send("cancelled")
-          continue
-        self.last_outcome = self._generate(job)
-        job.send("done", self.last_outcome)
-      except Exception as e:  # noqa: BLE001 - reported to the client as a 500
-        job.send("error", e)
-      finally:
-        self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - t0)
-        with self._lock:
-          self.running = False
-        self.engine.clear_history()
-
-  def _generate(self, job: Job) -> Outcome:
-    session = self.pool.take(job.ids)
-    try:
-      context = session.set_context(job.ids)
-      decoder = StreamDecoder(self.tokenizer)
-      stops = StopMatcher(job.stops)
-      parser = ReplyParser(reasoning=job.reasoning, tool_calls=job.tool_calls) if job.chat \
-          else None
-      count, first_at, finish, after_cancel = 0, None, "length", 0
-      held: list[Delta] = []  # a non-streaming reply's deltas, sent once at the end
-
-      def send(out: list[Delta]) -> None:
-        if not out:
-          return
-        if job.stream:
-          job.send("deltas", out)
-        else:
-          held.extend(out)
-
-      def deltas(text: str) -> list[Delta]:
-        if parser is None:
-          return [Delta("content", text)] if text else []
-        return parser.push(text)
-
-      def on_token(tok: int) -> None:
-        nonlocal count, first_at, finish, after_cancel
-        if job.cancelled.is_set():
-          after_cancel += 1
-        if stops.stopped or finish == "stop":
-          return  # past a stop string: generated but not part of the reply
-        count += 1
-        if first_at is None:
-          first_at = time.perf_counter()
-        if tok in self.eos:
-          finish = "stop"
-          return
-        out = deltas(stops.push(decoder.push(tok)))
-        if stops.stopped:
-          finish = "stop"
-        send(out)
-
-      session.generate(job.max_tokens, stop_tokens=self.eos, on_token=on_token,
-                       cancel=lambda: job.cancelled.is_set() or stops.stopped, **job.sampling)
-      done = time.perf_counter()
-      tail = stops.push(decoder.flush()) if not stops.stopped else ""
-      tail += stops.flush()
-      send(deltas(tail) + (parser.flush() if parser is not None else []))
-      if held:
-        job.send("deltas", held)
-      if parser is not None and parser.calls:
-        finish = "tool_calls"
-      ttft = (first_at or done) - job.received
-      rate = (count - 1) / (done - first_at) if first_at is not None and count > 1 else None
-      return Outcome(prompt_tokens=len(job.ids), completion_tokens=count,
-                     cached_tokens=context.reused_tokens, finish_reason=finish, ttft_s=ttft,
-                     decode_tok_s=rate, cancelled=job.cancelled.is_set(),
-                     after_cancel=after_cancel, stop_sequence=stops.matched)
-    finally:
-      self.pool.done(session)
 
 
 def _usage(o: Outcome) -> dict[str, Any]:

@@ -70,7 +70,7 @@ class Metrics:
     Gauge("ftjax_requests_running", "1 while the engine runs a request",
           registry=r).set_function(lambda: int(worker.running))
     pool = worker.pool
-    Gauge("ftjax_sessions", "sessions held", registry=r).set_function(lambda: len(pool._sessions))
+    Gauge("ftjax_sessions", "sessions held", registry=r).set_function(lambda: len(pool))
     Gauge("ftjax_session_bytes", "memory of the sessions held (KV, states, anchors)",
           registry=r).set_function(pool.memory_bytes)
     Gauge("ftjax_anchors", "recurrent-state anchors held",

@@ -10,8 +10,9 @@ regenerated reply, does not wipe out the other's state; no match at all gets a n
 After each request the least recently used sessions are dropped until the pool holds at most
 ``max_sessions`` and ``budget_bytes`` (the session just used is always kept).
 
-The engine runs one sequence at a time, so the pool is used from the server's one worker
-thread only and needs no locks.
+A session is busy from ``take`` to ``done``: the requests that run at once (in one decode
+batch) never share one, and a busy session is neither matched, forked nor evicted. The pool
+is used from the server's one engine thread only and needs no locks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class SessionPool:
     self.anchor_budget_bytes = int(anchor_budget_bytes)
     self._sessions: collections.OrderedDict[int, Session] = collections.OrderedDict()  # LRU first
     self._serial = itertools.count()
+    self._busy: set[int] = set()  # ids of the sessions taken and not done yet
     self.created = 0
     self.forked = 0
     self.evicted = 0
@@ -58,31 +60,49 @@ class SessionPool:
       return self._new()
     best_key, best = None, 0
     for key, session in self._sessions.items():  # later = more recent: wins ties
+      if id(session) in self._busy:
+        continue
       reusable = session.reusable_tokens(token_ids)
       if reusable >= best and reusable > 0:
         best_key, best = key, reusable
     if best_key is not None and best >= self.min_share * len(self._sessions[best_key].tokens):
       self._sessions.move_to_end(best_key)
+      self._busy.add(id(self._sessions[best_key]))
       return self._sessions[best_key]
     if best_key is not None:
       session = self._sessions[best_key].fork()
       self.forked += 1
     else:
       session = self._new()
-    while len(self._sessions) >= self.max_sessions:
-      self._sessions.popitem(last=False)
+    idle = [k for k, s in self._sessions.items() if id(s) not in self._busy]
+    while len(self._sessions) >= self.max_sessions and idle:
+      del self._sessions[idle.pop(0)]
       self.evicted += 1
     self._sessions[next(self._serial)] = session
+    self._busy.add(id(session))
     return session
 
   def done(self, session: Session) -> None:
     """After a request on ``session``: evicts idle sessions over the limits (LRU first)."""
+    self._busy.discard(id(session))
     keep = next((k for k, s in self._sessions.items() if s is session), None)
     while len(self._sessions) > 1 and (len(self._sessions) > self.max_sessions
                                        or self.memory_bytes() > self.budget_bytes):
-      key = next(k for k in self._sessions if k != keep)
-      del self._sessions[key]
+      idle = [k for k, s in self._sessions.items() if k != keep and id(s) not in self._busy]
+      if not idle:
+        break
+      del self._sessions[idle[0]]
       self.evicted += 1
+
+  def discard(self, session: Session) -> None:
+    """Drops ``session`` (its state was lost: a failed decode loop)."""
+    self._busy.discard(id(session))
+    for key in [k for k, s in self._sessions.items() if s is session]:
+      del self._sessions[key]
+
+  def __len__(self) -> int:
+    """Sessions held."""
+    return len(self._sessions)
 
   def memory_bytes(self) -> int:
     return sum(s.memory_bytes() for s in self._sessions.values())

@@ -1,0 +1,377 @@
+"""The server's scheduler: the one thread that runs the engine, and the jobs it runs.
+
+Requests become jobs (``Job``) on the event loop and queue for the engine thread (``Worker``),
+which runs the engine's decode loop (``Executor.run``) with itself as the loop's ``Feed``: up
+to ``max_running`` jobs at once, first come first served. A job takes a session
+(``SessionPool``), reads its context one prefill chunk at a time between the decode chunks of
+the jobs already running, then joins the decode batch; its reply's deltas
+(``outputs.ReplyParser``) go back to the request's task as they come, a decode chunk at a
+time. At most ``max_queue`` jobs wait; past that the answer is 429 with ``Retry-After``. A
+streaming client that goes away cancels its job: a waiting job is dropped, a running one
+leaves the batch after the current decode chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any, Iterator
+
+from ftjax.runtime.engine import Engine
+from ftjax.runtime.executor import Feed, Generation
+from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, Session
+from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
+from ftjax.server.outputs import Delta, ReplyParser, StopMatcher
+from ftjax.server.pool import SessionPool
+from ftjax.server.protocol import ApiError
+
+_LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  """model_name: the id clients send as ``model`` (and ``/v1/models`` lists).
+  max_queue: requests that may wait behind the running ones (more: 429).
+  max_running: sequences that decode together in one batch (continuous batching: requests
+    join and leave between decode chunks; a new prompt's prefill runs a chunk at a time
+    between them); 1 runs one request at a time.
+  max_body_bytes: the largest request body (more: 413).
+  default_max_tokens: the completion limit of a chat request that gives none (clipped to the
+    context left).
+  session_budget_bytes, max_sessions, session_reuse, anchor_budget_bytes: the session pool
+    (``session_reuse=False``: a fresh session per request, nothing reused).
+  precompile: compile every program a request can run (``Engine.programs_needed``) before
+    the first request is served, so that no request waits for a compile; ``GET /health``
+    answers 503 with the progress until then. ``python -m ftjax.serve`` does by default."""
+  model_name: str = "default"
+  max_queue: int = 16
+  max_running: int = 4
+  max_body_bytes: int = 8 << 20
+  default_max_tokens: int = 512
+  session_budget_bytes: int = 4 << 30
+  max_sessions: int = 8
+  session_reuse: bool = True
+  anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES
+  precompile: bool = False
+
+  def __post_init__(self):
+    for name in ("max_queue", "default_max_tokens", "max_sessions", "max_body_bytes",
+                 "max_running"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+
+@dataclasses.dataclass
+class Job:
+  """One request's generation, as the worker runs it."""
+  ids: list[int]
+  max_tokens: int
+  sampling: dict[str, Any]
+  stops: list[str]
+  stream: bool  # send the deltas as they come (else all at once, with the outcome)
+  chat: bool  # parse reasoning and tool calls (False: raw text, /v1/completions)
+  reasoning: bool  # the reply starts inside <think>
+  tool_calls: bool
+  loop: asyncio.AbstractEventLoop
+  received: float
+  events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+  def send(self, kind: str, payload: Any = None) -> None:
+    try:
+      self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+    except RuntimeError:  # the event loop is closed (the server stopped): nobody waits
+      self.cancelled.set()
+
+
+@dataclasses.dataclass
+class Outcome:
+  prompt_tokens: int
+  completion_tokens: int
+  cached_tokens: int
+  finish_reason: str
+  ttft_s: float
+  decode_tok_s: float | None
+  cancelled: bool = False  # the client went away before the reply was complete
+  after_cancel: int = 0  # tokens generated after the client went away (at most one chunk)
+  stop_sequence: str | None = None  # the request's stop string that ended the reply
+
+
+class Reply:
+  """A running job's reply: turns its tokens into deltas (text, reasoning, tool calls),
+  matches its stop strings and makes its outcome."""
+
+  def __init__(self, job: Job, tokenizer, eos: set[int]):
+    self.job, self.eos = job, eos
+    self.decoder = StreamDecoder(tokenizer)
+    self.stops = StopMatcher(job.stops)
+    self.parser = ReplyParser(reasoning=job.reasoning, tool_calls=job.tool_calls) if job.chat \
+        else None
+    self.count, self.first_at, self.finish, self.after_cancel = 0, None, "length", 0
+    self.held: list[Delta] = []  # a non-streaming reply's deltas, sent once at the end
+    self.cached_tokens = 0
+
+  def send(self, out: list[Delta]) -> None:
+    if not out:
+      return
+    if self.job.stream:
+      self.job.send("deltas", out)
+    else:
+      self.held.extend(out)
+
+  def deltas(self, text: str) -> list[Delta]:
+    if self.parser is None:
+      return [Delta("content", text)] if text else []
+    return self.parser.push(text)
+
+  def on_token(self, tok: int) -> None:
+    if self.job.cancelled.is_set():
+      self.after_cancel += 1
+    if self.stops.stopped or self.finish == "stop":
+      return  # past a stop string: generated but not part of the reply
+    self.count += 1
+    if self.first_at is None:
+      self.first_at = time.perf_counter()
+    if tok in self.eos:
+      self.finish = "stop"
+      return
+    out = self.deltas(self.stops.push(self.decoder.push(tok)))
+    if self.stops.stopped:
+      self.finish = "stop"
+    self.send(out)
+
+  def cancel(self) -> bool:
+    return self.job.cancelled.is_set() or self.stops.stopped
+
+  def outcome(self) -> Outcome:
+    done = time.perf_counter()
+    tail = self.stops.push(self.decoder.flush()) if not self.stops.stopped else ""
+    tail += self.stops.flush()
+    self.send(self.deltas(tail) + (self.parser.flush() if self.parser is not None else []))
+    if self.held:
+      self.job.send("deltas", self.held)
+    finish = self.finish
+    if self.parser is not None and self.parser.calls:
+      finish = "tool_calls"
+    first_at = self.first_at
+    ttft = (first_at or done) - self.job.received
+    rate = ((self.count - 1) / (done - first_at) if first_at is not None and self.count > 1
+            else None)
+    return Outcome(prompt_tokens=len(self.job.ids), completion_tokens=self.count,
+                   cached_tokens=self.cached_tokens, finish_reason=finish, ttft_s=ttft,
+                   decode_tok_s=rate, cancelled=self.job.cancelled.is_set(),
+                   after_cancel=self.after_cancel, stop_sequence=self.stops.matched)
+
+
+@dataclasses.dataclass(eq=False)
+class Running:
+  """A job admitted by the worker: its session, its prefill (a generator of chunks, None once
+  read), its generation (once its context is read) and its reply."""
+  job: Job
+  session: Session
+  reply: Reply
+  prefill: Iterator | None
+  generation: Generation | None = None
+  started: float = 0.0
+
+
+class Worker(Feed):
+  """The one thread that runs the engine: the decode loop, fed with jobs in arrival order."""
+
+  def __init__(self, engine: Engine, config: ServerConfig):
+    self.engine = engine
+    model = engine.model
+    self.tokenizer = load_tokenizer(model.path, model.config.vocab_size)
+    self.eos = set(model.config.eos_token_ids)
+    self.pool = SessionPool(engine, budget_bytes=config.session_budget_bytes,
+                            max_sessions=config.max_sessions, reuse=config.session_reuse,
+                            anchor_budget_bytes=config.anchor_budget_bytes)
+    self.max_queue = config.max_queue
+    self.max_running = config.max_running
+    self._jobs: queue.Queue[Job | None] = queue.Queue()
+    self._lock = threading.Lock()
+    self.waiting = 0
+    self.running = 0  # jobs admitted (reading their context or decoding)
+    self.mean_job_s = 1.0  # running mean of a job's seconds, for Retry-After
+    self.last_outcome: Outcome | None = None
+    self._admitted: collections.deque[Running] = collections.deque()  # prefilling, in order
+    self._ready: collections.deque[Running] = collections.deque()  # context read, to join
+    self._active: list[Running] = []
+    self._stopping = False
+    # Start-up compilation: programs to compile, compiled so far, seconds, done, error.
+    self.startup: dict[str, Any] = {"precompile": config.precompile, "programs": 0,
+                                    "compiled": 0, "seconds": 0.0,
+                                    "done": not config.precompile, "error": None}
+    self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
+    self._thread.start()
+
+  def submit(self, job: Job) -> None:
+    with self._lock:
+      if self.waiting >= self.max_queue:
+        slots = max(self.max_running, 1)
+        retry = max(1, math.ceil(self.mean_job_s * (self.waiting // slots + 1)))
+        raise ApiError(429, f"the server is busy: {self.waiting} requests are waiting (the "
+                       f"limit is {self.max_queue}); retry in about {retry} s",
+                       code="queue_full", headers={"Retry-After": str(retry)})
+      self.waiting += 1
+    self._jobs.put(job)
+
+  def stop(self) -> None:
+    self._jobs.put(None)
+    self._thread.join(timeout=60)
+
+  def _precompile(self) -> None:
+    """Compiles every program a request can run before taking the first job, with progress
+    in ``startup`` and the log."""
+    anchor_slots = self.pool.new_session().anchor_slots
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int, key: tuple) -> None:
+      self.startup.update(programs=total, compiled=done, seconds=time.perf_counter() - t0)
+      if done == 0:
+        _LOG.warning("ftjax.serve: compiling the %d programs a request can run before serving "
+                     "(a later start reads them from the compilation cache)", total)
+      _LOG.warning("ftjax.serve: compiling %d/%d: the %s program for %s", done + 1, total,
+                   key[0], key[1:])
+
+    try:
+      keys = self.engine.precompile(anchor_slots, progress, batch=self.max_running)
+    except Exception as e:  # noqa: BLE001 - the server still serves, compiling as it goes
+      self.startup.update(error=f"{type(e).__name__}: {e}")
+      _LOG.error("ftjax.serve: start-up compilation failed (%s): requests compile as they "
+                 "come", self.startup["error"])
+    else:
+      self.startup.update(programs=len(keys), compiled=len(keys))
+      _LOG.warning("ftjax.serve: compiled %d programs in %.1f s; ready (%d held in all)",
+                   len(keys), time.perf_counter() - t0,
+                   len(self.engine.programs_needed(anchor_slots, self.max_running)))
+    self.startup.update(seconds=time.perf_counter() - t0, done=True)
+
+  # -- The engine thread ------------------------------------------------------------------------
+
+  def _run(self) -> None:
+    if not self.startup["done"]:
+      self._precompile()
+    executor = self.engine.executor
+    batch = executor.batch(self.max_running)
+    while not self._stopping:
+      job = self._jobs.get()
+      if job is None:
+        return
+      self._admit(job)
+      try:
+        executor.run(batch, feed=self)
+      except Exception as e:  # noqa: BLE001 - every job in the loop gets it as a 500
+        _LOG.exception("ftjax.serve: the decode loop failed")
+        for running in [*self._admitted, *self._ready, *self._active]:
+          self._end(running, error=e, lost=True)
+        self._admitted.clear()
+        self._ready.clear()
+        batch = executor.batch(self.max_running)
+      self.engine.clear_history()
+
+  def _admit(self, job: Job) -> None:
+    """Takes ``job`` from the queue: a cancelled one is dropped, the others get a session
+    and start reading their context."""
+    with self._lock:
+      self.waiting -= 1
+    if job.cancelled.is_set():
+      job.send("cancelled")
+      return
+    with self._lock:
+      self.running += 1
+    try:
+      session = self.pool.take(job.ids)
+    except Exception as e:  # noqa: BLE001 - reported to the client as a 500
+      with self._lock:
+        self.running -= 1
+      job.send("error", e)
+      return
+    running = Running(job=job, session=session, reply=Reply(job, self.tokenizer, self.eos),
+                      prefill=session.context_steps(job.ids), started=time.perf_counter())
+    self._admitted.append(running)
+
+  def _end(self, running: Running, *, error: Exception | None = None,
+           lost: bool = False) -> None:
+    """A job is over: its outcome (or error) goes to its request, its session back to the
+    pool (or out of it, when its state was ``lost`` with a failed loop)."""
+    if running in self._active:
+      self._active.remove(running)
+    if error is None:
+      self.last_outcome = running.reply.outcome()
+      running.job.send("done", self.last_outcome)
+    else:
+      running.job.send("error", error)
+    if lost:
+      self.pool.discard(running.session)
+    else:
+      self.pool.done(running.session)
+    self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - running.started)
+    with self._lock:
+      self.running -= 1
+
+  # -- The decode loop's feed -------------------------------------------------------------------
+
+  def ready(self, free: int) -> list[Generation]:
+    out = []
+    while self._ready and len(out) < free:
+      running = self._ready.popleft()
+      self._active.append(running)
+      out.append(running.generation)
+    return out
+
+  def pending(self) -> bool:
+    return bool(self._ready)
+
+  def work(self) -> bool:
+    """Admits waiting jobs while fewer than ``max_running`` are in, then runs one prefill
+    chunk of the oldest job still reading its context."""
+    while self.running < self.max_running:
+      try:
+        job = self._jobs.get_nowait()
+      except queue.Empty:
+        break
+      if job is None:  # stop: finish what runs, then the thread ends
+        self._stopping = True
+        break
+      self._admit(job)
+    if not self._admitted:
+      return False
+    running = self._admitted[0]
+    if running.job.cancelled.is_set():
+      self._admitted.popleft()
+      self._end(running)
+      return True
+    try:
+      next(running.prefill)
+      return True
+    except StopIteration as end:
+      context = end.value
+    except Exception as e:  # noqa: BLE001 - reported to the client as a 500
+      self._admitted.popleft()
+      self._end(running, error=e)
+      return True
+    self._admitted.popleft()
+    running.prefill = None
+    running.reply.cached_tokens = context.reused_tokens
+    reply = running.reply
+    try:
+      running.generation = running.session.generation(
+          running.job.max_tokens, stop_tokens=self.eos, on_token=reply.on_token,
+          cancel=reply.cancel, on_done=lambda _, r=running: self._end(r),
+          **running.job.sampling)
+    except Exception as e:  # noqa: BLE001
+      self._end(running, error=e)
+      return True
+    if running.generation is None:
+      self._end(running)
+    else:
+      self._ready.append(running)
+    return True
