@@ -24,7 +24,6 @@ from ftjax.cache.state import check_invariants
 from ftjax.kernels import cuda
 from ftjax.runtime import model as model_lib
 from ftjax.runtime import programs
-from ftjax.runtime.sampling import Sampling
 
 import tolerances
 from conftest import scaled_params
@@ -101,20 +100,17 @@ def _export_decode(engine, offload):
   """jax.export of the engine's decode program with ``offload``, for CUDA."""
   runner = dataclasses.replace(engine.runner, offload=offload)
   spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-  state = jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256)))
+  state = jax.tree.map(spec, engine.executor.engine_state(
+      engine.executor.abstract_state(1, 256, rows=True)))
   bank = None
   if offload.fill == "slices":
     bank = jax.ShapeDtypeStruct(engine.model.bank.shape, engine.model.bank.dtype,
                                 sharding=SingleDeviceSharding(jax.devices()[0],
                                                               memory_kind="pinned_host"))
-  scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  loop = programs.Loop(token=scalar, count=scalar, max_new=scalar,
-                       done=jax.ShapeDtypeStruct((), jnp.bool_))
   fn = jax.jit(lambda *a: programs.decode_program(runner, *a))
   checks = [export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS]
   return export.export(fn, platforms=["cuda"], disabled_checks=checks)(
-      jax.tree.map(spec, engine.model.params), bank, state, loop,
-      jax.ShapeDtypeStruct((8,), jnp.int32), jax.tree.map(spec, Sampling.make(greedy=True)))
+      jax.tree.map(spec, engine.model.params), bank, state, *engine.executor.decode_specs(1))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -171,7 +167,7 @@ def test_the_streamed_prefill_exports_for_cuda(tiny_config):
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS]
     exported = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
         jax.tree.map(spec, model.params), bank,
-        jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256))),
+        jax.tree.map(spec, engine.executor.engine_state(engine.executor.abstract_state(1, 256))),
         jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar)
     text = exported.mlir_module()
     # Streamed: no host experts; each whole layer comes by the fill mechanism, started one
@@ -206,7 +202,7 @@ def test_the_per_layer_stream_choice_exports_for_cuda(tiny_config):
   checks = [export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS]
   exported = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
       jax.tree.map(spec, model.params), None,
-      jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256))),
+      jax.tree.map(spec, engine.executor.engine_state(engine.executor.abstract_state(1, 256))),
       jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar)
   text = exported.mlir_module()
   layers = tiny_config.num_layers

@@ -98,17 +98,14 @@ CHILD = textwrap.dedent("""
                                                                 pool=pool, mesh=engine.mesh))
     rep = NamedSharding(engine.mesh, PartitionSpec())
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", rep))
-    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-    loop = programs.Loop(token=scalar, count=scalar, max_new=scalar,
-                         done=jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep))
+    state = engine.new_state(1, 256)
+    state = state.replace(length=state.length.reshape(1))  # a decode batch of one row
     exported = export.export(
         jax.jit(lambda *a: programs.decode_program(runner, *a)), platforms=["cuda"],
         disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS])(
         jax.tree.map(spec, engine.params), None,
-        jax.tree.map(spec, engine._engine_state(engine._new_state(1, 256))), loop,
-        jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rep),
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
-                     Sampling.make(greedy=True)))
+        jax.tree.map(spec, engine.executor.engine_state(state)),
+        *engine.executor.decode_specs(1, sharding=rep))
     text = exported.mlir_module()
     print(json.dumps({"generate": loops, "export": [
         exported.nr_devices, text.count("ftjax_cuda_host_experts_start"),

@@ -392,7 +392,8 @@ def test_a_closed_stream_stops_within_a_chunk_and_keeps_its_context(served, path
   outcome = worker.last_outcome
   assert outcome is not None and outcome.cancelled, outcome
   assert outcome.completion_tokens < 3000
-  assert outcome.after_cancel <= engine.options.decode_chunk, outcome
+  # The chunk in progress and the one the decode loop dispatched behind it, at most.
+  assert outcome.after_cancel <= 2 * engine.options.decode_chunk, outcome
   # The next request of the same conversation reuses the prompt and what was generated.
   again = oai.chat.completions.create(model=name, messages=prompt, max_tokens=1, temperature=0)
   assert again.usage.prompt_tokens_details.cached_tokens >= outcome.prompt_tokens - 1

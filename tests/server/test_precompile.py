@@ -91,8 +91,11 @@ def test_a_precompiled_server_compiles_nothing_while_serving():
       time.sleep(0.05)
     startup = json.loads(body)["startup"]
     assert statuses[-1] == 200 and startup["done"] and startup["error"] is None
-    needed = engine.programs_needed(anchor_slots=8)  # a hybrid model's sessions take anchors
-    assert len(needed) == 2 * (3 + 1) + 1 + 1  # per capacity 3 chunks and decode; first; grow
+    # A hybrid model's sessions take anchors; requests decode in a batch of max_running rows.
+    needed = engine.programs_needed(anchor_slots=8, batch=ServerConfig().max_running)
+    # Per capacity: 3 chunk sizes, the decode loop for one row and for the batch; the first
+    # token; the growth of a state and of a batch; joins and leaves for each capacity pair.
+    assert len(needed) == 2 * (3 + 2) + 1 + 2 + 2 * 2 * 2
     assert all(key in engine.programs for key in needed)
     compiled = engine.compile_count
     assert startup["compiled"] == compiled <= len(needed)

@@ -284,8 +284,8 @@ def test_a_client_that_goes_away_stops_its_generation(default_served):
     time.sleep(0.02)
   outcome = worker.last_outcome
   assert outcome.cancelled and outcome.completion_tokens < 1000
-  # Noticed at once (the disconnect message), stopped after the decode chunk in progress.
-  assert outcome.after_cancel <= engine.options.decode_chunk, outcome
+  # The chunk in progress and the one the decode loop dispatched behind it, at most.
+  assert outcome.after_cancel <= 2 * engine.options.decode_chunk, outcome
 
 
 def test_sampling_is_seeded(served):

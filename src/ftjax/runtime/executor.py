@@ -338,20 +338,24 @@ class Executor:
     key = ("decode", size, state.decode.capacity, self.slot_capacity(), stop_width)
     mesh = self.engine.mesh
     sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    return self.compiled(key, programs.decode_program, self.engine.params, self.engine.bank,
+                         state, rows, *self.decode_specs(size, stop_width, sharding)[1:])
 
+  def decode_specs(self, size: int, stop_width: int = STOP_BUCKET, sharding=None) -> tuple:
+    """The shapes of a decode chunk's arguments after the state, for a batch of ``size``:
+    the carry (``Rows``), go and resume masks, max_new, stop ids and sampling."""
     def spec(shape, dtype):
       return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     mask = spec((size,), jnp.bool_)
     sampling = jax.tree.map(lambda x: spec((size,), np.asarray(x).dtype),
                             Sampling.make(greedy=True))
-    return self.compiled(key, programs.decode_program, self.engine.params, self.engine.bank,
-                         state, rows, mask, mask, spec((size,), jnp.int32),
-                         spec((size, stop_width), jnp.int32), sampling)
+    rows = Rows(token=spec((size,), jnp.int32), count=spec((size,), jnp.int32),
+                done=spec((size,), jnp.bool_))
+    return (rows, mask, mask, spec((size,), jnp.int32), spec((size, stop_width), jnp.int32),
+            sampling)
 
   def abstract_rows(self, size: int) -> Rows:
-    spec = jax.ShapeDtypeStruct
-    return Rows(token=spec((size,), jnp.int32), count=spec((size,), jnp.int32),
-                done=spec((size,), jnp.bool_))
+    return self.decode_specs(size)[0]
 
   def join_program(self, size: int, batch_capacity: int, capacity: int, batch=None,
                    rows=None, state=None, loop=None):

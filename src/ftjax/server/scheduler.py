@@ -100,7 +100,7 @@ class Outcome:
   ttft_s: float
   decode_tok_s: float | None
   cancelled: bool = False  # the client went away before the reply was complete
-  after_cancel: int = 0  # tokens generated after the client went away (at most one chunk)
+  after_cancel: int = 0  # tokens generated after the client went away (at most two chunks)
   stop_sequence: str | None = None  # the request's stop string that ended the reply
 
 
