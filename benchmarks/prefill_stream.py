@@ -4,7 +4,7 @@ the sparse step (fills and host experts), as counts on the CPU backend and model
 On the CPU backend nothing moves over a link, so this measures what the engine decides and
 counts (``Engine.stats()``: per layer-step hits, fills, host experts, host routes, streamed),
 and turns the counts into time with the cost model of one layer-step's expert traffic
-(``ftjax.cache.moe.prefill_layer_times``) for each GPU machine in ``configs/hardware/``.
+(``ftjax.cache.streaming.prefill_layer_times``) for each GPU machine in ``configs/hardware/``.
 
 Model: a random model with Qwen3-30B-A3B's routing shape (E = 128 experts, top-8) and small
 experts whose FLOPs per byte equal Qwen3-30B-A3B's (6·F·D FLOPs per route over 6·F·D bytes of
@@ -20,7 +20,7 @@ modelled on the ``per_layer`` run's counts):
 - ``sparse``: never stream;
 - ``stream_all``: every layer streams (the paper's pipelined full-layer loading);
 - ``threshold``: every layer streams when T reaches the cold-layer threshold
-  (``ftjax.runtime.placement.prefill_stream_threshold``), the engine's choice before;
+  (``ftjax.cache.streaming.prefill_stream_threshold``), the engine's choice before;
 - ``per_layer``: the engine's ``prefill_stream="cost"`` with the pool in ``device`` memory:
   each layer-step decides on its own counts (its recorded choices are used);
 - ``per_layer_ahead``: the same with the pool in ``pinned_host`` memory: the next layer's
@@ -53,11 +53,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, machine_info, pyplot, write_results  # noqa: E402
 
 import ftjax  # noqa: E402
-from ftjax.cache.moe import prefill_layer_times  # noqa: E402
+from ftjax.cache.streaming import prefill_layer_times, prefill_stream_threshold  # noqa: E402
 from ftjax.model.config import ModelConfig  # noqa: E402
 from ftjax.research.cost import HardwareProfile  # noqa: E402
 from ftjax.runtime import model as model_lib  # noqa: E402
-from ftjax.runtime.placement import prefill_stream_threshold  # noqa: E402
 
 HARDWARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "hardware")
 QWEN_EXPERT_BYTES = 3 * 768 * 2048 * 2

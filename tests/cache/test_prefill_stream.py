@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import ftjax
-from ftjax.cache.moe import Offload, prefill_layer_times
+from ftjax.cache.moe import Offload
+from ftjax.cache.streaming import prefill_layer_times
 from ftjax.runtime import model as model_lib
 
 import tolerances

@@ -94,7 +94,7 @@ def test_int8_bf16_activations_flag_keeps_the_exact_path(isa):
 
 @pytest.mark.parametrize("case_name", ["tokens_1_top_8", "odd_widths", "grouped_odd_widths"])
 def test_int8_xla_path_dequantises(case_name):
-  """routed_experts(impl="xla"), the GPU path, reads int8 blocks too, under jit."""
+  """routed_experts(kernels="xla"), the GPU path, reads int8 blocks too, under jit."""
   case = CASES[case_name]
   x, ids, weights, bank = make_inputs(case, "xla")
   run = jax.jit(lambda x, ids, w, b: routed_experts(x, ids, w, b, case.layer, ffn_dim=case.F))

@@ -108,7 +108,7 @@ def test_mxfp4_matches_dequantised_reference(case_name, isa):
 
 @pytest.mark.parametrize("case_name", ["decode_tokens_5_skips", "grouped_tokens_41"])
 def test_mxfp4_xla_path_dequantises(case_name):
-  """routed_experts(impl="xla"), the GPU path and the cache's slot experts, reads mxfp4 blocks
+  """routed_experts(kernels="xla"), the GPU path and the cache's slot experts, reads mxfp4 blocks
   too, under jit."""
   case = CASES[case_name]
   x, ids, weights, bank = make_inputs(case, "xla")

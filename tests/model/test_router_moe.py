@@ -39,10 +39,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", ["xla", "ffi"])
+@pytest.mark.parametrize("kernels", ["xla", "ffi"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_routed_experts_match_numpy(case, dtype, impl):
+def test_routed_experts_match_numpy(case, dtype, kernels):
   c = CASES[case]
   rng = np.random.default_rng(hash(case) % 2**32)
   f, d, experts = 12, 16, 8
@@ -52,7 +52,7 @@ def test_routed_experts_match_numpy(case, dtype, impl):
   ids = np.array(c["ids"], np.int32) if "ids" in c else np.stack(
       [rng.choice(experts, c["k"], replace=False) for _ in range(c["t"])]).astype(np.int32)
   weights = rng.uniform(0.1, 1, size=ids.shape).astype(np.float32)
-  fn = jax.jit(lambda *a: routed_experts(*a, 1, ffn_dim=f, impl=impl))
+  fn = jax.jit(lambda *a: routed_experts(*a, 1, ffn_dim=f, kernels=kernels))
   got = fn(x, ids, weights, bank)
   ref = reference.routed_experts(x, ids, weights, bank, 1, f)
   # bf16 banks too: the reference uses the same bf16 weights, widened exactly.

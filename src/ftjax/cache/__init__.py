@@ -10,6 +10,9 @@
 * ``offloaded_moe`` (``moe.py``): the public layer function JAX users call in their own
   models: ``(new_cache, y, plan)``; ``CachedExperts`` is it as the model's routed-experts
   function, ``StepStats`` its per-layer counts.
+* ``streaming.py``: when a prefill's layer-step streams its whole layer to the device: the
+  host/DMA contention formula (``host_read_time``), one layer-step's cost
+  (``prefill_layer_times``) and the threshold the engine takes from it.
 
 Imports run ``cache -> experts -> kernels``; the cache never imports the model.
 """

@@ -30,13 +30,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ftjax.cache.policy import Plan, PolicyConfig, plan
 from ftjax.cache.state import ExpertCache
+from ftjax.cache.streaming import prefill_layer_times, stream_costs, worth_streaming
 from ftjax.experts import SWIGLU, ExpertVariant, routed_experts
 from ftjax.kernels import slot_fill
 from ftjax.kernels.cuda import PoolSpec, host_experts_done, host_experts_start, pool_fill
@@ -71,9 +71,10 @@ class Offload:
     copied from the streamed layer as usual, so the cache ends as warm as the sparse step
     leaves it (DESIGN section 4). ``never``; ``always`` (every layer-step of the program,
     each layer's transfer started during the previous layer-step: double buffering); or
-    ``cost``: each layer-step streams when the cost model (``prefill_layer_times``) makes
-    streaming its layer cheaper than the sparse step, see ``CachedExperts``. The engine sets
-    it per program (prompt length). ``True``/``False`` mean ``always``/``never``.
+    ``cost``: each layer-step streams when the cost model (``prefill_layer_times`` in
+    ``ftjax.cache.streaming``) makes streaming its layer cheaper than the sparse step, see
+    ``CachedExperts``. The engine sets it per program (prompt length). ``True``/``False``
+    mean ``always``/``never``.
   host_gflops: the host expert kernel's grouped rate (1e9 FLOP/s, a multiply-add being two),
     which ``cost`` weighs (``python -m ftjax.profile`` measures it).
   """
@@ -174,45 +175,6 @@ def host_route_count(p: Plan, ids: jax.Array) -> jax.Array:
   return jnp.sum((ids >= 0) & (p.route_slot < 0)).astype(jnp.int32)
 
 
-def prefill_layer_times(fills, host, host_routes, *, experts: int, expert_bytes: int,
-                        flops_per_route: float, b_p, b_h, host_gflops: float):
-  """The cost model of one layer-step's expert traffic: ``(sparse, streamed)`` seconds.
-
-  S = ``expert_bytes``, bandwidths in GB/s (1e9 bytes), ``host_gflops`` in 1e9 FLOP/s::
-
-    streamed = E·S / B_P                         # the whole layer over the link
-    sparse   = max(fills·S / B_P,                # the fills over the link
-                   host_read, host_routes·flops_per_route / host_gflops)
-
-  ``host_read`` is the host kernel reading its ``host`` experts while it shares host memory
-  with the fills' DMA: at B_res = B_H − B_P while the DMA runs (DESIGN section 2, the q* rule's
-  derivation), at B_H after it. The device's compute is left out: it is the same routes
-  either way. Takes and returns numpy values (the engine's threshold, the benchmark's
-  modelled times) or jax values (the per-layer choice inside a program).
-
-  Example (tests/cache/test_prefill_stream.py): E = 128 experts of S = 9.44 MB (a
-  Qwen3-30B-A3B layer), B_P 25, B_H 63 GB/s. Streaming takes 48.3 ms. 40 fills take 15.1 ms,
-  during which the host reads 574 MB of its 70 experts (661 MB) at B_res 38 GB/s, and the
-  rest at B_H: 16.5 ms; so the layer stays sparse unless its host routes need more than
-  48.3 ms of compute.
-  """
-  gb = 1e9
-  values = (fills, host, host_routes, b_p, b_h)
-  xp = jnp if any(isinstance(v, jax.Array) for v in values) else np
-  fills, host, host_routes, b_p, b_h = (xp.asarray(v, xp.float32) for v in values)
-  b_p, b_h = b_p * gb, b_h * gb
-  dma = fills * expert_bytes / b_p
-  host_bytes = host * expert_bytes
-  b_res = xp.maximum(b_h - b_p, 0.0)
-  during = dma * b_res  # bytes the host kernel reads while the DMA runs
-  read = xp.where(host_bytes <= during, host_bytes / xp.maximum(b_res, 1.0),
-                  dma + (host_bytes - during) / b_h)
-  compute = host_routes * flops_per_route / (host_gflops * gb)
-  sparse = xp.maximum(dma, xp.maximum(read, compute))
-  streamed = xp.asarray(experts * expert_bytes, xp.float32) / b_p
-  return sparse, streamed
-
-
 def _fill_by_slices(slots, bank, layer, fill_expert, fill_slot):
   """One masked dynamic slice per plan row: pinned_host block -> device -> its slot.
 
@@ -236,12 +198,13 @@ def _fill_by_slices(slots, bank, layer, fill_expert, fill_slot):
 
 
 def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
-               fill_slot: jax.Array, *, impl: str = "xla",
+               fill_slot: jax.Array, *, kernels: str = "xla",
                offload: Offload = DEFAULT_OFFLOAD) -> jax.Array:
   """Copies bank[layer, fill_expert[i]] into slots[fill_slot[i]] (rows with -1 skipped).
 
   In place when ``slots`` is donated by the caller's jit. ``offload.fill`` chooses the copy
-  (see ``Offload``); with ``kernels`` it is ``impl``'s.
+  (see ``Offload``); with ``kernels`` it follows ``kernels=``: the FFI slot fill for the host
+  kernels (``ffi*``), else an XLA scatter.
   """
   if fill_expert.shape[0] == 0:
     return slots
@@ -250,7 +213,7 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
   if offload.fill == "cuda":
     src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
     return pool_fill(slots, src, fill_slot, pool=offload.pool)
-  if impl in ("ffi", "ffi_bf16", "ffi_int8"):
+  if kernels in ("ffi", "ffi_bf16", "ffi_int8"):
     src = jnp.stack([jnp.full_like(fill_expert, layer), jnp.maximum(fill_expert, 0)], axis=1)
     return slot_fill(slots, bank, src, fill_slot)
   blocks = take(bank[layer], jnp.maximum(fill_expert, 0))  # [Q, P]
@@ -259,7 +222,7 @@ def fill_slots(slots: jax.Array, bank: jax.Array, layer, fill_expert: jax.Array,
 
 def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: ExpertCache,
                   bank: jax.Array, layer, *, bandwidths: jax.Array, policy: PolicyConfig,
-                  ffn_dim: int, impl: str = "xla", offload: Offload = DEFAULT_OFFLOAD,
+                  ffn_dim: int, kernels: str = "xla", offload: Offload = DEFAULT_OFFLOAD,
                   layer_block: jax.Array | None = None, variant: ExpertVariant = SWIGLU
                   ) -> tuple[ExpertCache, jax.Array, Plan]:
   """Routed-expert output for x [T, D] with router output ``weights``/``ids`` [T, K].
@@ -270,7 +233,7 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
     bank: [L, E, P] the host pool; layer: this layer's index into it (may be traced).
     bandwidths: [2] float32 (B_P, B_H) in GB/s, read by the q* fill rule.
     policy: a ``PolicyConfig`` (``get_policy(name)``); static.
-    ffn_dim: F; impl: "xla", "ffi" or "ffi_bf16" (the host kernels), static.
+    ffn_dim: F; kernels: "xla", or "ffi", "ffi_bf16" or "ffi_int8" (the host kernels), static.
     offload: where the pool lives and how fills and host routes run (``Offload``), static.
       With ``stream="cost"`` the layer-step streams when ``prefill_layer_times`` of its own
       plan says so (``CachedExperts`` also starts the next layer early).
@@ -286,15 +249,15 @@ def offloaded_moe(x: jax.Array, weights: jax.Array, ids: jax.Array, cache: Exper
   """
   cache, p = plan(cache, layer, ids, bandwidths, policy)
   if offload.mesh is not None:
-    return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload,
+    return _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, kernels, offload,
                             variant)
   stream = offload.stream != "never"
   if offload.stream == "cost":
-    stream = worth_streaming(p, ids, bandwidths, **_stream_costs(bank, offload, ffn_dim,
-                                                                 x.shape[-1]))
+    stream = worth_streaming(p, host_route_count(p, ids), bandwidths,
+                             **_stream_costs(bank, offload, ffn_dim, x.shape[-1]))
   slots, y = execute_plan(x, weights, ids, cache.slots, bank, layer, p, stream=stream,
-                          ffn_dim=ffn_dim, impl=impl, offload=offload, layer_block=layer_block,
-                          variant=variant)
+                          ffn_dim=ffn_dim, kernels=kernels, offload=offload,
+                          layer_block=layer_block, variant=variant)
   return cache.replace(slots=slots), y, p
 
 
@@ -306,25 +269,13 @@ def _pool_layout(bank, offload: Offload) -> tuple[tuple[int, int, int], jnp.dtyp
 
 
 def _stream_costs(bank, offload: Offload, ffn_dim: int, width: int) -> dict:
-  """``prefill_layer_times``'s shape arguments for this pool and model."""
-  (_, experts, elems), dtype = _pool_layout(bank, offload)
-  return dict(experts=experts, expert_bytes=elems * dtype.itemsize,
-              flops_per_route=6.0 * ffn_dim * width, host_gflops=offload.host_gflops)
-
-
-def worth_streaming(p: Plan, ids: jax.Array, bandwidths: jax.Array, *, experts: int,
-                    expert_bytes: int, flops_per_route: float, host_gflops: float) -> jax.Array:
-  """[] bool: whether the cost model makes streaming the layer cheaper than ``p``'s sparse
-  step (``prefill_layer_times`` of its fills, host experts and host routes)."""
-  sparse, streamed = prefill_layer_times(
-      p.fills, p.host, host_route_count(p, ids), experts=experts, expert_bytes=expert_bytes,
-      flops_per_route=flops_per_route, b_p=bandwidths[0], b_h=bandwidths[1],
-      host_gflops=host_gflops)
-  return streamed < sparse
+  """``stream_costs`` (``prefill_layer_times``'s shape arguments) for this pool and model."""
+  return stream_costs(*_pool_layout(bank, offload), ffn_dim=ffn_dim, width=width,
+                      host_gflops=offload.host_gflops)
 
 
 def execute_plan(x, weights, ids, slots, bank, layer, p: Plan, *, stream, ffn_dim: int,
-                 impl: str, offload: Offload, layer_block: jax.Array | None = None,
+                 kernels: str, offload: Offload, layer_block: jax.Array | None = None,
                  variant: ExpertVariant = SWIGLU):
   """Runs a planned layer-step: ``(slots, y)``. ``stream`` (a Python bool, or a traced []
   bool choosing between the two at run time) computes every route from the whole layer
@@ -332,35 +283,35 @@ def execute_plan(x, weights, ids, slots, bank, layer, p: Plan, *, stream, ffn_di
   slots and the host pool; either way the plan's fills land in their slots."""
   if isinstance(stream, bool):
     run = _streamed_step if stream else _sparse_step
-    return run(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block,
+    return run(x, weights, ids, slots, bank, layer, p, ffn_dim, kernels, offload, layer_block,
                variant)
   operands = (x, weights, ids, slots, p)
 
   def branch(run):
     return lambda x, weights, ids, slots, p: run(x, weights, ids, slots, bank, layer, p,
-                                                  ffn_dim, impl, offload, layer_block, variant)
+                                                  ffn_dim, kernels, offload, layer_block, variant)
 
   return jax.lax.cond(stream, branch(_streamed_step), branch(_sparse_step), *operands)
 
 
-def _streamed_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block,
+def _streamed_step(x, weights, ids, slots, bank, layer, p, ffn_dim, kernels, offload, layer_block,
                    variant):
-  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, impl=impl, variant=variant)
+  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, kernels=kernels, variant=variant)
   if offload.fill == "kernels" and layer_block is None:
     # The pool is in memory the kernels read (the CPU backend): "moving the layer to the
     # device" moves nothing, so the routes run from the pool in place (same numbers).
-    slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl)
+    slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, kernels=kernels)
     return slots, routed(x, ids, weights, bank, layer)
   if layer_block is None:
     layer_block = fetch_layer(bank, layer, offload)
   streamed = layer_block[None]  # [1, E, P] on the device
-  slots = fill_slots(slots, streamed, 0, p.fill_expert, p.fill_slot, impl=impl)
+  slots = fill_slots(slots, streamed, 0, p.fill_expert, p.fill_slot, kernels=kernels)
   return slots, routed(x, ids, weights, streamed, 0)
 
 
-def _sparse_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload, layer_block,
+def _sparse_step(x, weights, ids, slots, bank, layer, p, ffn_dim, kernels, offload, layer_block,
                  variant):
-  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, impl=impl, variant=variant)
+  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, kernels=kernels, variant=variant)
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
   host_weights = jnp.where(on_device, 0.0, weights)
@@ -369,10 +320,10 @@ def _sparse_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload,
     # the slots to it too, so the fills are also scheduled after the post and the host kernel
     # runs while the device fills and computes its routes.
     ticket, x = host_experts_start(x, host_ids, host_weights, pool=offload.pool, layer=layer,
-                                   ffn_dim=ffn_dim, bf16_activations=impl == "ffi_bf16",
+                                   ffn_dim=ffn_dim, bf16_activations=kernels == "ffi_bf16",
                                    variant=variant)
     slots, x = jax.lax.optimization_barrier((slots, x))
-  slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, impl=impl,
+  slots = fill_slots(slots, bank, layer, p.fill_expert, p.fill_slot, kernels=kernels,
                      offload=offload)
   y = jnp.zeros(x.shape, jnp.float32)
   if slots.shape[0]:
@@ -384,14 +335,14 @@ def _sparse_step(x, weights, ids, slots, bank, layer, p, ffn_dim, impl, offload,
   return slots, y
 
 
-def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offload, variant):
+def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, kernels, offload, variant):
   """The layer-step with the slot buffer split over ``offload.mesh``: each device fills the
   planned slots it holds (by the placement's fill) and computes the routes served by them; the
   host routes run once, posted by the first device; a ``psum`` adds the partial outputs. The
   plan and the cache's tables are computed identically on every device (replicated)."""
   (axis,) = offload.mesh.axis_names
   local_offload = dataclasses.replace(offload, mesh=None)
-  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, impl=impl, variant=variant)
+  routed = functools.partial(routed_experts, ffn_dim=ffn_dim, kernels=kernels, variant=variant)
   on_device = p.route_slot >= 0
   host_ids = jnp.where(on_device, -1, ids)
   host_weights = jnp.where(on_device, 0.0, weights)
@@ -407,11 +358,11 @@ def _expert_parallel(x, weights, ids, cache, bank, layer, p, ffn_dim, impl, offl
     if local_offload.host == "cuda":  # posted first, as in offloaded_moe
       ticket, x = host_experts_start(x, host_ids, host_weights, pool=local_offload.pool,
                                      layer=layer, ffn_dim=ffn_dim,
-                                     bf16_activations=impl == "ffi_bf16", variant=variant)
+                                     bf16_activations=kernels == "ffi_bf16", variant=variant)
       slots, x = jax.lax.optimization_barrier((slots, x))
     mine = (fill_slot >= first) & (fill_slot < first + n)
     slots = fill_slots(slots, bank, layer, fill_expert, jnp.where(mine, fill_slot - first, -1),
-                       impl=impl, offload=local_offload)
+                       kernels=kernels, offload=local_offload)
     y = jnp.zeros(x.shape, jnp.float32)
     if n:
       held = (route_slot >= first) & (route_slot < first + n)
@@ -469,7 +420,7 @@ class CachedExperts:
       block = fetch_layer_done(current, self.offload)
     cache, y, p = offloaded_moe(x, weights, ids, self.cache, self.bank, layer,
                                 bandwidths=self.bandwidths, policy=self.policy,
-                                ffn_dim=self.ffn_dim, impl=self.kernels, offload=self.offload,
+                                ffn_dim=self.ffn_dim, kernels=self.kernels, offload=self.offload,
                                 layer_block=block, variant=self.variant)
     return self.replace(cache=cache, stats=self.stats.record(
         layer, p, self.offload.stream == "always", host_route_count(p, ids)),
@@ -498,7 +449,7 @@ class CachedExperts:
       block = jax.lax.cond(stream, lambda b: fetch_layer_done(Inflight(layer, b), o),
                            lambda b: b, current.block)
     else:
-      stream = worth_streaming(p, ids, self.bandwidths, **costs)
+      stream = worth_streaming(p, routes, self.bandwidths, **costs)
     if o.fill != "kernels" and layer + 1 < cache.num_layers:
       ahead = self._predict(p, ids, routes, cache, layer + 1, **costs)
       (_, experts, elems), dtype = _pool_layout(bank, o)
@@ -506,7 +457,7 @@ class CachedExperts:
                              lambda: jnp.zeros((experts, elems), dtype))
       inflight = Inflight(layer + 1, started, ahead)
     slots, y = execute_plan(x, weights, ids, cache.slots, bank, layer, p, stream=stream,
-                            ffn_dim=self.ffn_dim, impl=self.kernels, offload=o,
+                            ffn_dim=self.ffn_dim, kernels=self.kernels, offload=o,
                             layer_block=block, variant=self.variant)
     return self.replace(cache=cache.replace(slots=slots),
                         stats=self.stats.record(layer, p, stream, routes), inflight=inflight), y

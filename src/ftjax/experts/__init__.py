@@ -1,6 +1,6 @@
 """The routed-expert math shared by the model and the cache (``routed.py``).
 
-``routed_experts(x, ids, weights, bank, layer, ffn_dim=, impl=)``: the weighted sum of the
+``routed_experts(x, ids, weights, bank, layer, ffn_dim=, kernels=)``: the weighted sum of the
 routed SwiGLU experts of one bank layer (``ExpertVariant``: the activation, e.g. gpt-oss's
 clamped SwiGLU, and per-expert biases), in XLA or in the host kernel. ``BankExperts``: the
 reference routed-experts function (every route from the host bank). ``split_block``: an

@@ -145,7 +145,7 @@ def _routed_scan(x, ids, weights, bank_ep, ffn_dim, variant):
 
 
 def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.Array,
-                   layer: int, *, ffn_dim: int, impl: str = "xla",
+                   layer: int, *, ffn_dim: int, kernels: str = "xla",
                    variant: ExpertVariant = SWIGLU) -> jax.Array:
   """``sum_k weights[t,k] · expert_{ids[t,k]}(x[t])`` over layer ``layer`` of ``bank``.
 
@@ -153,12 +153,12 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   bank [L, E, P] (bfloat16, float32, int8 or uint8 for mxfp4); ``variant`` (static) the experts' activation
   and biases. Returns [T, D] float32.
   """
-  if impl in ("ffi", "ffi_bf16", "ffi_int8"):
+  if kernels in ("ffi", "ffi_bf16", "ffi_int8"):
     return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim,
-                      bf16_activations=impl == "ffi_bf16", int8_activations=impl == "ffi_int8",
-                      variant=variant)
-  if impl != "xla":
-    raise ValueError(f"unknown MoE implementation {impl!r}; expected one of {KERNELS}")
+                      bf16_activations=kernels == "ffi_bf16",
+                      int8_activations=kernels == "ffi_int8", variant=variant)
+  if kernels != "xla":
+    raise ValueError(f"unknown kernels {kernels!r}; expected one of {KERNELS}")
   if variant.bias and bank.dtype == jnp.int8:
     raise ValueError("int8 expert blocks carry no biases (their layout ends with the float32 "
                      "row scales): keep a model with expert biases in bf16")
@@ -190,4 +190,4 @@ class BankExperts:
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["BankExperts", jax.Array]:
     return self, routed_experts(x, ids, weights, self.bank, layer, ffn_dim=self.ffn_dim,
-                                impl=self.kernels, variant=self.variant)
+                                kernels=self.kernels, variant=self.variant)

@@ -26,8 +26,9 @@ host finishes before the DMA, the second otherwise; with B_P >= B_H the host rea
 while the DMA runs). This is the model q* is derived from: ``q/B_P = (m − q)/B_res`` gives
 ``q* = m·B_P/B_H``, and for every ``q <= q*`` the host path takes ``m·S/B_H``, exactly the
 time of running all ``m`` misses on the host, so fills up to q* are free warm-up of the cache
-and each fill past q* costs S/B_P (the same contention as ``ftjax.cache.moe``'s prefill model
-``prefill_layer_times``). On the device, fills land one after the other on the copy engine
+and each fill past q* costs S/B_P. The host term is ``ftjax.cache.streaming.host_read_time``,
+the one contention formula that the prefill cost model (``prefill_layer_times`` there) uses
+too. On the device, fills land one after the other on the copy engine
 while the compute units run the resident experts, so the slot compute hides under the copies
 except for the expert that lands last (its compute, S/device_bw, follows its copy).
 Not modelled: the KV cache and recurrent-state reads (they grow with the context or are
@@ -63,6 +64,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from ftjax.cache.streaming import host_read_time
 from ftjax.model.config import ModelConfig
 from ftjax.utils import quant
 
@@ -385,6 +387,9 @@ def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_ru
     host   = min(host_runs·S/B_res, dma + (host_runs·S − dma·B_res)/B_H)
     max(device, host) + dense_bytes_per_layer/device_bw + layer_overhead_s
 
+  ``host`` is ``ftjax.cache.streaming.host_read_time``, the contention formula the prefill
+  cost model shares.
+
   When ``hw.paths_overlap`` is false (a CPU-only machine, one set of cores for both paths)
   the paths run one after the other and do not contend:
   ``dma + (hits + fills)·S/device_bw + host_runs·S/B_H`` replaces the max.
@@ -396,12 +401,7 @@ def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_ru
   compute = (hits + fills) * s / device_bw
   if hw.paths_overlap:
     device = np.maximum(compute, dma + (fills > 0) * (s / device_bw))
-    host_bytes = host_runs * s
-    b_res = max(b_h - b_p, 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-      during = np.where(host_bytes > 0, host_bytes / b_res, 0.0) if b_res else np.where(
-          host_bytes > 0, np.inf, 0.0)
-    host = np.minimum(during, dma + np.maximum(host_bytes - dma * b_res, 0.0) / b_h)
+    host = host_read_time(host_runs * s, dma, b_p, b_h)
     experts = np.maximum(device, host)
   else:
     experts = dma + compute + host_runs * s / b_h

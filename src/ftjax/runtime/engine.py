@@ -27,13 +27,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ftjax import kernels as host_kernels
 from ftjax.cache import ExpertCache, PolicyConfig, get_policy
 from ftjax.cache.policy import initial_cache
+from ftjax.cache.streaming import prefill_stream_mode, stream_costs, stream_min_tokens
 from ftjax.experts import KERNELS
 from ftjax.model import DecodeState, init_state
 from ftjax.runtime import programs
 from ftjax.runtime.executor import STOP_BUCKET, Executor, Generation
 from ftjax.runtime.model import Model
-from ftjax.runtime.placement import (POOLS, expert_mesh, prefill_stream_threshold, resolve_pool,
-                                     shard_params)
+from ftjax.runtime.placement import POOLS, expert_mesh, resolve_pool, shard_params
 from ftjax.runtime.profile import ExpertShape, load_profile
 from ftjax.runtime.programs import Programs, Runner, expert_variant
 from ftjax.runtime.sampling import Sampling
@@ -412,35 +412,16 @@ class Engine:
 
   def _stream_min_tokens(self) -> int:
     """Prefills of at least this many tokens stream whole layers (0: never); says why in
-    ``self.stream_source``."""
+    ``self.stream_source`` (``ftjax.cache.streaming.stream_min_tokens`` decides)."""
     o, c = self.options, self.model.config
-    if o.stream_prefill_tokens is not None:
-      if o.stream_prefill_tokens and not o.caching:
-        raise ValueError("stream_prefill_tokens streams layers through the expert cache's "
-                         "layer-step: give a cache size (cache_slots=0 for none)")
-      if o.stream_prefill_tokens and self.mesh is not None:
-        raise ValueError("stream_prefill_tokens does not combine with devices= (each device "
-                         "would fetch whole layers for routes it does not hold)")
-      self.stream_source = "given"
-      return o.stream_prefill_tokens
-    if not o.caching or jax.default_backend() == "cpu" or self.placement.pool == "device":
-      self.stream_source = "never (the pool is in device memory)"
-      return 0
-    if self.mesh is not None:
-      self.stream_source = "never (expert-parallel slots)"
-      return 0
-    gflops = self._host_gflops()
-    if self.bandwidths is None or not gflops:
-      self.stream_source = ("T·K >= E (no profile with the host's grouped rate: run "
-                            "python -m ftjax.profile and pass profile=)")
-      return -(-c.num_experts // c.top_k)
-    b_p, b_h = (float(b) for b in self.bandwidths)
-    self.stream_source = (f"cost model (B_P {b_p:.1f}, B_H {b_h:.1f} GB/s, host "
-                          f"{gflops:.0f} GFLOP/s)")
-    return prefill_stream_threshold(
-        experts=c.num_experts, top_k=c.top_k, expert_bytes=self.slot_bytes,
-        flops_per_route=6.0 * c.moe_intermediate_size * c.hidden_size, b_p=b_p, b_h=b_h,
-        host_gflops=gflops)
+    bank = self.model.bank
+    tokens, self.stream_source = stream_min_tokens(
+        o.stream_prefill_tokens, caching=o.caching,
+        pool_on_device=jax.default_backend() == "cpu" or self.placement.pool == "device",
+        expert_parallel=self.mesh is not None, top_k=c.top_k, bandwidths=self.bandwidths,
+        **stream_costs(bank.shape, bank.dtype, ffn_dim=c.moe_intermediate_size,
+                       width=c.hidden_size, host_gflops=self._host_gflops()))
+    return tokens
 
   def _host_gflops(self) -> float | None:
     """The host kernel's grouped rate (GFLOP/s): given, or the profile's; None if unknown."""
@@ -449,18 +430,13 @@ class Engine:
     return (self._profile or {}).get("host_grouped_gflops") or None
 
   def _prefill_stream(self, stream_min: int) -> str:
-    """How prefills that stream do it (``RuntimeOptions.prefill_stream``); appended to
-    ``self.stream_source``."""
-    mode = self.options.prefill_stream
-    if mode == "auto":
-      mode = "cost" if self._host_gflops() and self.bandwidths is not None else "always"
-    if mode == "cost" and (not self._host_gflops() or self.bandwidths is None):
-      raise ValueError("prefill_stream='cost' weighs fills, host experts and streaming by the "
-                       "cost model: give bandwidths=(B_P, B_H) and host_gflops=, or a profile= "
-                       "from python -m ftjax.profile")
+    """How prefills that stream do it (``RuntimeOptions.prefill_stream``, resolved by
+    ``ftjax.cache.streaming.prefill_stream_mode``); appended to ``self.stream_source``."""
+    mode, how = prefill_stream_mode(
+        self.options.prefill_stream,
+        cost_known=bool(self._host_gflops()) and self.bandwidths is not None)
     if stream_min:
-      self.stream_source += ("; each layer by the cost model" if mode == "cost"
-                             else "; every layer")
+      self.stream_source += f"; {how}"
     return mode
 
   # -- Expert cache ---------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload, prefill_layer_times
+from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload
 from ftjax.kernels import cuda
 
 POOLS = ("auto", "device", "pinned_host", "mapped")
@@ -69,45 +69,6 @@ class Placement:
   host_bank: np.ndarray | None  # the pool as a host array (preloads, the mapped pool's memory)
   pool: str  # the placement resolved from "auto"
   description: str
-
-
-def prefill_stream_threshold(*, experts: int, top_k: int, expert_bytes: int,
-                             flops_per_route: float, b_p: float, b_h: float,
-                             host_gflops: float, max_tokens: int = 1 << 17) -> int:
-  """The shortest prefill (tokens T) whose MoE layer-step the cost model makes cheaper with the
-  whole layer streamed to the device than with sparse fills and host experts, for a cold
-  layer (no hits); 0 if none up to ``max_tokens``. Bandwidths in GB/s, bytes and FLOPs per
-  expert and per route.
-
-  A cold layer under uniform routing sees u = E·(1 − (1 − K/E)^T) distinct experts, all
-  misses; the q* rule fills q = u·B_P/B_H of them (all when B_P >= B_H) and the host runs the
-  rest with its share of the T·K routes. ``ftjax.cache.moe.prefill_layer_times`` gives both
-  sides' times. The sparse time grows with T and streaming's does not, so the threshold is
-  found by bisection. It bounds every layer: one with experts in the cache misses fewer
-  (the engine's ``stream="cost"`` then decides each layer on its own counts).
-
-  Example (a Qwen3-30B-A3B layer, B_P 50, B_H 100 GB/s, a host at 500 GFLOP/s): streaming the
-  layer takes 24 ms; at 256 tokens the sparse path's host compute is ~19 ms, at 512 ~39 ms, so
-  the threshold lies between (tests/runtime/test_placement.py works it through)."""
-  def sparse_over_stream(tokens: int) -> float:
-    distinct = experts * (1.0 - (1.0 - top_k / experts) ** tokens)
-    filled = distinct if b_p >= b_h else distinct * b_p / b_h
-    on_host = distinct - filled
-    sparse, stream = prefill_layer_times(
-        filled, on_host, tokens * top_k * (on_host / distinct), experts=experts,
-        expert_bytes=expert_bytes, flops_per_route=flops_per_route, b_p=b_p, b_h=b_h,
-        host_gflops=host_gflops)
-    return float(sparse / stream)
-
-  if sparse_over_stream(max_tokens) <= 1.0:
-    return 0
-  low, high = 1, max_tokens  # sparse(low) <= stream < sparse(high)
-  if sparse_over_stream(low) > 1.0:
-    return low
-  while high - low > 1:
-    mid = (low + high) // 2
-    low, high = (mid, high) if sparse_over_stream(mid) <= 1.0 else (low, mid)
-  return high
 
 
 def pinned_cap_bytes() -> int:

@@ -16,7 +16,7 @@ swings by up to 2x over seconds, so single numbers are not trusted):
   how decode uses them (DESIGN section 2 prefers this pair);
 * ``host_grouped_gflops``: the host kernel's grouped (prefill) form, 64 tokens of ``top_k``
   experts each: multiply-add FLOPs per second. The engine weighs it against streaming whole
-  layers in a long prefill (``ftjax.runtime.placement.prefill_stream_threshold``).
+  layers in a long prefill (``ftjax.cache.streaming.prefill_stream_threshold``).
 
 On a GPU backend the host kernel runs on the CPU device (the pool a host array) and B_P is the
 fill into device slots: ``b_p_gb_s`` by the CUDA copy kernel reading the registered, mapped
