@@ -32,6 +32,8 @@ def machine_info() -> dict:
       "nproc": int(subprocess.run(["nproc"], capture_output=True, text=True).stdout),
       "mem_total_bytes": int(first("/proc/meminfo", "MemTotal").split()[0]) * 1024,
       "cpu_model": first("/proc/cpuinfo", "model name"),
+      "cpu_family": first("/proc/cpuinfo", "cpu family"),  # with the model number: the
+      "cpu_model_number": first("/proc/cpuinfo", "model\t"),  # microarchitecture (Zen 3/4/5)
       "isa_flags": [f for f in (first("/proc/cpuinfo", "flags") or "").split()
                     if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                              "avx512_bf16", "avx512_vnni")],

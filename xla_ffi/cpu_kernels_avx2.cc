@@ -48,6 +48,7 @@ struct Bf16F32Ops256 {
   using ActivationVec = __m256;
   using Acc = __m256;
   static constexpr int64_t kStep = 8;
+  static constexpr int kVectorRegisters = 16;
   static Acc Zero() { return _mm256_setzero_ps(); }
   static WeightVec LoadWeights(const Weight* p) {
     return WidenBf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -76,6 +77,7 @@ struct F32F32Ops256 {
   using ActivationVec = __m256;
   using Acc = __m256;
   static constexpr int64_t kStep = 8;
+  static constexpr int kVectorRegisters = 16;
   static Acc Zero() { return _mm256_setzero_ps(); }
   static WeightVec LoadWeights(const Weight* p) { return _mm256_loadu_ps(p); }
   static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {

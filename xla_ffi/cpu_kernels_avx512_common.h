@@ -73,6 +73,7 @@ struct Bf16F32Ops512 {
   using ActivationVec = __m512;
   using Acc = __m512;
   static constexpr int64_t kStep = 16;
+  static constexpr int kVectorRegisters = 32;
   static Acc Zero() { return _mm512_setzero_ps(); }
   static WeightVec LoadWeights(const Weight* p) {
     return WidenBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -97,6 +98,7 @@ struct F32F32Ops512 {
   using ActivationVec = __m512;
   using Acc = __m512;
   static constexpr int64_t kStep = 16;
+  static constexpr int kVectorRegisters = 32;
   static Acc Zero() { return _mm512_setzero_ps(); }
   static WeightVec LoadWeights(const Weight* p) { return _mm512_loadu_ps(p); }
   static WeightVec LoadWeightsTail(const Weight* p, int64_t count) {

@@ -25,6 +25,7 @@ struct Bf16Bf16Ops512 {
   using ActivationVec = __m512bh;
   using Acc = __m512;
   static constexpr int64_t kStep = 32;
+  static constexpr int kVectorRegisters = 32;
   static __mmask32 FirstLanes(int64_t count) {  // count < 32
     return static_cast<__mmask32>((1u << count) - 1u);
   }
@@ -65,6 +66,7 @@ struct I8I8Ops512 {
   };
   using Acc = __m512i;
   static constexpr int64_t kStep = 64;
+  static constexpr int kVectorRegisters = 32;
   static __mmask64 FirstLanes(int64_t count) {  // count < 64
     return static_cast<__mmask64>((uint64_t{1} << count) - 1u);
   }

@@ -31,6 +31,7 @@ struct ScalarOps {
   using ActivationVec = float;
   using Acc = float;
   static constexpr int64_t kStep = 1;
+  static constexpr int kVectorRegisters = 32;
   static Acc Zero() { return 0.0f; }
   static WeightVec LoadWeights(const Weight* p) { return ToFloat(*p); }
   static WeightVec LoadWeightsTail(const Weight*, int64_t) { return 0.0f; }  // never: kStep 1

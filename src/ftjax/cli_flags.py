@@ -45,6 +45,11 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           lower_bound=0, upper_bound=1),
       "cache_bytes": flags.DEFINE_integer("cache_bytes", None, "expert cache size in bytes",
                                           lower_bound=0),
+      "device_budget_bytes": flags.DEFINE_integer(
+          "device_budget_bytes", None, "one device budget in bytes for the decode states (KV "
+          "cache, recurrent state) and the expert cache, which gets what the states leave and "
+          "is re-divided as they grow and shrink (the server: GET/POST /v1/cache)",
+          lower_bound=0),
       "policy": flags.DEFINE_enum("policy", "freetoken", list(POLICIES), "expert cache policy"),
       "profile": flags.DEFINE_string("profile", None,
                                      "bandwidth profile JSON (python -m ftjax.profile)"),
@@ -91,7 +96,8 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
   """The expert-cache keyword arguments of ``ftjax.Engine`` given on the command line (the
   pool's placement among them, when not ``auto``), and the prefill chunk and KV dtype."""
   cache = {}
-  for name in ("cache_slots", "cache_fraction", "cache_bytes", "profile"):
+  for name in ("cache_slots", "cache_fraction", "cache_bytes", "device_budget_bytes",
+               "profile"):
     if holders[name].value is not None:
       cache[name] = holders[name].value
   if holders["bandwidths"].value is not None:

@@ -12,7 +12,8 @@ import ftjax
 from ftjax.cache import POLICIES
 from ftjax.cache.state import check_invariants
 from ftjax.runtime import model as model_lib
-from ftjax.runtime.engine import slot_bucket, slots_for_budget, state_bytes
+from ftjax.runtime.budget import slots_for_budget
+from ftjax.runtime.engine import slot_bucket, state_bytes
 
 import tolerances
 from conftest import scaled_params

@@ -152,3 +152,58 @@ def test_a_session_in_the_decode_loop_refuses_a_new_context(models):
     session.set_context(PROMPTS[1])
   engine.executor.run_one(generation)
   session.set_context(PROMPTS[1])
+
+
+def test_a_device_budget_gives_the_batch_rows_and_takes_them_back(models):
+  """With one device budget, the expert cache gets what the decode states leave
+  (ftjax.runtime.budget): it gives up slots while a batch's rows are held and takes them back
+  when the last sequence leaves; outputs equal the dense path's (lru_fill is exact) across the
+  resizes."""
+  model = models["attention"]
+  probe = ftjax.Engine(model, kernels="ffi", device_budget_bytes=0, policy="lru_fill")
+  cap = probe.kv_capacities[0]
+  total = probe.total_experts
+  # Every expert beside the two sessions' own states; fewer beside the batch's four rows.
+  budget = 2 * probe.state_bytes(1, cap) + total * probe.slot_bytes
+  assert 2 * probe.state_bytes(1, cap) > probe.slot_bytes
+  engine = ftjax.Engine(model, kernels="ffi", decode_chunk=CHUNK, device_budget_bytes=budget,
+                        policy="lru_fill")
+  reference = ftjax.Engine(model, kernels="ffi", decode_chunk=CHUNK)
+  alone = [reference.generate(p, n) for p, n in zip(PROMPTS[:2], NEW[:2])]
+
+  def slots_for(state):
+    return min(total, max(0, (budget - state) // engine.slot_bytes))
+
+  seen = []  # (state bytes, slots) after each chunk
+
+  def watched(inner):
+    def on_chunk(tokens, halted, layers):
+      seen.append((engine.memory.state_bytes, int(engine.cache.limit)))
+      return inner(tokens, halted, layers)
+    return on_chunk
+
+  sessions = [ftjax.Session(engine) for _ in range(2)]
+  for s, p in zip(sessions, PROMPTS[:2]):
+    s.set_context(p)
+  held = engine.memory.state_bytes
+  assert held == 2 * engine.state_bytes(1, cap)
+  assert int(engine.cache.limit) == slots_for(held) == total  # room for every expert
+  gens = [s.generation(n) for s, n in zip(sessions, NEW[:2])]
+  for g in gens:
+    g.on_chunk = watched(g.on_chunk)
+  batch = engine.executor.batch(4)
+  engine.executor.run(batch, Staggered(gens, gap=1))
+  assert [list(g.tokens) for g in gens] == alone
+  # While in the batch, the sessions' rows were the batch's (4 rows held), not their own.
+  assert all(slots == slots_for(state) for state, slots in seen)
+  assert any(state >= engine.state_bytes(4, cap) for state, _ in seen)
+  assert min(slots for _, slots in seen) < total
+  # All left: the batch's rows went back to the cache; the sessions hold their own again.
+  assert batch.state is None
+  assert engine.memory.state_bytes == 2 * engine.state_bytes(1, cap)
+  assert int(engine.cache.limit) == total
+  assert engine.memory.last_resize["slots"] > engine.memory.last_resize["slots_before"]
+  for s in sessions:
+    assert s.stats()["turns"][-1]["decode"]["steps"] > 0
+    s.close()
+  assert engine.memory.state_bytes == 0

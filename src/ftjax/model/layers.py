@@ -138,10 +138,12 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array |
   return out.reshape(*out.shape[:2], h, a)
 
 
-def _write_rows(buffer: jax.Array, rows: jax.Array, start) -> jax.Array:
-  """``buffer`` with ``rows`` written at ``start``, in place. A bfloat16 buffer is written
-  through its uint16 bits: XLA:CPU widens a bfloat16 dynamic-update-slice to float32, which
-  converts the whole buffer (every KV row of the context's capacity) at every decode step."""
+def write_rows(buffer: jax.Array, rows: jax.Array, start) -> jax.Array:
+  """``buffer`` with ``rows`` (cast to its dtype) written at index tuple ``start``, in place.
+  A bfloat16 buffer is written through its uint16 bits: XLA:CPU widens a bfloat16
+  dynamic-update-slice to float32, which converts the whole buffer (every KV row of the
+  context's capacity) at every decode step. The KV writes and the batch's joins use it."""
+  rows = rows.astype(buffer.dtype)
   if buffer.dtype != jnp.bfloat16:
     return jax.lax.dynamic_update_slice(buffer, rows, start)
   bits = jax.lax.dynamic_update_slice(jax.lax.bitcast_convert_type(buffer, jnp.uint16),
@@ -154,9 +156,9 @@ def _write_kv(buffer: jax.Array, rows: jax.Array, length: jax.Array) -> jax.Arra
   one row for every sequence (an int32 []), or each sequence's own (int32 [B], a batch of
   sequences at different lengths: one in-place write per sequence)."""
   if not jnp.ndim(length):
-    return _write_rows(buffer, rows, (0, length, 0, 0))
+    return write_rows(buffer, rows, (0, length, 0, 0))
   for b in range(buffer.shape[0]):
-    buffer = _write_rows(buffer, rows[b:b + 1], (b, length[b], 0, 0))
+    buffer = write_rows(buffer, rows[b:b + 1], (b, length[b], 0, 0))
   return buffer
 
 

@@ -27,10 +27,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ftjax import kernels as host_kernels
 from ftjax.cache import ExpertCache, PolicyConfig, get_policy
 from ftjax.cache.policy import initial_cache
-from ftjax.cache.streaming import prefill_stream_mode, stream_costs, stream_min_tokens
+from ftjax.cache.streaming import (PREFILL_STREAM_MODES, prefill_stream_mode, stream_costs,
+                                   stream_min_tokens)
 from ftjax.experts import KERNELS
 from ftjax.model import DecodeState, init_state
 from ftjax.runtime import programs
+from ftjax.runtime.budget import MemoryBudget, slots_for_budget
 from ftjax.runtime.executor import STOP_BUCKET, Executor, Generation
 from ftjax.runtime.model import Model
 from ftjax.runtime.placement import POOLS, expert_mesh, resolve_pool, shard_params
@@ -39,7 +41,6 @@ from ftjax.runtime.programs import Programs, Runner, expert_variant
 from ftjax.runtime.sampling import Sampling
 
 KV_DTYPES = ("float32", "bfloat16")
-PREFILL_STREAMS = ("auto", "always", "cost")
 KV_GROWTHS = ("auto", "max", "grow")
 MIN_KV_ROWS = 4096  # the smallest KV capacity of a state that grows (by 4x)
 MIN_CHUNK = 16  # the smallest prefill chunk size
@@ -100,13 +101,13 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
   ``auto`` and ``ffi*`` raise ``ftjax.kernels.KernelsUnavailable`` with the cause and the
   fix: never a silent fall back to XLA:CPU, which is 10-20x slower there."""
   backend = jax.default_backend()
-  impl = requested
+  chosen = requested
   if requested == "auto":
     if backend != "cpu":
       return "xla", (f"xla ({backend}: dense work and slot experts; fills and host experts by "
                      "the pool's placement)")
     host_kernels.require("kernels='auto' on the CPU backend")
-    impl = "ffi_bf16" if np.dtype(bank_dtype) == np.dtype(jnp.bfloat16) else "ffi"
+    chosen = "ffi_bf16" if np.dtype(bank_dtype) == np.dtype(jnp.bfloat16) else "ffi"
   elif requested in ("ffi", "ffi_bf16", "ffi_int8"):
     if backend != "cpu":
       raise ValueError(f"kernels={requested!r} names the CPU backend's kernels; on {backend} use "
@@ -117,10 +118,10 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
       raise ValueError(f"kernels='ffi_int8' quantises the activations of int8 experts; this "
                        f"model's experts are {np.dtype(bank_dtype)}: convert it with "
                        "--expert_dtype=int8, or use kernels='ffi'")
-  if impl == "xla":
-    return impl, f"xla ({backend}, requested)" if requested == "xla" else f"xla ({backend})"
+  if chosen == "xla":
+    return chosen, f"xla ({backend}, requested)" if requested == "xla" else f"xla ({backend})"
   info = host_kernels.cpu_info()
-  return impl, f"{impl} ({info['isa']}, {info['threads']} threads)"
+  return chosen, f"{chosen} ({info['isa']}, {info['threads']} threads)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +161,10 @@ class RuntimeOptions:
     uniform routing); never on the CPU backend, where device memory is host memory and the
     grouped host kernel reads the pool in place. With a ``profile`` that has the host's
     grouped rate, the threshold comes from the cost model instead
-    (``ftjax.runtime.placement.prefill_stream_threshold``); ``engine.stream_source`` says which.
+    (``ftjax.cache.streaming.prefill_stream_threshold``); ``engine.stream_source`` says which.
   prefill_stream: how a prefill at or past that threshold streams: "always" (every MoE
     layer, each layer's transfer started during the previous layer-step) or "cost" (each
-    layer-step streams when the cost model, ``ftjax.cache.moe.prefill_layer_times``, makes
+    layer-step streams when the cost model, ``ftjax.cache.streaming.prefill_layer_times``, makes
     streaming that layer cheaper than its sparse fills and host experts: a layer whose
     experts are in the cache stays sparse; ``ftjax.cache.moe.CachedExperts``). Default
     "auto": "cost" when the host's grouped rate is known (``host_gflops`` or a ``profile``),
@@ -226,8 +227,8 @@ class RuntimeOptions:
     if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
       raise ValueError(f"kv_dtype must be one of {KV_DTYPES} (or None: bfloat16 for bfloat16 "
                        f"models), got {self.kv_dtype!r}")
-    if self.prefill_stream not in PREFILL_STREAMS:
-      raise ValueError(f"prefill_stream must be one of {PREFILL_STREAMS}, got "
+    if self.prefill_stream not in PREFILL_STREAM_MODES:
+      raise ValueError(f"prefill_stream must be one of {PREFILL_STREAM_MODES}, got "
                        f"{self.prefill_stream!r}")
     if self.host_gflops is not None and (isinstance(self.host_gflops, bool) or not isinstance(
         self.host_gflops, (int, float)) or not self.host_gflops > 0):
@@ -290,12 +291,6 @@ def state_bytes(config, batch: int, capacity: int, kv_dtype: str = "float32") ->
                           * c.linear_value_head_dim
                           + max(c.linear_conv_kernel - 1, 0) * c.linear_conv_dim)
   return np.dtype(jnp.dtype(kv_dtype)).itemsize * kv + 4 * rec
-
-
-def slots_for_budget(budget_bytes: int, kv_bytes: int, slot_bytes: int) -> int:
-  """N = floor((budget - KV) / slot): e.g. 8 GB budget, 0.5 GB slots: KV 3 GB -> 10 slots,
-  KV 4 GB -> 8, KV 2 GB -> 12 (the paper's example)."""
-  return max(0, (budget_bytes - kv_bytes) // slot_bytes)
 
 
 @dataclasses.dataclass
@@ -386,6 +381,9 @@ class Engine:
         stream_min_tokens=stream_min, prefill_stream=self._prefill_stream(stream_min),
         kv_dtype=self.kv_dtype, variant=expert_variant(c))
     self.programs = Programs.shared(self.runner)
+    # Device state (KV caches, recurrent states) by owner, and the budget it shares with the
+    # expert cache (ftjax.runtime.budget).
+    self.memory = MemoryBudget(opts.device_budget_bytes)
     # The programs' runner: compiles, the expert cache, per-step records and the decode loop.
     self.executor = Executor(self, self._initial_cache(self._requested_slots(kv_bytes=0))
                              if opts.caching else None)
@@ -457,14 +455,16 @@ class Engine:
 
   def _requested_slots(self, kv_bytes: int) -> int:
     o = self.options
-    if o.cache_slots is not None:
+    if self.memory.total is not None:
+      n = slots_for_budget(self.memory.total, kv_bytes, self.slot_bytes)
+    elif o.cache_slots is not None:
       n = o.cache_slots
     elif o.cache_fraction is not None:
       n = int(o.cache_fraction * self.total_experts)
     elif o.cache_bytes is not None:
       n = o.cache_bytes // self.slot_bytes
     else:
-      n = slots_for_budget(o.device_budget_bytes, kv_bytes, self.slot_bytes)
+      raise AssertionError("an engine with a cache has a cache size")
     return min(n, self.total_experts)  # more slots than experts would never be used
 
   def _bandwidths(self) -> tuple[np.ndarray | None, str]:
@@ -503,9 +503,12 @@ class Engine:
     return initial_cache(self.policy, source, num_slots, self._capacity(num_slots),
                          hot_experts=self.options.hot_experts)
 
-  def resize_cache(self, slots: int | None = None, bytes: int | None = None) -> int:  # noqa: A002
+  def resize_cache(self, slots: int | None = None, bytes: int | None = None,  # noqa: A002
+                   reason: str = "resize_cache") -> int:
     """Resizes the expert cache between programs; keeps the most recently used slots. The
-    host pool is not reloaded and nothing restarts. Returns the new slot count."""
+    host pool is not reloaded and nothing restarts. Returns the new slot count. With a
+    device budget, the next change of the decode states' memory re-divides it again
+    (``set_budget`` changes the budget itself)."""
     if self.executor.cache is None:
       raise ValueError("this engine has no expert cache: create it with cache_slots=, "
                        "cache_fraction=, cache_bytes= or device_budget_bytes=")
@@ -515,12 +518,65 @@ class Engine:
     if n < 0:
       raise ValueError(f"the cache size must be >= 0, got {n} slots")
     n = min(n, self.total_experts)
+    before = int(self.executor.cache.limit)
     if self.policy.preload != "none":
       cache = self._initial_cache(n)  # the preloaded set is recomputed for the new size
     else:
       cache = self.executor.cache.resized(n, self._capacity(n))
     self.executor.cache = cache
+    if n != before:
+      self.memory.resized(before, n, reason)
     return n
+
+  # -- One memory budget for the decode states and the expert cache ----------------------------
+
+  def set_budget(self, budget_bytes: int) -> int:
+    """Makes ``budget_bytes`` the device budget shared by the decode states and the expert
+    cache (``ftjax.runtime.budget``), at run time: the cache is resized now to what the states
+    held leave (between programs). Returns the new slot count."""
+    if self.executor.cache is None:
+      raise ValueError("this engine has no expert cache to share a budget with: create it "
+                       "with a cache size (device_budget_bytes=, cache_slots=, ...)")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) or (
+        budget_bytes < 0):
+      raise ValueError(f"the budget must be an int number of bytes >= 0, got {budget_bytes!r}")
+    self.memory.total = int(budget_bytes)
+    self._refit("budget set to %d bytes" % budget_bytes)
+    return int(self.executor.cache.limit)
+
+  def hold_memory(self, owner: Any, nbytes: int) -> None:
+    """``owner`` (a session, a decode batch, the engine) now holds ``nbytes`` of decode state
+    on the device (0: none). With a budget, the expert cache is re-divided at once: call it
+    before allocating a larger state, so that the cache gives up its slots first."""
+    if self.memory.hold(owner, nbytes):
+      self._refit(f"decode states now {self.memory.state_bytes} bytes "
+                  f"({self.memory.holders} holders)")
+
+  def state_bytes(self, batch: int, capacity: int) -> int:
+    """Bytes of a decode state of ``batch`` rows of ``capacity`` KV rows on this engine."""
+    return state_bytes(self.model.config, batch, capacity, self.kv_dtype)
+
+  def _refit(self, reason: str) -> None:
+    cache = self.executor.cache
+    if cache is None or self.memory.total is None:
+      return
+    n = self._requested_slots(self.memory.state_bytes)
+    if n != int(cache.limit):
+      self.resize_cache(slots=n, reason=reason)
+
+  def cache_info(self) -> dict[str, Any]:
+    """The expert cache and the budget now: slots (in use of the buffer's capacity), bytes,
+    the decode states' bytes, hits/fills/host-run experts over the engine's life, the last
+    resize (None yet) and the last 16. The server's ``GET /v1/cache``."""
+    cache = self.executor.cache
+    slots = 0 if cache is None else int(cache.limit)
+    return {"policy": None if self.policy is None else self.policy.name,
+            "slots": slots, "slot_capacity": 0 if cache is None else int(cache.capacity),
+            "slot_bytes": self.slot_bytes, "cache_bytes": slots * self.slot_bytes,
+            "experts": self.total_experts, "budget_bytes": self.memory.total,
+            "state_bytes": self.memory.state_bytes, "state_holders": self.memory.holders,
+            **self.cache_totals(), "last_resize": self.memory.last_resize,
+            "resizes": list(self.memory.resizes)}
 
   def routing_counts(self) -> np.ndarray:
     """How often the router selected each (layer, expert) so far: [L, E]."""
@@ -630,41 +686,34 @@ class Engine:
     raise ContextLengthError(f"{rows} KV rows exceed the context limit of {self.max_seq_len} "
                              "tokens")
 
-  def new_state(self, batch: int, capacity: int) -> DecodeState:
+  def new_state(self, batch: int, capacity: int, owner: Any = None) -> DecodeState:
     """An empty decode state for ``capacity`` tokens (rounded up to one of
-    ``kv_capacities``, at most the largest). With a device budget, the cache is re-divided
-    for its KV size."""
-    return self._new_state(batch, self.kv_capacity(min(capacity, self.kv_capacities[-1])))
+    ``kv_capacities``, at most the largest), held by ``owner`` (default: the engine; see
+    ``hold_memory``): with a device budget, the cache is re-divided first."""
+    return self._new_state(batch, self.kv_capacity(min(capacity, self.kv_capacities[-1])),
+                           owner)
 
-  def _new_state(self, batch: int, capacity: int) -> DecodeState:
-    self.fit_cache_to_state(batch, capacity)
+  def _new_state(self, batch: int, capacity: int, owner: Any = None) -> DecodeState:
+    self.hold_memory(self if owner is None else owner, self.state_bytes(batch, capacity))
     return init_state(self.model.config, batch, capacity, jnp.dtype(self.kv_dtype))
 
-  def grow_state(self, state: DecodeState, rows: int, batch: int = 1) -> DecodeState:
+  def grow_state(self, state: DecodeState, rows: int, batch: int = 1,
+                 owner: Any = None) -> DecodeState:
     """``state`` (donated; ``batch`` rows) with a KV capacity of at least ``rows`` rows: the
     same state when it has room, else grown through ``kv_capacities`` (each step one compiled
-    copy) to the first that holds them. With a device budget, the cache is re-divided for the
-    new KV size."""
+    copy) to the first that holds them, held by ``owner`` (default: the engine): with a
+    device budget, the cache is re-divided first."""
     held = state.capacity
     if not held or held >= rows:
       return state
     target = self.kv_capacity(rows)
-    self.fit_cache_to_state(batch, target)
+    self.hold_memory(self if owner is None else owner, self.state_bytes(batch, target))
     for capacity in self.kv_capacities:
       if held < capacity <= target:
         grow = self.executor.compiled(("grow", batch, held, capacity), programs.grow_program,
                                       state, capacity=capacity)
         state, held = grow(state), capacity
     return state
-
-  def fit_cache_to_state(self, batch: int, capacity: int) -> None:
-    """With a device budget, re-divides it for a decode state of ``batch`` rows of
-    ``capacity`` tokens."""
-    cache = self.executor.cache
-    if cache is not None and self.options.device_budget_bytes is not None:
-      n = self._requested_slots(state_bytes(self.model.config, batch, capacity, self.kv_dtype))
-      if n != int(cache.limit):
-        self.resize_cache(slots=n)
 
   def check_context(self, prompt_len: int, new: int) -> None:
     if prompt_len < 1:

@@ -69,19 +69,29 @@ class Generation:
     last). True: the sequence goes on (a halted row resumes); False: it leaves;
   on_leave(sequence): told when it has left (``state`` is its own again);
   cancel() -> bool: asked before each chunk is dispatched: True leaves without running
-    another (the tokens of a chunk already in flight still come).
+    another (the tokens of a chunk already in flight still come);
+  owner: who holds its state's memory (``Engine.hold_memory``; None: the engine): the loop
+    moves the count to the batch while the sequence is in one, and back when it leaves.
+  stats: what its decode steps did: steps it stepped in, the rows that stepped with it
+    (summed over those steps) and, with an expert cache, the hits, fills and host-run experts
+    of those steps (shared with the rows beside it: a layer-step plans over the union of
+    the batch's routed experts).
   """
   state: DecodeState | None
   logits: jax.Array
   max_new: int
   sampling: Sampling
   stops: Sequence[int] = ()
-  on_chunk: Callable[[list[int], bool, Callable[[], dict]], bool] = lambda *_: True
+  on_chunk: Callable[[list[int], bool, Callable[[], dict]], bool] = (
+      lambda tokens, halted, layers: not halted)  # default: leave at a stop or the limit
   on_leave: Callable[["Generation"], None] = lambda _: None
   cancel: Callable[[], bool] | None = None
+  owner: Any = None
   tokens: list[int] = dataclasses.field(default_factory=list)  # delivered so far
   programs: int = 0  # programs it ran in (the first token's, and decode chunks)
   first_s: float = 0.0  # seconds of the first token's program (and its read)
+  stats: dict[str, int] = dataclasses.field(default_factory=lambda: {
+      "steps": 0, "batch_rows": 0, "hits": 0, "fills": 0, "host": 0})
 
 
 class Feed:
@@ -192,10 +202,12 @@ class Executor:
     return state.decode
 
   def record(self, record, seconds: float, phase: str, tokens: int = 1,
-             stepped: np.ndarray | None = None) -> None:
+             stepped: np.ndarray | None = None) -> np.ndarray | None:
     """Host copies of a program's per-step record (one read per program). ``stepped``
     [steps, B] bool: a decode chunk's rows that stepped at each step (the record then has a
-    leading steps axis); else one forward of ``tokens`` tokens."""
+    leading steps axis); else one forward of ``tokens`` tokens. Returns a decode chunk's
+    hits, fills and host-run experts per step ([steps, 3], summed over the layers; None
+    without an expert cache)."""
     stats, routing = jax.device_get((record.stats, record.routing))
     if stepped is None:
       if stats is not None:
@@ -206,7 +218,7 @@ class Executor:
                            "host_routes": stats.host_routes, "seconds": seconds})
       if routing is not None:
         self.routing.append((routing.ids[:, :tokens], routing.weights[:, :tokens], phase))
-      return
+      return None
     n = len(stepped)
     for i in range(n):
       if stats is not None:
@@ -219,6 +231,10 @@ class Executor:
       if routing is not None:
         rows = np.flatnonzero(stepped[i])
         self.routing.append((routing.ids[i][:, rows], routing.weights[i][:, rows], phase))
+    if stats is None:
+      return None
+    per_step = [np.asarray(getattr(stats, k))[:n] for k in ("hits", "fills", "host")]
+    return np.stack([x.sum(axis=tuple(range(1, x.ndim))) for x in per_step], axis=1)
 
   def clear_history(self) -> None:
     self.steps.clear()
@@ -421,7 +437,7 @@ class Executor:
     needed = int(state.length) + seq.max_new + 1
     if batch.size == 1:  # a batch of one is the sequence's own state, its length [1]
       seq.state = None
-      grown = engine.grow_state(state, needed)
+      grown = engine.grow_state(state, needed, owner=seq.owner)
       batch.state, batch.capacity = grown.replace(length=grown.length.reshape(1)), grown.capacity
       batch.rows = self.put(Rows(token=loop.token.reshape(1), count=loop.count.reshape(1),
                                  done=np.zeros(1, bool)))
@@ -432,6 +448,8 @@ class Executor:
                              batch.rows, state, loop)
       batch.state, batch.rows = fn(batch.state, batch.rows, self.put(np.int32(row)), state,
                                    loop)
+      del state  # its row is in the batch now, which holds the memory
+      engine.hold_memory(engine if seq.owner is None else seq.owner, 0)
     batch.seqs[row] = seq
     batch.max_new[row] = seq.max_new
     batch.counts[row] = 1
@@ -448,7 +466,7 @@ class Executor:
     engine = self.engine
     if batch.state is None:
       capacity = engine.kv_capacity(needed)
-      engine.fit_cache_to_state(batch.size, capacity)
+      engine.hold_memory(batch, engine.state_bytes(batch.size, capacity))
       state = init_state(engine.model.config, batch.size, capacity, jnp.dtype(engine.kv_dtype))
       batch.state = state.replace(length=jnp.zeros((batch.size,), jnp.int32))
       batch.rows = self.put(Rows(token=np.zeros(batch.size, np.int32),
@@ -456,7 +474,7 @@ class Executor:
                                  done=np.ones(batch.size, bool)))
       batch.capacity = capacity
     elif needed > batch.capacity:
-      batch.state = engine.grow_state(batch.state, needed, batch=batch.size)
+      batch.state = engine.grow_state(batch.state, needed, batch=batch.size, owner=batch)
       batch.capacity = batch.state.capacity
 
   def _layers(self, state: DecodeState, row: int | None) -> dict:
@@ -475,11 +493,19 @@ class Executor:
       state = batch.state.replace(length=batch.state.length[0])
       batch.state, batch.rows = None, None
     else:
-      capacity = self.engine.kv_capacity(length + 1)
+      engine = self.engine
+      capacity = engine.kv_capacity(length + 1)
+      engine.hold_memory(engine if seq.owner is None else seq.owner,
+                         engine.state_bytes(1, capacity))
       fn = self.leave_program(batch.size, batch.capacity, capacity, batch.state)
       state = fn(batch.state, self.put(np.int32(row)))
     seq.state = state
     batch.seqs[row] = None
+    if batch.size > 1 and not any(s is not None for s in batch.seqs):
+      # The last one left: the batch's rows go, and their memory back to the expert cache
+      # (with a budget); the next sequence to join allocates them again.
+      batch.state, batch.rows, batch.capacity = None, None, 0
+      self.engine.hold_memory(batch, 0)
     batch.leaving.discard(row)
     batch.decided.discard(row)
     seq.on_leave(seq)
@@ -510,11 +536,18 @@ class Executor:
     out, done = jax.device_get((out, done))
     stepped = out >= 0
     steps = int(stepped.any(axis=1).sum())
-    self.record(record, time.perf_counter() - begun, "decode", stepped=stepped[:steps])
+    counts = self.record(record, time.perf_counter() - begun, "decode", stepped=stepped[:steps])
+    stepped = stepped[:steps]
     for row, seq in enumerate(owners):
       if seq is None or not go[row] or batch.seqs[row] is not seq:
         continue
       tokens = [int(t) for t in out[:, row] if t >= 0]
+      mine = stepped[:, row]
+      seq.stats["steps"] += int(mine.sum())
+      seq.stats["batch_rows"] += int(stepped[mine].sum())
+      if counts is not None:
+        for k, key in enumerate(("hits", "fills", "host")):
+          seq.stats[key] += int(counts[mine, k].sum())
       batch.counts[row] += len(tokens)
       seq.tokens.extend(tokens)
       if row in batch.decided or row in batch.leaving:

@@ -44,6 +44,7 @@ from ftjax.cache import CachedExperts, PolicyConfig, StepStats
 from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload
 from ftjax.experts import SWIGLU, BankExperts, ExpertVariant
 from ftjax.model import DecodeState, KVCache, ModelConfig
+from ftjax.model.layers import write_rows
 from ftjax.runtime.sampling import Sampling, sample, sample_rows
 from ftjax.runtime.state import EngineState, RecordingExperts, RoutingRecord
 
@@ -343,16 +344,6 @@ def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows,
   return state, rows, out, record
 
 
-def _put_rows(buffer, rows, at):
-  """``rows`` written into ``buffer`` at index tuple ``at`` (bfloat16 through its bits, as the
-  model's KV writes)."""
-  if buffer.dtype != jnp.bfloat16:
-    return jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), at)
-  bits = jax.lax.dynamic_update_slice(jax.lax.bitcast_convert_type(buffer, jnp.uint16),
-                                      jax.lax.bitcast_convert_type(rows, jnp.uint16), at)
-  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-
-
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("batch", "rows"))
 def join_program(runner: Runner, batch: DecodeState, rows: Rows, row, state: DecodeState,
                  loop: Loop):
@@ -364,9 +355,9 @@ def join_program(runner: Runner, batch: DecodeState, rows: Rows, row, state: Dec
   def put(whole, one):
     if isinstance(whole, KVCache):
       m = min(whole.k.shape[1], one.k.shape[1])
-      return KVCache(k=_put_rows(whole.k, one.k[:, :m], (row, 0, 0, 0)),
-                     v=_put_rows(whole.v, one.v[:, :m], (row, 0, 0, 0)))
-    return jax.tree.map(lambda w, o: _put_rows(w, o, (row,) + (0,) * (w.ndim - 1)), whole, one)
+      return KVCache(k=write_rows(whole.k, one.k[:, :m], (row, 0, 0, 0)),
+                     v=write_rows(whole.v, one.v[:, :m], (row, 0, 0, 0)))
+    return jax.tree.map(lambda w, o: write_rows(w, o, (row,) + (0,) * (w.ndim - 1)), whole, one)
 
   layers = tuple(put(w, o) for w, o in zip(batch.layers, state.layers))
   batch = DecodeState(layers=layers, length=batch.length.at[row].set(state.length))

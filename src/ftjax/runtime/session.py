@@ -237,9 +237,20 @@ class Session:
     """A state whose KV caches hold at least ``needed`` rows (one of the engine's
     ``kv_capacities``)."""
     if self._state is None:
-      self._state = self.engine.new_state(1, needed)
+      self._state = self.engine.new_state(1, needed, owner=self)
     else:
-      self._state = self.engine.grow_state(self._state, needed)
+      self._state = self.engine.grow_state(self._state, needed, owner=self)
+
+  def close(self) -> None:
+    """Drops the decode state (its device memory goes back to the engine's budget), the
+    context and the anchors; the turn history is kept. The next ``set_context`` starts from
+    nothing. The server's pool closes the sessions it drops (idle ones, or one whose state a
+    failed decode loop lost)."""
+    self._state, self._generating = None, False
+    self._fed.clear()
+    self._pending, self._logits = None, None
+    self._anchors.clear()
+    self.engine.hold_memory(self, 0)
 
   def _rewind(self, position: int, anchor: Anchor | None) -> None:
     """The state after ``self._fed[:position]``: KV caches truncated; recurrent layers from
@@ -273,6 +284,7 @@ class Session:
                     anchor_tokens=sorted(self.anchor_ids), anchor_prefill=self.anchor_prefill,
                     turn_token=self.turn_id)
     if self._state is not None:
+      self.engine.hold_memory(other, self.engine.state_bytes(1, self._state.capacity))
       other._state = jax.tree.map(jnp.copy, self._state)
     other._fed, other._pending = list(self._fed), self._pending
     other._logits = None if self._logits is None else self._logits.copy()
@@ -348,6 +360,7 @@ class Session:
           state, segment, anchors_at=[p - first for p in anchors_at],
           anchor_slots=self.anchor_slots, start=first)
     except BaseException:  # the state is gone: the session starts again from no context
+      self.engine.hold_memory(self, 0)
       self._fed.clear()
       self._anchors.clear()
       self._pending, self._logits = None, None
@@ -496,19 +509,25 @@ class Session:
     def on_leave(seq: executor.Generation) -> None:
       self._state, self._generating = seq.state, False
       if self._turns:
-        self._turns[-1]["generated_tokens"] += len(out)
+        turn = self._turns[-1]
+        turn["generated_tokens"] += len(out)
+        for key, value in seq.stats.items():  # its decode steps (shared with a batch's rows)
+          turn.setdefault("decode", {}).setdefault(key, 0)
+          turn["decode"][key] += value
       if on_done is not None:
         on_done(out)
 
     state, self._state, self._generating = self._state, None, True
     return executor.Generation(state=state, logits=jax.device_put(self._logits),
                              max_new=int(max_new_tokens), sampling=sampling, stops=pause,
-                             on_chunk=on_chunk, on_leave=on_leave, cancel=cancel)
+                             on_chunk=on_chunk, on_leave=on_leave, cancel=cancel, owner=self)
 
   def stats(self) -> dict[str, Any]:
     """Anchors held (positions, turns, bytes, and how often each was restored), anchors
     restored over the session's life, the budget, and per turn: tokens reused, prefilled and
-    generated, the anchor restored and the seconds of ``set_context``."""
+    generated, the anchor restored, the seconds of ``set_context`` and ``decode``: the
+    generation's decode steps (``Generation.stats``: steps, rows beside it summed over them,
+    and the expert cache's hits, fills and host-run experts of those steps)."""
     anchors = sorted(self._anchors.values(), key=lambda a: a.position)
     return {
         "context_tokens": len(self.tokens),

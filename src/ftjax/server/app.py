@@ -35,7 +35,8 @@ from ftjax.runtime.tokenizer import load_tokenizer
 from ftjax.server import anthropic, responses
 from ftjax.server.metrics import Metrics
 from ftjax.server.outputs import Delta, opens_thinking
-from ftjax.server.protocol import ApiError, ChatRequest, ChatSpec, CompletionRequest
+from ftjax.server.protocol import (ApiError, CacheRequest, ChatRequest, ChatSpec,
+                                   CompletionRequest)
 from ftjax.server.scheduler import Job, Outcome, ServerConfig, Worker
 
 
@@ -104,6 +105,15 @@ class Server:
     self.metrics.bind(self.worker, engine)
     self.created = int(time.time())
     engine.compile_listener = self._compiled
+
+  def cache_info(self) -> dict[str, Any]:
+    """``GET /v1/cache`` (run on the engine thread): the expert cache and the device budget
+    (``Engine.cache_info``), the jobs running and waiting, and the last finished sequences'
+    decode statistics (``Generation.stats``: the steps each decoded, the rows beside it, and
+    the cache's hits, fills and host-run experts of those steps)."""
+    w = self.worker
+    return {"object": "cache", **self.engine.cache_info(), "running": w.running,
+            "waiting": w.waiting, "max_running": w.max_running, "sequences": list(w.recent)}
 
   def _compiled(self, key: tuple, seconds: float) -> None:
     if self.worker.startup["done"]:  # start-up compiles are logged as progress
@@ -445,6 +455,26 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
     # 503 until start-up compilation is done (as llama-server while it loads): requests sent
     # before then wait for it.
     return JSONResponse(body, status_code=200 if startup["done"] else 503)
+
+  @app.get("/v1/cache")
+  async def cache_info():
+    return await asyncio.wrap_future(server.worker.control(server.cache_info))
+
+  @app.post("/v1/cache")
+  async def cache_resize(req: CacheRequest):
+    def resize() -> dict[str, Any]:
+      engine = server.engine
+      if engine.cache is None:
+        raise ApiError(400, "this server has no expert cache to resize: start it with a cache "
+                       "size (--device_budget_bytes, --cache_slots, --cache_fraction or "
+                       "--cache_bytes)", code="no_cache")
+      if req.budget_bytes is not None:
+        engine.set_budget(req.budget_bytes)
+      else:
+        engine.memory.total = None  # a fixed size from now on
+        engine.resize_cache(slots=req.slots, reason="POST /v1/cache")
+      return server.cache_info()
+    return await asyncio.wrap_future(server.worker.control(resize))
 
   @app.get("/v1/models")
   async def models():

@@ -76,7 +76,7 @@ class SessionPool:
       session = self._new()
     idle = [k for k, s in self._sessions.items() if id(s) not in self._busy]
     while len(self._sessions) >= self.max_sessions and idle:
-      del self._sessions[idle.pop(0)]
+      self._sessions.pop(idle.pop(0)).close()
       self.evicted += 1
     self._sessions[next(self._serial)] = session
     self._busy.add(id(session))
@@ -91,14 +91,26 @@ class SessionPool:
       idle = [k for k, s in self._sessions.items() if k != keep and id(s) not in self._busy]
       if not idle:
         break
-      del self._sessions[idle[0]]
+      self._sessions.pop(idle[0]).close()
       self.evicted += 1
+
+  def evict_idle(self) -> bool:
+    """Drops the least recently used idle session (its decode state goes back to the
+    device budget); False when every held session is busy."""
+    for key, session in self._sessions.items():
+      if id(session) not in self._busy:
+        del self._sessions[key]
+        session.close()
+        self.evicted += 1
+        return True
+    return False
 
   def discard(self, session: Session) -> None:
     """Drops ``session`` (its state was lost: a failed decode loop)."""
     self._busy.discard(id(session))
     for key in [k for k, s in self._sessions.items() if s is session]:
       del self._sessions[key]
+    session.close()
 
   def __len__(self) -> int:
     """Sessions held."""

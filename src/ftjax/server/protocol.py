@@ -59,6 +59,22 @@ class Body(BaseModel):
   model_config = ConfigDict(extra="ignore")
 
 
+class CacheRequest(BaseModel):
+  """``POST /v1/cache``: a new device budget shared by the decode states and the expert cache
+  (``budget_bytes``; the cache gets what the states leave, re-divided as they grow and
+  shrink), or a fixed number of expert-cache slots (``slots``; no budget then). Exactly one."""
+  model_config = ConfigDict(extra="forbid")
+  budget_bytes: int | None = Field(default=None, ge=0)
+  slots: int | None = Field(default=None, ge=0)
+
+  @model_validator(mode="after")
+  def _one(self):
+    if (self.budget_bytes is None) == (self.slots is None):
+      raise ValueError("give exactly one of budget_bytes (a device budget for the decode "
+                       "states and the expert cache) or slots (a fixed cache size)")
+    return self
+
+
 class FunctionDef(Body):
   name: str = Field(min_length=1)
   description: str | None = None

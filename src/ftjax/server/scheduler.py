@@ -9,22 +9,31 @@ the jobs already running, then joins the decode batch; its reply's deltas
 time. At most ``max_queue`` jobs wait; past that the answer is 429 with ``Retry-After``. A
 streaming client that goes away cancels its job: a waiting job is dropped, a running one
 leaves the batch after the current decode chunk.
+
+Memory: with a device budget (``--device_budget_bytes``; ``ftjax.runtime.budget``), a job is
+admitted when its decode state (KV rows for its prompt and ``max_tokens``, the recurrent
+states, and the batch rows it grows) fits what the budget leaves beside the states already
+held; idle sessions of the pool are dropped first (least recently used) to make room. A job
+that does not fit waits, first in line, until running jobs finish; one that would not fit
+even with nothing else held is a 400 that says how much it needs. Controls (``control``: the
+``POST /v1/cache`` resize) run on the engine thread between decode chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import math
 import queue
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ftjax.runtime.engine import Engine
-from ftjax.runtime.executor import Feed, Generation
+from ftjax.runtime.executor import Batch, Feed, Generation
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, Session
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
 from ftjax.server.outputs import Delta, ReplyParser, StopMatcher
@@ -32,6 +41,8 @@ from ftjax.server.pool import SessionPool
 from ftjax.server.protocol import ApiError
 
 _LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
+_WAKE = object()  # in the job queue: a control is waiting (the engine thread may be idle)
+MB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +215,11 @@ class Worker(Feed):
     self._admitted: collections.deque[Running] = collections.deque()  # prefilling, in order
     self._ready: collections.deque[Running] = collections.deque()  # context read, to join
     self._active: list[Running] = []
+    self._blocked: Job | None = None  # first in line, waiting for memory
+    self._controls: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+        queue.Queue())
+    self.batch: Batch | None = None
+    self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=16)
     self._stopping = False
     # Start-up compilation: programs to compile, compiled so far, seconds, done, error.
     self.startup: dict[str, Any] = {"precompile": config.precompile, "programs": 0,
@@ -226,6 +242,25 @@ class Worker(Feed):
   def stop(self) -> None:
     self._jobs.put(None)
     self._thread.join(timeout=60)
+
+  def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """Runs ``fn`` on the engine thread at the next safe point (between decode chunks, or at
+    once when idle); the future has its result or exception."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._controls.put((fn, future))
+    self._jobs.put(_WAKE)
+    return future
+
+  def _run_controls(self) -> None:
+    while True:
+      try:
+        fn, future = self._controls.get_nowait()
+      except queue.Empty:
+        return
+      try:
+        future.set_result(fn())
+      except Exception as e:  # noqa: BLE001 - the caller gets it
+        future.set_exception(e)
 
   def _precompile(self) -> None:
     """Compiles every program a request can run before taking the first job, with progress
@@ -260,9 +295,12 @@ class Worker(Feed):
     if not self.startup["done"]:
       self._precompile()
     executor = self.engine.executor
-    batch = executor.batch(self.max_running)
+    batch = self.batch = executor.batch(self.max_running)
     while not self._stopping:
-      job = self._jobs.get()
+      job = self._blocked or self._jobs.get()
+      self._run_controls()
+      if job is _WAKE:
+        continue
       if job is None:
         return
       self._admit(job)
@@ -274,17 +312,71 @@ class Worker(Feed):
           self._end(running, error=e, lost=True)
         self._admitted.clear()
         self._ready.clear()
-        batch = executor.batch(self.max_running)
+        batch = self.batch = executor.batch(self.max_running)
       self.engine.clear_history()
 
-  def _admit(self, job: Job) -> None:
-    """Takes ``job`` from the queue: a cancelled one is dropped, the others get a session
-    and start reading their context."""
-    with self._lock:
-      self.waiting -= 1
+  def _memory_need(self, job: Job) -> int:
+    """Bytes of decode state ``job`` adds: its own state (KV rows for the prompt and its
+    tokens) and the rows the batch grows by to take it."""
+    e = self.engine
+    capacity = e.kv_capacity(min(len(job.ids) + job.max_tokens + 1, e.kv_capacities[-1]))
+    need = e.state_bytes(1, capacity)
+    batch = self.batch
+    if self.max_running > 1 and batch is not None:
+      if batch.state is None:
+        need += e.state_bytes(batch.size, capacity)
+      elif capacity > batch.capacity:
+        need += e.state_bytes(batch.size, capacity) - e.state_bytes(batch.size, batch.capacity)
+    return need
+
+  def _fits(self, job: Job) -> bool | None:
+    """Whether ``job``'s memory fits the budget now (dropping idle sessions to make room);
+    None when it cannot fit even with nothing else held."""
+    memory = self.engine.memory
+    if memory.total is None:
+      return True
+    need = self._memory_need(job)
+    # Sessions admitted whose state is not allocated yet will take theirs.
+    reserved = sum(self._memory_need(r.job) for r in self._admitted
+                   if not memory.held_by(r.session))
+    while not memory.fits(need + reserved):
+      if not self.pool.evict_idle():
+        break
+    if memory.fits(need + reserved):
+      return True
+    if self.running == 0 and need > memory.total:
+      return None
+    return False
+
+  def _admit(self, job: Job) -> bool:
+    """Takes ``job`` from the queue: a cancelled one is dropped, one whose memory does not
+    fit yet waits (False: it is held first in line), the others get a session and start
+    reading their context."""
     if job.cancelled.is_set():
+      self._unqueue(job)
       job.send("cancelled")
-      return
+      return True
+    try:
+      fits = self._fits(job)
+    except Exception as e:  # noqa: BLE001 - a context too long for the engine: a 400 later
+      fits = True
+      _LOG.debug("ftjax.serve: no memory estimate for a job (%s)", e)
+    if fits is False and self.running:
+      self._blocked = job
+      return False
+    self._unqueue(job)
+    if not fits:
+      memory = self.engine.memory
+      need = self._memory_need(job)
+      job.send("error", ApiError(
+          400, f"this request needs {need / MB:.1f} MiB of decode state (the KV cache and "
+          f"recurrent state for {len(job.ids)} prompt tokens and max_tokens={job.max_tokens}"
+          f"{', and the batch rows beside it' if self.max_running > 1 else ''}); the device "
+          f"budget is {memory.total / MB:.1f} MiB, {memory.state_bytes / MB:.1f} MiB of it held "
+          "by other decode states. Lower max_tokens, shorten the prompt, or "
+          "raise the budget (POST /v1/cache with {\"budget_bytes\": N}, or "
+          "--device_budget_bytes)", code="insufficient_memory"))
+      return True
     with self._lock:
       self.running += 1
     try:
@@ -297,6 +389,14 @@ class Worker(Feed):
     running = Running(job=job, session=session, reply=Reply(job, self.tokenizer, self.eos),
                       prefill=session.context_steps(job.ids), started=time.perf_counter())
     self._admitted.append(running)
+    return True
+
+  def _unqueue(self, job: Job) -> None:
+    """``job`` leaves the queue (admitted, dropped or refused)."""
+    if self._blocked is job:
+      self._blocked = None
+    with self._lock:
+      self.waiting -= 1
 
   def _end(self, running: Running, *, error: Exception | None = None,
            lost: bool = False) -> None:
@@ -307,6 +407,12 @@ class Worker(Feed):
     if error is None:
       self.last_outcome = running.reply.outcome()
       running.job.send("done", self.last_outcome)
+      if running.generation is not None:
+        self.recent.append({"prompt_tokens": len(running.job.ids),
+                            "completion_tokens": self.last_outcome.completion_tokens,
+                            "ttft_s": self.last_outcome.ttft_s,
+                            "decode_tok_s": self.last_outcome.decode_tok_s,
+                            **running.generation.stats})
     else:
       running.job.send("error", error)
     if lost:
@@ -333,15 +439,22 @@ class Worker(Feed):
   def work(self) -> bool:
     """Admits waiting jobs while fewer than ``max_running`` are in, then runs one prefill
     chunk of the oldest job still reading its context."""
-    while self.running < self.max_running:
-      try:
-        job = self._jobs.get_nowait()
-      except queue.Empty:
-        break
+    self._run_controls()
+    while self.running < self.max_running and not self._stopping:
+      if self._blocked is not None:
+        job = self._blocked
+      else:
+        try:
+          job = self._jobs.get_nowait()
+        except queue.Empty:
+          break
+      if job is _WAKE:
+        continue
       if job is None:  # stop: finish what runs, then the thread ends
         self._stopping = True
         break
-      self._admit(job)
+      if not self._admit(job):
+        break  # first in line waits for memory; the jobs behind it wait too (FCFS)
     if not self._admitted:
       return False
     running = self._admitted[0]
