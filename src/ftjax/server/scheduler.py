@@ -385,7 +385,7 @@ class Worker(Feed):
       with self._lock:
         self.running -= 1
       job.send("error", e)
-      return
+      return True
     running = Running(job=job, session=session, reply=Reply(job, self.tokenizer, self.eos),
                       prefill=session.context_steps(job.ids), started=time.perf_counter())
     self._admitted.append(running)
