@@ -2,6 +2,7 @@
 
 #include "cpu_isa.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -99,6 +100,70 @@ const char* IsaName(Isa isa) {
 bool PrefetchNonTemporal() {
   static const bool non_temporal = DetectPrefetchNonTemporal();  // one-time, thread-safe
   return non_temporal;
+}
+
+// The tuning's fields, each its own relaxed atomic: a call that reads while another thread sets
+// sees a mix of old and new fields, every mix of which is a valid tuning.
+struct AtomicTuning {
+  std::atomic<int32_t> prefetch_bytes{-1}, prefetch_hint{0}, row_accumulators{0}, block_rows{0},
+      gemv_task_kib{0}, packed_min_tokens{-1};
+};
+AtomicTuning& TuningStore() {
+  static AtomicTuning store;
+  return store;
+}
+
+KernelTuning CurrentKernelTuning() {
+  const AtomicTuning& s = TuningStore();
+  constexpr auto kRelaxed = std::memory_order_relaxed;
+  KernelTuning t;
+  t.prefetch_bytes = s.prefetch_bytes.load(kRelaxed);
+  t.prefetch_hint = s.prefetch_hint.load(kRelaxed);
+  t.row_accumulators = s.row_accumulators.load(kRelaxed);
+  t.block_rows = s.block_rows.load(kRelaxed);
+  t.gemv_task_kib = s.gemv_task_kib.load(kRelaxed);
+  t.packed_min_tokens = s.packed_min_tokens.load(kRelaxed);
+  return t;
+}
+
+const char* SetKernelTuning(const KernelTuning& t) {
+  if (t.prefetch_bytes < -1 || t.prefetch_bytes > 65536 ||
+      (t.prefetch_bytes > 0 && t.prefetch_bytes % 64 != 0)) {
+    return "prefetch_bytes must be -1 (default), 0 (none) or a multiple of 64 up to 65536";
+  }
+  if (t.prefetch_hint < 0 || t.prefetch_hint > 2) {
+    return "prefetch_hint must be 0 (default), 1 (nta) or 2 (l2)";
+  }
+  if (t.row_accumulators != 0 && t.row_accumulators != 4 && t.row_accumulators != 8) {
+    return "row_accumulators must be 0 (default), 4 or 8";
+  }
+  if (t.block_rows != 0 && t.block_rows != 1 && t.block_rows != 2 && t.block_rows != 4) {
+    return "block_rows must be 0 (default), 1, 2 or 4";
+  }
+  if (t.gemv_task_kib != 0 && (t.gemv_task_kib < 64 || t.gemv_task_kib > 65536)) {
+    return "gemv_task_kib must be 0 (default) or 64 to 65536";
+  }
+  if (t.packed_min_tokens < -1 || t.packed_min_tokens > 4096) {
+    return "packed_min_tokens must be -1 (default) or 0 to 4096";
+  }
+  AtomicTuning& s = TuningStore();
+  constexpr auto kRelaxed = std::memory_order_relaxed;
+  s.prefetch_bytes.store(t.prefetch_bytes, kRelaxed);
+  s.prefetch_hint.store(t.prefetch_hint, kRelaxed);
+  s.row_accumulators.store(t.row_accumulators, kRelaxed);
+  s.block_rows.store(t.block_rows, kRelaxed);
+  s.gemv_task_kib.store(t.gemv_task_kib, kRelaxed);
+  s.packed_min_tokens.store(t.packed_min_tokens, kRelaxed);
+  return "";
+}
+
+bool TunedPrefetchNonTemporal(const KernelTuning& tuning) {
+  return tuning.prefetch_hint == 0 ? PrefetchNonTemporal() : tuning.prefetch_hint == 1;
+}
+
+int64_t PackedMinTokens(const KernelTable& kernels) {
+  const int32_t tuned = TuningStore().packed_min_tokens.load(std::memory_order_relaxed);
+  return tuned < 0 ? kernels.packed_min_tokens : tuned;
 }
 
 Isa BestSupportedIsa() {

@@ -212,6 +212,39 @@ struct KernelTable {
 // first call, overrides the choice (for measurements).
 bool PrefetchNonTemporal();
 
+// The per-machine choices of the kernels, which ftjax.kernels.tuning measures on the machine and
+// sets for the process (Python: ftjax._ffi.set_kernel_tuning). Each field's 0 (-1 where 0 is a
+// choice) keeps the built-in default, which the comments at its use give the measurements of.
+// Every choice computes the same sums in the same order per output (the accumulators' split along
+// i aside, which changes the float32 rounding only): tests run each one against float64.
+struct KernelTuning {
+  // One token: bytes ahead of the reads that the software prefetch asks for (cpu_kernels_impl.h,
+  // the mxfp4 one-token kernels); 0 for none; -1: kPrefetchBytes.
+  int32_t prefetch_bytes = -1;
+  // Its hint: 0 PrefetchNonTemporal()'s choice, 1 prefetchnta, 2 prefetcht1 (into L2).
+  int32_t prefetch_hint = 0;
+  // One token: accumulators along i per row, 4 or 8; 0: RowAccumulators<Ops>() (by bytes).
+  int32_t row_accumulators = 0;
+  // 2 to 64 tokens (dot kernels): weight rows per register block, 1, 2 or 4; 0: by the ISA's
+  // vector registers (4 with 32, 2 with 16).
+  int32_t block_rows = 0;
+  // One token (ftjax_dense's GEMV): KiB of weights per task, 64 to 65536; 0: 2048.
+  int32_t gemv_task_kib = 0;
+  // The packed-activation GEMMs run above this many tokens per weight; -1: the KernelTable's.
+  int32_t packed_min_tokens = -1;
+};
+
+// The tuning in effect: what SetKernelTuning last set (all defaults before). Cheap (relaxed atomic
+// loads); read once per kernel call.
+KernelTuning CurrentKernelTuning();
+// Sets the tuning for every later kernel call of the process. Returns an empty string, or what is
+// wrong with `tuning` (then nothing changes).
+const char* SetKernelTuning(const KernelTuning& tuning);
+// Whether the one-token prefetch is non-temporal under `tuning` (its hint, or the CPU's default).
+bool TunedPrefetchNonTemporal(const KernelTuning& tuning);
+// KernelTable::packed_min_tokens, or the tuning's override.
+int64_t PackedMinTokens(const KernelTable& kernels);
+
 // Each returns the table of its translation unit, or null when the compiler did not build that
 // ISA (a non-x86 target). Callers must check the CPU first: see cpu_isa.h.
 const KernelTable* ScalarKernels();

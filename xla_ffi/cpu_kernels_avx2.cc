@@ -157,10 +157,10 @@ void DecodeMxfp4Avx2(const uint8_t* codes, const uint8_t* scales, int64_t n, flo
 // block's scale (a power of two: exact), the scales of a row's blocks converted 8 at a time
 // before its groups. Same products as the dequantised weights', summed in another order. An
 // odd last block takes the low lane, the high one reading codes and inputs of zero. The codes
-// kPrefetchBytes ahead are prefetched as the one-token row kernels do; inputs past
+// `ahead_bytes` ahead (the tuning's, as the one-token row kernels) are prefetched; inputs past
 // kMxfp4OneTokenChunk are taken in further chunks, each row's partial sums added.
 template <int kLocality>
-void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
+void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
   if (p.rows <= 0) return;
   // bf16 bits of the E2M1 values: high bytes (sign in bit 7) and low bytes, in both lanes.
   const __m256i high_bytes = _mm256_setr_epi8(
@@ -247,8 +247,8 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
       int64_t g = 0;
       for (; g + 2 <= groups; g += 2) {  // 64 bytes of codes: one cache line
         const uintptr_t ahead =
-            reinterpret_cast<uintptr_t>(codes + 32 * g) + cpu_kernels_impl::kPrefetchBytes;
-        if (ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
+            reinterpret_cast<uintptr_t>(codes + 32 * g) + ahead_bytes;
+        if (ahead_bytes > 0 && ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
           __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
         }
         add(g, whole(g), acc0);
@@ -270,10 +270,13 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p) {
 
 void DotMxfp4F32Avx2(const Mxfp4DotProblem& p) {
   if (p.tokens == 1) {
-    if (PrefetchNonTemporal()) {
-      OneTokenMxfp4Avx2<0>(p);
+    const KernelTuning tuning = CurrentKernelTuning();
+    const int64_t ahead =
+        tuning.prefetch_bytes < 0 ? cpu_kernels_impl::kPrefetchBytes : tuning.prefetch_bytes;
+    if (TunedPrefetchNonTemporal(tuning)) {
+      OneTokenMxfp4Avx2<0>(p, ahead);
     } else {
-      OneTokenMxfp4Avx2<2>(p);
+      OneTokenMxfp4Avx2<2>(p, ahead);
     }
   } else {
     cpu_kernels_impl::DotMxfp4<F32F32Ops256, DecodeMxfp4Avx2>(p);

@@ -174,9 +174,9 @@ inline void DecodeMxfp4Avx512(const uint8_t* codes, const uint8_t* scales, int64
 // dequantised weights', summed in another order. Blocks past the last whole group (n / 32 not
 // a multiple of 4) take the per-block form: each block's 16 bytes widened to lanes, the low
 // and high nibbles looked up against the even and odd inputs. The rows are read one after the
-// other (one sequential stream of codes, one of scales), the codes kPrefetchBytes ahead
-// prefetched as the one-token row kernels do. Inputs past kMxfp4OneTokenChunk are taken in
-// further chunks, each row's partial sums added.
+// other (one sequential stream of codes, one of scales), the codes `ahead_bytes` ahead
+// prefetched (the tuning's, as the one-token row kernels). Inputs past kMxfp4OneTokenChunk are
+// taken in further chunks, each row's partial sums added.
 using cpu_kernels_impl::kMxfp4OneTokenChunk;
 
 // The 4 E8M0 scales at `scales` as float32 (Mxfp4Scale), each in 4 consecutive lanes.
@@ -191,7 +191,7 @@ inline __m512 Mxfp4GroupScales(const uint8_t* scales) {
 }
 
 template <int kLocality>
-inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
+inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
   if (p.rows <= 0) return;
   const __m512 values = _mm512_loadu_ps(cpu_kernels_impl::kE2M1Values);
   const __m512i even =
@@ -223,8 +223,8 @@ inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
       __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t g = 0; g < groups; ++g) {
         const uintptr_t ahead =
-            reinterpret_cast<uintptr_t>(codes + 64 * g) + cpu_kernels_impl::kPrefetchBytes;
-        if (ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
+            reinterpret_cast<uintptr_t>(codes + 64 * g) + ahead_bytes;
+        if (ahead_bytes > 0 && ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
           __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
         }
         const __m512i dwords = _mm512_loadu_si512(codes + 64 * g);
@@ -259,10 +259,13 @@ inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p) {
 
 inline void DotMxfp4F32Avx512(const Mxfp4DotProblem& p) {
   if (p.tokens == 1) {
-    if (PrefetchNonTemporal()) {
-      OneTokenMxfp4Avx512<0>(p);
+    const KernelTuning tuning = CurrentKernelTuning();
+    const int64_t ahead =
+        tuning.prefetch_bytes < 0 ? cpu_kernels_impl::kPrefetchBytes : tuning.prefetch_bytes;
+    if (TunedPrefetchNonTemporal(tuning)) {
+      OneTokenMxfp4Avx512<0>(p, ahead);
     } else {
-      OneTokenMxfp4Avx512<2>(p);
+      OneTokenMxfp4Avx512<2>(p, ahead);
     }
   } else {
     cpu_kernels_impl::DotMxfp4<F32F32Ops512, DecodeMxfp4Avx512>(p);

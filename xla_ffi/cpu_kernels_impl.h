@@ -126,7 +126,8 @@ inline void RowBlock(const DotProblem<typename Ops::Weight, typename Ops::Activa
 //     1.07 vs 1.03, 1.02 vs 1.02, 0.92 vs 0.87 of the read probe in three runs (AVX2 8
 //     accumulators: 1.03-1.07 with NTA); 4, 8 and 12 KiB non-temporal no better than 6, 12 and
 //     16 KiB into L2 worse than 6.
-// Prefetches stop at the end of the problem's weights, so no line past them is read.
+// Prefetches stop at the end of the problem's weights, so no line past them is read. This is the
+// default; KernelTuning::prefetch_bytes and prefetch_hint choose per machine (0: none).
 constexpr int64_t kPrefetchBytes = 6144;
 constexpr int64_t kCacheLine = 64;
 
@@ -143,20 +144,20 @@ constexpr int RowAccumulators() {
 
 // The lane-wise partial sums of row . a (one token) over n: kSplit accumulators along i, so that
 // the multiply-add latency is hidden. Ops::Sum of the result is the dot product. Lines
-// kPrefetchBytes ahead of the reads are prefetched, with __builtin_prefetch's locality kLocality
-// (0: prefetchnta, 2: prefetcht1), while they lie before `prefetch_end`.
+// `ahead` bytes ahead of the reads are prefetched (none when 0), with __builtin_prefetch's
+// locality kLocality (0: prefetchnta, 2: prefetcht1), while they lie before `prefetch_end`.
 template <typename Ops, int kSplit, int kLocality>
 inline typename Ops::Acc RowTimesVector(const typename Ops::Weight* row,
                                         const typename Ops::Activation* a, int64_t n,
-                                        uintptr_t prefetch_end) {
+                                        uintptr_t prefetch_end, int64_t ahead_bytes) {
   constexpr int64_t kPassBytes = kSplit * Ops::kStep * sizeof(typename Ops::Weight);
   typename Ops::Acc acc[kSplit];
   for (int s = 0; s < kSplit; ++s) acc[s] = Ops::Zero();
   int64_t i = 0;
   for (; i + kSplit * Ops::kStep <= n; i += kSplit * Ops::kStep) {
     if constexpr (kPassBytes >= kCacheLine) {  // not the scalar fallback's short passes
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(row + i) + kPrefetchBytes;
-      if (ahead + kPassBytes <= prefetch_end) {
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(row + i) + ahead_bytes;
+      if (ahead_bytes > 0 && ahead + kPassBytes <= prefetch_end) {
         for (int64_t b = 0; b < kPassBytes; b += kCacheLine) {
           __builtin_prefetch(reinterpret_cast<const void*>(ahead + b), 0, kLocality);
         }
@@ -187,29 +188,33 @@ inline typename Ops::Acc RowTimesVector(const typename Ops::Weight* row,
 // instead (the 4 rows' loops inlined one after the other) ran the AVX-512 bf16 GEMV at 0.75 of the
 // read probe on the Zen 5 VM against 0.91 this way, with the same inner-loop instructions (one
 // thread, 4 KiB pages, medians of 21-31 paired rounds); AVX2 0.90 either way.
-template <typename Ops, int kLocality>
-void OneToken(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p) {
-  constexpr int kSplit = RowAccumulators<Ops>();
+template <typename Ops, int kSplit, int kLocality>
+void OneToken(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p,
+              int64_t ahead_bytes) {
   const typename Ops::Activation* a = p.a[0];
   const uintptr_t end = reinterpret_cast<uintptr_t>(p.w + (p.rows - 1) * p.w_stride + p.n);
   for (int64_t row = 0; row < p.rows; ++row) {
     p.c[row] = Ops::Sum(RowTimesVector<Ops, kSplit, kLocality>(p.w + row * p.w_stride, a, p.n,
-                                                               end));
+                                                               end, ahead_bytes));
+  }
+}
+
+// OneToken with the tuning's accumulators (KernelTuning::row_accumulators; the default by bytes).
+template <typename Ops, int kLocality>
+void OneTokenTuned(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p,
+                   const KernelTuning& tuning) {
+  const int64_t ahead = tuning.prefetch_bytes < 0 ? kPrefetchBytes : tuning.prefetch_bytes;
+  const int split = tuning.row_accumulators == 0 ? RowAccumulators<Ops>() : tuning.row_accumulators;
+  if (split == 8) {
+    OneToken<Ops, 8, kLocality>(p, ahead);
+  } else {
+    OneToken<Ops, 4, kLocality>(p, ahead);
   }
 }
 
 // Every row of the problem in blocks of kRows rows (the rest in a smaller block).
-template <typename Ops, int kLocality>
+template <typename Ops, int kRows, int kLocality>
 void RowBlocks(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p) {
-  // Block kRows rows x 4 tokens in registers (the rows stay in L1 while all tokens go past).
-  // The accumulators, the rows' weight vectors and one activation vector must fit the ISA's
-  // vector registers, or the compiler spills accumulators to the stack inside the loop: 4 x 4
-  // (21 registers) where there are 32 (AVX-512), 2 x 4 (11) where there are 16 (AVX2).
-  // On the AVX2-only Zen 3 VM (2 cores, a noisy day: medians of 4-5 alternating runs of 15), a
-  // [151936, 2048] bf16 GEMM (the lm_head of a batch) of 4 tokens took 47.9 ms in 4 x 4 blocks
-  // without prefetch, 37.3 ms in 2 x 4 blocks with the next block prefetched; 8 tokens 72.6 ->
-  // 54.7 ms (the one-token GEMV: 34-38 ms in those runs).
-  constexpr int kRows = Ops::kVectorRegisters >= 32 ? 4 : 2;
   int64_t row = 0;
   for (; row + kRows <= p.rows; row += kRows) RowBlock<Ops, kRows, kLocality>(p, row);
   switch (p.rows - row) {
@@ -220,24 +225,46 @@ void RowBlocks(const DotProblem<typename Ops::Weight, typename Ops::Activation>&
   }
 }
 
+// RowBlocks with the tuning's rows per block (KernelTuning::block_rows). By default, kRows rows x
+// 4 tokens in registers (the rows stay in L1 while all tokens go past): the accumulators, the
+// rows' weight vectors and one activation vector must fit the ISA's vector registers, or the
+// compiler spills accumulators to the stack inside the loop: 4 x 4 (21 registers) where there are
+// 32 (AVX-512), 2 x 4 (11) where there are 16 (AVX2). On the AVX2-only Zen 3 VM (2 cores, a noisy
+// day: medians of 4-5 alternating runs of 15), a [151936, 2048] bf16 GEMM (the lm_head of a
+// batch) of 4 tokens took 47.9 ms in 4 x 4 blocks without prefetch, 37.3 ms in 2 x 4 blocks with
+// the next block prefetched; 8 tokens 72.6 -> 54.7 ms (the one-token GEMV: 34-38 ms in those runs).
+template <typename Ops, int kLocality>
+void RowBlocksTuned(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p,
+                    const KernelTuning& tuning) {
+  const int rows = tuning.block_rows != 0 ? tuning.block_rows
+                   : Ops::kVectorRegisters >= 32 ? 4 : 2;
+  switch (rows) {
+    case 1: RowBlocks<Ops, 1, kLocality>(p); break;
+    case 4: RowBlocks<Ops, 4, kLocality>(p); break;
+    default: RowBlocks<Ops, 2, kLocality>(p); break;
+  }
+}
+
 // With 2 or more tokens the 4 x 4 register blocks below win: the row kernel needs one activation
 // load per multiply-add and runs into the load ports (measured on 16 MiB of bf16 weights, one
 // core: 2 tokens 44 vs 34 GB/s, 4 tokens 30 vs 15 GB/s).
 template <typename Ops>
 void Dot(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p) {
   if (p.rows <= 0) return;
+  const KernelTuning tuning = CurrentKernelTuning();
+  const bool non_temporal = TunedPrefetchNonTemporal(tuning);
   if (p.tokens == 1) {
-    if (PrefetchNonTemporal()) {
-      OneToken<Ops, 0>(p);
+    if (non_temporal) {
+      OneTokenTuned<Ops, 0>(p, tuning);
     } else {
-      OneToken<Ops, 2>(p);
+      OneTokenTuned<Ops, 2>(p, tuning);
     }
     return;
   }
-  if (PrefetchNonTemporal()) {
-    RowBlocks<Ops, 0>(p);
+  if (non_temporal) {
+    RowBlocksTuned<Ops, 0>(p, tuning);
   } else {
-    RowBlocks<Ops, 2>(p);
+    RowBlocksTuned<Ops, 2>(p, tuning);
   }
 }
 

@@ -60,8 +60,11 @@ int64_t RowTile(int64_t k, int64_t weight_bytes) {
 // and software prefetch (cpu_kernels_impl.h) do not cover: on the Zen 5 VM a [65536, 2048] bf16
 // GEMV read at 0.90-0.98 of the read probe in 256 KiB tasks against 0.99-1.05 in 2 MiB ones
 // (AVX-512; AVX2 0.91-0.97 against 0.99; 2 threads, three runs of 31 paired rounds).
+// KernelTuning::gemv_task_kib replaces the 2 MiB.
 int64_t GemvRowTile(int64_t n_out, int64_t k, int64_t weight_bytes, int num_workers) {
-  const int64_t by_bytes = (int64_t{2} << 20) / std::max<int64_t>(k * weight_bytes, 1);
+  const int32_t tuned_kib = CurrentKernelTuning().gemv_task_kib;
+  const int64_t task_bytes = tuned_kib > 0 ? int64_t{tuned_kib} << 10 : int64_t{2} << 20;
+  const int64_t by_bytes = task_bytes / std::max<int64_t>(k * weight_bytes, 1);
   const int64_t by_tasks = n_out / (4 * std::max(num_workers, 1));
   return std::max(RowTile(k, weight_bytes), std::min(by_bytes, by_tasks) / 8 * 8);
 }
@@ -139,7 +142,7 @@ void DenseWith(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, cons
                const Workers& workers, float* y_tn) {
   constexpr bool kRound = std::is_same_v<ActivationT, Bf16Bits>;  // x rounded to bf16 first
   const auto packed_dot = PackedDotFor<WeightT, ActivationT>(kernels);
-  const bool use_packed = packed_dot != nullptr && tokens > kernels.packed_min_tokens;
+  const bool use_packed = packed_dot != nullptr && tokens > PackedMinTokens(kernels);
   // The plan: every scratch region of this call, from one reused buffer (packing.h).
   ScratchPlan plan;
   const int64_t rounded = kRound ? plan.Add<Bf16Bits>(tokens * k) : 0;

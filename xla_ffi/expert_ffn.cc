@@ -434,7 +434,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   // one buffer reused across calls (packing.h).
   auto is_packed = [&](int64_t i) {
     const int64_t routes_of_expert = groups.offsets[i + 1] - groups.offsets[i];
-    return packed_dot != nullptr && routes_of_expert > kernels.packed_min_tokens;
+    return packed_dot != nullptr && routes_of_expert > PackedMinTokens(kernels);
   };
   int64_t packed_x_size = 0, packed_hidden_size = 0;
   for (int64_t i = 0; i < num_experts; ++i) {

@@ -1,9 +1,15 @@
-// ftjax._ffi: exports every XLA FFI handler of ftjax as a PyCapsule, nothing else.
-// Python registers them at import (ftjax/kernels/) with jax.ffi.register_ffi_target.
+// ftjax._ffi: exports every XLA FFI handler of ftjax as a PyCapsule, which Python registers at
+// import (ftjax/kernels/) with jax.ffi.register_ffi_target; and the process's kernel tuning
+// (cpu_kernels.h: KernelTuning), which ftjax/kernels/tuning.py sets and reads.
 
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
+#include "cpu_kernels.h"
+
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -41,5 +47,35 @@ NB_MODULE(_ffi, m) {
     registrations["ftjax_cpu_info"] = EncapsulateHandler(FtjaxCpuInfo);
     registrations["ftjax_exp_sub_sum"] = EncapsulateHandler(FtjaxExpSubSum);
     return registrations;
+  });
+  // The tuning's fields by name (KernelTuning); what set_kernel_tuning leaves out keeps its
+  // default. A bad value raises ValueError with the field's rule, and nothing changes.
+  m.def(
+      "set_kernel_tuning",
+      [](int prefetch_bytes, int prefetch_hint, int row_accumulators, int block_rows,
+         int gemv_task_kib, int packed_min_tokens) {
+        ftjax::KernelTuning t;
+        t.prefetch_bytes = prefetch_bytes;
+        t.prefetch_hint = prefetch_hint;
+        t.row_accumulators = row_accumulators;
+        t.block_rows = block_rows;
+        t.gemv_task_kib = gemv_task_kib;
+        t.packed_min_tokens = packed_min_tokens;
+        const std::string error = ftjax::SetKernelTuning(t);
+        if (!error.empty()) throw std::invalid_argument("kernel tuning: " + error);
+      },
+      nb::kw_only(), nb::arg("prefetch_bytes") = -1, nb::arg("prefetch_hint") = 0,
+      nb::arg("row_accumulators") = 0, nb::arg("block_rows") = 0, nb::arg("gemv_task_kib") = 0,
+      nb::arg("packed_min_tokens") = -1);
+  m.def("kernel_tuning", []() {
+    const ftjax::KernelTuning t = ftjax::CurrentKernelTuning();
+    nb::dict d;
+    d["prefetch_bytes"] = t.prefetch_bytes;
+    d["prefetch_hint"] = t.prefetch_hint;
+    d["row_accumulators"] = t.row_accumulators;
+    d["block_rows"] = t.block_rows;
+    d["gemv_task_kib"] = t.gemv_task_kib;
+    d["packed_min_tokens"] = t.packed_min_tokens;
+    return d;
   });
 }

@@ -14,6 +14,7 @@ import time
 from absl import app, flags
 
 from ftjax.cache import POLICIES
+from ftjax.kernels import tuning
 from ftjax.runtime import compile_cache
 from ftjax.runtime.engine import Engine
 from ftjax.runtime.model import load
@@ -24,7 +25,8 @@ MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted onc
 
 
 def define_engine_flags() -> dict[str, flags.FlagHolder]:
-  """--model, --max_seq_len, --kernels, --decode_chunk, the expert-cache flags, --pool,
+  """--model, --max_seq_len, --kernels, --kernel_tuning, --decode_chunk, the expert-cache flags,
+  --pool,
   --prefill_chunk, --kv_dtype, --devices and --compilation_cache."""
   return {
       "model": flags.DEFINE_string("model", None, MODEL_HELP),
@@ -35,6 +37,8 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: faster prefill), "
           "ffi_int8 (C++, int8 activations for int8 experts, AVX-512-VNNI; opt-in), xla; auto "
           "picks ffi_bf16 for bf16 models on CPU, ffi otherwise"),
+      "kernel_tuning": flags.DEFINE_string(
+          "kernel_tuning", "auto", "the C++ kernels' per-machine variant: " + tuning.MODES_HELP),
       "decode_chunk": flags.DEFINE_integer(
           "decode_chunk", 8, "decode steps per device program (text streams once per chunk)",
           lower_bound=1),
@@ -94,7 +98,8 @@ def define_sampling_flags(*, max_new_tokens: int, greedy: bool) -> dict[str, fla
 
 def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
   """The expert-cache keyword arguments of ``ftjax.Engine`` given on the command line (the
-  pool's placement among them, when not ``auto``), and the prefill chunk and KV dtype."""
+  pool's placement among them, when not ``auto``), and the prefill chunk, KV dtype and kernel
+  tuning."""
   cache = {}
   for name in ("cache_slots", "cache_fraction", "cache_bytes", "device_budget_bytes",
                "profile"):
@@ -113,6 +118,7 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
   if holders["devices"].value is not None:
     cache["devices"] = holders["devices"].value
   cache["prefill_chunk"] = holders["prefill_chunk"].value
+  cache["kernel_tuning"] = holders["kernel_tuning"].value
   cache["kv_growth"] = holders["kv_growth"].value
   if holders["kv_dtype"].value is not None:
     cache["kv_dtype"] = holders["kv_dtype"].value

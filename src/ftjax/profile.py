@@ -5,6 +5,11 @@
   python -m ftjax.profile --hidden=4096 --ffn=14336 --top_k=2    # any shape
   python -m ftjax.profile --hardware_out=configs/hardware/mine.yaml --name=mine
 
+It first measures the C++ kernels' variants on the shape (``ftjax.kernels.tuning``: prefetch,
+accumulators, tasks, register blocks), keeps the fastest in this machine's tuning file (which
+``--kernel_tuning=auto`` reads), and measures the bandwidths with it; ``--notune_kernels`` skips
+that.
+
 ``--hardware_out`` also writes this machine as a cost-model hardware profile (YAML, see
 ``configs/hardware/README.md``): the measured bandwidths, and fixed overheads calibrated from
 a short cpu_only decode of ``--model`` (or, without it, of a small random model with the
@@ -16,6 +21,7 @@ import socket
 from absl import app, flags, logging
 
 import ftjax
+from ftjax.kernels import tuning
 from ftjax.research import calibrate
 from ftjax.runtime import profile as profile_lib
 
@@ -34,6 +40,10 @@ _HARDWARE_OUT = flags.DEFINE_string("hardware_out", None,
 _NAME = flags.DEFINE_string("name", None, "name of the hardware profile (default: the host name)")
 _OVERHEAD_TOKENS = flags.DEFINE_integer("overhead_tokens", 8, "decode tokens that calibrate the "
                                         "fixed overheads (with --hardware_out)", lower_bound=1)
+_TUNE = flags.DEFINE_boolean("tune_kernels", True, "measure the kernels' variants first and "
+                             "keep the fastest in this machine's tuning file")
+_TUNE_ROUNDS = flags.DEFINE_integer("tune_rounds", 5, "alternating rounds of the kernel tuning",
+                                    lower_bound=1)
 
 
 def main(argv):
@@ -51,7 +61,14 @@ def main(argv):
       model = None
       shape = profile_lib.ExpertShape(_HIDDEN.value, _FFN.value, _DTYPE.value, _TOP_K.value)
       bank = profile_lib.synthetic_bank(shape, int(_BANK_GB.value * 1e9))
+    if _TUNE.value:
+      record = tuning.measure(tuning.Shapes(shape.hidden, shape.ffn, shape.top_k),
+                              rounds=_TUNE_ROUNDS.value,
+                              bf16_activations=shape.dtype == "bfloat16")
+      print(_tuning_summary(record))
+      print(f"wrote {tuning.save(record)}")
     result = profile_lib.measure(bank, shape, rounds=_ROUNDS.value)
+    result["kernel_tuning"] = tuning.current().name
     if _HARDWARE_OUT.value:
       del bank
       hardware = _hardware_profile(result, shape, model)
@@ -68,6 +85,17 @@ def main(argv):
     print(f"overheads: {hardware.layer_overhead_s * 1e6:.1f} us per layer, "
           f"{hardware.step_overhead_s * 1e6:.1f} us per token")
     print(f"wrote {hardware.save(_HARDWARE_OUT.value)}")
+
+
+def _tuning_summary(record: dict) -> str:
+  """The chosen variant and each stage's spread (best and worst against the default)."""
+  lines = [f"kernel tuning ({record['key']['isa']}, {record['key']['threads']} threads, "
+           f"{record['seconds']:.1f} s): {record['name']}"]
+  for stage, rows in record["stages"].items():
+    scores = sorted((row["score"], row["variant"]) for row in rows)
+    lines.append(f"  {stage}: best {scores[0][1]} {scores[0][0]:.3f}, worst {scores[-1][1]} "
+                 f"{scores[-1][0]:.3f} of the time of {rows[0]['variant']}")
+  return "\n".join(lines)
 
 
 def _hardware_profile(result, shape, model):

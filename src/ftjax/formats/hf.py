@@ -41,6 +41,7 @@ from ftjax.formats import ftw
 from ftjax.formats.safetensors import SafetensorsFile
 from ftjax.model.config import ModelConfig
 from ftjax.model.transformer import abstract_params
+from ftjax.utils import paths
 from ftjax.utils.progress import Progress
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -416,8 +417,7 @@ def cached_conversion(hf_dir: str | os.PathLike, *, dtype: str = "bfloat16",
   The cache entry is keyed by the checkpoint's fingerprint, so an edited checkpoint is
   converted again instead of serving stale weights.
   """
-  cache_root = cache_root or os.environ.get(
-      "FTJAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ftjax"))
+  cache_root = cache_root or paths.cache_root()
   fp = fingerprint(hf_dir)
   out = os.path.join(cache_root, f"{fp.split(':')[1][:24]}-{dtype}")
   if ftw.is_ftw_dir(out):

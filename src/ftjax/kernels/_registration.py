@@ -34,6 +34,12 @@ else:
   del _name, _capsule
 
 
+def ffi_module():
+  """The loaded ftjax._ffi (call ``require()`` first): its functions beside the handlers, such
+  as the kernel tuning's setter (ftjax/kernels/tuning.py)."""
+  return _ffi
+
+
 def available() -> bool:
   """Whether the compiled kernels are loaded and registered."""
   return _LOAD_ERROR is None

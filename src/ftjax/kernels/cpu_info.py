@@ -1,6 +1,13 @@
-"""What the host kernels run with: the XLA FFI op `ftjax_cpu_info` (xla_ffi/cpu_info.cc)."""
+"""What the host kernels run with: the XLA FFI op `ftjax_cpu_info` (xla_ffi/cpu_info.cc); and
+what identifies the machine and the build, for what is kept per machine (compiled programs,
+kernel tuning)."""
 
 from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.metadata
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,3 +33,48 @@ def cpu_info() -> dict:
   )
   isa, best, threads, pool = (int(v) for v in np.asarray(call()))
   return {"isa": ISAS[isa], "best_isa": ISAS[best], "threads": threads, "pool": _POOLS[pool]}
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ftjax/
+
+
+def cpu_identity() -> str:
+  """The first processor's model name and flags from /proc/cpuinfo ('' where unreadable)."""
+  keep = []
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if not line.strip():
+          break  # the first processor only
+        if line.startswith(("model name", "flags", "vendor_id", "cpu family", "model\t")):
+          keep.append(line.strip())
+  except OSError:
+    pass
+  return "\n".join(keep)
+
+
+def cpu_model() -> dict:
+  """{"name", "family", "model"} of the first processor (/proc/cpuinfo; "" where unknown)."""
+  fields = {"model name": "name", "cpu family": "family", "model": "model"}
+  out = dict.fromkeys(fields.values(), "")
+  for line in cpu_identity().splitlines():
+    key, _, value = line.partition(":")
+    if key.strip() in fields:
+      out[fields[key.strip()]] = value.strip()
+  return out
+
+
+def build_digest() -> str:
+  """A digest of ftjax's compiled modules (name, size, mtime): changes with every rebuild."""
+  digest = hashlib.sha256()
+  for path in sorted(set(glob.glob(os.path.join(_PACKAGE, "_ffi*")))):
+    st = os.stat(path)
+    digest.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+  return digest.hexdigest()[:16]
+
+
+def ftjax_version() -> str:
+  try:
+    return importlib.metadata.version("ftjax")
+  except importlib.metadata.PackageNotFoundError:  # a source tree on the path
+    return "unknown"

@@ -17,19 +17,19 @@ model and instruction-set flags (XLA:CPU compiles for the host's ISA).
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import importlib.metadata
 import os
 
 import jax
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ftjax/
+from ftjax.kernels.cpu_info import build_digest, cpu_identity, ftjax_version
+from ftjax.utils import paths
+
+__all__ = ["build_key", "cpu_identity", "default_root", "enable", "ftjax_version"]
 
 
 def default_root() -> str:
-  return os.environ.get("FTJAX_CACHE_DIR",
-                        os.path.join(os.path.expanduser("~"), ".cache", "ftjax"))
+  return paths.cache_root()
 
 
 def build_key() -> str:
@@ -39,33 +39,9 @@ def build_key() -> str:
   AVX2 machine)."""
   version = ftjax_version()
   digest = hashlib.sha256(version.encode())
-  for path in sorted(set(glob.glob(os.path.join(_PACKAGE, "_ffi*")))):
-    st = os.stat(path)
-    digest.update(f"{os.path.basename(path)}:{st.st_size}:{st.st_mtime_ns}".encode())
+  digest.update(build_digest().encode())
   digest.update(cpu_identity().encode())
   return f"ftjax-{version}-{digest.hexdigest()[:16]}"
-
-
-def cpu_identity() -> str:
-  """The first processor's model name and flags from /proc/cpuinfo ('' where unreadable)."""
-  keep = []
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if not line.strip():
-          break  # the first processor only
-        if line.startswith(("model name", "flags", "vendor_id", "cpu family", "model\t")):
-          keep.append(line.strip())
-  except OSError:
-    pass
-  return "\n".join(keep)
-
-
-def ftjax_version() -> str:
-  try:
-    return importlib.metadata.version("ftjax")
-  except importlib.metadata.PackageNotFoundError:  # a source tree on the path
-    return "unknown"
 
 
 def enable(directory: str | None = None) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ftjax import kernels as host_kernels
+from ftjax.kernels import tuning
 from ftjax.cache import ExpertCache, PolicyConfig, get_policy
 from ftjax.cache.policy import initial_cache
 from ftjax.cache.streaming import (PREFILL_STREAM_MODES, prefill_stream_mode, stream_costs,
@@ -194,6 +195,11 @@ class RuntimeOptions:
   kv_dtype: the KV cache's dtype, "float32" or "bfloat16". Default (None): bfloat16 for
     bfloat16 models, float32 otherwise. Keys and values are rounded once when written;
     attention reads them widened and accumulates in float32.
+  kernel_tuning: the C++ kernels' per-machine variant (``ftjax.kernels.tuning``): "auto"
+    (default: this machine's tuning file under ``$FTJAX_CACHE_DIR/kernel_tuning``, measured on
+    this model's shapes, a few seconds, when there is none), "off" (the built-in defaults), or
+    the path of a tuning file. The tuning is the process's: it holds for every engine in it.
+    ``engine.kernels_path`` names the variant in use.
   """
   max_seq_len: int | None = None
   kernels: str = "auto"
@@ -216,6 +222,7 @@ class RuntimeOptions:
   prefill_chunk: int = 1024
   kv_dtype: str | None = None
   kv_growth: str = "auto"
+  kernel_tuning: str = "auto"
 
   def __post_init__(self):
     if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
@@ -331,6 +338,13 @@ class Engine:
     self.model = model
     self.options = opts = RuntimeOptions(**runtime_options)
     self.kernels, self.kernels_path = resolve_kernels(opts.kernels, model.bank.dtype)
+    self.kernel_tuning = None  # the C++ kernels' variant (ftjax.kernels.tuning), when they run
+    if self.kernels != "xla":
+      c = model.config
+      self.kernel_tuning, described = tuning.resolve(
+          opts.kernel_tuning, tuning.Shapes(c.hidden_size, c.moe_intermediate_size, c.top_k),
+          bf16_activations=self.kernels == "ffi_bf16")
+      self.kernels_path = f"{self.kernels_path[:-1]}, tuning {described})"
     self.placement = resolve_pool(opts.pool, model.bank, self.kernels, caching=opts.caching)
     self.mesh = expert_mesh(opts.devices)
     if self.mesh is not None:
