@@ -101,7 +101,7 @@ def plot(record, path):
   key = record["key"]
   ax.set_title(f"one-token variants, {key['cpu']} (family {key['family']} model {key['model']}), "
                f"{key['isa']}, {key['threads']} threads; chosen: {record['name']}", fontsize=9)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=8, loc="lower right")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   return path

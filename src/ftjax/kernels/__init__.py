@@ -17,6 +17,11 @@ Ops:
                                                          softmax primitive of attention)
   slot_fill(slots, bank, src, dst)                       copy experts into cache slots in place
 
+Kernel tuning (``ftjax.kernels.tuning``): the kernels' per-machine variant (prefetch distance
+and hint, accumulators, rows per task and per register block), measured on this CPU and kept in
+a tuning file; ``tuning.apply`` sets one for the process, ``Engine(kernel_tuning=...)`` resolves
+it.
+
 Environment (read by the C++ kernels):
   FTJAX_ISA=scalar|avx2|avx512|avx512bf16   use at most this instruction set (read every call;
                                             the default is the best the CPU supports)
