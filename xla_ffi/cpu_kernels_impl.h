@@ -204,11 +204,10 @@ template <typename Ops, int kLocality>
 void OneTokenTuned(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p,
                    const KernelTuning& tuning) {
   const int64_t ahead = tuning.prefetch_bytes < 0 ? kPrefetchBytes : tuning.prefetch_bytes;
-  const int split = tuning.row_accumulators == 0 ? RowAccumulators<Ops>() : tuning.row_accumulators;
-  if (split == 8) {
-    OneToken<Ops, 8, kLocality>(p, ahead);
-  } else {
-    OneToken<Ops, 4, kLocality>(p, ahead);
+  switch (tuning.row_accumulators) {
+    case 4: OneToken<Ops, 4, kLocality>(p, ahead); break;
+    case 8: OneToken<Ops, 8, kLocality>(p, ahead); break;
+    default: OneToken<Ops, RowAccumulators<Ops>(), kLocality>(p, ahead); break;
   }
 }
 
