@@ -1,6 +1,7 @@
 """Threads and environment of the host kernels: both pools, thread counts, concurrent callers."""
 
 import concurrent.futures
+import dataclasses
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ftjax.kernels import cpu_info, dense, expert_ffn
+from ftjax.kernels import cpu_info, dense, expert_ffn, tuning
 
 BF16 = np.dtype(jnp.bfloat16)
 D, F, E, K = 96, 40, 8, 2
@@ -68,15 +69,19 @@ def test_unknown_environment_values_are_errors(variable, value, message, monkeyp
 @pytest.mark.parametrize("pool, threads", [("own", 1), ("own", 3), ("xla", 1)])
 def test_thread_count_from_the_environment(pool, threads, tmp_path):
   """FTJAX_NUM_THREADS sizes ftjax's own pool (read once, in a fresh process) and caps the
-  threads used of XLA's; results do not change."""
+  threads used of XLA's; results do not change. The fresh process runs the kernel tuning in
+  effect here (an engine of an earlier test may have set this machine's), whose accumulators
+  change float32 rounding."""
   reference = run_all(200, seed=7) + run_all(1, seed=8)
+  fields = dataclasses.asdict(tuning.current())
   np.savez(tmp_path / "reference.npz", *reference)
   script = textwrap.dedent(f"""
     import sys
     import numpy as np
     sys.path.insert(0, {os.path.dirname(__file__)!r})
-    from ftjax.kernels import cpu_info
+    from ftjax.kernels import cpu_info, tuning
     import test_threads
+    tuning.apply(tuning.Tuning(**{fields!r}))
     assert cpu_info()["threads"] == {threads}, cpu_info()
     got = test_threads.run_all(200, seed=7) + test_threads.run_all(1, seed=8)
     reference = np.load({str(tmp_path / "reference.npz")!r})
