@@ -22,6 +22,9 @@ cores that other processes kept busy meanwhile (``hybrid_e2e.with_other_load``):
   prefill_512     a 512-token prompt
   prefill_4096    a 4096-token prompt (ftjax: two 2048-token chunks)
   decode_at_4096  64 new tokens after a 4096-token prompt (llama-bench ``-d 4096``)
+  cli_decode      ``python -m ftjax.decode --greedy`` as a user runs it, in a fresh process right
+                  after the worker's measurement: its summary line's decode tok/s (issue 34:
+                  the CLI should reach the worker's decode)
 
 ftjax runs in a worker process that loads and compiles once; its kernels are the default
 (``auto``: ffi_bf16 on a bf16 model, the KV cache in bfloat16). The read bandwidth of the
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import struct
@@ -164,6 +168,16 @@ def convert_gguf(hf_dir: str, src: str, work_dir: str, outtype: str = "bf16") ->
   if os.path.exists(out) and os.path.getmtime(out) > os.path.getmtime(
       os.path.join(hf_dir, "written.json")):
     return out
+  script, env, cwd = gguf_converter(src, work_dir)
+  log(f"converting to GGUF {outtype} with llama.cpp's converter -> {out}")
+  subprocess.run([sys.executable, script, hf_dir, "--outtype", outtype, "--outfile", out],
+                 check=True, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
+  return out
+
+
+def gguf_converter(src: str, work_dir: str) -> tuple[str, dict, str]:
+  """llama.cpp's convert_hf_to_gguf.py copied into ``work_dir/converter`` with its
+  unknown-pre-tokenizer error patched to "default": (script, environment, working dir)."""
   conv = os.path.join(work_dir, "converter")
   shutil.rmtree(conv, ignore_errors=True)
   shutil.copytree(os.path.join(src, "conversion"), os.path.join(conv, "conversion"))
@@ -176,11 +190,7 @@ def convert_gguf(hf_dir: str, src: str, work_dir: str, outtype: str = "bf16") ->
                        "llama.cpp version?); see ../shared/PEERS.md")
   open(base, "w").write(text.replace(needle, 'res = "default"'))
   env = dict(os.environ, PYTHONPATH=os.path.join(src, "gguf-py"))
-  log(f"converting to GGUF {outtype} with llama.cpp's converter -> {out}")
-  subprocess.run([sys.executable, os.path.join(conv, "convert_hf_to_gguf.py"), hf_dir,
-                  "--outtype", outtype, "--outfile", out], check=True, env=env, cwd=conv,
-                 stdout=subprocess.DEVNULL)
-  return out
+  return os.path.join(conv, "convert_hf_to_gguf.py"), env, conv
 
 
 # -- llama.cpp side -------------------------------------------------------------------------------
@@ -341,6 +351,29 @@ def worker(hf_dir: str, long_tokens: int) -> None:
 
 # -- Driver ---------------------------------------------------------------------------------------
 
+CLI_SUMMARY = re.compile(r"decode: ([0-9.]+) tok/s \(compile ([0-9.]+) s, not included\), "
+                         r"kernels: (.*)$")
+
+
+def cli_round(hf_dir: str) -> dict:
+  """``python -m ftjax.decode`` as a user runs it (a fresh process: load, compile, decode) on
+  the same model, greedy, DECODE_TOKENS decode steps: its summary line's decode tok/s, and what
+  it said on stderr about the weights."""
+  t0 = time.perf_counter()
+  proc = subprocess.run([sys.executable, "-m", "ftjax.decode", f"--model={hf_dir}", "--greedy",
+                         f"--max_new_tokens={DECODE_TOKENS + 1}"], capture_output=True, text=True,
+                        check=False, cwd="/tmp")
+  wall = time.perf_counter() - t0
+  if proc.returncode != 0:
+    raise RuntimeError(f"ftjax.decode failed: {proc.stderr[-2000:]}")
+  lines = proc.stderr.strip().splitlines()
+  match = CLI_SUMMARY.search(lines[-1])
+  if match is None:
+    raise RuntimeError(f"no summary line in ftjax.decode's stderr: {lines[-3:]}")
+  return {"cli_decode": float(match.group(1)), "cli_compile_s": float(match.group(2)),
+          "cli_kernels": match.group(3), "cli_wall_s": wall,
+          "cli_notes": [line for line in lines[:-1] if line.startswith("ftjax:")]}
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--llama_src", help="llama.cpp source tree (vendor/llama.cpp of the sdist)")
@@ -381,21 +414,30 @@ def main() -> None:
           proc.stdin.flush()
           return json.loads(proc.stdout.readline())
         ours = with_other_load(ask, proc.pid)
+        # The CLI right after the worker, with the weights as the worker left them (resident).
+        ours.update(with_other_load(lambda: cli_round(hf_dir), proc.pid))
       else:
         theirs = with_other_load(lambda: llama_round(args.llama_build, gguf), proc.pid)
     row = {"ftjax": ours, "llama_cpp": theirs,
            "ratio": {k: ours[k] / theirs[k] for k in GOALS}}
+    row["ratio"]["cli_decode"] = ours["cli_decode"] / theirs["decode"]
+    row["cli_to_worker"] = ours["cli_decode"] / ours["decode"]
     rounds.append(row)
     log(f"round {r + 1}/{args.rounds}: read {ours['read_GBps']:.1f} GB/s, " + ", ".join(
         f"{k} {ours[k]:.1f} vs {theirs[k]:.1f} tok/s ({row['ratio'][k]:.2f}x)" for k in GOALS)
+        + f"; CLI decode {ours['cli_decode']:.1f} tok/s ({row['cli_to_worker']:.2f} of the "
+        f"worker, {row['ratio']['cli_decode']:.2f}x llama.cpp)"
         + contended(ours) + contended(theirs))
   proc.stdin.close()
   proc.wait()
-  med = {side: {k: statistics.median(r[side][k] for r in rounds) for k in rounds[0][side]}
+  med = {side: {k: statistics.median(r[side][k] for r in rounds) for k in rounds[0][side]
+                if isinstance(rounds[0][side][k], (int, float))}
          for side in ("ftjax", "llama_cpp")}
-  ratios = {k: statistics.median(r["ratio"][k] for r in rounds) for k in GOALS}
+  ratios = {k: statistics.median(r["ratio"][k] for r in rounds) for k in rounds[0]["ratio"]}
   roofline = [r["ftjax"]["decode"] * ready["bytes_per_token"] / 1e9 / r["ftjax"]["read_GBps"]
               for r in rounds]
+  cli_roofline = [r["ftjax"]["cli_decode"] * ready["bytes_per_token"] / 1e9
+                  / r["ftjax"]["read_GBps"] for r in rounds]
   results = {
       "benchmark": "cpu_peer", "command": " ".join(sys.argv), "machine": machine,
       "model": {"shape": "Qwen3-30B-A3B", "layers": args.layers, "dtype": "bfloat16",
@@ -406,6 +448,10 @@ def main() -> None:
                     "flags": f"-t {THREADS} -r 1 -lm none"},
       "threads": THREADS, "rounds": rounds, "medians": med, "ratio_medians": ratios,
       "decode_ratio_to_roofline_median": statistics.median(roofline),
+      "cli": {"decode_ratio_to_roofline_median": statistics.median(cli_roofline),
+              "to_worker_median": statistics.median(r["cli_to_worker"] for r in rounds),
+              "kernels": rounds[-1]["ftjax"]["cli_kernels"],
+              "notes": rounds[-1]["ftjax"]["cli_notes"]},
       "goals": GOALS, "goals_met": {k: ratios[k] >= g for k, g in GOALS.items()},
       "contended_measurements": sum(r[side]["other_load"] > 0.1 for r in rounds
                                     for side in ("ftjax", "llama_cpp")),
@@ -413,6 +459,10 @@ def main() -> None:
   for k, g in GOALS.items():
     print(f"{k:15s} ftjax {med['ftjax'][k]:8.1f}  llama.cpp {med['llama_cpp'][k]:8.1f} tok/s  "
           f"ratio {ratios[k]:.2f} (goal {g})")
+  cli = results["cli"]
+  print(f"CLI decode {med['ftjax']['cli_decode']:8.1f} tok/s: {cli['to_worker_median']:.2f} of "
+        f"the worker, {ratios['cli_decode']:.2f}x llama.cpp, "
+        f"{cli['decode_ratio_to_roofline_median']:.2f} of the roofline")
   print(f"decode at {results['decode_ratio_to_roofline_median']:.2f} of the roofline "
         f"({ready['bytes_per_token'] / 1e9:.3f} GB per token, read "
         f"{med['ftjax']['read_GBps']:.1f} GB/s)")

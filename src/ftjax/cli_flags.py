@@ -17,7 +17,7 @@ from ftjax.cache import POLICIES
 from ftjax.kernels import tuning
 from ftjax.runtime import compile_cache
 from ftjax.runtime.engine import Engine
-from ftjax.runtime.model import load
+from ftjax.runtime.model import load, prefault
 
 MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted once into "
               "$FTJAX_CACHE_DIR, default ~/.cache/ftjax), or an embedded model: 'default' (the "
@@ -25,9 +25,8 @@ MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted onc
 
 
 def define_engine_flags() -> dict[str, flags.FlagHolder]:
-  """--model, --max_seq_len, --kernels, --kernel_tuning, --decode_chunk, the expert-cache flags,
-  --pool,
-  --prefill_chunk, --kv_dtype, --devices and --compilation_cache."""
+  """--model, --max_seq_len, --kernels, --kernel_tuning, --prefault, --decode_chunk, the
+  expert-cache flags, --pool, --prefill_chunk, --kv_dtype, --devices and --compilation_cache."""
   return {
       "model": flags.DEFINE_string("model", None, MODEL_HELP),
       "max_seq_len": flags.DEFINE_integer("max_seq_len", None,
@@ -37,6 +36,10 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: faster prefill), "
           "ffi_int8 (C++, int8 activations for int8 experts, AVX-512-VNNI; opt-in), xla; auto "
           "picks ffi_bf16 for bf16 models on CPU, ffi otherwise"),
+      "prefault": flags.DEFINE_boolean(
+          "prefault", True, "fault the memory-mapped weights into the process before the first "
+          "step (when they fit in the memory available), so that decode reads resident pages "
+          "from its first token; says so on stderr"),
       "kernel_tuning": flags.DEFINE_string(
           "kernel_tuning", "auto", "the C++ kernels' per-machine variant: " + tuning.MODES_HELP),
       "decode_chunk": flags.DEFINE_integer(
@@ -157,6 +160,8 @@ def build_engine(holders: dict[str, flags.FlagHolder]) -> Engine:
   """The model of ``--model`` (the default model when omitted) in an engine with the
   command line's runtime flags."""
   model = load(holders["model"].value or "default")
+  if holders["prefault"].value:
+    print(prefault(model), file=sys.stderr)
   return Engine(model, max_seq_len=holders["max_seq_len"].value,
                 kernels=holders["kernels"].value, decode_chunk=holders["decode_chunk"].value,
                 **cache_options(holders))

@@ -20,7 +20,7 @@ from ftjax.assets import EMBEDDED_MODELS
 from ftjax.kernels import KernelsUnavailable
 from ftjax.research.traces import Trace
 from ftjax.runtime.engine import Engine, GenerateResult
-from ftjax.runtime.model import load
+from ftjax.runtime.model import load, prefault as prefault_weights
 from ftjax.runtime.sampling import check_sampling_args
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
 
@@ -54,14 +54,16 @@ def _placement_note(engine) -> str:
 def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_new_tokens: int = 64,
                greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
                max_seq_len: int | None = None, kernels: str = "auto", show_stats: bool = False,
-               trace_out: str | None = None, decode_chunk: int = 8, out: TextIO = sys.stdout,
-               log: TextIO = sys.stderr, **cache_options) -> DecodeResult:
+               trace_out: str | None = None, decode_chunk: int = 8, prefault: bool = True,
+               out: TextIO = sys.stdout, log: TextIO = sys.stderr,
+               **cache_options) -> DecodeResult:
   """Generates a completion of ``prompt``, streaming text to ``out``; returns the result.
 
   ``cache_options`` are the expert-cache options of ``ftjax.runtime.engine.RuntimeOptions``
   (cache_slots, cache_fraction, cache_bytes, policy, bandwidths, profile). ``trace_out``
   saves the routing trace of the run (``ftjax.traces.Trace``). ``decode_chunk``: decode
-  steps per device program (text streams once per chunk)."""
+  steps per device program (text streams once per chunk). ``prefault``: fault the mapped
+  weights in before the first step (``ftjax.runtime.model.prefault``; said on ``log``)."""
   model = model or "default"
   loaded = load(model)
   if model in EMBEDDED_MODELS and not os.path.exists(model):
@@ -72,6 +74,8 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
             "ftjax/tiny/README.md")
     log.write(f"ftjax: using the embedded default model {model!r} ({kind}); pass --model=DIR for a "
               "real one\n")
+  if prefault:
+    log.write(prefault_weights(loaded) + "\n")
   tokenizer = load_tokenizer(loaded.path, loaded.config.vocab_size)
   ids = tokenizer.encode(prompt)
   engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels,
@@ -173,7 +177,8 @@ def main(argv):
                top_p=_SAMPLING["top_p"].value, seed=_SAMPLING["seed"].value,
                max_seq_len=_ENGINE["max_seq_len"].value, kernels=_ENGINE["kernels"].value,
                show_stats=_STATS.value, trace_out=_TRACE_OUT.value,
-               decode_chunk=_ENGINE["decode_chunk"].value, **cache)
+               decode_chunk=_ENGINE["decode_chunk"].value, prefault=_ENGINE["prefault"].value,
+               **cache)
   except (ValueError, FileNotFoundError, KernelsUnavailable) as e:
     raise SystemExit(f"ftjax.decode: error: {e}") from None
 

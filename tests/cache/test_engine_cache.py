@@ -172,7 +172,7 @@ def test_device_budget_rebalances_as_the_kv_cache_grows(family_model):
   slot = int(family_model.bank.shape[2]) * family_model.bank.dtype.itemsize
   kv_rows = 4096  # the first KV capacity of a state that grows
   budget = state_bytes(c, 1, 16384 + 16) + 6 * slot  # 6 slots beside the larger state
-  engine = ftjax.Engine(family_model, kernels="xla", device_budget_bytes=budget,
+  engine = ftjax.Engine(family_model, kernels="ffi", device_budget_bytes=budget,
                         policy="lru_fill", max_seq_len=16384, prefill_chunk=1024)
   assert engine.kv_growth == "grow" and engine.kv_capacities[:2] == (kv_rows, 16384 + 16)
   engine.generate([1, 2, 3], 4)  # KV capacity 4096 tokens

@@ -36,6 +36,9 @@ def test_no_flags_runs_the_embedded_default_model(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("def fibonacci(n):")
   assert "embedded default model 'default' (trained" in proc.stderr
+  # The mapped weights were faulted in before the first step, and it says so (issue 34).
+  assert re.search(r"^ftjax: pre-faulted the weights \(0\.0\d GB mapped\) in \d+\.\d s",
+                   proc.stderr, re.M), proc.stderr
   summary = proc.stderr.strip().splitlines()[-1]
   n = len(_tokens("def fibonacci(n):"))
   assert summary.startswith(f"prompt tokens: {n}, new tokens: 8, prefill:") and "decode:" in summary

@@ -442,6 +442,10 @@ class FTWFile:
       raise FTWConfigMismatchError(f"expert block_bytes={ex['block_bytes']} is too small for "
                                    f"the config's expert shape in {self.path}")
 
+  def mapped_bytes(self) -> int:
+    """Bytes of every mapped file."""
+    return sum(len(m) for m in self._maps.values())
+
   def populate(self) -> int:
     """Faults every page of every mapped file into memory (touches one byte per page), so
     that timing starts with the weights resident. Returns the number of bytes mapped."""

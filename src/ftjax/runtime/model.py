@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import jax
@@ -50,6 +51,40 @@ class Model:
   def expert_bytes(self) -> int:
     """Bytes one expert's content takes (weights and scales, no padding)."""
     return ftw.expert_content_bytes(self.config, self.expert_format)
+
+
+def available_memory_bytes() -> int | None:
+  """MemAvailable from /proc/meminfo (None where unreadable)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
+
+
+def prefault(model: Model, *, headroom: float = 0.8) -> str:
+  """Faults the model's memory-mapped weights into this process before its first step, when
+  they take at most ``headroom`` of the memory available, and returns a line that says what it
+  did. A fresh process otherwise takes a page fault for every 4 KiB page the first time a step
+  reads it: on the 4-layer Qwen3-30B-A3B-shaped bench model (5.4 GB) that slowed the first 64
+  decode tokens of ``python -m ftjax.decode`` below the benchmarks' workers, which pre-fault
+  (issue 34). The pages come from the page cache (or the disk, the first time)."""
+  if model.storage is None:
+    return "ftjax: the weights are in memory already (no mapped file to pre-fault)"
+  nbytes = model.storage.mapped_bytes()
+  available = available_memory_bytes()
+  if available is not None and nbytes > headroom * available:
+    return (f"ftjax: not pre-faulting the weights: {nbytes / 1e9:.1f} GB mapped, "
+            f"{available / 1e9:.1f} GB available; the first steps fault them in as they read "
+            "them (--noprefault silences this)")
+  t0 = time.perf_counter()
+  model.storage.populate()
+  return (f"ftjax: pre-faulted the weights ({nbytes / 1e9:.2f} GB mapped) in "
+          f"{time.perf_counter() - t0:.1f} s, so that decode reads resident pages from its "
+          "first step (--noprefault skips this)")
 
 
 def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.float32,
