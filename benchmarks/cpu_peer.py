@@ -24,7 +24,7 @@ cores that other processes kept busy meanwhile (``hybrid_e2e.with_other_load``):
   decode_at_4096  64 new tokens after a 4096-token prompt (llama-bench ``-d 4096``)
   cli_decode      ``python -m ftjax.decode --greedy`` as a user runs it, in a fresh process right
                   after the worker's measurement: its summary line's decode tok/s (issue 34:
-                  the CLI should reach the worker's decode)
+                  the CLI should reach the worker's decode); and with ``--noprefault``
 
 ftjax runs in a worker process that loads and compiles once; its kernels are the default
 (``auto``: ffi_bf16 on a bf16 model, the KV cache in bfloat16). The read bandwidth of the
@@ -355,14 +355,14 @@ CLI_SUMMARY = re.compile(r"decode: ([0-9.]+) tok/s \(compile ([0-9.]+) s, not in
                          r"kernels: (.*)$")
 
 
-def cli_round(hf_dir: str) -> dict:
+def cli_round(hf_dir: str, *flags: str, key: str = "cli") -> dict:
   """``python -m ftjax.decode`` as a user runs it (a fresh process: load, compile, decode) on
   the same model, greedy, DECODE_TOKENS decode steps: its summary line's decode tok/s, and what
   it said on stderr about the weights."""
   t0 = time.perf_counter()
   proc = subprocess.run([sys.executable, "-m", "ftjax.decode", f"--model={hf_dir}", "--greedy",
-                         f"--max_new_tokens={DECODE_TOKENS + 1}"], capture_output=True, text=True,
-                        check=False, cwd="/tmp")
+                         f"--max_new_tokens={DECODE_TOKENS + 1}", *flags], capture_output=True,
+                        text=True, check=False, cwd="/tmp")
   wall = time.perf_counter() - t0
   if proc.returncode != 0:
     raise RuntimeError(f"ftjax.decode failed: {proc.stderr[-2000:]}")
@@ -370,9 +370,9 @@ def cli_round(hf_dir: str) -> dict:
   match = CLI_SUMMARY.search(lines[-1])
   if match is None:
     raise RuntimeError(f"no summary line in ftjax.decode's stderr: {lines[-3:]}")
-  return {"cli_decode": float(match.group(1)), "cli_compile_s": float(match.group(2)),
-          "cli_kernels": match.group(3), "cli_wall_s": wall,
-          "cli_notes": [line for line in lines[:-1] if line.startswith("ftjax:")]}
+  return {f"{key}_decode": float(match.group(1)), f"{key}_compile_s": float(match.group(2)),
+          f"{key}_kernels": match.group(3), f"{key}_wall_s": wall,
+          f"{key}_notes": [line for line in lines[:-1] if line.startswith("ftjax:")]}
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -416,17 +416,21 @@ def main() -> None:
         ours = with_other_load(ask, proc.pid)
         # The CLI right after the worker, with the weights as the worker left them (resident).
         ours.update(with_other_load(lambda: cli_round(hf_dir), proc.pid))
+        # And without its pre-fault (--noprefault), as it ran before issue 34.
+        ours.update(cli_round(hf_dir, "--noprefault", key="cli_noprefault"))
       else:
         theirs = with_other_load(lambda: llama_round(args.llama_build, gguf), proc.pid)
     row = {"ftjax": ours, "llama_cpp": theirs,
            "ratio": {k: ours[k] / theirs[k] for k in GOALS}}
     row["ratio"]["cli_decode"] = ours["cli_decode"] / theirs["decode"]
     row["cli_to_worker"] = ours["cli_decode"] / ours["decode"]
+    row["cli_noprefault_to_worker"] = ours["cli_noprefault_decode"] / ours["decode"]
     rounds.append(row)
     log(f"round {r + 1}/{args.rounds}: read {ours['read_GBps']:.1f} GB/s, " + ", ".join(
         f"{k} {ours[k]:.1f} vs {theirs[k]:.1f} tok/s ({row['ratio'][k]:.2f}x)" for k in GOALS)
         + f"; CLI decode {ours['cli_decode']:.1f} tok/s ({row['cli_to_worker']:.2f} of the "
-        f"worker, {row['ratio']['cli_decode']:.2f}x llama.cpp)"
+        f"worker, {row['ratio']['cli_decode']:.2f}x llama.cpp), --noprefault "
+        f"{ours['cli_noprefault_decode']:.1f} ({row['cli_noprefault_to_worker']:.2f})"
         + contended(ours) + contended(theirs))
   proc.stdin.close()
   proc.wait()
@@ -450,6 +454,8 @@ def main() -> None:
       "decode_ratio_to_roofline_median": statistics.median(roofline),
       "cli": {"decode_ratio_to_roofline_median": statistics.median(cli_roofline),
               "to_worker_median": statistics.median(r["cli_to_worker"] for r in rounds),
+              "noprefault_to_worker_median": statistics.median(
+                  r["cli_noprefault_to_worker"] for r in rounds),
               "kernels": rounds[-1]["ftjax"]["cli_kernels"],
               "notes": rounds[-1]["ftjax"]["cli_notes"]},
       "goals": GOALS, "goals_met": {k: ratios[k] >= g for k, g in GOALS.items()},
@@ -462,7 +468,8 @@ def main() -> None:
   cli = results["cli"]
   print(f"CLI decode {med['ftjax']['cli_decode']:8.1f} tok/s: {cli['to_worker_median']:.2f} of "
         f"the worker, {ratios['cli_decode']:.2f}x llama.cpp, "
-        f"{cli['decode_ratio_to_roofline_median']:.2f} of the roofline")
+        f"{cli['decode_ratio_to_roofline_median']:.2f} of the roofline; --noprefault "
+        f"{cli['noprefault_to_worker_median']:.2f} of the worker")
   print(f"decode at {results['decode_ratio_to_roofline_median']:.2f} of the roofline "
         f"({ready['bytes_per_token'] / 1e9:.3f} GB per token, read "
         f"{med['ftjax']['read_GBps']:.1f} GB/s)")
