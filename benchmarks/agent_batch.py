@@ -17,8 +17,9 @@ Each conversation runs its turns one after the other in its own client thread (`
 next prompt extends the last (the session pool reuses the common prefix). Two servers on the
 same weights, both running the whole time, each measured in turn (alternating order,
 ``--rounds`` rounds after a warm-up round each): ``python -m ftjax.serve --max_running 4`` and
-the same with ``--max_running 1``. Per conversation: median TTFT over its turns, decode tok/s
-(tokens after the first / the time from first to last streamed event, median over turns) and
+the same with ``--max_running 1``. Per conversation: median TTFT over its turns (to its first
+streamed chunk), decode tok/s (tokens after the first / the time from the first chunk to the
+end of the stream, median over turns) and
 its wall time; and the whole workload's wall time. Medians over rounds.
 
   /work/venv/bin/python benchmarks/agent_batch.py    # after serve_batch.py wrote the weights
@@ -64,13 +65,14 @@ def turn(port: int, prompt: list[int], new: int) -> dict:
   out: dict = {}
   stream(port, {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}, out)
-  # A random model's tokens past the stand-in tokenizer's 4096 have no text: a turn whose
-  # reply has none is timed from its first (empty) chunk to the end of its stream.
-  events = out["events"] or [out.get("first_empty", out["done"]), out["done"]]
+  # A random model's tokens past the stand-in tokenizer's 4096 have no text, so text events
+  # are few and can come together: the first chunk (with text or not) starts the turn's decode
+  # and the end of its stream ends it (the usage chunk counts its tokens).
+  first = min([*out["events"][:1], out.get("first_empty", out["done"])])
   tokens = out["tokens"]
-  return {"ttft_s": events[0] - out["sent"], "tokens": tokens,
-          "decode_tok_s": (tokens - 1) / (events[-1] - events[0]) if tokens > 1 and
-          events[-1] > events[0] else None, "end": out["done"], "sent": out["sent"]}
+  return {"ttft_s": first - out["sent"], "tokens": tokens,
+          "decode_tok_s": (tokens - 1) / (out["done"] - first) if tokens > 1 and
+          out["done"] > first else None, "end": out["done"], "sent": out["sent"]}
 
 
 def workload(port: int, convs) -> dict:
