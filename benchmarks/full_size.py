@@ -36,7 +36,6 @@ import http.client
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from agent_peer import free_port  # noqa: E402
 from common import machine_info, write_results  # noqa: E402
 from cpu_peer import (RoundWorker, gguf_converter, llama_bench, read_gb_s,  # noqa: E402
                       serve_rounds)
@@ -88,12 +88,6 @@ def drop_caches() -> bool:
     return True
   except OSError:
     return False
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def request(port: int, method: str, path: str, body: dict | None = None, timeout: float = 900):

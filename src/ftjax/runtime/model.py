@@ -17,6 +17,7 @@ from ftjax.formats import ftw
 from ftjax.formats.hf import cached_conversion
 from ftjax.model.config import ModelConfig
 from ftjax.model.transformer import Transformer, param_name
+from ftjax.runtime.programs import available_host_bytes
 from ftjax.utils import quant
 
 
@@ -53,18 +54,6 @@ class Model:
     return ftw.expert_content_bytes(self.config, self.expert_format)
 
 
-def available_memory_bytes() -> int | None:
-  """MemAvailable from /proc/meminfo (None where unreadable)."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return None
-
-
 def prefault(model: Model, *, headroom: float = 0.8) -> str:
   """Faults the model's memory-mapped weights into this process before its first step, when
   they take at most ``headroom`` of the memory available, and returns a line that says what it
@@ -75,7 +64,7 @@ def prefault(model: Model, *, headroom: float = 0.8) -> str:
   if model.storage is None:
     return "ftjax: the weights are in memory already (no mapped file to pre-fault)"
   nbytes = model.storage.mapped_bytes()
-  available = available_memory_bytes()
+  available = available_host_bytes()
   if available is not None and nbytes > headroom * available:
     return (f"ftjax: not pre-faulting the weights: {nbytes / 1e9:.1f} GB mapped, "
             f"{available / 1e9:.1f} GB available; the first steps fault them in as they read "
