@@ -137,8 +137,8 @@ const char* SetKernelTuning(const KernelTuning& t) {
   if (t.row_accumulators != 0 && t.row_accumulators != 4 && t.row_accumulators != 8) {
     return "row_accumulators must be 0 (default), 4 or 8";
   }
-  if (t.block_rows != 0 && t.block_rows != 1 && t.block_rows != 2 && t.block_rows != 4) {
-    return "block_rows must be 0 (default), 1, 2 or 4";
+  if (t.block_rows < 0 || t.block_rows > 4) {
+    return "block_rows must be 0 (default), 1, 2, 3 or 4";
   }
   if (t.gemv_task_kib != 0 && (t.gemv_task_kib < 64 || t.gemv_task_kib > 65536)) {
     return "gemv_task_kib must be 0 (default) or 64 to 65536";

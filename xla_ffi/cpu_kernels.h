@@ -225,7 +225,7 @@ struct KernelTuning {
   int32_t prefetch_hint = 0;
   // One token: accumulators along i per row, 4 or 8; 0: RowAccumulators<Ops>() (by bytes).
   int32_t row_accumulators = 0;
-  // 2 to 64 tokens (dot kernels): weight rows per register block, 1, 2 or 4; 0: by the ISA's
+  // 2 to 64 tokens (dot kernels): weight rows per register block, 1 to 4; 0: by the ISA's
   // vector registers (4 with 32, 2 with 16).
   int32_t block_rows = 0;
   // One token (ftjax_dense's GEMV): KiB of weights per task, 64 to 65536; 0: 2048.

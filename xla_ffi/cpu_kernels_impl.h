@@ -232,6 +232,11 @@ void RowBlocks(const DotProblem<typename Ops::Weight, typename Ops::Activation>&
 // day: medians of 4-5 alternating runs of 15), a [151936, 2048] bf16 GEMM (the lm_head of a
 // batch) of 4 tokens took 47.9 ms in 4 x 4 blocks without prefetch, 37.3 ms in 2 x 4 blocks with
 // the next block prefetched; 8 tokens 72.6 -> 54.7 ms (the one-token GEMV: 34-38 ms in those runs).
+// 3 x 4 also fits AVX2 (15 registers: GCC 12 takes the activations as the FMAs' memory operands),
+// and its 12 independent multiply-add chains, against 2 x 4's 8, cover the FMA latency at 2 per
+// cycle: one core, weights in L2, 4-8 tokens ran at 0.55-0.8 of the FMA peak against 0.45-0.5.
+// With the weights streamed from memory (the lm_head above, 2 threads) the two were within noise
+// of each other, so 2 stays the default and the tuner (KernelTuning::block_rows) may choose 3.
 template <typename Ops, int kLocality>
 void RowBlocksTuned(const DotProblem<typename Ops::Weight, typename Ops::Activation>& p,
                     const KernelTuning& tuning) {
@@ -239,6 +244,7 @@ void RowBlocksTuned(const DotProblem<typename Ops::Weight, typename Ops::Activat
                    : Ops::kVectorRegisters >= 32 ? 4 : 2;
   switch (rows) {
     case 1: RowBlocks<Ops, 1, kLocality>(p); break;
+    case 3: RowBlocks<Ops, 3, kLocality>(p); break;
     case 4: RowBlocks<Ops, 4, kLocality>(p); break;
     default: RowBlocks<Ops, 2, kLocality>(p); break;
   }

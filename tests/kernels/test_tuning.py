@@ -78,7 +78,7 @@ def test_every_variant_is_exact(variant, isa, restore_tuning, mxfp4_case):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(block_rows=3), "block_rows must be 0 \\(default\\), 1, 2 or 4"),
+    (dict(block_rows=5), "block_rows must be 0 \\(default\\), 1, 2, 3 or 4"),
     (dict(prefetch_bytes=100), "prefetch_bytes must be -1"),
     (dict(row_accumulators=6), "row_accumulators must be"),
     (dict(gemv_task_kib=8), "gemv_task_kib must be"),

@@ -71,7 +71,7 @@ class Tuning:
   prefetch_bytes: one token, how far ahead the software prefetch reads (0: none; -1: 6144).
   prefetch_hint: its hint: "nta", "l2" or "auto" (non-temporal on AMD, into L2 elsewhere).
   row_accumulators: one token, partial sums per row: 4 or 8 (0: by the ISA's vector width).
-  block_rows: 2-64 tokens, weight rows per register block: 1, 2 or 4 (0: by the ISA's
+  block_rows: 2-64 tokens, weight rows per register block: 1 to 4 (0: by the ISA's
     registers, 4 with AVX-512, 2 with AVX2).
   gemv_task_kib: one token, KiB of weights per task of the GEMV (0: 2048).
   packed_min_tokens: the packed-activation GEMMs run above this many tokens (-1: the ISA's).
@@ -139,7 +139,7 @@ def current() -> Tuning:
 PREFETCH_BYTES = (0, 3072, 6144, 12288)
 ROW_ACCUMULATORS = (4, 8)
 GEMV_TASK_KIB = (256, 1024, 4096, 8192)  # the default is 2048
-BLOCK_ROWS = (1, 2, 4)
+BLOCK_ROWS = (1, 2, 3, 4)
 BATCH_TOKENS = (4, 8)
 # A variant replaces its stage's baseline only when it takes less than 1 - MARGIN of its time:
 # on the 2-core AVX2 Zen 3 VM, the same settings measured as two variants (medians of 7-15
