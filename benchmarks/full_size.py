@@ -45,7 +45,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agent_peer import free_port  # noqa: E402
 from common import machine_info, write_results  # noqa: E402
-from cpu_peer import (RoundWorker, gguf_converter, llama_bench, read_gb_s,  # noqa: E402
+from cpu_peer import (RoundWorker, check_llama_args, gguf_converter, llama_bench, read_gb_s,  # noqa: E402
                       serve_rounds)
 from hybrid_e2e import contended, with_other_load  # noqa: E402
 from mxfp4_peer import write_checkpoint  # noqa: E402
@@ -76,7 +76,11 @@ def read_into_page_cache(directory: str) -> None:
   for name in sorted(os.listdir(directory)):
     path = os.path.join(directory, name)
     if os.path.isfile(path):
-      subprocess.run(["cat", path], check=True, stdout=subprocess.DEVNULL)
+      read_into_page_cache_file(path)
+
+
+def read_into_page_cache_file(path: str) -> None:
+  subprocess.run(["cat", path], check=True, stdout=subprocess.DEVNULL)
 
 
 def drop_caches() -> bool:
@@ -116,7 +120,7 @@ def first_token(side: str, model: str, llama_build: str) -> dict:
   if side == "ftjax":
     cmd = [sys.executable, "-m", "ftjax.serve", f"--model={model}", f"--port={port}",
            "--max_seq_len=4096"]
-    path, body = "/v1/completions", {"model": "m", "prompt": "Hello there", "max_tokens": 1,
+    path, body = "/v1/completions", {"model": os.path.basename(model), "prompt": "Hello there", "max_tokens": 1,
                                      "temperature": 0}
   else:
     cmd = [os.path.join(llama_build, "bin", "llama-server"), "-m", model, "-t", str(THREADS),
@@ -201,8 +205,8 @@ def convert(hf_dir: str, work_dir: str, llama_src: str) -> tuple[str, str, dict]
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--llama_src", required=True)
-  p.add_argument("--llama_build", required=True)
+  p.add_argument("--llama_src", help="llama.cpp source tree (vendor/llama.cpp of the sdist)")
+  p.add_argument("--llama_build", help="llama.cpp CMake build dir with bin/llama-bench")
   p.add_argument("--hf_dir", default="/tmp/ftjax-full-size/hf")
   p.add_argument("--work_dir", default="/tmp/ftjax-full-size/work")
   p.add_argument("--layers", type=int, default=LAYERS)
@@ -214,6 +218,7 @@ def main() -> None:
   if args.worker:
     worker(args.ftw_dir)
     return
+  check_llama_args(p, args)
   machine = machine_info()
   log(f"machine: {machine['cpu_model']} (family {machine['cpu_family']} model "
       f"{machine['cpu_model_number']}), kernels {machine['ftjax_kernels']}")
@@ -251,6 +256,7 @@ def main() -> None:
       if side == "ftjax":
         row["ftjax"] = with_other_load(ftjax_worker.ask, proc.pid)
       else:
+        read_into_page_cache_file(gguf)  # as the ftjax worker's populate(): ftjax's round
         row["llama_cpp"] = with_other_load(lambda: {
             "decode": llama_bench(args.llama_build, gguf, "-p", "0", "-n",
                                   str(DECODE_TOKENS))["avg_ts"],
