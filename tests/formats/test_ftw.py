@@ -111,14 +111,48 @@ def test_flipped_byte_fails_the_checksum(saved, tmp_path, target):
     offset = (1 * ex["num_experts"] + 3) * ex["block_bytes"] + 7
     file, what = ftw.EXPERTS_FILE, "the experts of layer 1"
   del f
+  _flip_byte(path, file, offset)
+  with pytest.raises(ftw.FTWChecksumError, match=f"checksum mismatch in {what}"):
+    ftjax.load(path)
+  ftjax.load(path, verify=False)  # opting out of verification still opens it
+
+
+def _flip_byte(path, file, offset):
   with open(os.path.join(path, file), "r+b") as fh:
     fh.seek(offset)
     b = fh.read(1)
     fh.seek(offset)
     fh.write(bytes([b[0] ^ 0x40]))
-  with pytest.raises(ftw.FTWChecksumError, match=f"checksum mismatch in {what}"):
-    ftjax.load(path)
-  ftjax.load(path, verify=False)  # opting out of verification still opens it
+
+
+def test_verify_once_skips_unchanged_files_and_catches_changed_ones(saved, tmp_path,
+                                                                     monkeypatch):
+  monkeypatch.setenv("FTJAX_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setattr(ftw, "_RACY_NS", 0)  # the copy is seconds old: stamp it all the same
+  path = _copy(saved[1], tmp_path)
+  assert ftw.FTWFile.open(path, verify="once").verification == "verified"
+  again = ftw.FTWFile.open(path, verify="once")
+  assert again.verification.startswith("verified before, unchanged since")
+  assert ftw.FTWFile.open(path, verify=True).verification == "verified"
+  assert ftw.FTWFile.open(path, verify=False).verification == "not verified"
+  # A changed byte changes the file's times, even where its mtime is put back: checked again.
+  ex = again.index["experts"]
+  st = os.stat(os.path.join(path, ftw.EXPERTS_FILE))
+  del again
+  _flip_byte(path, ftw.EXPERTS_FILE, ex["num_experts"] * ex["block_bytes"] + 11)
+  os.utime(os.path.join(path, ftw.EXPERTS_FILE), ns=(st.st_atime_ns, st.st_mtime_ns))
+  with pytest.raises(ftw.FTWChecksumError, match="checksum mismatch in the experts of layer 1"):
+    ftjax.load(path)  # verify="once" by default
+  with pytest.raises(ValueError, match="verify must be True, False or 'once'"):
+    ftw.FTWFile.open(path, verify="sometimes")
+
+
+def test_files_changed_seconds_ago_get_no_verified_stamp(saved, tmp_path, monkeypatch):
+  monkeypatch.setenv("FTJAX_CACHE_DIR", str(tmp_path / "cache"))
+  path = _copy(saved[1], tmp_path)  # just written: within the file system's racy window
+  assert ftw.FTWFile.open(path, verify="once").verification == "verified"
+  assert ftw.FTWFile.open(path, verify="once").verification == "verified"
+  assert not os.path.exists(tmp_path / "cache" / "verified")
 
 
 def test_newer_format_version(saved, tmp_path):

@@ -21,8 +21,10 @@ implies.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -31,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from ftjax.model.config import ModelConfig
-from ftjax.utils import quant
+from ftjax.utils import paths, quant
 
 FORMAT_VERSION = 2  # 2: the expert bank's format (``experts.format``) and block parts
 READ_VERSIONS = (1, 2)
@@ -41,6 +43,7 @@ DENSE_FILE = "dense.bin"
 EXPERTS_FILE = "experts.bin"
 EXPERT_PARTS = ("gate", "up", "down")
 EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
+_RACY_NS = 3_000_000_000  # files changed this recently get no verified stamp (see there)
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 
@@ -363,10 +366,19 @@ class FTWFile:
   dtype: np.dtype
   _maps: dict[str, np.memmap]
 
+  # What ``open`` did with the CRC-32s: "verified", "verified before, unchanged since (DATE)"
+  # or "not verified" (its ``verify``).
+  verification: str = "not verified"
+
   @classmethod
-  def open(cls, path: str | os.PathLike, *, verify: bool = True,
+  def open(cls, path: str | os.PathLike, *, verify: bool | str = True,
            progress: Callable[[Iterable], Iterable] | None = None) -> "FTWFile":
-    """Opens and validates an FTW directory. ``verify`` checks every CRC-32."""
+    """Opens and validates an FTW directory. ``verify``: True checks every CRC-32; ``"once"``
+    checks them the first time these files are opened on this machine and records their
+    identity (``verified_stamp``), so that a later open of the same unchanged files skips the
+    check (a full read of the weights: about 4 s for 13 GB); False checks none."""
+    if verify not in (True, False, "once"):
+      raise ValueError(f"verify must be True, False or 'once', got {verify!r}")
     path = os.fspath(path)
     index_path = os.path.join(path, INDEX_NAME)
     if not os.path.isfile(index_path):
@@ -412,9 +424,61 @@ class FTWFile:
                     else np.zeros((0,), np.uint8))  # np.memmap cannot map an empty file
     ftw = cls(path=path, index=index, config=config, dtype=dtype, _maps=maps)
     ftw._check_layout()
+    if verify == "once":
+      stamp = ftw._verified_stamp()
+      if stamp is not None:
+        ftw.verification = f"verified before, unchanged since ({stamp})"
+        return ftw
     if verify:
       ftw.verify(progress=progress)
+      ftw.verification = "verified"
+      ftw._write_verified_stamp()
     return ftw
+
+  def _identity(self) -> dict[str, list[int]]:
+    """What changes when any of the files is rewritten, replaced or touched: per file its
+    device, inode, size, modification and status-change times (ns)."""
+    out = {}
+    for name in (INDEX_NAME, *self._maps):
+      st = os.stat(os.path.join(self.path, name))
+      out[name] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    return out
+
+  def _stamp_path(self) -> str:
+    key = hashlib.sha256(os.path.realpath(self.path).encode()).hexdigest()[:24]
+    return os.path.join(paths.cache_root(), "verified", f"{key}.json")
+
+  def _verified_stamp(self) -> str | None:
+    """When these unchanged files' CRC-32s were checked, or None (never, or changed since)."""
+    try:
+      with open(self._stamp_path()) as f:
+        stamp = json.load(f)
+    except (OSError, ValueError):
+      return None
+    if (stamp.get("path") != os.path.realpath(self.path) or
+        stamp.get("files") != self._identity()):
+      return None
+    return stamp.get("verified")
+
+  def _write_verified_stamp(self) -> None:
+    """Records that these files passed ``verify`` (best effort: a cache directory that cannot
+    be written only means the next ``verify="once"`` checks again). Files changed in the last
+    few seconds get no record: a file system's clock ticks coarsely, so a write within the same
+    tick could leave their times as recorded (git's "racy" index entries)."""
+    files = self._identity()
+    if max(max(f[3], f[4]) for f in files.values()) > time.time_ns() - _RACY_NS:
+      return
+    stamp = {"path": os.path.realpath(self.path), "files": files,
+             "verified": time.strftime("%Y-%m-%d %H:%M:%S")}
+    target = self._stamp_path()
+    try:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      tmp = f"{target}.{os.getpid()}.tmp"
+      with open(tmp, "w") as f:
+        json.dump(stamp, f)
+      os.replace(tmp, target)
+    except OSError:
+      pass
 
   def _check_layout(self) -> None:
     """Every tensor and the bank lie inside their files and agree with the config."""

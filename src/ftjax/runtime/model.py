@@ -100,16 +100,18 @@ def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.fl
   return Model(config=config, graphdef=graphdef, params=params, bank=bank, **fields)
 
 
-def load(path: str | os.PathLike, *, verify: bool = True, populate: bool = False) -> Model:
+def load(path: str | os.PathLike, *, verify: bool | str = "once",
+         populate: bool = False) -> Model:
   """Loads an FTW directory, a Hugging Face checkpoint directory (converted once, cached), or
   an embedded model by name: ``"default"`` or ``"default-hybrid"``
   (``ftjax.assets.EMBEDDED_MODELS``).
 
   On the CPU backend the dense tensors and the expert bank are zero-copy views of the
   memory-mapped files; on an accelerator the bank stays a numpy view of its mapping, placed
-  by the engine (``RuntimeOptions.pool``). ``verify`` checks every CRC-32 (which also reads
-  every page); ``populate`` faults every page in without checking, for timing with resident
-  weights.
+  by the engine (``RuntimeOptions.pool``). ``verify``: ``"once"`` checks every CRC-32 (which
+  also reads every page) the first time these files are loaded on this machine and skips the
+  check while they stay unchanged (``FTWFile.open``); True checks every time, False never.
+  ``populate`` faults every page in without checking, for timing with resident weights.
   """
   path = os.fspath(path)
   if path in EMBEDDED_MODELS and not os.path.exists(path):
