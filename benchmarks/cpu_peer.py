@@ -61,7 +61,10 @@ from hybrid_e2e import contended, with_other_load  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREADS = 2
 DECODE_TOKENS = 64
-GOALS = {"decode": 1.15, "prefill_512": 1.2, "prefill_4096": 1.0, "decode_at_4096": 1.1}
+# x llama.cpp (issue 34 withdrew decode 1.15x, above the bandwidth where both read at it, for
+# 1.0x and ROOFLINE_GOAL of the roofline, the worker's and the CLI's)
+GOALS = {"decode": 1.0, "prefill_512": 1.2, "prefill_4096": 1.0, "decode_at_4096": 1.1}
+ROOFLINE_GOAL = 0.92
 GIB = 1 << 30
 
 
@@ -458,7 +461,11 @@ def main() -> None:
                   r["cli_noprefault_to_worker"] for r in rounds),
               "kernels": rounds[-1]["ftjax"]["cli_kernels"],
               "notes": rounds[-1]["ftjax"]["cli_notes"]},
-      "goals": GOALS, "goals_met": {k: ratios[k] >= g for k, g in GOALS.items()},
+      "goals": {**GOALS, "cli_decode": GOALS["decode"], "roofline": ROOFLINE_GOAL},
+      "goals_met": {**{k: ratios[k] >= g for k, g in GOALS.items()},
+                    "cli_decode": ratios["cli_decode"] >= GOALS["decode"],
+                    "roofline": statistics.median(roofline) >= ROOFLINE_GOAL,
+                    "cli_roofline": statistics.median(cli_roofline) >= ROOFLINE_GOAL},
       "contended_measurements": sum(r[side]["other_load"] > 0.1 for r in rounds
                                     for side in ("ftjax", "llama_cpp")),
   }
