@@ -45,8 +45,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agent_peer import free_port  # noqa: E402
 from common import machine_info, write_results  # noqa: E402
-from cpu_peer import (RoundWorker, check_llama_args, gguf_converter, llama_bench, read_gb_s,  # noqa: E402
-                      serve_rounds)
+from cpu_peer import (RoundWorker, check_llama_args, gguf_converter, llama_bench,  # noqa: E402
+                      read_gb_s, serve_rounds)
 from hybrid_e2e import contended, with_other_load  # noqa: E402
 from mxfp4_peer import write_checkpoint  # noqa: E402
 from quant_peer import ftjax_bytes_per_token, gguf_bytes_per_token  # noqa: E402
@@ -120,8 +120,9 @@ def first_token(side: str, model: str, llama_build: str) -> dict:
   if side == "ftjax":
     cmd = [sys.executable, "-m", "ftjax.serve", f"--model={model}", f"--port={port}",
            "--max_seq_len=4096"]
-    path, body = "/v1/completions", {"model": os.path.basename(model), "prompt": "Hello there", "max_tokens": 1,
-                                     "temperature": 0}
+    path = "/v1/completions"
+    body = {"model": os.path.basename(model), "prompt": "Hello there", "max_tokens": 1,
+            "temperature": 0}
   else:
     cmd = [os.path.join(llama_build, "bin", "llama-server"), "-m", model, "-t", str(THREADS),
            "-c", "4096", "-np", "1", "--host", "127.0.0.1", "--port", str(port)]

@@ -89,7 +89,7 @@ class Generation:
   owner: Any = None
   tokens: list[int] = dataclasses.field(default_factory=list)  # delivered so far
   programs: int = 0  # programs it ran in (the first token's, and decode chunks)
-  first_s: float = 0.0  # seconds of the first token's program (and its read), compiles not included
+  first_s: float = 0.0  # seconds of the first token's program and its read (not its compile)
   stats: dict[str, int] = dataclasses.field(default_factory=lambda: {
       "steps": 0, "batch_rows": 0, "hits": 0, "fills": 0, "host": 0})
 
