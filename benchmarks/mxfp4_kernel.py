@@ -10,6 +10,9 @@ round, one after the other:
   decode  ftjax.kernels.expert_ffn at T = 1 with gpt-oss's expert (clamped SwiGLU, biases),
           4 experts per call (53 MB of codes, scales and biases), the 4 rotating over all 64
           (layer, expert) blocks so that nothing is served from the caches
+  decode_int8  the same with int8_activations=True (kernels="ffi_int8": the activations
+          quantised per block of 32 as llama.cpp's Q8_0, integer sums; opt-in), alternating
+          with the exact decode's place in the round
 
   prefill ftjax.kernels.expert_ffn at T = --prefill_tokens (512), top-4 over the 32 experts of
           layer 0 (the grouped form: ~64 routes an expert, the packed GEMM), and as its peer the
@@ -73,15 +76,17 @@ def main():
   variant = ExpertVariant(activation="clamped_swiglu", alpha=1.702, limit=7.0, bias=True)
   x = jnp.asarray(rng.standard_normal((1, D)).astype(np.float32))
   weights = jnp.full((1, top_k), 1.0 / top_k, jnp.float32)
-  decode = [jax.jit(lambda x, ids, layer=layer: expert_ffn(x, ids, weights, bank, layer,
-                                                            ffn_dim=F, variant=variant))
-            for layer in range(layers)]
+  decode = {form: [jax.jit(lambda x, ids, layer=layer, q=q: expert_ffn(
+      x, ids, weights, bank, layer, ffn_dim=F, variant=variant, int8_activations=q))
+                    for layer in range(layers)]
+            for form, q in (("exact", False), ("int8", True))}
   order = [(l, jnp.asarray(np.arange(e, e + top_k, dtype=np.int32)[None] % experts))
            for l in range(layers) for e in range(0, experts, top_k)]
   probe = jax.jit(read_probe)
   jax.block_until_ready(probe(bank))  # faults the bank in
   for l, ids in order:
-    jax.block_until_ready(decode[l](x, ids))  # compiles
+    for form in decode:
+      jax.block_until_ready(decode[form][l](x, ids))  # compiles
   call_bytes = top_k * block
 
   # Prefill: layer 0's experts, mxfp4 and a bf16 bank of the same shape.
@@ -105,12 +110,12 @@ def main():
     jax.block_until_ready(out)
     return (time.perf_counter() - start) / calls
 
-  def timed_decode():
+  def timed_decode(form):
     start = time.perf_counter()
     out = None
     for i in range(args.calls):
       l, ids = order[i % len(order)]
-      out = decode[l](x, ids)
+      out = decode[form][l](x, ids)
     jax.block_until_ready(out)
     return (time.perf_counter() - start) / args.calls
 
@@ -122,23 +127,30 @@ def main():
   rounds = []
   for r in range(args.rounds):
     read = bank.nbytes / timed_read() / 1e9
-    seconds = timed_decode()
+    forms = ("exact", "int8") if r % 2 == 0 else ("int8", "exact")
+    decode_s = {form: timed_decode(form) for form in forms}
+    seconds = decode_s["exact"]
     gbps = call_bytes / seconds / 1e9
+    int8_gbps = call_bytes / decode_s["int8"] / 1e9
     order_names = ("mxfp4", "bf16") if r % 2 == 0 else ("bf16", "mxfp4")
     prefill_s = {name: timed_prefill(name) for name in order_names}
     gflops = {name: prefill_flops / sec / 1e9 for name, sec in prefill_s.items()}
     rounds.append({"read_GBps": read, "decode_ms": seconds * 1e3, "decode_GBps": gbps,
                    "decode_over_read": gbps / read,
+                   "decode_int8_ms": decode_s["int8"] * 1e3, "decode_int8_GBps": int8_gbps,
+                   "decode_int8_over_read": int8_gbps / read,
                    "prefill_mxfp4_GFLOPs": gflops["mxfp4"], "prefill_bf16_GFLOPs": gflops["bf16"],
                    "prefill_mxfp4_over_bf16": gflops["mxfp4"] / gflops["bf16"]})
     print(f"round {r + 1}/{args.rounds}: read {read:.1f} GB/s, decode {seconds * 1e3:.3f} ms "
-          f"= {gbps:.1f} GB/s ({gbps / read:.2f} of read); prefill T={T} mxfp4 "
+          f"= {gbps:.1f} GB/s ({gbps / read:.2f} of read), int8 activations "
+          f"{int8_gbps:.1f} GB/s ({int8_gbps / read:.2f}); prefill T={T} mxfp4 "
           f"{gflops['mxfp4']:.0f} GFLOP/s, bf16 {gflops['bf16']:.0f} "
           f"({gflops['mxfp4'] / gflops['bf16']:.2f})", flush=True)
   med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
   info = machine_info()
   print(f"medians: read {med['read_GBps']:.1f} GB/s, decode {med['decode_GBps']:.1f} GB/s, "
-        f"{med['decode_over_read']:.2f} of read; prefill mxfp4 {med['prefill_mxfp4_GFLOPs']:.0f} "
+        f"{med['decode_over_read']:.2f} of read; with int8 activations "
+        f"{med['decode_int8_GBps']:.1f} GB/s, {med['decode_int8_over_read']:.2f} of read; prefill mxfp4 {med['prefill_mxfp4_GFLOPs']:.0f} "
         f"GFLOP/s, {med['prefill_mxfp4_over_bf16']:.2f} of bf16's "
         f"({info['ftjax_kernels']['isa']} kernels)")
   name = "mxfp4_kernel" + (f"_{args.isa}" if args.isa else "")

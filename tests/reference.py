@@ -146,24 +146,52 @@ def quantise_activations(v):
   return np.round(v / scale) * scale if scale > 0 else np.zeros_like(v)
 
 
-def routed_experts_int8_activations(x, ids, weights, bank, layer: int,
-                                    ffn_dim: int) -> np.ndarray:
-  """``routed_experts`` with each token's x and each route's hidden h quantised to int8
-  (``quantise_activations``) before their products with the (int8) weights, one route at a
-  time."""
-  x_td = np.stack([quantise_activations(row) for row in np.asarray(x)])
+def routed_experts_quantised(x, ids, weights, bank, layer: int, ffn_dim: int, quantise, *,
+                             activation: str = "swiglu", alpha: float = 1.702,
+                             limit: float = 7.0, bias: bool = False) -> np.ndarray:
+  """``routed_experts`` with each token's x and each route's hidden h passed through
+  ``quantise`` (a row to its quantised values, float64) before their products with the weights,
+  one route at a time."""
+  x_td = np.stack([quantise(row) for row in np.asarray(x)])
   ids_tk, weights_tk = np.asarray(ids), np.asarray(weights, np.float64)
   y_td = np.zeros(x_td.shape)
   for t in range(x_td.shape[0]):
     for k in range(ids_tk.shape[1]):
       if ids_tk[t, k] < 0:
         continue
-      gate_fd, up_fd, down_df = split_block(np.asarray(bank[layer][ids_tk[t, k]]), ffn_dim,
-                                            x_td.shape[1])
-      gate_f = gate_fd @ x_td[t]
-      hidden_f = gate_f / (1.0 + np.exp(-gate_f)) * (up_fd @ x_td[t])
-      y_td[t] += weights_tk[t, k] * (down_df @ quantise_activations(hidden_f))
+      block = np.asarray(bank[layer][ids_tk[t, k]])
+      gate_fd, up_fd, down_df = split_block(block, ffn_dim, x_td.shape[1])
+      b_gate, b_up, b_down = (split_biases(block, ffn_dim, x_td.shape[1]) if bias
+                              else (0.0, 0.0, 0.0))
+      gate_f, up_f = gate_fd @ x_td[t] + b_gate, up_fd @ x_td[t] + b_up
+      if activation == "clamped_swiglu":
+        hidden_f = gpt_oss_glu(gate_f, up_f, alpha=alpha, limit=limit)
+      else:
+        hidden_f = gate_f / (1.0 + np.exp(-gate_f)) * up_f
+      y_td[t] += weights_tk[t, k] * (down_df @ quantise(hidden_f) + b_down)
   return y_td
+
+
+def routed_experts_int8_activations(x, ids, weights, bank, layer: int,
+                                    ffn_dim: int) -> np.ndarray:
+  """``routed_experts`` of an int8 bank with x and h quantised per row
+  (``quantise_activations``), as kernels="ffi_int8" does for int8 experts."""
+  return routed_experts_quantised(x, ids, weights, bank, layer, ffn_dim, quantise_activations)
+
+
+def quantise_blocks(v, block: int = 32):
+  """A row quantised per block of ``block`` entries as the int8_activations kernels do for
+  mxfp4 banks (llama.cpp's Q8_0 with a float32 scale), back in float64: per block, in float32 as
+  the kernel computes it (h rounded to float32 first, as the kernel holds it), scale = max|v| /
+  127, q = round(v * (1 / scale)) half to even; then q times the scale."""
+  v = np.asarray(v, np.float32)
+  out = np.zeros(v.shape)
+  for i in range(0, v.size, block):
+    scale = np.float32(np.max(np.abs(v[i:i + block]))) / np.float32(127)
+    if scale > 0:
+      q = np.clip(np.round(v[i:i + block] * (np.float32(1) / scale)), -127, 127)
+      out[i:i + block] = q.astype(np.float64) * np.float64(scale)
+  return out
 
 
 def mean_nll(logits, ids) -> float:

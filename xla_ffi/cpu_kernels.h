@@ -121,8 +121,29 @@ struct Mxfp4DotProblem {
   int64_t c_stride;
 };
 
+// mxfp4 weights (as in Mxfp4DotProblem) against int8 activations quantised per block of 32
+// inputs, each block with its own float32 scale (llama.cpp's Q8_0, with a float32 scale): the
+// opt-in int8_activations form of an mxfp4 bank. Activation i of token t is
+// a[t][i] * a_scales[t][i / 32]. Per block the integer sum of 2 * E2M1[code] * a (exact in int32)
+// is multiplied by 2^(e - 127) / 2 * a_scales (one float32 product: exact but for the
+// activation scale's rounding) and added to the row's float32 sum.
+struct Mxfp4Q8DotProblem {
+  const uint8_t* codes;
+  int64_t code_stride;
+  const uint8_t* scales;
+  int64_t scale_stride;
+  int64_t rows;
+  const int8_t* const* a;         // a[t] points at n int8 activations of token t, in [-127, 127]
+  const float* const* a_scales;   // a_scales[t] points at n / 32 block scales of token t
+  int64_t tokens;
+  int64_t n;
+  float* c;  // c[t * c_stride + r]
+  int64_t c_stride;
+};
+
 using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
 using DotMxfp4F32Fn = void (*)(const Mxfp4DotProblem&);
+using DotMxfp4Q8Fn = void (*)(const Mxfp4Q8DotProblem&);
 using DotF32F32Fn = void (*)(const DotProblem<float, float>&);
 using DotI8F32Fn = void (*)(const DotProblem<int8_t, float>&);
 using DotI8I8Fn = void (*)(const DotProblem<int8_t, int8_t>&);
@@ -203,6 +224,14 @@ struct KernelTable {
   // Mxfp4DotProblem's row): the dequantised weights, exact in float32; dot_mxfp4_f32's decode.
   // The grouped expert FFN decodes rows with it for the packed GEMMs. Never null.
   void (*decode_mxfp4)(const uint8_t* codes, const uint8_t* scales, int64_t n, float* out);
+  // mxfp4 weights against int8 activations (Mxfp4Q8DotProblem), the opt-in int8_activations
+  // form of an mxfp4 bank's decode. AVX2 and AVX-512 (cpu_kernels_mxfp4_avx2.h): per 64 weights
+  // one vpshufb per 32 codes to the bytes 2 * E2M1 + 12, vpmaddubsw with the activations and
+  // vpmaddwd to int32 block sums (the +12 taken off with the blocks' activation sums), one
+  // conversion and one FMA with the block scales: 11 vector operations where the float32 form
+  // needs 29, so one token reads at the memory's rate on AVX2. Scalar: the same sums in a loop.
+  // Several tokens: the one-token loop per token. Never null.
+  DotMxfp4Q8Fn dot_mxfp4_q8;
 };
 
 // The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "cpu_kernels_impl.h"
+#include "cpu_kernels_mxfp4_avx2.h"
 
 namespace ftjax {
 namespace {
@@ -176,23 +177,35 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
   constexpr int64_t kChunk = cpu_kernels_impl::kMxfp4OneTokenChunk;
   alignas(32) float x_p[kChunk];  // an odd last block's group ends at kChunk at most
   alignas(32) float scale_of[kChunk / 8];  // 8 per group of 2 blocks
-  const __m256 subnormal = _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000));
-  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   for (int64_t i = 0; i < p.n; i += kChunk) {
     const int64_t blocks = (p.n - i < kChunk ? p.n - i : kChunk) / 32;
     const int64_t groups = blocks / 2, last = blocks & 1;
     const float* x = p.a[0] + i;
+    // The activations in the order of the products below: the 8 floats at
+    // x_p + 64 g + 8 (2 m + par) are, in lane l (block 2 g + l), the inputs 32 l + 16 (m & 1) +
+    // (m >> 1) + 2 par + 4 d of the group, d = 0..3: per lane and half of a block (16 inputs as
+    // 4 rows of 4), the columns of a 4 x 4 transpose.
     for (int64_t g = 0; g < groups + last; ++g) {
-      for (int m = 0; m < 4; ++m) {
-        for (int par = 0; par < 2; ++par) {
-          for (int l = 0; l < 2; ++l) {
-            for (int d = 0; d < 4; ++d) {
-              const int k = 2 * d + par;
-              const int w = (m & 1 ? 2 * (k + 8) : 2 * k) + (m >> 1);
-              x_p[64 * g + 8 * (2 * m + par) + 4 * l + d] =
-                  (g < groups || l == 0) ? x[64 * g + 32 * l + w] : 0.0f;
-            }
-          }
+      const float* xg = x + 64 * g;
+      const bool second = g < groups;
+      for (int h = 0; h < 2; ++h) {
+        __m256 row[4];
+        for (int d = 0; d < 4; ++d) {
+          const __m128 a = _mm_loadu_ps(xg + 16 * h + 4 * d);
+          const __m128 b = second ? _mm_loadu_ps(xg + 32 + 16 * h + 4 * d) : _mm_setzero_ps();
+          row[d] = _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
+        }
+        const __m256 t0 = _mm256_unpacklo_ps(row[0], row[1]);
+        const __m256 t1 = _mm256_unpackhi_ps(row[0], row[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(row[2], row[3]);
+        const __m256 t3 = _mm256_unpackhi_ps(row[2], row[3]);
+        const __m256 column[4] = {_mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)),
+                                  _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2))};
+        for (int c = 0; c < 4; ++c) {  // column c: m = h + 2 (c & 1), par = c >> 1
+          const int m = h + 2 * (c & 1), par = c >> 1;
+          _mm256_store_ps(x_p + 64 * g + 8 * (2 * m + par), column[c]);
         }
       }
     }
@@ -223,46 +236,12 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
         }
         return _mm256_add_ps(half[0], half[1]);
       };
-      // The group scales, 8 blocks at a time: E8M0 bytes to float32 (Mxfp4Scale), then each
-      // group's two spread over the lanes' halves.
-      for (int64_t q = 0; q < (blocks + 7) / 8; ++q) {
-        alignas(8) uint8_t e8[8] = {};
-        for (int64_t k = 0; k < 8 && 8 * q + k < blocks; ++k) e8[k] = scales[8 * q + k];
-        const __m256i e =
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e8)));
-        const __m256 f = _mm256_blendv_ps(
-            _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), subnormal,
-            _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
-        for (int k = 0; k < 4; ++k) {
-          const __m256i pick = _mm256_add_epi32(spread, _mm256_set1_epi32(2 * k));
-          _mm256_store_ps(scale_of + 32 * q + 8 * k, _mm256_permutevar8x32_ps(f, pick));
-        }
-      }
+      mxfp4_avx2::GroupScales(scales, blocks, nullptr, scale_of);
       auto add = [&](int64_t g, __m256i bytes, __m256& acc) {
         acc = _mm256_fmadd_ps(group(g, bytes), _mm256_load_ps(scale_of + 8 * g), acc);
       };
-      auto whole = [&](int64_t g) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * g));
-      };
-      int64_t g = 0;
-      for (; g + 2 <= groups; g += 2) {  // 64 bytes of codes: one cache line
-        const uintptr_t ahead =
-            reinterpret_cast<uintptr_t>(codes + 32 * g) + ahead_bytes;
-        if (ahead_bytes > 0 && ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
-          __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
-        }
-        add(g, whole(g), acc0);
-        add(g + 1, whole(g + 1), acc1);
-      }
-      if (g < groups) {
-        add(g, whole(g), acc0);
-        ++g;
-      }
-      if (last) {
-        add(g, _mm256_zextsi128_si256(
-                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * g))), acc1);
-      }
-      const float sum = Sum256(_mm256_add_ps(acc0, acc1));
+      const float sum = mxfp4_avx2::SumGroups<kLocality>(codes, groups, last, ahead_bytes,
+                                                         prefetch_end, add);
       p.c[r] = i == 0 ? sum : p.c[r] + sum;
     }
   }
@@ -653,6 +632,7 @@ const KernelTable kAvx2Table = {
     /*dot_i8_i8=*/nullptr,
     /*dot_mxfp4_f32=*/DotMxfp4F32Avx2,
     /*decode_mxfp4=*/DecodeMxfp4Avx2,
+    /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
     defined(__AVX512DQ__) && defined(__FMA__)
 
 #include "cpu_kernels_avx512_common.h"
+#include "cpu_kernels_mxfp4_avx2.h"
 
 namespace ftjax {
 namespace {
@@ -40,6 +41,7 @@ const KernelTable kAvx512Table = {
     /*dot_i8_i8=*/nullptr,
     /*dot_mxfp4_f32=*/DotMxfp4F32Avx512,
     /*decode_mxfp4=*/DecodeMxfp4Avx512,
+    /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
     defined(__FMA__)
 
 #include "cpu_kernels_avx512_common.h"
+#include "cpu_kernels_mxfp4_avx2.h"
 
 namespace ftjax {
 namespace {
@@ -221,6 +222,7 @@ const KernelTable kAvx512Bf16Table = {
     /*dot_i8_i8=*/DotI8I8Avx512,
     /*dot_mxfp4_f32=*/DotMxfp4F32Avx512,
     /*decode_mxfp4=*/DecodeMxfp4Avx512,
+    /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
 };
 
 }  // namespace

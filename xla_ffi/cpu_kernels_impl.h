@@ -301,6 +301,33 @@ static inline void DecodeMxfp4Loop(const uint8_t* codes, const uint8_t* scales, 
 
 constexpr int64_t kMxfp4OneTokenChunk = 4096;  // one-token inputs permuted at a time (16 KiB)
 
+// Twice the E2M1 values of the 16 codes: integers in [-12, 12].
+static constexpr int32_t kE2M1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// KernelTable::dot_mxfp4_q8, portable: per token, row and block, the exact integer sum of
+// 2 * E2M1[code] * a, times 2^(e - 127) / 2 * the block's activation scale, added in block order.
+static inline void DotMxfp4Q8Loop(const Mxfp4Q8DotProblem& p) {
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    const int8_t* a = p.a[t];
+    const float* a_scales = p.a_scales[t];
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const uint8_t* codes = p.codes + r * p.code_stride;
+      const uint8_t* scales = p.scales + r * p.scale_stride;
+      float sum = 0.0f;
+      for (int64_t b = 0; b < p.n / 32; ++b) {
+        int32_t block = 0;
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t byte = codes[16 * b + j];
+          block += kE2M1Twice[byte & 15] * a[32 * b + 2 * j] +
+                   kE2M1Twice[byte >> 4] * a[32 * b + 2 * j + 1];
+        }
+        sum += static_cast<float>(block) * (0.5f * Mxfp4Scale(scales[b]) * a_scales[b]);
+      }
+      p.c[t * p.c_stride + r] = sum;
+    }
+  }
+}
+
 // KernelTable::dot_mxfp4_f32 on top of an ISA's float32 Ops and its decode
 // (Decode(codes, scales, n, out), as DecodeMxfp4Loop): kMxfp4Rows rows and kMxfp4Chunk inputs
 // are decoded into a stack buffer (16 KiB, in L1), which Dot<F32Ops> multiplies with the

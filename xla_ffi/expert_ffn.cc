@@ -159,6 +159,12 @@ float QuantizeRow(const float* in, int64_t n, int8_t* out) {
   return scale;
 }
 
+// int8_activations of an mxfp4 bank: QuantizeRow per block of 32 inputs (n a multiple of 32),
+// block b's scale in scales[b] (llama.cpp's Q8_0, with a float32 scale).
+void QuantizeBlocks(const float* in, int64_t n, int8_t* out, float* scales) {
+  for (int64_t b = 0; b < n / 32; ++b) scales[b] = QuantizeRow(in + 32 * b, 32, out + 32 * b);
+}
+
 // The scales of rows [row, ...) of part `part` (0 gate, 1 up, 2 down) of an expert block.
 template <typename WeightT>
 RowScales ScalesOf(const WeightT* block, const ExpertFfnDims& dims, int part, int64_t row) {
@@ -181,22 +187,31 @@ template <>
 struct DotKernelOf<uint8_t, float> {
   using type = DotMxfp4F32Fn;
 };
+template <>
+struct DotKernelOf<uint8_t, int8_t> {
+  using type = DotMxfp4Q8Fn;
+};
 template <typename WeightT, typename ActivationT>
 using DotKernel = typename DotKernelOf<WeightT, ActivationT>::type;
 
 // c[t * c_stride + r] = row (row + r) of part `part` (0 gate, 1 up, 2 down) of an expert block
 // . a[t], for r < rows, t < tokens: the dot kernel on the part's rows, then the int8 row scales.
+// a_scales: the block scales of int8 activations against an mxfp4 bank (unused otherwise).
 template <typename WeightT, typename ActivationT>
 void PartDot(DotKernel<WeightT, ActivationT> dot, const WeightT* block, const ExpertFfnDims& dims,
-             int part, int64_t row, int64_t rows, const ActivationT* const* a, int64_t tokens,
-             float* c, int64_t c_stride) {
+             int part, int64_t row, int64_t rows, const ActivationT* const* a,
+             const float* const* a_scales, int64_t tokens, float* c, int64_t c_stride) {
   const int64_t F = dims.ffn_dim, D = dims.model_dim;
   const int64_t n = part == 2 ? F : D;  // inputs of the part's rows
   if constexpr (std::is_same_v<WeightT, uint8_t>) {
     const uint8_t* codes = block + part * (F * D / 2) + row * (n / 2);
     const uint8_t* scales =
         block + Mxfp4ScalesOffset(F, D) + part * (F * D / kMxfp4Block) + row * (n / kMxfp4Block);
-    dot({codes, n / 2, scales, n / kMxfp4Block, rows, a, tokens, n, c, c_stride});
+    if constexpr (std::is_same_v<ActivationT, int8_t>) {
+      dot({codes, n / 2, scales, n / kMxfp4Block, rows, a, a_scales, tokens, n, c, c_stride});
+    } else {
+      dot({codes, n / 2, scales, n / kMxfp4Block, rows, a, tokens, n, c, c_stride});
+    }
   } else {
     dot({block + part * F * D + row * n, n, rows, a, tokens, n, c, c_stride});
     ScalesOf(block, dims, part, row).Apply(rows, tokens, c, c_stride);
@@ -445,11 +460,18 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   }
   ScratchPlan plan;
   const int64_t at_rounded_x = kRound ? plan.Add<Bf16Bits>(dims.tokens * D) : 0;
-  // int8_activations: x quantised per token, h in float32 until quantised per route.
+  // int8_activations: x quantised per token, h in float32 until quantised per route; with an
+  // mxfp4 bank per block of 32 inputs instead (kBlockScales), the scales applied in the kernel.
+  constexpr bool kBlockScales = kQuantise && kMxfp4;
+  const int64_t x_scales_per_token = kBlockScales ? D / kMxfp4Block : 1;
+  const int64_t hidden_scales_per_route = kBlockScales ? F / kMxfp4Block : 1;
   const int64_t at_quantised_x = plan.Add<int8_t>(kQuantise ? dims.tokens * D : 0);
-  const int64_t at_x_scales = plan.Add<float>(kQuantise ? dims.tokens : 0);
+  const int64_t at_x_scales = plan.Add<float>(kQuantise ? dims.tokens * x_scales_per_token : 0);
   const int64_t at_hidden_f32 = plan.Add<float>(kQuantise ? routes * F : 0);
-  const int64_t at_hidden_scales = plan.Add<float>(kQuantise ? routes : 0);
+  const int64_t at_hidden_scales =
+      plan.Add<float>(kQuantise ? routes * hidden_scales_per_route : 0);
+  const int64_t at_route_x_scales = plan.Add<const float*>(kBlockScales ? routes : 0);
+  const int64_t at_route_hidden_scales = plan.Add<const float*>(kBlockScales ? routes : 0);
   const int64_t at_storage = plan.Add<ExpertStorage>(num_experts);
   const int64_t at_packed_x = plan.Add<ActivationT>(packed_x_size);
   const int64_t at_packed_hidden = plan.Add<ActivationT>(packed_hidden_size);
@@ -480,7 +502,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     x_td = At<Bf16Bits>(buffer, at_rounded_x);
   } else if constexpr (kQuantise) {
     int8_t* x_q = At<int8_t>(buffer, at_quantised_x);
-    for (int64_t t = 0; t < dims.tokens; ++t) x_scales[t] = QuantizeRow(x_f32 + t * D, D, x_q + t * D);
+    for (int64_t t = 0; t < dims.tokens; ++t) {
+      if constexpr (kBlockScales) {
+        QuantizeBlocks(x_f32 + t * D, D, x_q + t * D, x_scales + t * x_scales_per_token);
+      } else {
+        x_scales[t] = QuantizeRow(x_f32 + t * D, D, x_q + t * D);
+      }
+    }
     x_td = x_q;
   } else {
     x_td = x_f32;
@@ -505,6 +533,17 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   for (int64_t r = 0; r < routes; ++r) {
     route_x[r] = x_td + groups.route_token[r] * D;
     route_hidden[r] = hidden_rf + r * F;
+  }
+  // The block scales of each route's x and h (kBlockScales), else null.
+  const float** route_x_scales =
+      kBlockScales ? At<const float*>(buffer, at_route_x_scales) : nullptr;
+  const float** route_hidden_scales =
+      kBlockScales ? At<const float*>(buffer, at_route_hidden_scales) : nullptr;
+  if constexpr (kBlockScales) {
+    for (int64_t r = 0; r < routes; ++r) {
+      route_x_scales[r] = x_scales + groups.route_token[r] * x_scales_per_token;
+      route_hidden_scales[r] = hidden_scales + r * hidden_scales_per_route;
+    }
   }
   WorkerScratch* scratch = At<WorkerScratch>(buffer, at_workers);
   for (int w = 0; w < num_workers; ++w) {
@@ -588,11 +627,12 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     }
     for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
-      PartDot<WeightT, ActivationT>(dot, block, dims, 0, f0, rows, route_x + r0, tokens, s.gate,
-                                    rows);
-      PartDot<WeightT, ActivationT>(dot, block, dims, 1, f0, rows, route_x + r0, tokens, s.up,
-                                    rows);
-      if constexpr (kQuantise) {  // the tokens' activation scales
+      const float* const* x_scales_of = kBlockScales ? route_x_scales + r0 : nullptr;
+      PartDot<WeightT, ActivationT>(dot, block, dims, 0, f0, rows, route_x + r0, x_scales_of,
+                                    tokens, s.gate, rows);
+      PartDot<WeightT, ActivationT>(dot, block, dims, 1, f0, rows, route_x + r0, x_scales_of,
+                                    tokens, s.up, rows);
+      if constexpr (kQuantise && !kBlockScales) {  // the tokens' activation scales
         for (int64_t j = 0; j < tokens; ++j) {
           const float x_scale = x_scales[groups.route_token[r0 + j]];
           for (int64_t r = 0; r < rows; ++r) {
@@ -618,7 +658,12 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
 
   if constexpr (kQuantise) {  // each route's h, whole, to int8
     workers.ParallelFor(routes, [&](int64_t r, int /*worker*/) {
-      hidden_scales[r] = QuantizeRow(hidden_f32 + r * F, F, hidden_rf + r * F);
+      if constexpr (kBlockScales) {
+        QuantizeBlocks(hidden_f32 + r * F, F, hidden_rf + r * F,
+                       hidden_scales + r * hidden_scales_per_route);
+      } else {
+        hidden_scales[r] = QuantizeRow(hidden_f32 + r * F, F, hidden_rf + r * F);
+      }
     });
   }
 
@@ -672,11 +717,12 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       }
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
-        PartDot<WeightT, ActivationT>(dot, block, dims, 2, d0, rows, route_hidden + r0, tokens, z,
+        PartDot<WeightT, ActivationT>(dot, block, dims, 2, d0, rows, route_hidden + r0,
+                                      kBlockScales ? route_hidden_scales + r0 : nullptr, tokens, z,
                                       rows);
         for (int64_t j = 0; j < tokens; ++j) {
           float weight = groups.route_weight[r0 + j];
-          if constexpr (kQuantise) weight *= hidden_scales[r0 + j];
+          if constexpr (kQuantise && !kBlockScales) weight *= hidden_scales[r0 + j];
           float* y = y_td + groups.route_token[r0 + j] * D + d0;
           const float* z_j = z + j * rows;
           if (act.biases) {
@@ -722,8 +768,15 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
                                  workers, act, y_td);
     }
   } else if constexpr (std::is_same_v<WeightT, uint8_t>) {  // mxfp4
-    RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_mxfp4_f32,
-                               workers, act, y_td);
+    // int8_activations: the decode form only, where the exact form is bound by its operations
+    // (cpu_kernels.h); the grouped form (prefill) stays exact, on the packed GEMM.
+    if (int8_activations && dims.tokens <= kDecodeMaxTokens) {
+      RunExperts<WeightT, int8_t>(dims, groups, x_td, bank_ep, kernels, kernels.dot_mxfp4_q8,
+                                  workers, act, y_td);
+    } else {
+      RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_mxfp4_f32,
+                                 workers, act, y_td);
+    }
   } else {
     RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_f32_f32,
                                workers, act, y_td);
@@ -867,10 +920,10 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
 
   const HostSetup setup = ChooseHostSetup(&xla_pool);
   if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
-  if (int8_activations && bank_dtype != ffi::DataType::S8) {
-    return InvalidArgument(kOp, "int8_activations applies to int8 banks only");
+  if (int8_activations && bank_dtype != ffi::DataType::S8 && !mxfp4) {
+    return InvalidArgument(kOp, "int8_activations applies to int8 and mxfp4 banks only");
   }
-  if (int8_activations && setup.kernels->dot_i8_i8 == nullptr) {
+  if (int8_activations && !mxfp4 && setup.kernels->dot_i8_i8 == nullptr) {
     return InvalidArgument(kOp, std::string("int8_activations needs AVX-512-VNNI (the avx512bf16 "
                                             "kernels); this call runs the ") +
                                     setup.kernels->name +
@@ -885,8 +938,8 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
               *setup.kernels, setup.workers, y->typed_data());
   } else if (mxfp4) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.reinterpret_data<uint8_t>() + layer_offset, false, false, act, *setup.kernels,
-              setup.workers, y->typed_data());
+              bank.reinterpret_data<uint8_t>() + layer_offset, false, int8_activations, act,
+              *setup.kernels, setup.workers, y->typed_data());
   } else if (bank_dtype == ffi::DataType::S8) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
               bank.reinterpret_data<int8_t>() + layer_offset, false, int8_activations, act,
@@ -936,7 +989,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, ftjax::ExpertFfnImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [], index into L
                                   .Attr<int64_t>("ffn_dim")      // F
                                   .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 banks
-                                  .Attr<bool>("int8_activations")  // vpdpbusd, int8 banks
+                                  .Attr<bool>("int8_activations")  // int8 and mxfp4 banks
                                   .Attr<std::string_view>("activation")  // "swiglu", "clamped_swiglu"
                                   .Attr<float>("alpha")          // clamped_swiglu: sigmoid gain
                                   .Attr<float>("limit")          // clamped_swiglu: clamp bound

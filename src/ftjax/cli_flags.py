@@ -34,7 +34,8 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
       "kernels": flags.DEFINE_enum(
           "kernels", "auto", ["auto", "xla", "ffi", "ffi_bf16", "ffi_int8"],
           "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: faster prefill), "
-          "ffi_int8 (C++, int8 activations for int8 experts, AVX-512-VNNI; opt-in), xla; auto "
+          "ffi_int8 (C++, int8 activations for int8 experts on AVX-512-VNNI and for mxfp4 "
+          "experts' decode on any CPU, as llama.cpp's Q8_0; opt-in), xla; auto "
           "picks ffi_bf16 for bf16 models on CPU, ffi otherwise"),
       "prefault": flags.DEFINE_boolean(
           "prefault", True, "fault the memory-mapped weights into the process before the first "

@@ -147,7 +147,7 @@ ERRORS = {
   "int16_bank": (dict(bank=np.zeros((L, E, P), np.int16)), "bank must be bfloat16, float32, int8"),
   "int8_activations_of_a_float_bank": (
     dict(bank=np.zeros((L, E, 3 * F * D), np.float32), int8_activations=True),
-    "int8_activations applies to int8 banks only, got a float32 bank",
+    "int8_activations applies to int8 and mxfp4 banks only, got a float32 bank",
   ),
   "int8_activations_not_bool": (dict(int8_activations=1), "int8_activations must be a bool"),
 }

@@ -79,6 +79,30 @@ def test_mxfp4_matches_dequantised_reference(case_name, isa):
   assert np.max(np.abs(wrong - ref)) > 0.1 * np.max(np.abs(ref))
 
 
+@pytest.mark.parametrize("case_name", CASES)
+def test_mxfp4_int8_activations(case_name, isa):
+  """The opt-in int8_activations form (kernels="ffi_int8"): a decode call quantises x and h per
+  block of 32 and sums integers, so it equals the float64 reference of those semantics to
+  float32 rounding, and differs from the exact one by the 8-bit activations; a prefill call
+  (T > 8) is the exact form, bit for bit."""
+  case = CASES[case_name]
+  x, ids, weights, bank = make_inputs(case, "int8 activations")
+  y = np.asarray(expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F, variant=GPT_OSS,
+                            int8_activations=True))
+  exact = np.asarray(expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F,
+                                variant=GPT_OSS))
+  if case.T > 8:
+    np.testing.assert_array_equal(y, exact)
+    return
+  ref = reference.routed_experts_quantised(x, ids, weights, bank, case.layer, case.F,
+                                           reference.quantise_blocks, activation="clamped_swiglu",
+                                           alpha=1.702, limit=7.0, bias=True)
+  tolerances.assert_close(y, ref, tolerances.F32)
+  exact_ref = gpt_oss_reference(case, x, ids, weights, bank)
+  error = np.max(np.abs(y - exact_ref)) / np.max(np.abs(exact_ref))
+  assert 1e-4 < error < 3e-2, error  # really quantised, by 8-bit activations' error
+
+
 @pytest.mark.parametrize("case_name", ["decode_tokens_5_skips", "grouped_tokens_41"])
 def test_mxfp4_xla_path_dequantises(case_name):
   """routed_experts(kernels="xla"), the GPU path and the cache's slot experts, reads mxfp4 blocks

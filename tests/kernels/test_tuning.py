@@ -25,7 +25,7 @@ GPT_OSS = ExpertVariant(activation="clamped_swiglu", alpha=1.702, limit=7.0, bia
 # distance and odd ones), and 2-8 tokens (register blocks of every row count, with tails).
 # Compiled once per shape for the module (each variant is a run-time choice of the same program).
 dense_jit = jax.jit(dense)
-expert_jit = jax.jit(expert_ffn, static_argnames=("ffn_dim", "variant"))
+expert_jit = jax.jit(expert_ffn, static_argnames=("ffn_dim", "variant", "int8_activations"))
 DENSE_CASES = [(1, 2048, 67), (1, 4160, 9), (1, 67, 37), (2, 130, 70), (3, 33, 19),
                (4, 96, 41), (5, 40, 7), (8, 35, 31)]
 
@@ -33,7 +33,8 @@ DENSE_CASES = [(1, 2048, 67), (1, 4160, 9), (1, 67, 37), (2, 130, 70), (3, 33, 1
 @pytest.fixture(scope="module")
 def mxfp4_case():
   """One token against an mxfp4 bank (the fused one-token GEMV), its inputs past the kernel's
-  first chunk; with its float64 reference (seconds to compute: once)."""
+  first chunk; with its float64 references, exact and with int8 activations (seconds to
+  compute: once)."""
   D, F = 4160, 32
   rng = rng_for("mxfp4")
   x = rng.standard_normal((1, D)).astype(np.float32)
@@ -41,7 +42,11 @@ def mxfp4_case():
   bank = make_mxfp4_bank(rng, L=1, E=3, F=F, D=D)
   ref = reference.routed_experts(x, ids, weights, bank, 0, F, activation="clamped_swiglu",
                                  alpha=1.702, limit=7.0, bias=True)
-  return x, ids, weights, bank, F, ref
+  ref_int8 = reference.routed_experts_quantised(x, ids, weights, bank, 0, F,
+                                                reference.quantise_blocks,
+                                                activation="clamped_swiglu", alpha=1.702,
+                                                limit=7.0, bias=True)
+  return x, ids, weights, bank, F, ref, ref_int8
 
 
 @pytest.fixture
@@ -72,9 +77,12 @@ def test_every_variant_is_exact(variant, isa, restore_tuning, mxfp4_case):
     y = np.asarray(expert_jit(x, ids, weights, bank, 0, ffn_dim=F))
     ref = reference.routed_experts(x, ids, weights, bank, 0, F)
     tolerances.assert_close(y, ref, tolerances.F32)
-  x, ids, weights, bank, F, ref = mxfp4_case
+  x, ids, weights, bank, F, ref, ref_int8 = mxfp4_case
   y = np.asarray(expert_jit(x, ids, weights, bank, 0, ffn_dim=F, variant=GPT_OSS))
   tolerances.assert_close(y, ref, tolerances.F32)
+  y = np.asarray(expert_jit(x, ids, weights, bank, 0, ffn_dim=F, variant=GPT_OSS,
+                            int8_activations=True))
+  tolerances.assert_close(y, ref_int8, tolerances.F32)
 
 
 @pytest.mark.parametrize("fields, message", [

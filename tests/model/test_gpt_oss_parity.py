@@ -115,6 +115,21 @@ def test_logits_match_transformers(either, kernels):
   tolerances.assert_close(got, ref, tolerances.HF_PARITY, floor=1.0, what=kernels)
 
 
+def test_int8_activations_of_mxfp4_experts(converted_mxfp4):
+  """kernels="ffi_int8" on MXFP4 experts: calls of at most 8 tokens (decode) quantise the
+  experts' activations per block of 32, close to transformers' logits by the 8-bit error;
+  longer calls (prefill) are the exact kernels', bit for bit."""
+  hf_model, model = converted_mxfp4
+  exact, int8 = ftjax.Engine(model, kernels="ffi"), ftjax.Engine(model, kernels="ffi_int8")
+  assert int8.kernels_path.startswith("ffi_int8")
+  short = _prompt(model.config.vocab_size, 6, seed=5)
+  got, ref = int8.forward_logits(short), _hf_logits(hf_model, short)
+  tolerances.assert_close(got, ref, 3e-2, floor=1.0, what="int8 activations")
+  assert np.max(np.abs(got - exact.forward_logits(short))) > 1e-4  # really quantised
+  long = _prompt(model.config.vocab_size, PROMPT)
+  np.testing.assert_array_equal(int8.forward_logits(long), exact.forward_logits(long))
+
+
 @pytest.mark.parametrize("kernels", ["xla", "ffi"])
 def test_chunked_prefill_matches_transformers(converted, kernels):
   """Chunks of 8 tokens, the last one of 5 (within the window): each chunk's sliding layers

@@ -23,7 +23,7 @@ bank, no device cache. Two implementations compute the same sum:
   activations to bfloat16 for bfloat16 banks (faster grouped prefill, ~1e-2 relative error);
   ``ffi_int8`` quantises them to int8 for int8 banks (vpdpbusd on AVX-512-VNNI CPUs: the
   opt-in that lifts int8 decode past the float32 widening's instruction rate, ~1e-2 relative
-  error).
+  error) and, in decode steps, for mxfp4 banks (per block of 32, as llama.cpp's Q8_0).
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ format "mxfp4", gpt-oss's MXFP4 as shipped: ftjax.utils.quant) holds 4-bit E2M1 
 E8M0 scale per 32 inputs, then float32 biases; it needs the variant with bias=True, F and D
 multiples of 32 and P a multiple of 64 bytes. The kernel decodes the codes times their scale
 (exact in float32) and multiplies in float32: the result is that of the dequantised weights,
-and a decode call reads the 4.25-bit bytes.
+and a decode call reads the 4.25-bit bytes. With int8_activations=True (opt-in, any x86 CPU) a
+decode call (T <= 8) quantises the activations per block of 32 inputs instead (llama.cpp's
+Q8_0) and multiplies integers: on AVX2 the exact form is bound by its instructions at about half
+the read bandwidth, this one is not; a prefill call (T > 8) stays exact.
 
 Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
 once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
@@ -107,7 +110,11 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
       route to int8 (symmetric, scale max|row| / 127) and multiply with vpdpbusd: about a
       quarter of the instructions of the exact path, whose float32 widening can bound int8
       decode below read bandwidth, at the error of 8-bit activations (~1e-2 of max|y|).
-      Opt-in only; the default is the exact path.
+      For an mxfp4 bank (any CPU), a decode call (T <= 8) quantises x and h per block of 32
+      inputs (scale max|block| / 127, as llama.cpp's Q8_0) and sums exact integers per block
+      (vpmaddubsw on AVX2 and AVX-512): 11 vector operations per 64 weights against the exact
+      form's 29; a prefill call (T > 8) stays exact. Opt-in only; the default is the exact
+      path.
     variant: the expert's activation and biases (``ExpertVariant``); static.
 
   Returns:
@@ -174,8 +181,9 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
     raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
   if not isinstance(int8_activations, (bool, np.bool_)):
     raise ValueError(f"int8_activations must be a bool, got {int8_activations!r}")
-  if int8_activations and bank_dtype != np.int8:
-    raise ValueError(f"int8_activations applies to int8 banks only, got a {bank_dtype} bank")
+  if int8_activations and bank_dtype not in (np.int8, np.uint8):
+    raise ValueError(f"int8_activations applies to int8 and mxfp4 banks only, got a "
+                     f"{bank_dtype} bank")
 
   require("expert_ffn")
   if variant.bias and bank_dtype == np.int8:

@@ -2,8 +2,8 @@
 
 Layers receive the options they need, never the whole config; ``kernels`` (one of
 ``ftjax.experts.KERNELS``: "xla", "ffi", "ffi_bf16", "ffi_int8") is such an option, passed to
-every call that does dense host work ("ffi_int8" quantises only the int8 experts' activations:
-the dense work runs as "ffi"). Activations are float32; weights are cast to float32 where they are
+every call that does dense host work ("ffi_int8" quantises only the int8 or mxfp4 experts'
+activations: the dense work runs as "ffi"). Activations are float32; weights are cast to float32 where they are
 used (the params may be bfloat16). The MoE layer's routed experts come from the function it is
 given (``ftjax.model.moe.RoutedExperts``).
 """

@@ -115,10 +115,10 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
                        "kernels='auto' (dense work in XLA; host experts on ftjax's CPU kernel "
                        "through ftjax._ffi_cuda, see docs/gpu.md)")
     host_kernels.require(f"kernels={requested!r}")
-    if requested == "ffi_int8" and np.dtype(bank_dtype) != np.int8:
-      raise ValueError(f"kernels='ffi_int8' quantises the activations of int8 experts; this "
-                       f"model's experts are {np.dtype(bank_dtype)}: convert it with "
-                       "--expert_dtype=int8, or use kernels='ffi'")
+    if requested == "ffi_int8" and np.dtype(bank_dtype) not in (np.int8, np.uint8):
+      raise ValueError(f"kernels='ffi_int8' quantises the activations of int8 and mxfp4 "
+                       f"experts; this model's experts are {np.dtype(bank_dtype)}: convert it "
+                       "with --expert_dtype=int8, or use kernels='ffi'")
   if chosen == "xla":
     return chosen, f"xla ({backend}, requested)" if requested == "xla" else f"xla ({backend})"
   info = host_kernels.cpu_info()
@@ -134,8 +134,10 @@ class RuntimeOptions:
   kernels: how host-side work runs: "ffi" (ftjax's C++ kernels, CPU backend; bfloat16
     weights widened exactly to float32), "ffi_bf16" (the same, with activations rounded to
     bfloat16 for bfloat16 weights: about 1.8x faster prefill, ~1e-2 relative error, as
-    llama.cpp does), "ffi_int8" (int8 experts only, opt-in: their activations quantised to
-    int8 for vpdpbusd on AVX-512-VNNI CPUs, ~1e-2 relative error; dense work as "ffi"), "xla"
+    llama.cpp does), "ffi_int8" (int8 and mxfp4 experts only, opt-in: their activations
+    quantised to int8, ~1e-2 relative error; int8 experts for vpdpbusd on AVX-512-VNNI CPUs,
+    mxfp4 experts per block of 32 as llama.cpp's Q8_0, in decode steps only, on any CPU; dense
+    work as "ffi"), "xla"
     (plain jnp), or "auto" (on the CPU backend with the compiled module: ffi_bf16 for bfloat16
     models, ffi otherwise, int8 experts included; else xla).
   Expert cache (at most one of the four sizes; none = no cache, every routed expert runs
