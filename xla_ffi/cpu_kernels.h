@@ -82,6 +82,22 @@ struct PackedDotProblem {
   int64_t c_stride;  // >= 16 * groups
 };
 
+// The packed-activation GEMM of mxfp4 weights (rows as in Mxfp4DotProblem; n a multiple of 32)
+// against float32 activations packed as for PackedDotProblem<., float>: the same ct.
+struct PackedMxfp4Problem {
+  const uint8_t* codes;
+  int64_t code_stride;
+  const uint8_t* scales;
+  int64_t scale_stride;
+  int64_t rows;
+  const float* packed;
+  int64_t groups;
+  bool half_last_group;
+  int64_t n;
+  float* ct;
+  int64_t c_stride;
+};
+
 // A weighted sum of rows, added to accumulators (attention: probabilities times values):
 //
 //   acc[j * acc_stride + i] += sum_{s < rows} weight[j * weight_stride + s] * v[s * v_stride + i]
@@ -232,6 +248,10 @@ struct KernelTable {
   // needs 29, so one token reads at the memory's rate on AVX2. Scalar: the same sums in a loop.
   // Several tokens: the one-token loop per token. Never null.
   DotMxfp4Q8Fn dot_mxfp4_q8;
+  // mxfp4 weights in the packed GEMM (PackedMxfp4Problem), the codes decoded straight into the
+  // kernel's float32 weight panel (AVX2); null elsewhere, where the expert FFN decodes a task's
+  // rows to bf16 for packed_dot_bf16_f32 (the same products and sums).
+  void (*packed_dot_mxfp4_f32)(const PackedMxfp4Problem&);
 };
 
 // The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read

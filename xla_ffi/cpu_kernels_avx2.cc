@@ -376,41 +376,60 @@ void PackedDot256(const PackedDotProblem<WeightT, float>& p) {
 // stay in L1 (the 6-row panel of 2880 inputs is 69 KiB). Each output's sum is taken per block of
 // inputs, the blocks' sums added in order.
 constexpr int64_t kPanelInputs = 512;
-void PackedDotBf16F32Avx2(const PackedDotProblem<Bf16Bits, float>& p) {
-  const int64_t group_stride = PackedGroupElements<float>(p.n);
-  const int64_t full_groups = p.groups - (p.half_last_group ? 1 : 0);
+// fill(k, i0, n, out): row k of the block from row `r` of the problem, inputs [i0, i0 + n), as
+// float32 at out.
+template <typename Fill>
+void PanelPackedDot256(int64_t rows_total, int64_t n_total, const float* packed_all,
+                       int64_t groups, bool half_last_group, float* ct_all, int64_t c_stride,
+                       Fill fill) {
+  const int64_t group_stride = PackedGroupElements<float>(n_total);
+  const int64_t full_groups = groups - (half_last_group ? 1 : 0);
   alignas(32) float panel[kPackedRows256 * kPanelInputs];
-  for (int64_t i0 = 0; i0 < p.n; i0 += kPanelInputs) {
-    const int64_t n = p.n - i0 < kPanelInputs ? p.n - i0 : kPanelInputs;
-    for (int64_t r = 0; r < p.rows; r += kPackedRows256) {
-      const int64_t rows = p.rows - r < kPackedRows256 ? p.rows - r : kPackedRows256;
-      float* ct = p.ct + r * p.c_stride;
-      for (int64_t k = 0; k < rows; ++k) {
-        const Bf16Bits* w = p.w + (r + k) * p.w_stride + i0;
-        float* out = panel + k * kPanelInputs;
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-          const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
-          _mm256_store_ps(out + i, WidenBf16(bits));
-        }
-        for (; i < n; ++i) {
-          const uint32_t bits = uint32_t{w[i]} << 16;
-          __builtin_memcpy(out + i, &bits, sizeof(bits));
-        }
-      }
+  for (int64_t i0 = 0; i0 < n_total; i0 += kPanelInputs) {
+    const int64_t n = n_total - i0 < kPanelInputs ? n_total - i0 : kPanelInputs;
+    for (int64_t r = 0; r < rows_total; r += kPackedRows256) {
+      const int64_t rows = rows_total - r < kPackedRows256 ? rows_total - r : kPackedRows256;
+      float* ct = ct_all + r * c_stride;
+      for (int64_t k = 0; k < rows; ++k) fill(r + k, i0, n, panel + k * kPanelInputs);
       const bool accumulate = i0 > 0;
-      const float* packed = p.packed + i0 * kPackedGroup;
+      const float* packed = packed_all + i0 * kPackedGroup;
       for (int64_t g = 0; g < full_groups; ++g) {
         PackedRows256<float, 1, false>(rows, panel, kPanelInputs, packed + g * group_stride, n,
-                                       ct + 16 * g, p.c_stride, accumulate);
+                                       ct + 16 * g, c_stride, accumulate);
       }
-      if (p.half_last_group) {
+      if (half_last_group) {
         PackedRows256<float, 0, true>(rows, panel, kPanelInputs,
                                       packed + full_groups * group_stride, n,
-                                      ct + 16 * full_groups, p.c_stride, accumulate);
+                                      ct + 16 * full_groups, c_stride, accumulate);
       }
     }
   }
+}
+
+void PackedDotBf16F32Avx2(const PackedDotProblem<Bf16Bits, float>& p) {
+  PanelPackedDot256(p.rows, p.n, p.packed, p.groups, p.half_last_group, p.ct, p.c_stride,
+                    [&](int64_t row, int64_t i0, int64_t n, float* out) {
+                      const Bf16Bits* w = p.w + row * p.w_stride + i0;
+                      int64_t i = 0;
+                      for (; i + 8 <= n; i += 8) {
+                        const __m128i bits =
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
+                        _mm256_store_ps(out + i, WidenBf16(bits));
+                      }
+                      for (; i < n; ++i) {
+                        const uint32_t bits = uint32_t{w[i]} << 16;
+                        __builtin_memcpy(out + i, &bits, sizeof(bits));
+                      }
+                    });
+}
+
+// mxfp4 weights: the codes decoded (DecodeMxfp4Avx2, exact) straight into the panel.
+void PackedDotMxfp4F32Avx2(const PackedMxfp4Problem& p) {
+  PanelPackedDot256(p.rows, p.n, p.packed, p.groups, p.half_last_group, p.ct, p.c_stride,
+                    [&](int64_t row, int64_t i0, int64_t n, float* out) {
+                      DecodeMxfp4Avx2(p.codes + row * p.code_stride + i0 / 2,
+                                      p.scales + row * p.scale_stride + i0 / 32, n, out);
+                    });
 }
 void PackedDotF32Avx2(const PackedDotProblem<float, float>& p) { PackedDot256(p); }
 void PackedDotI8F32Avx2(const PackedDotProblem<int8_t, float>& p) { PackedDot256(p); }
@@ -689,6 +708,7 @@ const KernelTable kAvx2Table = {
     /*dot_mxfp4_f32=*/DotMxfp4F32Avx2,
     /*decode_mxfp4=*/DecodeMxfp4Avx2,
     /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
+    /*packed_dot_mxfp4_f32=*/PackedDotMxfp4F32Avx2,
 };
 
 }  // namespace

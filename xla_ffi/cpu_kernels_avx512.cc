@@ -42,6 +42,7 @@ const KernelTable kAvx512Table = {
     /*dot_mxfp4_f32=*/DotMxfp4F32Avx512,
     /*decode_mxfp4=*/DecodeMxfp4Avx512,
     /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
+    /*packed_dot_mxfp4_f32=*/nullptr,
 };
 
 }  // namespace

@@ -176,6 +176,7 @@ const KernelTable kScalarTable = {
     /*dot_mxfp4_f32=*/DotMxfp4F32,
     /*decode_mxfp4=*/cpu_kernels_impl::DecodeMxfp4Loop,
     /*dot_mxfp4_q8=*/cpu_kernels_impl::DotMxfp4Q8Loop,
+    /*packed_dot_mxfp4_f32=*/nullptr,
 };
 
 }  // namespace

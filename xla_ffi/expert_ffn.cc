@@ -194,6 +194,21 @@ struct DotKernelOf<uint8_t, int8_t> {
 template <typename WeightT, typename ActivationT>
 using DotKernel = typename DotKernelOf<WeightT, ActivationT>::type;
 
+// Row `row` of part `part` (0 gate, 1 up, 2 down) of an mxfp4 expert block: its codes and its
+// scales, for n inputs (D, or F for down).
+struct Mxfp4Rows {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t n;
+};
+Mxfp4Rows Mxfp4PartRows(const uint8_t* block, const ExpertFfnDims& dims, int part, int64_t row) {
+  const int64_t F = dims.ffn_dim, D = dims.model_dim;
+  const int64_t n = part == 2 ? F : D;
+  return {block + part * (F * D / 2) + row * (n / 2),
+          block + Mxfp4ScalesOffset(F, D) + part * (F * D / kMxfp4Block) + row * (n / kMxfp4Block),
+          n};
+}
+
 // c[t * c_stride + r] = row (row + r) of part `part` (0 gate, 1 up, 2 down) of an expert block
 // . a[t], for r < rows, t < tokens: the dot kernel on the part's rows, then the int8 row scales.
 // a_scales: the block scales of int8 activations against an mxfp4 bank (unused otherwise).
@@ -204,13 +219,11 @@ void PartDot(DotKernel<WeightT, ActivationT> dot, const WeightT* block, const Ex
   const int64_t F = dims.ffn_dim, D = dims.model_dim;
   const int64_t n = part == 2 ? F : D;  // inputs of the part's rows
   if constexpr (std::is_same_v<WeightT, uint8_t>) {
-    const uint8_t* codes = block + part * (F * D / 2) + row * (n / 2);
-    const uint8_t* scales =
-        block + Mxfp4ScalesOffset(F, D) + part * (F * D / kMxfp4Block) + row * (n / kMxfp4Block);
+    const Mxfp4Rows m = Mxfp4PartRows(block, dims, part, row);
     if constexpr (std::is_same_v<ActivationT, int8_t>) {
-      dot({codes, n / 2, scales, n / kMxfp4Block, rows, a, a_scales, tokens, n, c, c_stride});
+      dot({m.codes, n / 2, m.scales, n / kMxfp4Block, rows, a, a_scales, tokens, n, c, c_stride});
     } else {
-      dot({codes, n / 2, scales, n / kMxfp4Block, rows, a, tokens, n, c, c_stride});
+      dot({m.codes, n / 2, m.scales, n / kMxfp4Block, rows, a, tokens, n, c, c_stride});
     }
   } else {
     dot({block + part * F * D + row * n, n, rows, a, tokens, n, c, c_stride});
@@ -403,14 +416,11 @@ struct WorkerScratch {
 // widened against float32 activations: the float32 products of the dequantised weights).
 void DecodeMxfp4Rows(const KernelTable& kernels, const uint8_t* block, const ExpertFfnDims& dims,
                      int part, int64_t row, int64_t rows, float* row_f32, Bf16Bits* out) {
-  const int64_t F = dims.ffn_dim, D = dims.model_dim;
-  const int64_t n = part == 2 ? F : D;
-  const uint8_t* codes = block + part * (F * D / 2) + row * (n / 2);
-  const uint8_t* scales =
-      block + Mxfp4ScalesOffset(F, D) + part * (F * D / kMxfp4Block) + row * (n / kMxfp4Block);
+  const Mxfp4Rows m = Mxfp4PartRows(block, dims, part, row);
   for (int64_t r = 0; r < rows; ++r) {
-    kernels.decode_mxfp4(codes + r * (n / 2), scales + r * (n / kMxfp4Block), n, row_f32);
-    kernels.round_to_bf16(row_f32, out + r * n, n);
+    kernels.decode_mxfp4(m.codes + r * (m.n / 2), m.scales + r * (m.n / kMxfp4Block), m.n,
+                         row_f32);
+    kernels.round_to_bf16(row_f32, out + r * m.n, m.n);
   }
 }
 
@@ -418,7 +428,7 @@ void DecodeMxfp4Rows(const KernelTable& kernels, const uint8_t* block, const Exp
 // KernelTable::packed_min_tokens routes use the packed-activation GEMM when the ISA has it (AVX2,
 // AVX-512): x and h are stored packed (cpu_kernels.h) in groups of 16 routes; the others use the
 // dot-product kernels on rows of x and h. (mxfp4 experts: the packed GEMM of bf16 weights, on
-// rows decoded per task.)
+// rows decoded per task, or straight from the codes where the ISA has packed_dot_mxfp4_f32.)
 struct ExpertStorage {
   bool packed = false;
   int64_t groups = 0;         // ceil(routes / 16) when packed
@@ -485,7 +495,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   const bool round_hidden = packed_x_size > 0 && kRound;
   const int64_t at_worker_rounded =
       plan.Add<Bf16Bits>(round_hidden ? num_workers * kTokenTile * kFfnChunk : 0);
-  const bool decode_rows = kMxfp4 && packed_x_size > 0;
+  // mxfp4 against float32 activations on an ISA with packed_dot_mxfp4_f32: the packed GEMM
+  // decodes the codes itself, no rows decoded per task.
+  bool direct_mxfp4 = false;
+  if constexpr (kMxfp4 && std::is_same_v<ActivationT, float>) {
+    direct_mxfp4 = kernels.packed_dot_mxfp4_f32 != nullptr;
+  }
+  const bool decode_rows = kMxfp4 && packed_x_size > 0 && !direct_mxfp4;
   const int64_t decoded_elements = std::max(2 * kFfnChunk * D, kModelChunk * F);
   const int64_t at_worker_decoded =
       plan.Add<Bf16Bits>(decode_rows ? num_workers * decoded_elements : 0);
@@ -560,6 +576,25 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
         decode_rows ? At<float>(buffer, at_worker_decoded_row) + w * std::max(D, F) : nullptr;
   }
 
+  // The packed GEMM of rows [row, row + rows) of part `part` of an expert block against
+  // tile_groups groups of packed activations, into ct (transposed, kTokenTile a row): the
+  // weights are `rows_of` (the bank's rows, or a task's decoded mxfp4 rows), or for
+  // direct_mxfp4 the block's codes.
+  auto packed_part = [&](const WeightT* block, int part, int64_t row, int64_t rows,
+                         const PackedWeightT* rows_of, const ActivationT* act_packed,
+                         int64_t tile_groups, bool half, float* ct) {
+    const int64_t n = part == 2 ? F : D;
+    if constexpr (kMxfp4 && std::is_same_v<ActivationT, float>) {
+      if (direct_mxfp4) {
+        const Mxfp4Rows m = Mxfp4PartRows(block, dims, part, row);
+        kernels.packed_dot_mxfp4_f32({m.codes, n / 2, m.scales, n / kMxfp4Block, rows,
+                                      act_packed, tile_groups, half, n, ct, kTokenTile});
+        return;
+      }
+    }
+    packed_dot({rows_of, n, rows, act_packed, tile_groups, half, n, ct, kTokenTile});
+  };
+
   // Phase 0 (packed experts only): pack each expert's x rows.
   if (packed_x_size > 0) {
     workers.ParallelFor(num_experts, [&](int64_t i, int /*worker*/) {
@@ -586,13 +621,15 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     const auto biases = act.biases ? BiasesOf(block, dims) : nullptr;  // gate [F], up [F]
     WorkerScratch& s = scratch[worker];
     if (storage[i].packed) {
-      const PackedWeightT* gate_fd;
-      const PackedWeightT* up_fd;
+      const PackedWeightT* gate_fd = nullptr;
+      const PackedWeightT* up_fd = nullptr;
       if constexpr (kMxfp4) {
-        DecodeMxfp4Rows(kernels, block, dims, 0, f0, rows, s.decoded_row, s.decoded);
-        DecodeMxfp4Rows(kernels, block, dims, 1, f0, rows, s.decoded_row, s.decoded + rows * D);
-        gate_fd = s.decoded;
-        up_fd = s.decoded + rows * D;
+        if (!direct_mxfp4) {
+          DecodeMxfp4Rows(kernels, block, dims, 0, f0, rows, s.decoded_row, s.decoded);
+          DecodeMxfp4Rows(kernels, block, dims, 1, f0, rows, s.decoded_row, s.decoded + rows * D);
+          gate_fd = s.decoded;
+          up_fd = s.decoded + rows * D;
+        }
       } else {
         gate_fd = block + f0 * D;
         up_fd = block + F * D + f0 * D;
@@ -607,8 +644,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
             packed_x + e.x_offset + g0 * PackedGroupElements<ActivationT>(D);
         const bool half = n - (g0 + tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
         // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
-        packed_dot({gate_fd, D, rows, x, tile_groups, half, D, s.gate, kTokenTile});
-        packed_dot({up_fd, D, rows, x, tile_groups, half, D, s.up, kTokenTile});
+        packed_part(block, 0, f0, rows, gate_fd, x, tile_groups, half, s.gate);
+        packed_part(block, 1, f0, rows, up_fd, x, tile_groups, half, s.up);
         gate_scales.ApplyTransposed(rows, kTokenTile, s.gate, kTokenTile);
         up_scales.ApplyTransposed(rows, kTokenTile, s.up, kTokenTile);
         Activate(act, kernels, biases, F, f0, rows, kTokenTile, kTokenTile, 1,
@@ -681,11 +718,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
         for (int64_t d = 0; d < rows; ++d) down_bias[d] = WidenWeight(bias_d[d]);
       }
       if (storage[i].packed) {
-        const PackedWeightT* down_df;  // rows d0 .. d0 + rows
+        const PackedWeightT* down_df = nullptr;  // rows d0 .. d0 + rows
         if constexpr (kMxfp4) {
-          DecodeMxfp4Rows(kernels, block, dims, 2, d0, rows, scratch[worker].decoded_row,
-                          scratch[worker].decoded);
-          down_df = scratch[worker].decoded;
+          if (!direct_mxfp4) {
+            DecodeMxfp4Rows(kernels, block, dims, 2, d0, rows, scratch[worker].decoded_row,
+                            scratch[worker].decoded);
+            down_df = scratch[worker].decoded;
+          }
         } else {
           down_df = block + 2 * F * D + d0 * F;
         }
@@ -699,7 +738,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           const int64_t tokens = std::min(tile_groups * kPackedGroup, groups.offsets[i + 1] - r0);
           const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
           // Transposed: z_dt[d][t].
-          packed_dot({down_df, F, rows, h, tile_groups, half, F, z, kTokenTile});
+          packed_part(block, 2, d0, rows, down_df, h, tile_groups, half, z);
           down_scales.ApplyTransposed(rows, tokens, z, kTokenTile);
           for (int64_t j = 0; j < tokens; ++j) {
             const float weight = groups.route_weight[r0 + j];
