@@ -91,11 +91,11 @@ def write_model(config, out_dir: str, seed: int = 0) -> str:
                                                        "generator": "benchmarks/decode_e2e.py"})
   shapes = {n: tuple(a.shape) for n, a in abstract_params(config).items()}
   parts = ftw.expert_part_shapes(config)
-  bar = Progress(len(shapes) + config.num_layers * config.num_experts, desc="write model")
+  bar = Progress(len(shapes) + config.num_moe_layers * config.num_experts, desc="write model")
   for name, shape in shapes.items():
     writer.add_tensor(name, take(shape, name))
     bar.update()
-  for layer in range(config.num_layers):
+  for layer in range(config.num_moe_layers):
     for expert in range(config.num_experts):
       for part, shape in parts.items():
         writer.add_expert_part(layer, expert, part, take(shape, part))

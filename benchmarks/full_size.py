@@ -22,6 +22,10 @@ Decode (64 tokens after a short prompt) and 512-token prefill, in alternating ro
 worker process (loads once, pre-faults its mapping before each round, as the other benchmarks'
 workers do), llama.cpp with ``llama-bench -t 2 -r 1 -lm none``. Each round also measures the
 read bandwidth (``read_probe`` over one layer's experts) for the roofline of each side's decode.
+The files do not fit the 24 GB together: before each side's load timing the other files leave
+the page cache (``posix_fadvise(DONTNEED)``), and so does the GGUF before each ftjax round
+(otherwise llama.cpp's twice-read file stays on the kernel's active list and the worker's
+pages, touched once by its pre-fault, are reclaimed first: decode then reads from disk).
 ftjax decodes twice a round: with its default kernels (exact: float32 activations) and with the
 opt-in ``kernels="ffi_int8"`` (``decode_int8``: the MXFP4 experts' activations quantised per
 block of 32, as llama.cpp's Q8_0 does for its MXFP4 dot product; the same arithmetic as the
@@ -85,6 +89,21 @@ def read_into_page_cache(directory: str) -> None:
 
 def read_into_page_cache_file(path: str) -> None:
   subprocess.run(["cat", path], check=True, stdout=subprocess.DEVNULL)
+
+
+def evict_from_page_cache(path: str) -> None:
+  """Drops a file's pages from the page cache (``posix_fadvise(DONTNEED)``; pages a process
+  maps stay). The two 13.8 GB files do not fit the 24 GB together, and a file read twice sits
+  on the kernel's active list: the other side's pages, touched once, would go first."""
+  paths = ([os.path.join(path, n) for n in sorted(os.listdir(path))] if os.path.isdir(path)
+           else [path])
+  for p in paths:
+    if os.path.isfile(p):
+      fd = os.open(p, os.O_RDONLY)
+      try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)
 
 
 def drop_caches() -> bool:
@@ -245,6 +264,9 @@ def main() -> None:
   first_token("ftjax", ftw, args.llama_build)
   loads = {}
   for side, model in (("ftjax", ftw), ("llama_cpp", gguf)):
+    for other in (ftw, gguf, hf_dir):
+      if other != model:
+        evict_from_page_cache(other)
     cold_ok = drop_caches()
     cold = first_token(side, model, args.llama_build) if cold_ok else None
     warm = first_token(side, model, args.llama_build)
@@ -262,6 +284,7 @@ def main() -> None:
     row = {}
     for side in (("ftjax", "llama_cpp") if r % 2 == 0 else ("llama_cpp", "ftjax")):
       if side == "ftjax":
+        evict_from_page_cache(gguf)  # then the worker's populate() keeps its own pages
         row["ftjax"] = with_other_load(ftjax_worker.ask, proc.pid)
       else:
         read_into_page_cache_file(gguf)  # as the ftjax worker's populate(): ftjax's round

@@ -331,7 +331,7 @@ def write_model(config, path: str, seed: int = 0) -> str:
   for name, a in abstract_params(config).items():
     writer.add_tensor(name, take(tuple(a.shape), name))
   parts = ftw.expert_part_shapes(config)
-  for layer in range(config.num_layers):
+  for layer in range(config.num_moe_layers):
     for expert in range(config.num_experts):
       for part, shape in parts.items():
         writer.add_expert_part(layer, expert, part, take(shape, part))

@@ -22,6 +22,7 @@ from ftjax.research.traces import Trace
 from ftjax.runtime.engine import Engine, GenerateResult
 from ftjax.runtime.model import load, prefault as prefault_weights
 from ftjax.runtime.sampling import check_sampling_args
+from ftjax.runtime.speculative import SpeculativeResult
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
 
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -31,7 +32,7 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 class DecodeResult:
   prompt: str
   text: str
-  generation: GenerateResult
+  generation: GenerateResult | SpeculativeResult
   model_path: str
   tokenizer: str
   kernels: str = ""  # the host-work path that ran, e.g. "ffi_bf16 (avx2, 2 threads)"
@@ -55,6 +56,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
                greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
                max_seq_len: int | None = None, kernels: str = "auto", show_stats: bool = False,
                trace_out: str | None = None, decode_chunk: int = 8, prefault: bool = True,
+               speculative: str = "none", draft_tokens: int = 2,
                out: TextIO = sys.stdout, log: TextIO = sys.stderr,
                **cache_options) -> DecodeResult:
   """Generates a completion of ``prompt``, streaming text to ``out``; returns the result.
@@ -63,7 +65,14 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   (cache_slots, cache_fraction, cache_bytes, policy, bandwidths, profile). ``trace_out``
   saves the routing trace of the run (``ftjax.traces.Trace``). ``decode_chunk``: decode
   steps per device program (text streams once per chunk). ``prefault``: fault the mapped
-  weights in before the first step (``ftjax.runtime.model.prefault``; said on ``log``)."""
+  weights in before the first step (``ftjax.runtime.model.prefault``; said on ``log``).
+  ``speculative="mtp"``: the model's multi-token-prediction head drafts ``draft_tokens`` tokens
+  per verify step (greedy only; ``ftjax.runtime.speculative``)."""
+  if speculative not in ("none", "mtp"):
+    raise ValueError(f"--speculative must be none or mtp, got {speculative!r}")
+  if speculative == "mtp" and not greedy:
+    raise ValueError("--speculative=mtp decodes greedily for now (sampling with rejection is "
+                     "not implemented yet): pass --greedy")
   model = model or "default"
   loaded = load(model)
   if model in EMBEDDED_MODELS and not os.path.exists(model):
@@ -92,9 +101,15 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
     out.flush()
 
   progress = _Progress(log)
-  result = engine.generate_timed(ids, max_new_tokens, greedy, temperature=temperature,
-                                 top_p=top_p, seed=seed, stop_tokens=loaded.config.eos_token_ids,
-                                 on_token=on_token, on_progress=progress)
+  if speculative == "mtp":
+    result = engine.generate_speculative(ids, max_new_tokens, draft_tokens=draft_tokens,
+                                         stop_tokens=loaded.config.eos_token_ids,
+                                         on_token=on_token)
+  else:
+    result = engine.generate_timed(ids, max_new_tokens, greedy, temperature=temperature,
+                                   top_p=top_p, seed=seed,
+                                   stop_tokens=loaded.config.eos_token_ids, on_token=on_token,
+                                   on_progress=progress)
   out.write(stream.flush() + "\n")
   out.flush()
   decoded = DecodeResult(prompt=prompt, text=tokenizer.decode(result.tokens),
@@ -102,6 +117,10 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
                          tokenizer=tokenizer.name,
                          kernels=engine.kernels_path + _placement_note(engine))
   log.write(decoded.summary() + "\n")
+  if speculative == "mtp":
+    log.write(f"speculative: mtp, {result.draft_tokens} draft tokens, {result.steps} verify "
+              f"steps, {result.tokens_per_step:.2f} tokens a step, acceptance per draft "
+              f"position {[round(a, 2) for a in result.acceptance]}\n")
   if show_stats:
     log.write(format_stats(engine.stats()))
   if trace_out is not None:
@@ -178,14 +197,15 @@ def main(argv):
                max_seq_len=_ENGINE["max_seq_len"].value, kernels=_ENGINE["kernels"].value,
                show_stats=_STATS.value, trace_out=_TRACE_OUT.value,
                decode_chunk=_ENGINE["decode_chunk"].value, prefault=_ENGINE["prefault"].value,
-               **cache)
+               speculative=_SPECULATIVE.value, draft_tokens=_DRAFT_TOKENS.value, **cache)
   except (ValueError, FileNotFoundError, KernelsUnavailable) as e:
     raise SystemExit(f"ftjax.decode: error: {e}") from None
 
 
 def cli() -> None:
   """Defines the flags and runs ``main`` (``python -m ftjax.decode``)."""
-  global _ENGINE, _SAMPLING, _PROMPT, _PROMPT_FILE, _STATS, _TRACE_OUT
+  global _ENGINE, _SAMPLING, _PROMPT, _PROMPT_FILE, _STATS, _TRACE_OUT, _SPECULATIVE
+  global _DRAFT_TOKENS
   _ENGINE = cli_flags.define_engine_flags()
   _SAMPLING = cli_flags.define_sampling_flags(max_new_tokens=64, greedy=False)
   _PROMPT = flags.DEFINE_string("prompt", DEFAULT_PROMPT, "text to complete")
@@ -193,6 +213,12 @@ def cli() -> None:
                                      "read the text to complete from this file (long prompts)")
   _STATS = flags.DEFINE_boolean("stats", False, "print the expert cache statistics at the end")
   _TRACE_OUT = flags.DEFINE_string("trace_out", None, "write the routing trace (.npz) here")
+  _SPECULATIVE = flags.DEFINE_enum(
+      "speculative", "none", ["none", "mtp"],
+      "mtp: speculative decoding, the model's multi-token-prediction head drafting "
+      "--draft_tokens tokens a step (Qwen3-Next / Qwen3.5-MoE checkpoints with mtp.*; greedy)")
+  _DRAFT_TOKENS = flags.DEFINE_integer("draft_tokens", 2, "draft tokens a verify step (1-4)",
+                                       lower_bound=1, upper_bound=4)
   app.run(main)
 
 

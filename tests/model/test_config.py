@@ -95,8 +95,9 @@ def test_qwen35_composite_config(capsys):
           c.linear_value_head_dim, c.linear_conv_kernel) == (16, 32, 128, 128, 4)
   assert c.source_dtype == "bfloat16" and c.eos_token_ids == (248044,)
   err = capsys.readouterr().err
-  # One line each: the vision tower is skipped, the MTP head ignored.
-  assert "vision tower is skipped" in err and "multi-token-prediction (MTP) head is ignored" in err
+  # The vision tower is skipped (one line); the MTP head is read (ftjax.model.transformer.MTPHead).
+  assert "vision tower is skipped" in err and "multi-token" not in err
+  assert c.mtp_layers == 1 and c.num_moe_layers == 41
   assert c.vision_token_ids == (248056, 248057, 248053, 248054)
   text = from_hf_config(_load("qwen3.5-35b-a3b.json")["text_config"])  # the text-only style
   assert text == dataclasses.replace(c, vision_token_ids=())

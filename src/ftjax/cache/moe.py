@@ -403,6 +403,9 @@ class CachedExperts:
   offload: Offload = struct.field(pytree_node=False, default=DEFAULT_OFFLOAD)
   inflight: Inflight | None = None  # streamed prefill: the next layer, already on its way
   variant: ExpertVariant = struct.field(pytree_node=False, default=SWIGLU)
+  # Layers a forward visits in order: a streamed prefill fetches layer l + 1 ahead only below
+  # it (the MTP head's layers after the decoder's are not next). 0: all the cache's layers.
+  pass_layers: int = struct.field(pytree_node=False, default=0)
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["CachedExperts", jax.Array]:
     if self.offload.stream == "cost":
@@ -415,7 +418,7 @@ class CachedExperts:
       current = self.inflight
       if current is None or current.layer != layer:
         current = fetch_layer_start(self.bank, layer, self.offload)
-      if layer + 1 < self.cache.num_layers:
+      if layer + 1 < (self.pass_layers or self.cache.num_layers):
         inflight = fetch_layer_start(self.bank, layer + 1, self.offload)
       block = fetch_layer_done(current, self.offload)
     cache, y, p = offloaded_moe(x, weights, ids, self.cache, self.bank, layer,
@@ -450,7 +453,7 @@ class CachedExperts:
                            lambda b: b, current.block)
     else:
       stream = worth_streaming(p, routes, self.bandwidths, **costs)
-    if o.fill != "kernels" and layer + 1 < cache.num_layers:
+    if o.fill != "kernels" and layer + 1 < (self.pass_layers or cache.num_layers):
       ahead = self._predict(p, ids, routes, cache, layer + 1, **costs)
       (_, experts, elems), dtype = _pool_layout(bank, o)
       started = jax.lax.cond(ahead, lambda: fetch_layer_start(bank, layer + 1, o).block,

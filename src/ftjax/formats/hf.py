@@ -8,8 +8,14 @@ Mixtral's ``block_sparse_moe.experts.{e}.w1/w2/w3``) and fused 3-D tensors
 tensor, not the checkpoint (measured by benchmarks/convert_memory.py).
 
 Hybrid families: composite (vision + language) checkpoints keep the text model under
-``model.language_model.``; the vision tower (``model.visual.``) and multi-token-prediction
-head (``mtp.``) are skipped. Gated DeltaNet projections come split (Qwen3.5:
+``model.language_model.``; the vision tower (``model.visual.``) is skipped. Their
+multi-token-prediction (MTP) head is kept (``ftjax.model.mtp``): ``mtp.fc``,
+``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm`` become ``mtp.w_fc_dx``,
+``mtp.embed_norm``, ``mtp.hidden_norm`` and ``mtp.final_norm``; ``mtp.layers.{j}.*`` are decoder
+layers named as the model's own, whose routed experts go to bank layer ``num_layers + j``.
+Qwen3-Next's config.json does not name its MTP layers: they are counted in the checkpoint. A
+checkpoint whose config names MTP layers but which ships no ``mtp.`` tensors (some re-uploads
+drop them) converts without them. Gated DeltaNet projections come split (Qwen3.5:
 ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) or fused per key-head group
 (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``), which is split here into the same
 parameters. A gated attention's ``q_proj`` holds, per head, the query then its output gate.
@@ -27,13 +33,15 @@ E8M0 scales, never expanded to floats) in an FTW ``mxfp4`` bank (``ftjax.utils.q
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -137,7 +145,11 @@ _FUSED_BIAS_RE = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)_bi
 _MXFP4_RE = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
 # Families whose fused experts are stored [in, out] with gate and up interleaved (see above).
 _INTERLEAVED_IN_OUT = ("gpt_oss",)
-_IGNORED_RE = re.compile(r"(.*rotary_emb\.inv_freq|visual\..*|mtp\..*)$")
+_IGNORED_RE = re.compile(r"(.*rotary_emb\.inv_freq|visual\..*)$")
+_MTP_LAYER_RE = re.compile(r"mtp\.layers\.(\d+)\.(.+)$")
+_MTP_TOP = {"fc.weight": "mtp.w_fc_dx", "pre_fc_norm_embedding.weight": "mtp.embed_norm.scale",
+            "pre_fc_norm_hidden.weight": "mtp.hidden_norm.scale",
+            "norm.weight": "mtp.final_norm.scale"}
 _QKVZ_RE = re.compile(_LAYER + r"linear_attn\.in_proj_(qkvz|ba)\.weight$")
 _GATED_Q_RE = re.compile(_LAYER + r"self_attn\.q_proj\.weight$")
 
@@ -175,6 +187,12 @@ def expected_dense_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   return {name: tuple(v.shape) for name, v in abstract_params(config).items()}
 
 
+def mtp_layers_in(names: Iterable[str]) -> int:
+  """MTP layers of a checkpoint, counted from its ``mtp.layers.{j}.`` tensor names."""
+  found = [int(m[1]) for n in names if (m := _MTP_LAYER_RE.match(_strip(n)))]
+  return max(found) + 1 if found else 0
+
+
 def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig,
                  find: Callable[[str], np.ndarray] | None = None) -> Iterator[tuple[str, Any]]:
   """Yields ("dense", path, array), ("expert", (layer, expert, part), array) or, for MXFP4
@@ -183,6 +201,35 @@ def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig,
   short = _strip(name)
   if _IGNORED_RE.match(short):
     return
+  if short.startswith("mtp."):
+    yield from _mtp_plan(st, name, short, config, find)
+    return
+  yield from _layer_plan(st, name, short, config, find)
+
+
+def _mtp_plan(st, name: str, short: str, config: ModelConfig, find):
+  """An MTP tensor: the head's own (``_MTP_TOP``), or one of MTP layer j's, planned as bank and
+  parameter layer ``num_layers + j`` and renamed ``mtp.layers.{j}.*``."""
+  if short[len("mtp."):] in _MTP_TOP:
+    yield "dense", _MTP_TOP[short[len("mtp."):]], st.get(name)
+    return
+  m = _MTP_LAYER_RE.match(short)
+  if m is None:
+    raise ConversionError(f"unexpected MTP tensor {name} in {st.path}: ftjax knows mtp.fc, "
+                          "mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm and "
+                          "mtp.layers.{j}.*")
+  j = int(m[1])
+  if j >= config.mtp_layers:
+    raise ConversionError(f"tensor {name}: MTP layer {j}, but the config has {config.mtp_layers}")
+  layer = config.num_layers + j
+  for kind, where, array in _layer_plan(st, name, f"layers.{layer}.{m[2]}", config, find):
+    if kind == "dense":
+      where = f"mtp.layers.{j}." + where[len(f"layers.{layer}."):]
+    yield kind, where, array
+
+
+def _layer_plan(st, name: str, short: str, config: ModelConfig, find):
+  """The plan of a model tensor whose name, after the leading ``model.``, is ``short``."""
   m = _QKVZ_RE.match(short)
   if m:
     yield from _split_grouped(config, int(m[1]), m[2], st.get(name))
@@ -303,6 +350,22 @@ def _interleaved_biases(config: ModelConfig, name: str, layer: int, kind: str, b
       yield "expert", (layer, expert, "down_bias"), bias[expert]
 
 
+def _with_mtp_layers(config: ModelConfig, found: int, hf_dir: str) -> ModelConfig:
+  """The config with the MTP layers the checkpoint has: Qwen3-Next's config.json does not name
+  them; a re-upload may have dropped the tensors its config names (converted without them)."""
+  if found == config.mtp_layers:
+    return config
+  if found == 0:
+    print(f"ftjax: {hf_dir}: config.json names {config.mtp_layers} multi-token-prediction (MTP) "
+          "layers but the checkpoint has no mtp.* tensors; converting without MTP",
+          file=sys.stderr)
+  elif config.mtp_layers:
+    raise ConversionError(
+        f"{hf_dir}: config.json names {config.mtp_layers} MTP layers but the checkpoint has "
+        f"mtp.layers.0 .. mtp.layers.{found - 1}; fix mtp_num_hidden_layers in config.json")
+  return dataclasses.replace(config, mtp_layers=found)
+
+
 def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16",
                *, expert_dtype: str | None = None, overwrite: bool = False,
                show_progress: bool = True) -> str:
@@ -333,6 +396,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
           + (" or pass overwrite=True (--overwrite) to replace this FTW model"
              if ftw.is_ftw_dir(out_dir) else " (it is not an FTW model, so ftjax never replaces it)"))
   shards = [SafetensorsFile(p) for p in _shard_paths(hf_dir)]
+  config = _with_mtp_layers(config, mtp_layers_in(n for st in shards for n in st.keys()), hf_dir)
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf_config = json.load(f)
   quant = (hf_config.get("quantization_config") or {}).get("quant_method")

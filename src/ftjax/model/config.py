@@ -127,6 +127,12 @@ class ModelConfig:
   # Image/video placeholder ids of a vision-language checkpoint: ftjax runs its text model
   # only, so a prompt holding one of these is refused.
   vision_token_ids: tuple[int, ...] = ()
+  # Multi-token-prediction (MTP) layers of Qwen3-Next / Qwen3.5-MoE (``mtp.*``,
+  # ``ftjax.model.mtp``): each a full-attention MoE decoder layer after a projection of the
+  # next token's embedding and the model's hidden state. Their routed experts sit in the
+  # expert bank after the model's own layers (bank layers num_layers .. num_layers +
+  # mtp_layers - 1). 0: none.
+  mtp_layers: int = 0
 
   def __post_init__(self):
     if len(self.layer_types) != self.num_layers:
@@ -138,6 +144,10 @@ class ModelConfig:
             f"unknown layer type {kind!r}; supported layer types: {', '.join(LAYER_TYPES)}")
     if "sliding_attention" in self.layer_types and not self.sliding_window:
       raise UnsupportedModelError("a sliding_attention layer needs sliding_window > 0")
+    if self.mtp_layers < 0 or (self.mtp_layers and self.model_type not in HYBRID_MODEL_TYPES):
+      raise UnsupportedModelError(
+          f"mtp_layers={self.mtp_layers}: multi-token-prediction layers are read for "
+          f"{', '.join(HYBRID_MODEL_TYPES)} checkpoints only")
     if self.num_heads % self.num_kv_heads:
       raise UnsupportedModelError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -184,7 +194,9 @@ class ModelConfig:
 
   @property
   def num_moe_layers(self) -> int:
-    return self.num_layers  # every layer is an MoE layer (checked in from_hf_config)
+    """MoE layers whose routed experts are in the bank: every decoder layer (checked in
+    from_hf_config), then the MTP layers."""
+    return self.num_layers + self.mtp_layers
 
   @property
   def rotary_dim(self) -> int:
@@ -370,10 +382,11 @@ def _hybrid_options(hf: dict[str, Any], num_layers: int) -> tuple[list[str], dic
     raise UnsupportedModelError(
         "attn_output_gate=false is not supported: transformers' Qwen3-Next / Qwen3.5 attention "
         "always gates its output")
-  if hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers"):
-    _notice("the checkpoint's multi-token-prediction (MTP) head is ignored: ftjax decodes one "
-            "token per step")
+  # Qwen3.5 names its MTP layers in config.json; Qwen3-Next's config does not, and the
+  # converter counts them in the checkpoint (``ftjax.formats.hf``).
+  mtp = int(hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers") or 0)
   options = dict(
+      mtp_layers=mtp,
       qk_norm="per_head", norm_zero_centred=True, attn_output_gate=True,
       shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
       shared_expert_gate=True,

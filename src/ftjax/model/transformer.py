@@ -110,8 +110,45 @@ class DecoderLayer(nnx.Module):
     return cache, experts, x + h
 
 
+class MTPHead(nnx.Module):
+  """The multi-token-prediction (MTP) head of Qwen3-Next and Qwen3.5-MoE (``mtp.*``).
+
+  From the model's hidden state h_p after its final norm at position p and the token
+  x_{p+1} that follows, it predicts x_{p+2}:
+
+    z = W_fc [embed_norm(embed(x_{p+1})); hidden_norm(h_p)]      W_fc [D, 2D]
+    z = decoder layer j (gated full attention over its own KV cache at position p, MoE with
+        routed experts from bank layer num_layers + j and the gated shared expert)
+    h' = final_norm(z); logits = lm_head(h')
+
+  h' is the hidden state of the next draft position (depth d uses layer d mod mtp_layers).
+  The embedding and the lm_head are the model's. As llama.cpp and vLLM run it: the hidden
+  state fed in is the one the lm_head reads.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    c = config
+    zc = c.norm_zero_centred
+    self.embed_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc, dtype=dtype)
+    self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc, dtype=dtype)
+    self.w_fc_dx = normal_param(rngs, (c.hidden_size, 2 * c.hidden_size), dtype)
+    self.layers = nnx.List([DecoderLayer(c, "full_attention", rngs=rngs, dtype=dtype)
+                            for _ in range(c.mtp_layers)])
+    self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc, dtype=dtype)
+
+
+def init_mtp_state(config: ModelConfig, batch: int, max_len: int,
+                   dtype=jnp.float32) -> tuple[KVCache, ...]:
+  """Empty KV caches of the MTP layers (``Transformer.mtp_step``)."""
+  if not config.mtp_layers:
+    raise ValueError(f"this {config.model_type} model has no multi-token-prediction (MTP) layers")
+  return tuple(KVCache.zeros(batch, max_len, config.num_kv_heads, config.head_dim, dtype)
+               for _ in range(config.mtp_layers))
+
+
 class Transformer(nnx.Module):
-  """Embedding, decoder layers, final norm, lm_head (tied to the embedding when configured)."""
+  """Embedding, decoder layers, final norm, lm_head (tied to the embedding when configured);
+  the MTP head (``MTPHead``) when the config has MTP layers."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
     c = config
@@ -123,6 +160,37 @@ class Transformer(nnx.Module):
     if not c.tie_word_embeddings:
       self.w_lm_vd = normal_param(rngs, (c.vocab_size, c.hidden_size), dtype)
     self.tie_word_embeddings = c.tie_word_embeddings
+    self.num_layers = c.num_layers
+    self.mtp = MTPHead(c, rngs=rngs, dtype=dtype) if c.mtp_layers else None
+
+  def lm_head(self, x: jax.Array, *, kernels: str) -> jax.Array:
+    """Normed hidden states [..., D] -> logits [..., V] float32."""
+    w_lm = self.embed_vd if self.tie_word_embeddings else self.w_lm_vd
+    return linear(x, w_lm, 1, kernels=kernels)
+
+  def mtp_step(self, caches: tuple[KVCache, ...], length: jax.Array, hidden: jax.Array,
+               tokens: jax.Array, positions: jax.Array, experts: RoutedExperts, *,
+               kernels: str = "xla", depth: int = 0, fresh: bool = False):
+    """One MTP step (``MTPHead``): ``hidden [B, T, D]`` (the model's hidden states after its
+    final norm, or an earlier MTP step's), ``tokens [B, T]`` (the token after each),
+    ``positions [B, T]`` (those of ``hidden``) -> (caches, experts, hidden' [B, T, D],
+    logits [B, T, V] float32). ``caches`` are the MTP layers' KV caches
+    (``init_mtp_state``), holding ``length`` rows; only layer ``depth % mtp_layers``'s
+    changes. ``fresh`` (static) promises ``length == 0``."""
+    if self.mtp is None:
+      raise ValueError("this model has no multi-token-prediction (MTP) layers: its checkpoint "
+                       "ships no mtp.* tensors; speculative decoding with MTP needs a Qwen3-Next "
+                       "or Qwen3.5-MoE checkpoint that has them")
+    head = self.mtp
+    e = head.embed_norm(take(self.embed_vd[...], tokens).astype(jnp.float32))
+    z = linear(jnp.concatenate([e, head.hidden_norm(hidden)], axis=-1), head.w_fc_dx, 1,
+               kernels=kernels)
+    j = depth % len(head.layers)
+    cache, experts, z = head.layers[j](z, caches[j], length, positions, self.num_layers + j,
+                                       experts, kernels=kernels, fresh=fresh, valid=None)
+    out = head.final_norm(z)
+    caches = caches[:j] + (cache,) + caches[j + 1:]
+    return caches, experts, out, self.lm_head(out, kernels=kernels)
 
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
                experts: RoutedExperts, *, kernels: str = "xla", last_only: bool = False,
@@ -145,6 +213,36 @@ class Transformer(nnx.Module):
     A batch of sequences at their own lengths (``state.length`` int32 [B]) steps one token
     each: ``active`` (bool [B]) marks the sequences that read theirs; the others' states,
     lengths and expert routes are left alone (a batched decode step with idle rows)."""
+    new_state, experts, x, snapshots = self._decoder(
+        state, tokens, positions, experts, kernels=kernels, fresh=fresh, num_valid=num_valid,
+        sow_router_logits=sow_router_logits, snapshot_at=snapshot_at, active=active)
+    if last_only:
+      if num_valid is None:
+        x = x[:, -1:]
+      else:
+        x = jax.lax.dynamic_slice_in_dim(x, jnp.maximum(num_valid - 1, 0), 1, axis=1)
+    logits = self.lm_head(self.final_norm(x), kernels=kernels)  # [B, T, V]
+    if snapshot_at is not None:
+      return new_state, experts, logits, snapshots
+    return new_state, experts, logits
+
+  def hidden_and_logits(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
+                        experts: RoutedExperts, *, kernels: str = "xla", fresh: bool = False,
+                        snapshot_at: jax.Array | None = None):
+    """tokens, positions [B, T] -> (new state, experts, hidden [B, T, D] after the final norm,
+    logits [B, T, V] float32, snapshots): the forward whose hidden states seed the MTP head
+    (``mtp_step``). ``snapshot_at`` as for ``__call__`` (a speculative verify step keeps the
+    recurrent states after each of its tokens); snapshots are () without it."""
+    new_state, experts, x, snapshots = self._decoder(state, tokens, positions, experts,
+                                                     kernels=kernels, fresh=fresh,
+                                                     snapshot_at=snapshot_at)
+    hidden = self.final_norm(x)
+    return new_state, experts, hidden, self.lm_head(hidden, kernels=kernels), snapshots
+
+  def _decoder(self, state, tokens, positions, experts, *, kernels, fresh, num_valid=None,
+               sow_router_logits=False, snapshot_at=None, active=None):
+    """The embedding and the decoder layers: (new state, experts, x [B, T, D] before the
+    final norm, per-layer snapshots or ())."""
     t = tokens.shape[1]
     if jnp.ndim(state.length) and t != 1:
       raise ValueError(f"a state with one length per sequence steps one token each, got {t}")
@@ -164,21 +262,11 @@ class Transformer(nnx.Module):
       caches.append(cache)
       if snapshot_at is not None:
         snapshots.append(outs[3])
-    if last_only:
-      if num_valid is None:
-        x = x[:, -1:]
-      else:
-        x = jax.lax.dynamic_slice_in_dim(x, jnp.maximum(num_valid - 1, 0), 1, axis=1)
-    x = self.final_norm(x)
-    w_lm = self.embed_vd if self.tie_word_embeddings else self.w_lm_vd
-    logits = linear(x, w_lm, 1, kernels=kernels)  # [B, T, V]
     added = t if num_valid is None else num_valid
     if active is not None:
       added = jnp.where(active, added, 0).astype(state.length.dtype)
     new_state = state.replace(layers=tuple(caches), length=state.length + added)
-    if snapshot_at is not None:
-      return new_state, experts, logits, tuple(snapshots)
-    return new_state, experts, logits
+    return new_state, experts, x, tuple(snapshots)
 
 
 def param_name(path: tuple) -> str:

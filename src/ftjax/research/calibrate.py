@@ -78,7 +78,9 @@ def decode_counts(engine, prompt: list[int], tokens: int) -> dict[str, Any]:
   steps = engine.stats()["per_step"][before + 1:]  # this request's decode steps
   if not steps:
     raise ValueError("no decode step was recorded: give tokens >= 1")
-  out = {k: np.stack([s[k] for s in steps]).astype(np.int64) for k in ("hits", "fills", "host")}
+  layers = engine.model.config.num_layers  # the decoder's (an MTP head's layers never run here)
+  out = {k: np.stack([s[k] for s in steps])[:, :layers].astype(np.int64)
+         for k in ("hits", "fills", "host")}
   out["forward_s"] = np.array([s["seconds"] for s in steps])
   out["token_s"] = result.decode_s / len(steps)
   return out
@@ -105,7 +107,7 @@ def measure_overheads(model, hw, *, tokens: int = 8, seed: int = 0,
                                       expert_format=model.expert_format)
   bare = dataclasses.replace(hw, layer_overhead_s=0.0, step_overhead_s=0.0)
   modeled = cost.step_times(bare, shape, run["hits"], run["fills"], run["host"])
-  layer = float(np.mean(run["forward_s"] - modeled)) / c.num_moe_layers
+  layer = float(np.mean(run["forward_s"] - modeled)) / c.num_layers
   step = run["token_s"] - float(np.mean(run["forward_s"]))
   return {"layer_overhead_s": max(layer, 0.0), "step_overhead_s": max(step, 0.0),
           "raw_layer_overhead_s": layer, "raw_step_overhead_s": step,

@@ -273,7 +273,7 @@ class ModelShape:
     mixer = sum(mixers[t] for t in c.layer_types) / c.num_layers
     moe = _moe_block_params(c.hidden_size, c.num_experts, c.shared_expert_intermediate_size,
                             c.shared_expert_gate, router_bias=c.router_bias)
-    return cls(name=name or c.model_type, num_layers=c.num_moe_layers, num_experts=c.num_experts,
+    return cls(name=name or c.model_type, num_layers=c.num_layers, num_experts=c.num_experts,
                top_k=c.top_k, hidden=c.hidden_size, expert_ffn=c.moe_intermediate_size,
                bytes_per_param=nbytes, dense_bytes_per_layer=float((mixer + moe) * nbytes),
                head_bytes=float(_head_params(c.hidden_size, c.vocab_size) * nbytes),

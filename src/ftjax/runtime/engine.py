@@ -32,7 +32,7 @@ from ftjax.cache.streaming import (PREFILL_STREAM_MODES, prefill_stream_mode, st
                                    stream_min_tokens)
 from ftjax.experts import KERNELS
 from ftjax.model import DecodeState, init_state
-from ftjax.runtime import programs
+from ftjax.runtime import programs, speculative
 from ftjax.runtime.budget import MemoryBudget, slots_for_budget
 from ftjax.runtime.executor import STOP_BUCKET, Executor, Generation
 from ftjax.runtime.model import Model
@@ -389,6 +389,7 @@ class Engine:
     stream_min = self._stream_min_tokens()
     self.runner = Runner(
         graphdef=model.graphdef, signature=_signature(model), num_layers=c.num_moe_layers,
+        pass_layers=c.num_layers,
         top_k=c.top_k, ffn_dim=c.moe_intermediate_size, kernels=self.kernels,
         policy=self.policy.program() if self.policy is not None else None,
         record_routing=opts.record_routing, chunk=opts.decode_chunk,
@@ -868,6 +869,19 @@ class Engine:
     state = self._new_state(1, self.kv_capacity(last.begin + last.size))
     read = self.executor.extend(state, ids, on_progress=on_progress, start=0)
     return np.asarray(read.logits, np.float32)
+
+  def generate_speculative(self, token_ids: Sequence[int], max_new_tokens: int, *,
+                           draft_tokens: int = 2, stop_tokens: Sequence[int] = (),
+                           forced_drafts: Sequence[int] | None = None,
+                           on_token: Callable[[int], None] | None = None
+                           ) -> speculative.SpeculativeResult:
+    """Greedy decoding with the model's multi-token-prediction head drafting ``draft_tokens``
+    tokens per verify step (``ftjax.runtime.speculative``): the same tokens as
+    ``generate(..., greedy=True)``, with each draft position's acceptance. ``forced_drafts``:
+    research (``speculative.generate_speculative``)."""
+    return speculative.generate_speculative(self, token_ids, max_new_tokens,
+                                            draft_tokens=draft_tokens, stop_tokens=stop_tokens,
+                                            forced_drafts=forced_drafts, on_token=on_token)
 
   def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,

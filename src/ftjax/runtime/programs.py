@@ -85,7 +85,7 @@ class Runner:
   """What the compiled programs depend on besides argument shapes (hashable, static)."""
   graphdef: nnx.GraphDef
   signature: tuple  # shapes and dtypes of the bank and the parameters
-  num_layers: int  # MoE layers L
+  num_layers: int  # MoE layers L (of the bank: the decoder's, then the MTP head's)
   top_k: int
   ffn_dim: int
   kernels: str  # "xla", "ffi", "ffi_bf16", "ffi_int8"
@@ -100,6 +100,9 @@ class Runner:
   prefill_stream: str = "always"
   kv_dtype: str = "float32"  # the decode state's KV caches (programs of other dtypes differ)
   variant: ExpertVariant = SWIGLU  # the routed experts' activation and biases
+  # The decoder's layers, which a forward visits in order (0: all num_layers); the MTP head's
+  # after them are not fetched ahead by a streamed prefill.
+  pass_layers: int = 0
 
   # -- Tracing ---------------------------------------------------------------------------------
 
@@ -109,24 +112,64 @@ class Runner:
     (state, logits, record, snapshots: the recurrent layers' states at ``snapshot_at``, ()
     without; ``Transformer.__call__``). ``active`` [B]: the rows of a batch that step."""
     model = nnx.merge(self.graphdef, params)
+    experts = self.routed_experts(bank, state, tokens.shape)
+    outs = model(state.decode, tokens, positions, experts, kernels=self.kernels,
+                 last_only=last_only, fresh=fresh, num_valid=num_valid, snapshot_at=snapshot_at,
+                 active=active)
+    decode, experts, logits = outs[:3]
+    state, record = self.settle(experts, state)
+    snapshots = () if snapshot_at is None else outs[3]
+    return state.replace(decode=decode), logits, record, snapshots
+
+  def forward_hidden(self, params, bank, state: EngineState, tokens, positions, *, fresh: bool,
+                     snapshot_at=None):
+    """``forward`` that also returns the hidden states after the final norm, which seed the
+    MTP head: (state, hidden [B, T, D], logits [B, T, V], record, snapshots)."""
+    model = nnx.merge(self.graphdef, params)
+    experts = self.routed_experts(bank, state, tokens.shape)
+    decode, experts, hidden, logits, snapshots = model.hidden_and_logits(
+        state.decode, tokens, positions, experts, kernels=self.kernels, fresh=fresh,
+        snapshot_at=snapshot_at)
+    state, record = self.settle(experts, state)
+    return state.replace(decode=decode), hidden, logits, record, snapshots
+
+  def mtp_step(self, params, bank, state: EngineState, caches, length, hidden, tokens,
+               positions, *, depth: int = 0, fresh: bool = False):
+    """One step of the MTP head (``Transformer.mtp_step``), its routed experts served as the
+    model's: (state, caches, hidden' [B, T, D], logits [B, T, V], record)."""
+    model = nnx.merge(self.graphdef, params)
+    experts = self.routed_experts(bank, state, tokens.shape)
+    caches, experts, out, logits = model.mtp_step(caches, length, hidden, tokens, positions,
+                                                  experts, kernels=self.kernels, depth=depth,
+                                                  fresh=fresh)
+    state, record = self.settle(experts, state)
+    return state, caches, out, logits, record
+
+  def routed_experts(self, bank, state: EngineState, token_shape: tuple[int, ...]):
+    """The routed-experts function (``ftjax.model.moe``) of a forward over tokens of
+    ``token_shape`` [B, T]: the host bank's without a cache, else the cache's (a prefill of
+    at least ``stream_min_tokens`` streams layers), recording when the runner records."""
     if self.policy is None:
       experts = BankExperts(bank=bank, ffn_dim=self.ffn_dim, kernels=self.kernels,
                             variant=self.variant)
     else:
       offload = self.offload
-      if tokens.shape[1] > 1 and 0 < self.stream_min_tokens <= tokens.size:  # prefills only
+      size = token_shape[0] * token_shape[1]
+      if token_shape[1] > 1 and 0 < self.stream_min_tokens <= size:  # prefills only
         offload = dataclasses.replace(offload, stream=self.prefill_stream)
       experts = CachedExperts(bank=bank, cache=state.cache, bandwidths=state.bandwidths,
                               stats=StepStats.zeros(self.num_layers), ffn_dim=self.ffn_dim,
                               policy=self.policy, kernels=self.kernels, offload=offload,
-                              variant=self.variant)
+                              variant=self.variant,
+                              pass_layers=self.pass_layers or self.num_layers)
     if self.record_routing:
-      experts = RecordingExperts(experts, RoutingRecord.empty(self.num_layers, tokens.size,
-                                                              self.top_k))
-    outs = model(state.decode, tokens, positions, experts, kernels=self.kernels,
-                 last_only=last_only, fresh=fresh, num_valid=num_valid, snapshot_at=snapshot_at,
-                 active=active)
-    decode, experts, logits = outs[:3]
+      experts = RecordingExperts(experts, RoutingRecord.empty(
+          self.num_layers, token_shape[0] * token_shape[1], self.top_k))
+    return experts
+
+  def settle(self, experts, state: EngineState) -> tuple[EngineState, "StepRecord"]:
+    """The state with the expert cache ``experts`` left (``routed_experts``), and the step's
+    record."""
     routing = None
     if self.record_routing:
       routing, experts = experts.routing, experts.inner
@@ -134,9 +177,7 @@ class Runner:
     if self.policy is not None:
       state = state.replace(cache=experts.cache)
       stats = experts.stats
-    snapshots = () if snapshot_at is None else outs[3]
-    return (state.replace(decode=decode), logits, StepRecord(stats=stats, routing=routing),
-            snapshots)
+    return state, StepRecord(stats=stats, routing=routing)
 
 
 class Programs:

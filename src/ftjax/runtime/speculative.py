@@ -1,0 +1,268 @@
+"""Speculative decoding with the model's multi-token-prediction (MTP) head (issue 30): the head
+drafts ``k`` tokens, one batched forward of the model verifies them, and the longest prefix the
+model agrees with is kept, plus the model's own next token. Greedy, one sequence; everything
+between the prefill and the end runs in a compiled ``lax.while_loop`` (no host round trip per
+token: the host reads a chunk of verify steps at a time).
+
+One verify step, with the model at length n (it has read positions < n), its next token t
+(not yet read) and the MTP head's pending inputs:
+
+1. The head catches up: over the pending positions (the model's hidden states there, after its
+   final norm, and the token after each) it writes its KV rows and, at the last one, drafts
+   d_1 (``valid`` of the ``k + 1`` pending entries are real; the rest pad and are
+   overwritten later). Then d_2 .. d_k, each from the head's own previous hidden state
+   (``MTPHead``).
+2. The model reads [t, d_1, .., d_k] at positions n .. n + k in one forward that keeps its
+   recurrent (Gated DeltaNet) states after each token (``snapshot_at``), and greedy targets
+   y_0 .. y_k come from its logits.
+3. a = the number of leading drafts equal to their targets (d_{i+1} == y_i). Tokens y_0 .. y_a
+   are emitted (a + 1 of them: the accepted drafts and the model's own next token). The
+   model's state is rolled back to length n + a + 1: KV rows past it are masked by the
+   length (and overwritten later), each recurrent layer takes its state after a + 1 tokens.
+   The pending inputs become positions n .. n + a with the verify's hidden states and
+   tokens y_0 .. y_a.
+
+Each emitted token is the model's greedy choice after the same context as plain decoding, so
+the output equals plain greedy decoding (up to float32 ties between a batched and a one-token
+forward; tests check token for token). Stop tokens and ``max_new_tokens`` cut the emitted run.
+
+The expert cache serves the head's routed experts like any layer's (bank layers after the
+decoder's). Step records (cache counts) of these programs are not kept in the engine's
+statistics yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from ftjax.model import KVCache
+from ftjax.model.transformer import init_mtp_state
+from ftjax.runtime.programs import Runner
+from ftjax.runtime.state import EngineState
+
+MAX_DRAFT_TOKENS = 4
+
+
+@struct.dataclass
+class Draft:
+  """The speculative loop's carry besides the engine state (on the device)."""
+  caches: tuple[KVCache, ...]  # the MTP layers' KV caches
+  length: jax.Array  # int32 []: the head's KV rows filled (the first pending position)
+  hidden: jax.Array  # float32 [1, k + 1, D]: pending hidden states
+  tokens: jax.Array  # int32 [1, k + 1]: the token after each pending hidden state
+  valid: jax.Array  # int32 []: pending entries that are real (1 .. k + 1)
+  count: jax.Array  # int32 []: tokens emitted so far
+  done: jax.Array  # bool []: a stop token was emitted or max_new reached
+  steps: jax.Array  # int32 []: verify steps run
+  accepted: jax.Array  # int32 [k]: verify steps whose draft i was accepted
+  # int32 [capacity]: where >= 0, the draft proposing emitted token i is forced to forced[i]
+  # (the head's draft is still computed): research, to run at a chosen acceptance
+  forced: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeResult:
+  """What ``generate_speculative`` returns: the tokens, how the drafts fared, and the
+  timings of ``ftjax.runtime.engine.GenerateResult`` (compiles left out)."""
+  tokens: list[int]  # new tokens only
+  draft_tokens: int
+  steps: int  # verify steps
+  accepted: list[int]  # per draft position i: steps whose draft i was accepted
+  prompt_tokens: int = 0
+  prefill_s: float = 0.0  # the prompt and the head's reading of it, to the first token
+  decode_s: float = 0.0  # the verify steps
+  compile_s: float = 0.0
+
+  @property
+  def prefill_tok_s(self) -> float:
+    return self.prompt_tokens / self.prefill_s if self.prefill_s else float("nan")
+
+  @property
+  def decode_tok_s(self) -> float:
+    return (len(self.tokens) - 1) / self.decode_s if self.decode_s else float("nan")
+
+  @property
+  def acceptance(self) -> list[float]:
+    """Per draft position: the fraction of verify steps that accepted it."""
+    return [a / self.steps if self.steps else 0.0 for a in self.accepted]
+
+  @property
+  def tokens_per_step(self) -> float:
+    """Tokens emitted per verify step (the first token comes from the prefill)."""
+    return (len(self.tokens) - 1) / self.steps if self.steps else 0.0
+
+
+def _stopped(token, stop_ids):
+  return jnp.any(token == stop_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("k",),
+                   donate_argnames=("state", "caches"))
+def prefill_program(runner: Runner, params, bank, state: EngineState, caches, tokens, max_new,
+                    stop_ids, forced, *, k: int):
+  """The prompt ``tokens [1, n]`` into an empty state; the head reads positions 0 .. n - 2
+  (each with the token after it). Returns (state, draft, first token): the model's greedy
+  token after the prompt, and the head's pending input at position n - 1."""
+  n = tokens.shape[1]
+  positions = jnp.arange(n, dtype=jnp.int32)[None]
+  state, hidden, logits, _, _ = runner.forward_hidden(params, bank, state, tokens, positions,
+                                                      fresh=True)
+  first = jnp.argmax(logits[0, -1]).astype(jnp.int32)
+  if n > 1:
+    state, caches, _, _, _ = runner.mtp_step(params, bank, state, caches, jnp.zeros((), jnp.int32),
+                                             hidden[:, :-1], tokens[:, 1:], positions[:, :-1],
+                                             fresh=True)
+  d = hidden.shape[-1]
+  draft = Draft(
+      caches=caches, length=jnp.asarray(n - 1, jnp.int32),
+      hidden=jnp.zeros((1, k + 1, d), jnp.float32).at[:, 0].set(hidden[:, -1]),
+      tokens=jnp.zeros((1, k + 1), jnp.int32).at[:, 0].set(first),
+      valid=jnp.ones((), jnp.int32), count=jnp.ones((), jnp.int32),
+      done=_stopped(first, stop_ids) | (max_new <= 1), steps=jnp.zeros((), jnp.int32),
+      accepted=jnp.zeros((k,), jnp.int32), forced=forced)
+  return state, draft, first
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("k", "chunk"),
+                   donate_argnames=("state", "draft"))
+def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draft, max_new,
+                   stop_ids, *, k: int, chunk: int):
+  """Up to ``chunk`` verify steps (the module docstring), stopping on the device. Returns
+  (state, draft, tokens [chunk, k + 1] int32: each step's emitted tokens, -1 after them)."""
+  out = jnp.full((chunk, k + 1), -1, jnp.int32)
+  span = jnp.arange(k + 1, dtype=jnp.int32)
+
+  def cond(carry):
+    i, _, draft, _ = carry
+    return (i < chunk) & ~draft.done
+
+  def body(carry):
+    i, state, draft, out = carry
+    # 1. The head catches up on the pending positions and drafts d_1, then d_2 .. d_k.
+    base = draft.length
+    state, caches, h, logits, _ = runner.mtp_step(
+        params, bank, state, draft.caches, base, draft.hidden, draft.tokens,
+        (base + span)[None])
+    last = draft.valid - 1
+    drafts = [jnp.argmax(logits[0, last]).astype(jnp.int32)]
+    h = jax.lax.dynamic_slice_in_dim(h, last, 1, axis=1)
+    n = base + draft.valid  # the model's length
+    for j in range(1, k):
+      at = (n + j - 1)[None, None]
+      state, caches, h, logits, _ = runner.mtp_step(
+          params, bank, state, caches, n + j - 1, h, drafts[-1][None, None], at, depth=j)
+      drafts.append(jnp.argmax(logits[0, 0]).astype(jnp.int32))
+    drafts = jnp.stack(drafts)  # [k]: d_j proposes emitted token count + j - 1
+    forced = jax.lax.dynamic_slice_in_dim(draft.forced, draft.count, k)
+    drafts = jnp.where(forced >= 0, forced, drafts)
+    # 2. The model reads [t, d_1 .. d_k], keeping its recurrent states after each token.
+    read = jnp.concatenate([draft.tokens[0, last][None], drafts])[None]
+    state, hidden, logits, _, snapshots = runner.forward_hidden(
+        params, bank, state, read, (n + span)[None], fresh=False, snapshot_at=span + 1)
+    target = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)  # [k + 1]
+    # 3. Accept the agreeing prefix; roll the state back to it.
+    a = jnp.sum(jnp.cumprod((drafts == target[:k]).astype(jnp.int32)))
+    layers = tuple(layer if snap is None else jax.tree.map(lambda x: x[a], snap)
+                   for layer, snap in zip(state.decode.layers, snapshots))
+    state = state.replace(decode=state.decode.replace(layers=layers, length=n + a + 1))
+    emit = (span <= a) & (span < max_new - draft.count)
+    stop = emit & jax.vmap(_stopped, in_axes=(0, None))(target, stop_ids)
+    first_stop = jnp.where(jnp.any(stop), jnp.argmax(stop), k + 1)
+    emit = emit & (span <= first_stop)
+    count = draft.count + jnp.sum(emit)
+    draft = Draft(caches=caches, length=n, hidden=hidden, tokens=target[None], valid=a + 1,
+                  count=count, done=jnp.any(stop) | (count >= max_new), steps=draft.steps + 1,
+                  accepted=draft.accepted + (span[:k] < a).astype(jnp.int32),
+                  forced=draft.forced)
+    return i + 1, state, draft, out.at[i].set(jnp.where(emit, target, -1))
+
+  _, state, draft, out = jax.lax.while_loop(
+      cond, body, (jnp.zeros((), jnp.int32), state, draft, out))
+  return state, draft, out
+
+
+def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, *,
+                         draft_tokens: int, stop_tokens: Sequence[int] = (),
+                         forced_drafts: Sequence[int] | None = None,
+                         on_token: Callable[[int], None] | None = None,
+                         chunk: int = 8) -> SpeculativeResult:
+  """Greedy decoding of ``max_new_tokens`` after ``token_ids`` on ``engine`` (an
+  ``ftjax.Engine``), ``draft_tokens`` (1 .. 4) drafted by the model's MTP head per verify
+  step. The tokens equal ``engine.generate(token_ids, max_new_tokens, greedy=True,
+  stop_tokens=stop_tokens)``.
+
+  ``forced_drafts`` (research: a verify step's cost at a chosen acceptance): per emitted
+  token i, a token >= 0 that the draft proposing it is forced to (the head still runs), or
+  -1 for the head's own draft. Forced to the plain greedy tokens with probability p, the
+  drafts are accepted at about that rate whatever the head predicts. ``on_token`` hears each
+  new token as its chunk of verify steps comes back."""
+  config = engine.model.config
+  if not config.mtp_layers:
+    raise ValueError(
+        f"speculative decoding with MTP needs the model's multi-token-prediction head, and "
+        f"this {config.model_type} checkpoint has none (no mtp.* tensors): decode without "
+        "--speculative, or convert a Qwen3-Next / Qwen3.5-MoE checkpoint that ships them")
+  if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+    raise ValueError(f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens}")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  ids = np.asarray(token_ids, np.int32).reshape(1, -1)
+  engine.check_ids(ids)
+  engine.check_context(ids.shape[1], max_new_tokens + draft_tokens)
+  k = draft_tokens
+  ex = engine.executor
+  rows = ids.shape[1] + max_new_tokens + k + 1  # the verify reads k + 1 past the last token
+  state = engine.new_state(1, rows)
+  capacity = state.capacity
+  if capacity < rows:
+    raise ValueError(f"speculative decoding needs {rows} KV rows (prompt + max_new_tokens + "
+                     f"draft_tokens + 1), the engine's largest state holds {capacity}: raise "
+                     "max_seq_len or lower max_new_tokens")
+  caches = init_mtp_state(config, 1, capacity, jnp.dtype(engine.kv_dtype))
+  stop_ids = ex.stop_ids(stop_tokens)
+  forced = np.full(capacity + k, -1, np.int32)  # read up to count + k - 1 <= max_new + k
+  if forced_drafts is not None:
+    given = np.asarray(forced_drafts, np.int32).reshape(-1)[:max_new_tokens]
+    if given.size and given.max() >= config.vocab_size:
+      raise ValueError(f"forced_drafts must be token ids below {config.vocab_size} or -1")
+    forced[:given.size] = given
+  compile_start = ex.compile_s
+  est = ex.engine_state(state)
+  tokens, max_new, stops, forced = ex.put((jnp.asarray(ids), jnp.asarray(max_new_tokens,
+                                                                          jnp.int32),
+                                           jnp.asarray(stop_ids), jnp.asarray(forced)))
+  t0, compiled = time.perf_counter(), ex.compile_s
+  key = ("mtp_prefill", ids.shape[1], capacity, k, ex.slot_capacity())
+  fn = ex.compiled(key, prefill_program, engine.params, engine.bank, est, caches, tokens,
+                   max_new, stops, forced, k=k)
+  est, draft, first = fn(engine.params, engine.bank, est, caches, tokens, max_new, stops,
+                         forced)
+  out = [int(first)]
+  prefill_s = time.perf_counter() - t0 - (ex.compile_s - compiled)
+  if on_token is not None:
+    on_token(out[0])
+  t0, compiled = time.perf_counter(), ex.compile_s
+  key = ("mtp_decode", capacity, k, chunk, ex.slot_capacity(), stop_ids.shape[0])
+  fn = ex.compiled(key, decode_program, engine.params, engine.bank, est, draft, max_new, stops,
+                   k=k, chunk=chunk)
+  while not bool(draft.done):
+    est, draft, chunk_out = fn(engine.params, engine.bank, est, draft, max_new, stops)
+    got = np.asarray(chunk_out)
+    for t in got[got >= 0]:
+      out.append(int(t))
+      if on_token is not None:
+        on_token(out[-1])
+  decode_s = time.perf_counter() - t0 - (ex.compile_s - compiled)
+  ex.keep(est)
+  return SpeculativeResult(tokens=out, draft_tokens=k, steps=int(draft.steps),
+                           accepted=[int(a) for a in np.asarray(draft.accepted)],
+                           prompt_tokens=ids.shape[1], prefill_s=prefill_s, decode_s=decode_s,
+                           compile_s=ex.compile_s - compile_start)
