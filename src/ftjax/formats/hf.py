@@ -9,7 +9,7 @@ tensor, not the checkpoint (measured by benchmarks/convert_memory.py).
 
 Hybrid families: composite (vision + language) checkpoints keep the text model under
 ``model.language_model.``; the vision tower (``model.visual.``) is skipped. Their
-multi-token-prediction (MTP) head is kept (``ftjax.model.mtp``): ``mtp.fc``,
+multi-token-prediction (MTP) head is kept (``ftjax.model.transformer.MTPHead``): ``mtp.fc``,
 ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden`` and ``mtp.norm`` become ``mtp.w_fc_dx``,
 ``mtp.embed_norm``, ``mtp.hidden_norm`` and ``mtp.final_norm``; ``mtp.layers.{j}.*`` are decoder
 layers named as the model's own, whose routed experts go to bank layer ``num_layers + j``.

@@ -128,10 +128,10 @@ class ModelConfig:
   # only, so a prompt holding one of these is refused.
   vision_token_ids: tuple[int, ...] = ()
   # Multi-token-prediction (MTP) layers of Qwen3-Next / Qwen3.5-MoE (``mtp.*``,
-  # ``ftjax.model.mtp``): each a full-attention MoE decoder layer after a projection of the
-  # next token's embedding and the model's hidden state. Their routed experts sit in the
-  # expert bank after the model's own layers (bank layers num_layers .. num_layers +
-  # mtp_layers - 1). 0: none.
+  # ``ftjax.model.transformer.MTPHead``): each a full-attention MoE decoder layer after a
+  # projection of the next token's embedding and the model's hidden state. Their routed
+  # experts sit in the expert bank after the model's own layers (bank layers num_layers ..
+  # num_layers + mtp_layers - 1). 0: none.
   mtp_layers: int = 0
 
   def __post_init__(self):
