@@ -67,12 +67,10 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   steps per device program (text streams once per chunk). ``prefault``: fault the mapped
   weights in before the first step (``ftjax.runtime.model.prefault``; said on ``log``).
   ``speculative="mtp"``: the model's multi-token-prediction head drafts ``draft_tokens`` tokens
-  per verify step (greedy only; ``ftjax.runtime.speculative``)."""
+  per verify step (greedy, or rejection sampling with the same sampling options;
+  ``ftjax.runtime.speculative``)."""
   if speculative not in ("none", "mtp"):
     raise ValueError(f"--speculative must be none or mtp, got {speculative!r}")
-  if speculative == "mtp" and not greedy:
-    raise ValueError("--speculative=mtp decodes greedily for now (sampling with rejection is "
-                     "not implemented yet): pass --greedy")
   model = model or "default"
   loaded = load(model)
   if model in EMBEDDED_MODELS and not os.path.exists(model):
@@ -102,7 +100,8 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
 
   progress = _Progress(log)
   if speculative == "mtp":
-    result = engine.generate_speculative(ids, max_new_tokens, draft_tokens=draft_tokens,
+    result = engine.generate_speculative(ids, max_new_tokens, greedy, temperature=temperature,
+                                         top_p=top_p, seed=seed, draft_tokens=draft_tokens,
                                          stop_tokens=loaded.config.eos_token_ids,
                                          on_token=on_token)
   else:
@@ -216,7 +215,8 @@ def cli() -> None:
   _SPECULATIVE = flags.DEFINE_enum(
       "speculative", "none", ["none", "mtp"],
       "mtp: speculative decoding, the model's multi-token-prediction head drafting "
-      "--draft_tokens tokens a step (Qwen3-Next / Qwen3.5-MoE checkpoints with mtp.*; greedy)")
+      "--draft_tokens tokens a step (Qwen3-Next / Qwen3.5-MoE checkpoints with mtp.*; greedy, or "
+      "rejection sampling that keeps the sampled distribution)")
   _DRAFT_TOKENS = flags.DEFINE_integer("draft_tokens", 2, "draft tokens a verify step (1-4)",
                                        lower_bound=1, upper_bound=4)
   app.run(main)

@@ -13,17 +13,20 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from scipy import stats
 
 import ftjax
 from ftjax.decode import run_decode
 from ftjax.experts import BankExperts
 from ftjax.model.transformer import init_mtp_state, init_state, param_name
+from ftjax.runtime.speculative import accept_sampled
 
 import conftest
 import tolerances
@@ -291,6 +294,97 @@ def test_decode_cli_speculative(checkpoints, tmp_path):
   assert runs["mtp"].generation.tokens == runs["none"].generation.tokens
   assert len(runs["mtp"].generation.tokens) == 10
   assert "speculative: mtp, 3 draft tokens" in log.getvalue()
-  with pytest.raises(ValueError, match="pass --greedy"):
-    run_decode(str(path), prompt, greedy=False, speculative="mtp", out=io.StringIO(),
-               log=io.StringIO())
+  sampled = [run_decode(str(path), prompt, max_new_tokens=10, greedy=False, temperature=0.9,
+                        top_p=0.9, seed=5, kernels="ffi", speculative="mtp", draft_tokens=2,
+                        prefault=False, out=io.StringIO(), log=io.StringIO())
+             for _ in range(2)]
+  assert len(sampled[0].generation.tokens) == 10
+  assert sampled[0].generation.tokens == sampled[1].generation.tokens  # a seed's draws
+
+
+# -- Speculative sampling: rejection sampling keeps the model's distribution ----------------
+
+
+def _chi_square_p(counts, probs):
+  """The chi-square test's p-value of ``counts`` against ``probs``, cells with an expected
+  count under 5 merged into one."""
+  counts = np.asarray(counts, float)
+  expected = np.asarray(probs, float) / np.sum(probs, dtype=float) * counts.sum()
+  assert np.all(counts[expected == 0] == 0), "a token of probability 0 was drawn"
+  small = expected < 5
+  obs = np.append(counts[~small], counts[small].sum())
+  exp = np.append(expected[~small], expected[small].sum())
+  if exp[-1] == 0:
+    obs, exp = obs[:-1], exp[:-1]
+  return stats.chisquare(obs, exp).pvalue
+
+
+def test_accept_sampled_keeps_the_target_distribution():
+  """One verify step's acceptance, 200,000 times (drafts drawn from q, some of them forced
+  one-hot, p and q with tokens of probability 0): token j, where the step emits it (the
+  drafts before it accepted), follows p_j, the distribution plain sampling draws from."""
+  rng = np.random.default_rng(0)
+  k, v, n = 3, 7, 200_000
+  p = rng.dirichlet(np.ones(v), k + 1).astype(np.float32)
+  p[1, 2] = p[3, 0] = 0.0  # tokens the model never picks
+  q = rng.dirichlet(np.full(v, 0.5), k).astype(np.float32)
+  q[0, 4] = 0.0  # a token the head never drafts
+  q[2] = np.eye(v, dtype=np.float32)[5]  # a forced draft
+  p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+
+  def one(key):
+    d_key, a_key = jax.random.split(key)
+    drafts = jax.random.categorical(d_key, jnp.log(jnp.asarray(q))).astype(jnp.int32)
+    return accept_sampled(a_key, drafts, jnp.asarray(q), jnp.asarray(p))
+
+  a, tokens = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(2), n))
+  a, tokens = np.asarray(a), np.asarray(tokens)
+  assert 0 < a.mean() < k and np.all(np.bincount(a, minlength=k + 1) > 0)  # every outcome
+  for j in range(k + 1):
+    emitted = tokens[a >= j, j]
+    assert _chi_square_p(np.bincount(emitted, minlength=v), p[j]) > 1e-3, j
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_speculative_sampling_follows_the_model_distribution(checkpoints, name):
+  """Three sampled tokens (temperature 1.3, top-k 3) after a prompt, 600 seeds, with 2 drafts
+  a verify step: the triples' counts against the exact distribution from the float64
+  transformers model (p(t1) p(t2 | t1) p(t3 | t1, t2) under the same temperature and
+  filter), chi-square. The random head's top 3 rarely meet the model's, so the draft for the
+  second token is forced to its likeliest value after the likeliest first token (a one-hot
+  draft distribution, accepted or not by the same rule), and the third is the head's own."""
+  hf_model, _, model = checkpoints[name]
+  engine = ftjax.Engine(model, max_seq_len=64, **ENGINES["cache"])
+  ids = np.random.default_rng(21).integers(0, model.config.vocab_size, 9)
+  temperature, top_k, runs = 1.3, 3, 600
+
+  def probs(logits):  # the filtered, tempered distribution over the vocabulary
+    z = logits / temperature
+    z = np.where(z >= np.sort(z, axis=-1)[..., -top_k, None], z, -np.inf)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+  exact = {}
+  with torch.no_grad():
+    first = probs(hf_model(torch.tensor(ids[None])).logits[0, -1].numpy())
+    for t1 in np.flatnonzero(first):
+      seqs = torch.tensor([np.append(ids, [t1, t2]) for t2 in range(model.config.vocab_size)])
+      logits = hf_model(seqs).logits.numpy()
+      second = probs(logits[0, -2])
+      exact[t1] = second
+      for t2 in np.flatnonzero(second):
+        third = probs(logits[t2, -1])
+        for t3 in np.flatnonzero(third):
+          exact[(t1, t2, t3)] = first[t1] * second[t2] * third[t3]
+  forced = [-1, int(np.argmax(exact[int(np.argmax(first))])), -1]
+  counts, accepted, steps = {}, np.zeros(2, int), 0
+  for seed in range(runs):
+    got = engine.generate_speculative(ids.tolist(), 3, greedy=False, temperature=temperature,
+                                      top_k=top_k, seed=seed, draft_tokens=2,
+                                      forced_drafts=forced)
+    counts[tuple(got.tokens)] = counts.get(tuple(got.tokens), 0) + 1
+    accepted, steps = accepted + got.accepted, steps + got.steps
+  assert 30 <= accepted[0] <= steps - 30  # first drafts both accepted and rejected, often
+  cells = [c for c in exact if isinstance(c, tuple)]
+  assert set(counts) <= set(cells), "a triple outside the top-3 filters"
+  assert _chi_square_p([counts.get(c, 0) for c in cells], [exact[c] for c in cells]) > 1e-3

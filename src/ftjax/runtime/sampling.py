@@ -63,6 +63,17 @@ def sample(logits: jax.Array, sampling: Sampling, index: jax.Array) -> jax.Array
                       lambda z: draw(z / sampling.temperature), logits)
 
 
+def distribution(logits: jax.Array, sampling: Sampling) -> jax.Array:
+  """The probabilities ``sample`` draws from, for a request that samples: logits [R, V] ->
+  float32 [R, V], each row the softmax of its logits over the temperature, zero outside the
+  top-p / top-k set where a filter applies (``sampling``'s leaves are scalars). Speculative
+  sampling's acceptance test compares these (``ftjax.runtime.speculative``)."""
+  z = logits.astype(jnp.float32) / sampling.temperature
+  z = jax.lax.cond(sampling.nucleus, jax.vmap(_filtered, in_axes=(0, None)), lambda z, s: z, z,
+                   sampling)
+  return jax.nn.softmax(z, axis=-1)
+
+
 def _filtered(z: jax.Array, sampling: Sampling) -> jax.Array:
   """``z`` with -inf outside the smallest set of most probable tokens whose mass reaches
   top_p, and of those at most the top_k most probable (top_k 0: no limit)."""

@@ -1,8 +1,9 @@
 """Speculative decoding with the model's multi-token-prediction (MTP) head (issue 30): the head
 drafts ``k`` tokens, one batched forward of the model verifies them, and the longest prefix the
-model agrees with is kept, plus the model's own next token. Greedy, one sequence; everything
-between the prefill and the end runs in a compiled ``lax.while_loop`` (no host round trip per
-token: the host reads a chunk of verify steps at a time).
+model agrees with is kept, plus the model's own next token. Greedy or sampled (rejection
+sampling, below), one sequence; everything between the prefill and the end runs in a compiled
+``lax.while_loop`` (no host round trip per token: the host reads a chunk of verify steps at a
+time).
 
 One verify step, with the model at length n (it has read positions < n), its next token t
 (not yet read) and the MTP head's pending inputs:
@@ -26,6 +27,16 @@ Each emitted token is the model's greedy choice after the same context as plain 
 the output equals plain greedy decoding (up to float32 ties between a batched and a one-token
 forward; tests check token for token). Stop tokens and ``max_new_tokens`` cut the emitted run.
 
+Sampling (temperature > 0, with top-p / top-k) uses speculative rejection sampling (Leviathan
+et al. 2023; Chen et al. 2023): the head draws d_j from its own distribution q_j (its logits
+under the request's temperature and filters), the model gives p_j for the same positions
+(``sampling.distribution``: the distribution plain sampling draws from), and draft j is
+accepted with probability min(1, p_j(d_j) / q_j(d_j)), in order, until the first rejection.
+At the first rejected position the token is drawn from max(0, p_j - q_j), normalised; with
+every draft accepted, from p_k. Each emitted token then follows exactly the distribution plain
+sampling gives it (the same distribution, not the same draws: the random stream differs from
+plain decoding's). A forced draft has q_j one-hot at the forced token.
+
 The expert cache serves the head's routed experts like any layer's (bank layers after the
 decoder's). Step records (cache counts) of these programs are not kept in the engine's
 statistics yet.
@@ -46,6 +57,7 @@ from flax import struct
 from ftjax.model import KVCache
 from ftjax.model.transformer import init_mtp_state
 from ftjax.runtime.programs import Runner
+from ftjax.runtime.sampling import Sampling, distribution, sample
 from ftjax.runtime.state import EngineState
 
 MAX_DRAFT_TOKENS = 4
@@ -104,18 +116,41 @@ def _stopped(token, stop_ids):
   return jnp.any(token == stop_ids)
 
 
+def accept_sampled(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array):
+  """Speculative rejection sampling of one verify step: ``drafts`` int32 [k], drawn from ``q``
+  float32 [k, V] (row j the distribution draft j was drawn from), and the model's
+  distributions ``p`` float32 [k + 1, V] at the same positions and one past. Returns (a, the
+  emitted tokens int32 [k + 1]): the first a drafts accepted, token a drawn from the residual
+  max(0, p_a - q_a) normalised (from p_k when every draft is accepted); entries past a are
+  padding. Each emitted token follows p given the tokens before it."""
+  k, v = q.shape
+  at = jnp.arange(k)
+  u_key, r_key = jax.random.split(key)
+  u = jax.random.uniform(u_key, (k,), jnp.float32)
+  # accept with probability min(1, p/q): u < p / q, written without the division
+  ok = u * q[at, drafts] < p[at, drafts]
+  a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+  residual = jnp.maximum(p[a] - jnp.concatenate([q, jnp.zeros((1, v), q.dtype)])[a], 0.0)
+  # p_a == q_a exactly leaves no residual, and no rejection can then happen: draw from p_a
+  residual = jnp.where(jnp.sum(residual) > 0, residual, p[a])
+  last = jax.random.categorical(r_key, jnp.log(residual)).astype(jnp.int32)
+  span = jnp.arange(k + 1)
+  return a, jnp.where(span < a, jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]), last)
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("k",),
                    donate_argnames=("state", "caches"))
 def prefill_program(runner: Runner, params, bank, state: EngineState, caches, tokens, max_new,
-                    stop_ids, forced, *, k: int):
+                    stop_ids, forced, sampling: Sampling, *, k: int):
   """The prompt ``tokens [1, n]`` into an empty state; the head reads positions 0 .. n - 2
-  (each with the token after it). Returns (state, draft, first token): the model's greedy
-  token after the prompt, and the head's pending input at position n - 1."""
+  (each with the token after it). Returns (state, draft, first token): the model's token
+  after the prompt (greedy or sampled as plain decoding picks it), and the head's pending
+  input at position n - 1."""
   n = tokens.shape[1]
   positions = jnp.arange(n, dtype=jnp.int32)[None]
   state, hidden, logits, _, _ = runner.forward_hidden(params, bank, state, tokens, positions,
                                                       fresh=True)
-  first = jnp.argmax(logits[0, -1]).astype(jnp.int32)
+  first = sample(logits[0, -1], sampling, jnp.zeros((), jnp.int32))
   if n > 1:
     state, caches, _, _, _ = runner.mtp_step(params, bank, state, caches, jnp.zeros((), jnp.int32),
                                              hidden[:, :-1], tokens[:, 1:], positions[:, :-1],
@@ -131,12 +166,13 @@ def prefill_program(runner: Runner, params, bank, state: EngineState, caches, to
   return state, draft, first
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("k", "chunk"),
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("k", "chunk", "sampled"),
                    donate_argnames=("state", "draft"))
 def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draft, max_new,
-                   stop_ids, *, k: int, chunk: int):
-  """Up to ``chunk`` verify steps (the module docstring), stopping on the device. Returns
-  (state, draft, tokens [chunk, k + 1] int32: each step's emitted tokens, -1 after them)."""
+                   stop_ids, sampling: Sampling, *, k: int, chunk: int, sampled: bool):
+  """Up to ``chunk`` verify steps (the module docstring), stopping on the device; greedy, or
+  with rejection sampling where ``sampled``. Returns (state, draft, tokens [chunk, k + 1]
+  int32: each step's emitted tokens, -1 after them)."""
   out = jnp.full((chunk, k + 1), -1, jnp.int32)
   span = jnp.arange(k + 1, dtype=jnp.int32)
 
@@ -152,24 +188,38 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
         params, bank, state, draft.caches, base, draft.hidden, draft.tokens,
         (base + span)[None])
     last = draft.valid - 1
-    drafts = [jnp.argmax(logits[0, last]).astype(jnp.int32)]
+    keys = jax.random.split(jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(sampling.seed), 0x5bec), draft.count), k + 1)
+
+    def propose(row, j):  # the head's draft j from its logits row, and its distribution
+      if not sampled:
+        return jnp.argmax(row).astype(jnp.int32), None
+      q = distribution(row[None], sampling)[0]
+      return jax.random.categorical(keys[j], jnp.log(q)).astype(jnp.int32), q
+
+    proposals = [propose(logits[0, last], 0)]
     h = jax.lax.dynamic_slice_in_dim(h, last, 1, axis=1)
     n = base + draft.valid  # the model's length
     for j in range(1, k):
       at = (n + j - 1)[None, None]
       state, caches, h, logits, _ = runner.mtp_step(
-          params, bank, state, caches, n + j - 1, h, drafts[-1][None, None], at, depth=j)
-      drafts.append(jnp.argmax(logits[0, 0]).astype(jnp.int32))
-    drafts = jnp.stack(drafts)  # [k]: d_j proposes emitted token count + j - 1
+          params, bank, state, caches, n + j - 1, h, proposals[-1][0][None, None], at, depth=j)
+      proposals.append(propose(logits[0, 0], j))
+    drafts = jnp.stack([d for d, _ in proposals])  # [k]: d_j proposes token count + j - 1
     forced = jax.lax.dynamic_slice_in_dim(draft.forced, draft.count, k)
     drafts = jnp.where(forced >= 0, forced, drafts)
     # 2. The model reads [t, d_1 .. d_k], keeping its recurrent states after each token.
     read = jnp.concatenate([draft.tokens[0, last][None], drafts])[None]
     state, hidden, logits, _, snapshots = runner.forward_hidden(
         params, bank, state, read, (n + span)[None], fresh=False, snapshot_at=span + 1)
-    target = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)  # [k + 1]
-    # 3. Accept the agreeing prefix; roll the state back to it.
-    a = jnp.sum(jnp.cumprod((drafts == target[:k]).astype(jnp.int32)))
+    if sampled:  # a: the drafts accepted; target: the emitted tokens, then padding
+      q = jnp.stack([q for _, q in proposals])
+      q = jnp.where((forced >= 0)[:, None], jax.nn.one_hot(drafts, q.shape[-1]), q)
+      a, target = accept_sampled(keys[k], drafts, q, distribution(logits[0], sampling))
+    else:  # greedy targets y_0 .. y_k; a: the drafts that agree, in order
+      target = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)  # [k + 1]
+      a = jnp.sum(jnp.cumprod((drafts == target[:k]).astype(jnp.int32)))
+    # 3. Keep the accepted prefix; roll the state back to it.
     layers = tuple(layer if snap is None else jax.tree.map(lambda x: x[a], snap)
                    for layer, snap in zip(state.decode.layers, snapshots))
     state = state.replace(decode=state.decode.replace(layers=layers, length=n + a + 1))
@@ -191,13 +241,16 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
 
 def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, *,
                          draft_tokens: int, stop_tokens: Sequence[int] = (),
+                         sampling: Sampling | None = None,
                          forced_drafts: Sequence[int] | None = None,
                          on_token: Callable[[int], None] | None = None,
                          chunk: int = 8) -> SpeculativeResult:
-  """Greedy decoding of ``max_new_tokens`` after ``token_ids`` on ``engine`` (an
-  ``ftjax.Engine``), ``draft_tokens`` (1 .. 4) drafted by the model's MTP head per verify
-  step. The tokens equal ``engine.generate(token_ids, max_new_tokens, greedy=True,
-  stop_tokens=stop_tokens)``.
+  """Decoding of ``max_new_tokens`` after ``token_ids`` on ``engine`` (an ``ftjax.Engine``),
+  ``draft_tokens`` (1 .. 4) drafted by the model's MTP head per verify step. Greedy (the
+  default, ``sampling`` None or greedy), the tokens equal ``engine.generate(token_ids,
+  max_new_tokens, greedy=True, stop_tokens=stop_tokens)``; sampled, they follow the
+  distribution of ``engine.generate`` with the same options (rejection sampling: the module
+  docstring), not its draws.
 
   ``forced_drafts`` (research: a verify step's cost at a chosen acceptance): per emitted
   token i, a token >= 0 that the draft proposing it is forced to (the head still runs), or
@@ -214,6 +267,9 @@ def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, 
     raise ValueError(f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens}")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if sampling is None:
+    sampling = Sampling.make(greedy=True)
+  sampled = not bool(sampling.greedy)
   ids = np.asarray(token_ids, np.int32).reshape(1, -1)
   engine.check_ids(ids)
   engine.check_context(ids.shape[1], max_new_tokens + draft_tokens)
@@ -236,25 +292,25 @@ def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, 
     forced[:given.size] = given
   compile_start = ex.compile_s
   est = ex.engine_state(state)
-  tokens, max_new, stops, forced = ex.put((jnp.asarray(ids), jnp.asarray(max_new_tokens,
-                                                                          jnp.int32),
-                                           jnp.asarray(stop_ids), jnp.asarray(forced)))
+  tokens, max_new, stops, forced, sampling = ex.put((
+      jnp.asarray(ids), jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_ids),
+      jnp.asarray(forced), sampling))
   t0, compiled = time.perf_counter(), ex.compile_s
   key = ("mtp_prefill", ids.shape[1], capacity, k, ex.slot_capacity())
   fn = ex.compiled(key, prefill_program, engine.params, engine.bank, est, caches, tokens,
-                   max_new, stops, forced, k=k)
+                   max_new, stops, forced, sampling, k=k)
   est, draft, first = fn(engine.params, engine.bank, est, caches, tokens, max_new, stops,
-                         forced)
+                         forced, sampling)
   out = [int(first)]
   prefill_s = time.perf_counter() - t0 - (ex.compile_s - compiled)
   if on_token is not None:
     on_token(out[0])
   t0, compiled = time.perf_counter(), ex.compile_s
-  key = ("mtp_decode", capacity, k, chunk, ex.slot_capacity(), stop_ids.shape[0])
+  key = ("mtp_decode", capacity, k, chunk, ex.slot_capacity(), stop_ids.shape[0], sampled)
   fn = ex.compiled(key, decode_program, engine.params, engine.bank, est, draft, max_new, stops,
-                   k=k, chunk=chunk)
+                   sampling, k=k, chunk=chunk, sampled=sampled)
   while not bool(draft.done):
-    est, draft, chunk_out = fn(engine.params, engine.bank, est, draft, max_new, stops)
+    est, draft, chunk_out = fn(engine.params, engine.bank, est, draft, max_new, stops, sampling)
     got = np.asarray(chunk_out)
     for t in got[got >= 0]:
       out.append(int(t))
