@@ -56,7 +56,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
                greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
                max_seq_len: int | None = None, kernels: str = "auto", show_stats: bool = False,
                trace_out: str | None = None, decode_chunk: int = 8, prefault: bool = True,
-               speculative: str = "none", draft_tokens: int = 2,
+               speculative: str = "none", draft_tokens: int = 2, adaptive_draft: bool = False,
                out: TextIO = sys.stdout, log: TextIO = sys.stderr,
                **cache_options) -> DecodeResult:
   """Generates a completion of ``prompt``, streaming text to ``out``; returns the result.
@@ -68,7 +68,8 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   weights in before the first step (``ftjax.runtime.model.prefault``; said on ``log``).
   ``speculative="mtp"``: the model's multi-token-prediction head drafts ``draft_tokens`` tokens
   per verify step (greedy, or rejection sampling with the same sampling options;
-  ``ftjax.runtime.speculative``)."""
+  ``ftjax.runtime.speculative``); ``adaptive_draft``: each step drafts 0 .. ``draft_tokens``,
+  the length with the most expected tokens per byte read."""
   if speculative not in ("none", "mtp"):
     raise ValueError(f"--speculative must be none or mtp, got {speculative!r}")
   model = model or "default"
@@ -103,7 +104,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
     result = engine.generate_speculative(ids, max_new_tokens, greedy, temperature=temperature,
                                          top_p=top_p, seed=seed, draft_tokens=draft_tokens,
                                          stop_tokens=loaded.config.eos_token_ids,
-                                         on_token=on_token)
+                                         on_token=on_token, adaptive=adaptive_draft)
   else:
     result = engine.generate_timed(ids, max_new_tokens, greedy, temperature=temperature,
                                    top_p=top_p, seed=seed,
@@ -119,7 +120,9 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   if speculative == "mtp":
     log.write(f"speculative: mtp, {result.draft_tokens} draft tokens, {result.steps} verify "
               f"steps, {result.tokens_per_step:.2f} tokens a step, acceptance per draft "
-              f"position {[round(a, 2) for a in result.acceptance]}\n")
+              f"position {[round(a, 2) for a in result.acceptance]}"
+              + (f", steps with 0 .. {result.draft_tokens} drafts {result.lengths}"
+                 if adaptive_draft else "") + "\n")
   if show_stats:
     log.write(format_stats(engine.stats()))
   if trace_out is not None:
@@ -196,7 +199,8 @@ def main(argv):
                max_seq_len=_ENGINE["max_seq_len"].value, kernels=_ENGINE["kernels"].value,
                show_stats=_STATS.value, trace_out=_TRACE_OUT.value,
                decode_chunk=_ENGINE["decode_chunk"].value, prefault=_ENGINE["prefault"].value,
-               speculative=_SPECULATIVE.value, draft_tokens=_DRAFT_TOKENS.value, **cache)
+               speculative=_SPECULATIVE.value, draft_tokens=_DRAFT_TOKENS.value,
+               adaptive_draft=_ADAPTIVE_DRAFT.value, **cache)
   except (ValueError, FileNotFoundError, KernelsUnavailable) as e:
     raise SystemExit(f"ftjax.decode: error: {e}") from None
 
@@ -219,6 +223,10 @@ def cli() -> None:
       "rejection sampling that keeps the sampled distribution)")
   _DRAFT_TOKENS = flags.DEFINE_integer("draft_tokens", 2, "draft tokens a verify step (1-4)",
                                        lower_bound=1, upper_bound=4)
+  _ADAPTIVE_DRAFT = flags.DEFINE_boolean(
+      "adaptive_draft", False, "with --speculative=mtp: each verify step drafts 0 .. "
+      "--draft_tokens tokens, the length with the most expected tokens per byte read from the "
+      "acceptance measured so far")
   app.run(main)
 
 

@@ -26,6 +26,7 @@ import ftjax
 from ftjax.decode import run_decode
 from ftjax.experts import BankExperts
 from ftjax.model.transformer import init_mtp_state, init_state, param_name
+from ftjax.runtime import speculative
 from ftjax.runtime.speculative import accept_sampled
 
 import conftest
@@ -246,6 +247,57 @@ def test_speculative_with_forced_drafts_equals_plain_greedy(checkpoints, name):
         assert got.accepted == [0] * k and got.steps == 23
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_adaptive_draft_length_equals_plain_greedy(checkpoints, name):
+  """Each verify step drafts 0 .. 3 tokens, the rule's choice: still the plain greedy tokens;
+  with every draft forced right it drafts the most, with every draft forced wrong it mostly
+  drafts none (probing with one draft now and then)."""
+  _, _, model = checkpoints[name]
+  engine = ftjax.Engine(model, max_seq_len=128, **ENGINES["cache"])
+  v = model.config.vocab_size
+  ids = np.random.default_rng(13).integers(0, v, 11).tolist()
+  plain = np.asarray(engine.generate(ids, 40, greedy=True))
+  rng = np.random.default_rng(0)
+  for p in (1.0, 0.4, 0.0):
+    forced = np.where(rng.random(plain.size) < p, plain, (plain + 1) % v)
+    got = engine.generate_speculative(ids, 40, draft_tokens=3, forced_drafts=forced,
+                                      adaptive=True)
+    assert got.tokens == plain.tolist(), (name, p)
+    assert sum(got.lengths) == got.steps and len(got.lengths) == 4
+    if p == 1.0:
+      assert got.lengths[3] >= got.steps // 2, got.lengths
+    if p == 0.0:
+      assert got.lengths[0] >= got.steps // 2 and got.accepted == [0, 0, 0], got.lengths
+
+
+def test_the_adaptive_rule_maximises_expected_tokens_per_byte(checkpoints):
+  """The rule's choice against a brute force over the draft lengths, and its cost model
+  against the bytes in the model's file."""
+  model = checkpoints["qwen3_next"][2]
+  c = model.config
+  cost = speculative.step_costs(model, 4)
+  assert np.all(np.diff(cost) > 0)
+  dense = sum(t["nbytes"] for n, t in model.storage.index["tensors"].items()
+              if not n.startswith(("embed", "mtp.")))
+  mtp = sum(t["nbytes"] for n, t in model.storage.index["tensors"].items()
+            if n.startswith("mtp."))
+  plain = dense + (c.num_layers + 1) * c.top_k * model.expert_bytes + mtp  # with the catch-up
+  assert cost[0] == pytest.approx(plain, rel=1e-6)
+  for alpha in (0.1, 0.5, 0.8, 0.97):
+    tried = np.full(4, 1e4, np.float32)
+    draft = speculative.Draft(
+        caches=(), length=0, hidden=0, tokens=0, valid=0, count=0, done=False, steps=0,
+        accepted=0, forced=0, tried=jnp.asarray(tried), kept=jnp.asarray(alpha * tried),
+        chosen=0, idle=jnp.zeros((), jnp.int32))
+    expected = 1 + np.concatenate([[0], np.cumsum(np.cumprod(np.full(4, alpha)))])
+    assert int(speculative.choose_draft_length(draft, jnp.asarray(cost))) == int(
+        np.argmax(expected / cost)), alpha
+  never = draft.replace(kept=jnp.zeros(4, jnp.float32))
+  assert int(speculative.choose_draft_length(never, jnp.asarray(cost))) == 0
+  probe = never.replace(idle=jnp.asarray(speculative.PROBE_EVERY, jnp.int32))
+  assert int(speculative.choose_draft_length(probe, jnp.asarray(cost))) == 1
+
+
 def test_speculative_stops_where_plain_decoding_stops(checkpoints):
   _, _, model = checkpoints["qwen3_next"]
   engine = ftjax.Engine(model, kernels="ffi", max_seq_len=128)
@@ -294,6 +346,12 @@ def test_decode_cli_speculative(checkpoints, tmp_path):
   assert runs["mtp"].generation.tokens == runs["none"].generation.tokens
   assert len(runs["mtp"].generation.tokens) == 10
   assert "speculative: mtp, 3 draft tokens" in log.getvalue()
+  log = io.StringIO()
+  adaptive = run_decode(str(path), prompt, max_new_tokens=10, greedy=True, kernels="ffi",
+                        speculative="mtp", draft_tokens=3, adaptive_draft=True, prefault=False,
+                        out=io.StringIO(), log=log)
+  assert adaptive.generation.tokens == runs["none"].generation.tokens
+  assert "steps with 0 .. 3 drafts [" in log.getvalue()
   sampled = [run_decode(str(path), prompt, max_new_tokens=10, greedy=False, temperature=0.9,
                         top_p=0.9, seed=5, kernels="ffi", speculative="mtp", draft_tokens=2,
                         prefault=False, out=io.StringIO(), log=io.StringIO())
@@ -352,7 +410,8 @@ def test_speculative_sampling_follows_the_model_distribution(checkpoints, name):
   transformers model (p(t1) p(t2 | t1) p(t3 | t1, t2) under the same temperature and
   filter), chi-square. The random head's top 3 rarely meet the model's, so the draft for the
   second token is forced to its likeliest value after the likeliest first token (a one-hot
-  draft distribution, accepted or not by the same rule), and the third is the head's own."""
+  draft distribution, accepted or not by the same rule), and the third is the head's own.
+  Qwen3.5 runs with the adaptive draft length (0 .. 2 drafts a step)."""
   hf_model, _, model = checkpoints[name]
   engine = ftjax.Engine(model, max_seq_len=64, **ENGINES["cache"])
   ids = np.random.default_rng(21).integers(0, model.config.vocab_size, 9)
@@ -381,7 +440,7 @@ def test_speculative_sampling_follows_the_model_distribution(checkpoints, name):
   for seed in range(runs):
     got = engine.generate_speculative(ids.tolist(), 3, greedy=False, temperature=temperature,
                                       top_k=top_k, seed=seed, draft_tokens=2,
-                                      forced_drafts=forced)
+                                      forced_drafts=forced, adaptive=name != "qwen3_next")
     counts[tuple(got.tokens)] = counts.get(tuple(got.tokens), 0) + 1
     accepted, steps = accepted + got.accepted, steps + got.steps
   assert 30 <= accepted[0] <= steps - 30  # first drafts both accepted and rejected, often

@@ -875,20 +875,21 @@ class Engine:
                            seed: int = 0, top_k: int = 0, draft_tokens: int = 2,
                            stop_tokens: Sequence[int] = (),
                            forced_drafts: Sequence[int] | None = None,
-                           on_token: Callable[[int], None] | None = None
-                           ) -> speculative.SpeculativeResult:
+                           on_token: Callable[[int], None] | None = None,
+                           adaptive: bool = False) -> speculative.SpeculativeResult:
     """Decoding with the model's multi-token-prediction head drafting ``draft_tokens`` tokens
     per verify step (``ftjax.runtime.speculative``), with each draft position's acceptance.
     Greedy: the same tokens as ``generate(..., greedy=True)``; sampled (``greedy=False``,
     the options of ``generate``): rejection sampling, tokens that follow the distribution
-    ``generate`` samples from. ``forced_drafts``: research
+    ``generate`` samples from. ``adaptive``: each step drafts 0 .. ``draft_tokens`` tokens,
+    the length with the most expected tokens per byte read; ``forced_drafts``: research
     (``speculative.generate_speculative``)."""
     sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
                              top_k=top_k)
     return speculative.generate_speculative(self, token_ids, max_new_tokens,
                                             draft_tokens=draft_tokens, stop_tokens=stop_tokens,
                                             sampling=sampling, forced_drafts=forced_drafts,
-                                            on_token=on_token)
+                                            on_token=on_token, adaptive=adaptive)
 
   def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,

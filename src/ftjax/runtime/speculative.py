@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ftjax.model import KVCache
+from ftjax.model import KVCache, abstract_params
 from ftjax.model.transformer import init_mtp_state
 from ftjax.runtime.programs import Runner
 from ftjax.runtime.sampling import Sampling, distribution, sample
@@ -78,6 +78,12 @@ class Draft:
   # int32 [capacity]: where >= 0, the draft proposing emitted token i is forced to forced[i]
   # (the head's draft is still computed): research, to run at a chosen acceptance
   forced: jax.Array
+  # The adaptive draft length's running acceptance: per draft position j, the decayed count
+  # of steps that checked draft j (drafts before it kept) and of those that kept it.
+  tried: jax.Array  # float32 [k]
+  kept: jax.Array  # float32 [k]
+  chosen: jax.Array  # int32 [k + 1]: verify steps run with each draft length 0 .. k
+  idle: jax.Array  # int32 []: steps since one last drafted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,7 @@ class SpeculativeResult:
   steps: int  # verify steps
   accepted: list[int]  # per draft position i: steps whose draft i was accepted
   prompt_tokens: int = 0
+  lengths: list[int] = dataclasses.field(default_factory=list)  # steps with 0 .. k drafts
   prefill_s: float = 0.0  # the prompt and the head's reading of it, to the first token
   decode_s: float = 0.0  # the verify steps
   compile_s: float = 0.0
@@ -162,34 +169,107 @@ def prefill_program(runner: Runner, params, bank, state: EngineState, caches, to
       tokens=jnp.zeros((1, k + 1), jnp.int32).at[:, 0].set(first),
       valid=jnp.ones((), jnp.int32), count=jnp.ones((), jnp.int32),
       done=_stopped(first, stop_ids) | (max_new <= 1), steps=jnp.zeros((), jnp.int32),
-      accepted=jnp.zeros((k,), jnp.int32), forced=forced)
+      accepted=jnp.zeros((k,), jnp.int32), forced=forced, tried=jnp.zeros((k,), jnp.float32),
+      kept=jnp.zeros((k,), jnp.float32), chosen=jnp.zeros((k + 1,), jnp.int32),
+      idle=jnp.zeros((), jnp.int32))
   return state, draft, first
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("k", "chunk", "sampled"),
+# The adaptive rule's acceptance estimate forgets at this rate per verify step (a window of
+# about 20 steps), and a step drafts at least one token after this many without drafting, so
+# the estimate follows the text.
+DECAY = 0.95
+PROBE_EVERY = 16
+
+
+def step_costs(model, k: int) -> np.ndarray:
+  """float32 [k + 1]: the bytes a verify step with 0 .. k drafts reads, the cost model of the
+  adaptive draft length (``model``: an ``ftjax.runtime.model.Model``). Decode reads its
+  weights at one bandwidth on the CPU (dense weights and host-run experts alike), so bytes
+  rank the lengths as seconds do. A step with m drafts reads:
+
+  - the model's verify forward of m + 1 tokens: every dense weight but the embedding table
+    once, and in each decoder layer the distinct experts of m + 1 routes of top-k, expected
+    E (1 - (1 - top_k / E)^(m + 1)) under uniform routing;
+  - the head's catch-up over the pending positions (at most m + 1; its dense weights and
+    their distinct experts) and, where m > 0, the lm_head for the first draft's logits;
+  - m - 1 further draft steps, each the head's dense weights, top-k experts and the lm_head.
+  """
+  config = model.config
+  itemsize = model.dtype.itemsize
+  sizes = {n: int(np.prod(a.shape)) * itemsize for n, a in abstract_params(config).items()}
+  head = sizes.get("w_lm_vd", sizes["embed_vd"])  # tied embeddings: the table is the head
+  mtp = sum(b for n, b in sizes.items() if n.startswith("mtp."))
+  decoder = sum(b for n, b in sizes.items()
+                if not n.startswith(("mtp.", "embed_vd", "w_lm_vd"))) + head
+  experts, top = config.num_experts, config.top_k
+
+  def distinct(tokens: int) -> float:
+    return experts * (1.0 - (1.0 - top / experts) ** tokens)
+
+  costs = []
+  for m in range(k + 1):
+    verify = decoder + config.num_layers * distinct(m + 1) * model.expert_bytes
+    catch_up = config.mtp_layers * (mtp + distinct(m + 1) * model.expert_bytes) + (
+        head if m else 0)
+    drafts = max(m - 1, 0) * (config.mtp_layers * (mtp + top * model.expert_bytes) + head)
+    costs.append(verify + catch_up + drafts)
+  return np.asarray(costs, np.float32)
+
+
+def expected_tokens(acceptance: jax.Array) -> jax.Array:
+  """Tokens a verify step emits on average with 0 .. k drafts, from each draft position's
+  acceptance given the drafts before it kept (float32 [k]): 1 + sum_i prod_{j <= i} a_j."""
+  return 1.0 + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.cumprod(
+      acceptance))])
+
+
+def acceptance_estimate(tried: jax.Array, kept: jax.Array) -> jax.Array:
+  """Per draft position, the acceptance given the drafts before it kept (float32 [k]), from
+  the decayed counts: (kept_j + 2 m_j) / (tried_j + 2), a prior of weight 2 whose mean m_j is
+  the estimate of the position before (0.5 for the first). A position no step has tried yet
+  is expected to do as the one before it, so the rule tries it when that would pay."""
+  out, prior = [], jnp.float32(0.5)
+  for j in range(tried.shape[0]):
+    prior = (kept[j] + 2.0 * prior) / (tried[j] + 2.0)
+    out.append(prior)
+  return jnp.stack(out)
+
+
+def choose_draft_length(draft: Draft, cost: jax.Array) -> jax.Array:
+  """The draft length 0 .. k of the next verify step: the most expected tokens per unit of
+  cost (``cost`` float32 [k + 1]: a step's modelled cost with each length, ``step_costs``)
+  at the acceptance measured so far (``acceptance_estimate``); at least 1 after
+  ``PROBE_EVERY`` steps without drafting."""
+  rate = expected_tokens(acceptance_estimate(draft.tried, draft.kept)) / cost
+  k = jnp.argmax(rate).astype(jnp.int32)
+  return jnp.where((k == 0) & (draft.idle >= PROBE_EVERY), 1, k)
+
+
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("k", "chunk", "sampled", "adaptive"),
                    donate_argnames=("state", "draft"))
 def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draft, max_new,
-                   stop_ids, sampling: Sampling, *, k: int, chunk: int, sampled: bool):
+                   stop_ids, sampling: Sampling, cost, *, k: int, chunk: int, sampled: bool,
+                   adaptive: bool):
   """Up to ``chunk`` verify steps (the module docstring), stopping on the device; greedy, or
-  with rejection sampling where ``sampled``. Returns (state, draft, tokens [chunk, k + 1]
-  int32: each step's emitted tokens, -1 after them)."""
+  with rejection sampling where ``sampled``; ``k`` drafts a step, or where ``adaptive`` the
+  length 0 .. k that ``choose_draft_length`` picks from ``cost`` before each step. Returns
+  (state, draft, tokens [chunk, k + 1] int32: each step's emitted tokens, -1 after them)."""
   out = jnp.full((chunk, k + 1), -1, jnp.int32)
-  span = jnp.arange(k + 1, dtype=jnp.int32)
+  full_span = jnp.arange(k + 1, dtype=jnp.int32)
 
-  def cond(carry):
-    i, _, draft, _ = carry
-    return (i < chunk) & ~draft.done
-
-  def body(carry):
-    i, state, draft, out = carry
-    # 1. The head catches up on the pending positions and drafts d_1, then d_2 .. d_k.
+  def step(m, state, draft):
+    """One verify step with m drafts (m <= k): (state, draft, emitted tokens [k + 1])."""
+    span = jnp.arange(m + 1, dtype=jnp.int32)
+    # 1. The head catches up on the pending positions and drafts d_1, then d_2 .. d_m.
     base = draft.length
     state, caches, h, logits, _ = runner.mtp_step(
         params, bank, state, draft.caches, base, draft.hidden, draft.tokens,
-        (base + span)[None])
+        (base + full_span)[None])
     last = draft.valid - 1
     keys = jax.random.split(jax.random.fold_in(
-        jax.random.fold_in(jax.random.key(sampling.seed), 0x5bec), draft.count), k + 1)
+        jax.random.fold_in(jax.random.key(sampling.seed), 0x5bec), draft.count), m + 1)
 
     def propose(row, j):  # the head's draft j from its logits row, and its distribution
       if not sampled:
@@ -197,42 +277,64 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
       q = distribution(row[None], sampling)[0]
       return jax.random.categorical(keys[j], jnp.log(q)).astype(jnp.int32), q
 
-    proposals = [propose(logits[0, last], 0)]
+    proposals = [propose(logits[0, last], 0)] if m else []
     h = jax.lax.dynamic_slice_in_dim(h, last, 1, axis=1)
     n = base + draft.valid  # the model's length
-    for j in range(1, k):
+    for j in range(1, m):
       at = (n + j - 1)[None, None]
       state, caches, h, logits, _ = runner.mtp_step(
           params, bank, state, caches, n + j - 1, h, proposals[-1][0][None, None], at, depth=j)
       proposals.append(propose(logits[0, 0], j))
-    drafts = jnp.stack([d for d, _ in proposals])  # [k]: d_j proposes token count + j - 1
-    forced = jax.lax.dynamic_slice_in_dim(draft.forced, draft.count, k)
+    # [m]: d_j proposes token count + j - 1
+    drafts = jnp.stack([d for d, _ in proposals]) if m else jnp.zeros((0,), jnp.int32)
+    forced = jax.lax.dynamic_slice_in_dim(draft.forced, draft.count, m)
     drafts = jnp.where(forced >= 0, forced, drafts)
-    # 2. The model reads [t, d_1 .. d_k], keeping its recurrent states after each token.
+    # 2. The model reads [t, d_1 .. d_m], keeping its recurrent states after each token.
     read = jnp.concatenate([draft.tokens[0, last][None], drafts])[None]
     state, hidden, logits, _, snapshots = runner.forward_hidden(
         params, bank, state, read, (n + span)[None], fresh=False, snapshot_at=span + 1)
     if sampled:  # a: the drafts accepted; target: the emitted tokens, then padding
-      q = jnp.stack([q for _, q in proposals])
-      q = jnp.where((forced >= 0)[:, None], jax.nn.one_hot(drafts, q.shape[-1]), q)
-      a, target = accept_sampled(keys[k], drafts, q, distribution(logits[0], sampling))
-    else:  # greedy targets y_0 .. y_k; a: the drafts that agree, in order
-      target = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)  # [k + 1]
-      a = jnp.sum(jnp.cumprod((drafts == target[:k]).astype(jnp.int32)))
+      vocab = logits.shape[-1]
+      q = (jnp.stack([q for _, q in proposals]) if m else jnp.zeros((0, vocab), jnp.float32))
+      q = jnp.where((forced >= 0)[:, None], jax.nn.one_hot(drafts, vocab), q)
+      a, target = accept_sampled(keys[m], drafts, q, distribution(logits[0], sampling))
+    else:  # greedy targets y_0 .. y_m; a: the drafts that agree, in order
+      target = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)  # [m + 1]
+      a = jnp.sum(jnp.cumprod((drafts == target[:m]).astype(jnp.int32)))
     # 3. Keep the accepted prefix; roll the state back to it.
     layers = tuple(layer if snap is None else jax.tree.map(lambda x: x[a], snap)
                    for layer, snap in zip(state.decode.layers, snapshots))
     state = state.replace(decode=state.decode.replace(layers=layers, length=n + a + 1))
     emit = (span <= a) & (span < max_new - draft.count)
     stop = emit & jax.vmap(_stopped, in_axes=(0, None))(target, stop_ids)
-    first_stop = jnp.where(jnp.any(stop), jnp.argmax(stop), k + 1)
+    first_stop = jnp.where(jnp.any(stop), jnp.argmax(stop), m + 1)
     emit = emit & (span <= first_stop)
     count = draft.count + jnp.sum(emit)
-    draft = Draft(caches=caches, length=n, hidden=hidden, tokens=target[None], valid=a + 1,
-                  count=count, done=jnp.any(stop) | (count >= max_new), steps=draft.steps + 1,
-                  accepted=draft.accepted + (span[:k] < a).astype(jnp.int32),
-                  forced=draft.forced)
-    return i + 1, state, draft, out.at[i].set(jnp.where(emit, target, -1))
+    pad = k - m
+    checked = (full_span[:k] < m) & (full_span[:k] <= a)  # drafts before it kept
+    kept = (full_span[:k] < a).astype(jnp.float32)
+    draft = Draft(
+        caches=caches, length=n, hidden=jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))),
+        tokens=jnp.pad(target, (0, pad))[None], valid=a + 1, count=count,
+        done=jnp.any(stop) | (count >= max_new), steps=draft.steps + 1,
+        accepted=draft.accepted + kept.astype(jnp.int32), forced=draft.forced,
+        tried=DECAY * draft.tried + checked, kept=DECAY * draft.kept + kept,
+        chosen=draft.chosen.at[m].add(1), idle=jnp.where(m > 0, 0, draft.idle + 1))
+    return state, draft, jnp.pad(jnp.where(emit, target, -1), (0, pad), constant_values=-1)
+
+  def cond(carry):
+    i, _, draft, _ = carry
+    return (i < chunk) & ~draft.done
+
+  def body(carry):
+    i, state, draft, out = carry
+    if adaptive:
+      branches = [functools.partial(step, m) for m in range(k + 1)]
+      state, draft, row = jax.lax.switch(choose_draft_length(draft, cost), branches, state,
+                                         draft)
+    else:
+      state, draft, row = step(k, state, draft)
+    return i + 1, state, draft, out.at[i].set(row)
 
   _, state, draft, out = jax.lax.while_loop(
       cond, body, (jnp.zeros((), jnp.int32), state, draft, out))
@@ -244,7 +346,7 @@ def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, 
                          sampling: Sampling | None = None,
                          forced_drafts: Sequence[int] | None = None,
                          on_token: Callable[[int], None] | None = None,
-                         chunk: int = 8) -> SpeculativeResult:
+                         adaptive: bool = False, chunk: int = 8) -> SpeculativeResult:
   """Decoding of ``max_new_tokens`` after ``token_ids`` on ``engine`` (an ``ftjax.Engine``),
   ``draft_tokens`` (1 .. 4) drafted by the model's MTP head per verify step. Greedy (the
   default, ``sampling`` None or greedy), the tokens equal ``engine.generate(token_ids,
@@ -256,7 +358,9 @@ def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, 
   token i, a token >= 0 that the draft proposing it is forced to (the head still runs), or
   -1 for the head's own draft. Forced to the plain greedy tokens with probability p, the
   drafts are accepted at about that rate whatever the head predicts. ``on_token`` hears each
-  new token as its chunk of verify steps comes back."""
+  new token as its chunk of verify steps comes back. ``adaptive``: each verify step drafts
+  the number of tokens, 0 .. ``draft_tokens``, with the most expected tokens per byte read
+  (``choose_draft_length``, ``step_costs``) from the acceptance measured so far."""
   config = engine.model.config
   if not config.mtp_layers:
     raise ValueError(
@@ -306,11 +410,14 @@ def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, 
   if on_token is not None:
     on_token(out[0])
   t0, compiled = time.perf_counter(), ex.compile_s
-  key = ("mtp_decode", capacity, k, chunk, ex.slot_capacity(), stop_ids.shape[0], sampled)
+  cost = ex.put(jnp.asarray(step_costs(engine.model, k)))
+  key = ("mtp_decode", capacity, k, chunk, ex.slot_capacity(), stop_ids.shape[0], sampled,
+         adaptive)
   fn = ex.compiled(key, decode_program, engine.params, engine.bank, est, draft, max_new, stops,
-                   sampling, k=k, chunk=chunk, sampled=sampled)
+                   sampling, cost, k=k, chunk=chunk, sampled=sampled, adaptive=adaptive)
   while not bool(draft.done):
-    est, draft, chunk_out = fn(engine.params, engine.bank, est, draft, max_new, stops, sampling)
+    est, draft, chunk_out = fn(engine.params, engine.bank, est, draft, max_new, stops, sampling,
+                               cost)
     got = np.asarray(chunk_out)
     for t in got[got >= 0]:
       out.append(int(t))
@@ -321,4 +428,5 @@ def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, 
   return SpeculativeResult(tokens=out, draft_tokens=k, steps=int(draft.steps),
                            accepted=[int(a) for a in np.asarray(draft.accepted)],
                            prompt_tokens=ids.shape[1], prefill_s=prefill_s, decode_s=decode_s,
-                           compile_s=ex.compile_s - compile_start)
+                           compile_s=ex.compile_s - compile_start,
+                           lengths=[int(x) for x in np.asarray(draft.chosen)])
