@@ -191,6 +191,7 @@ class Running:
   prefill: Iterator | None
   generation: Generation | None = None
   started: float = 0.0
+  read: int = 0  # prompt tokens read so far (counted as its prefill chunks are dispatched)
 
 
 class Worker(Feed):
@@ -437,8 +438,11 @@ class Worker(Feed):
     return bool(self._ready)
 
   def work(self) -> bool:
-    """Admits waiting jobs while fewer than ``max_running`` are in, then runs one prefill
-    chunk of the oldest job still reading its context."""
+    """Admits waiting jobs while fewer than ``max_running`` are in, then reads the contexts
+    of the oldest jobs still reading theirs, a prefill chunk at a time, up to one prefill
+    chunk's worth of tokens (``prefill_chunk``) in all: several short prompts are read
+    between two decode chunks, a long one a chunk at a time, so the streams already running
+    never wait for more than about one chunk."""
     self._run_controls()
     while self.running < self.max_running and not self._stopping:
       if self._blocked is not None:
@@ -455,22 +459,33 @@ class Worker(Feed):
         break
       if not self._admit(job):
         break  # first in line waits for memory; the jobs behind it wait too (FCFS)
-    if not self._admitted:
-      return False
-    running = self._admitted[0]
+    budget, spent, worked = self.engine.options.prefill_chunk, 0, False
+    while self._admitted:
+      running = self._admitted[0]
+      left = max(0, len(running.job.ids) - running.read)
+      if worked and spent + min(left, budget) > budget:
+        break
+      spent += self._prefill_step(running)
+      worked = True
+    return worked
+
+  def _prefill_step(self, running: Running) -> int:
+    """One prefill chunk of ``running`` (the oldest job reading its context), and its
+    generation set up when that was the last; returns the prompt tokens it accounts for."""
+    before = running.read
     if running.job.cancelled.is_set():
       self._admitted.popleft()
       self._end(running)
-      return True
+      return 0
     try:
-      next(running.prefill)
-      return True
+      running.read = next(running.prefill)
+      return max(0, running.read - before)
     except StopIteration as end:
       context = end.value
     except Exception as e:  # noqa: BLE001 - reported to the client as a 500
       self._admitted.popleft()
       self._end(running, error=e)
-      return True
+      return len(running.job.ids) - before
     self._admitted.popleft()
     running.prefill = None
     running.reply.cached_tokens = context.reused_tokens
@@ -482,9 +497,9 @@ class Worker(Feed):
           **running.job.sampling)
     except Exception as e:  # noqa: BLE001
       self._end(running, error=e)
-      return True
+      return len(running.job.ids) - before
     if running.generation is None:
       self._end(running)
     else:
       self._ready.append(running)
-    return True
+    return max(0, context.prefilled_tokens - before)
