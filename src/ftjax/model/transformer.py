@@ -170,13 +170,16 @@ class Transformer(nnx.Module):
 
   def mtp_step(self, caches: tuple[KVCache, ...], length: jax.Array, hidden: jax.Array,
                tokens: jax.Array, positions: jax.Array, experts: RoutedExperts, *,
-               kernels: str = "xla", depth: int = 0, fresh: bool = False):
+               kernels: str = "xla", depth: int = 0, fresh: bool = False,
+               num_valid: jax.Array | None = None, logits: bool = True):
     """One MTP step (``MTPHead``): ``hidden [B, T, D]`` (the model's hidden states after its
     final norm, or an earlier MTP step's), ``tokens [B, T]`` (the token after each),
     ``positions [B, T]`` (those of ``hidden``) -> (caches, experts, hidden' [B, T, D],
-    logits [B, T, V] float32). ``caches`` are the MTP layers' KV caches
-    (``init_mtp_state``), holding ``length`` rows; only layer ``depth % mtp_layers``'s
-    changes. ``fresh`` (static) promises ``length == 0``."""
+    logits [B, T, V] float32, or None where ``logits`` (static) is False). ``caches`` are the
+    MTP layers' KV caches (``init_mtp_state``), holding ``length`` rows; only layer
+    ``depth % mtp_layers``'s changes. ``fresh`` (static) promises ``length == 0``.
+    ``num_valid`` (int32 scalar): only the first ``num_valid`` tokens are real, the rest
+    padding whose routes read no experts (their KV rows are written and overwritten later)."""
     if self.mtp is None:
       raise ValueError("this model has no multi-token-prediction (MTP) layers: its checkpoint "
                        "ships no mtp.* tensors; speculative decoding with MTP needs a Qwen3-Next "
@@ -186,11 +189,14 @@ class Transformer(nnx.Module):
     z = linear(jnp.concatenate([e, head.hidden_norm(hidden)], axis=-1), head.w_fc_dx, 1,
                kernels=kernels)
     j = depth % len(head.layers)
+    valid = None
+    if num_valid is not None:
+      valid = jnp.broadcast_to(jnp.arange(tokens.shape[1]) < num_valid, tokens.shape)
     cache, experts, z = head.layers[j](z, caches[j], length, positions, self.num_layers + j,
-                                       experts, kernels=kernels, fresh=fresh, valid=None)
+                                       experts, kernels=kernels, fresh=fresh, valid=valid)
     out = head.final_norm(z)
     caches = caches[:j] + (cache,) + caches[j + 1:]
-    return caches, experts, out, self.lm_head(out, kernels=kernels)
+    return caches, experts, out, self.lm_head(out, kernels=kernels) if logits else None
 
   def __call__(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
                experts: RoutedExperts, *, kernels: str = "xla", last_only: bool = False,

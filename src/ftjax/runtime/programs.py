@@ -134,14 +134,17 @@ class Runner:
     return state.replace(decode=decode), hidden, logits, record, snapshots
 
   def mtp_step(self, params, bank, state: EngineState, caches, length, hidden, tokens,
-               positions, *, depth: int = 0, fresh: bool = False):
-    """One step of the MTP head (``Transformer.mtp_step``), its routed experts served as the
-    model's: (state, caches, hidden' [B, T, D], logits [B, T, V], record)."""
+               positions, *, depth: int = 0, fresh: bool = False, num_valid=None,
+               logits: bool = True):
+    """One step of the MTP head (``Transformer.mtp_step``, whose ``num_valid`` and
+    ``logits`` it passes on), its routed experts served as the model's: (state, caches,
+    hidden' [B, T, D], logits [B, T, V] or None, record)."""
     model = nnx.merge(self.graphdef, params)
     experts = self.routed_experts(bank, state, tokens.shape)
     caches, experts, out, logits = model.mtp_step(caches, length, hidden, tokens, positions,
                                                   experts, kernels=self.kernels, depth=depth,
-                                                  fresh=fresh)
+                                                  fresh=fresh, num_valid=num_valid,
+                                                  logits=logits)
     state, record = self.settle(experts, state)
     return state, caches, out, logits, record
 

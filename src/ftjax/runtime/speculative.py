@@ -264,9 +264,11 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
     span = jnp.arange(m + 1, dtype=jnp.int32)
     # 1. The head catches up on the pending positions and drafts d_1, then d_2 .. d_m.
     base = draft.length
+    # Padded pending entries read no experts; with no draft, no logits (the lm_head) either:
+    # only the head's KV rows are wanted.
     state, caches, h, logits, _ = runner.mtp_step(
         params, bank, state, draft.caches, base, draft.hidden, draft.tokens,
-        (base + full_span)[None])
+        (base + full_span)[None], num_valid=draft.valid, logits=m > 0)
     last = draft.valid - 1
     keys = jax.random.split(jax.random.fold_in(
         jax.random.fold_in(jax.random.key(sampling.seed), 0x5bec), draft.count), m + 1)
