@@ -159,6 +159,24 @@ def test_snapshots_equal_the_float64_loop_after_each_prefix(t):
     tolerances.assert_close(snaps[i], ref, tolerances.F32, floor=1.0, what=f"T={t} p={p}")
 
 
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_recurrent_snapshots_equal_the_float64_loop_after_each_prefix(t):
+  """The token loop's states after p tokens (what a speculative verify step of t tokens keeps)
+  equal the float64 loop run on the first p tokens, for every p in [0, T]."""
+  q, k, v, g, beta, state = _inputs(t, seed=5)
+  positions = list(range(t + 1))
+  out, final, snaps = gated_delta_recurrent(q, k, v, g, beta, state,
+                                            snapshot_at=jnp.asarray(positions))
+  ref_out, ref_final = gated_delta_recurrent(q, k, v, g, beta, state)
+  np.testing.assert_array_equal(out, ref_out)  # snapshots change nothing else
+  np.testing.assert_array_equal(final, ref_final)
+  np.testing.assert_array_equal(snaps[-1], final)
+  assert snaps.shape == (t + 1, B, M, U, Y)
+  for p in positions:
+    _, ref = _reference(q[:, :p], k[:, :p], v[:, :p], g[:, :p], beta[:, :p], state)
+    tolerances.assert_close(snaps[p], ref, tolerances.F32, floor=1.0, what=f"T={t} p={p}")
+
+
 def test_layer_snapshots_equal_splitting_there(layer):
   """The layer's snapshots (conv inputs and delta state) equal the state of a prompt split at
   each position, also with padding after the real tokens."""
