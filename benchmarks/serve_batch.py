@@ -18,11 +18,12 @@ tokenizer is shared), ``max_tokens`` ``--tokens``, ``temperature`` 0, ``stream``
 (llama-server also gets ``ignore_eos``). Measured in the client, per request: the arrival
 time of every streamed event with text, and the completion tokens. Per side and round:
 
-- aggregate tok/s: all completion tokens / (last event of any request − first request sent);
+- aggregate tok/s: all completion tokens (from the usage chunks) / (the end of the last
+  stream − the first request sent);
 - decode tok/s: all tokens after each request's first / the span from the earliest first
-  token to the last event;
-- ITL: a request's mean inter-token latency, (last event − first token) / (tokens − 1);
-  p50 and p99 over the requests and rounds; and the gaps between consecutive events
+  text event to the end of the last stream;
+- ITL: a request's mean inter-token latency, (last text event − first) / (tokens − 1), over
+  the requests with two text events or more; p50 and p99 over the requests and rounds; and the gaps between consecutive events
   (p50, p99): a stall shows there. ftjax streams once per decode chunk (8 tokens), so its
   gaps are a chunk's time. Caveat: the random model mostly generates ids past the stand-in
   tokenizer's 4096, which have no text; llama-server sends no text event for them (1 to 5
@@ -97,22 +98,34 @@ def round_of(port: int, prompts: list[list[int]], tokens: int, extra: dict) -> d
     t.start()
   for t in threads:
     t.join()
-  if any("tokens" not in o or not o["events"] for o in outs):
-    raise RuntimeError(f"port {port}: a request got no stream: {outs}")
+  if any(o.get("tokens") is None for o in outs):
+    raise RuntimeError(f"port {port}: a stream ended without its usage chunk: {outs}")
+  # The end of each stream (its usage chunk and [DONE]) rather than its last text event: the
+  # random model's ids past the stand-in tokenizer's 4096 carry no text, so a request can
+  # stream few text events, or none (which broke an earlier version of this script).
   start = min(o["sent"] for o in outs)
-  end = max(o["events"][-1] for o in outs)
-  first = min(o["events"][0] for o in outs)
+  end = max(o["done"] for o in outs)
+  firsts = [o["events"][0] for o in outs if o["events"]]
   total = sum(o["tokens"] for o in outs)
-  itl = [(o["events"][-1] - o["events"][0]) / max(o["tokens"] - 1, 1) for o in outs]
+  timed = [o for o in outs if len(o["events"]) >= 2]
+  itl = [(o["events"][-1] - o["events"][0]) / max(o["tokens"] - 1, 1) for o in timed]
   gaps = [b - a for o in outs for a, b in zip(o["events"], o["events"][1:])]
   return {"aggregate_tok_s": total / (end - start),
-          "decode_tok_s": sum(o["tokens"] - 1 for o in outs) / (end - first),
+          "decode_tok_s": (sum(o["tokens"] - 1 for o in outs) / (end - min(firsts))
+                           if firsts else None),
           "tokens": [o["tokens"] for o in outs],
-          "ttft_s": [o["events"][0] - o["sent"] for o in outs],
+          "ttft_s": [o["events"][0] - o["sent"] for o in outs if o["events"]],
           "itl_s": itl, "event_gaps_s": gaps, "events": [len(o["events"]) for o in outs]}
 
 
-def pct(values: list[float], q: float) -> float:
+def median_or_none(values: list) -> float | None:
+  values = [v for v in values if v is not None]
+  return statistics.median(values) if values else None
+
+
+def pct(values: list[float], q: float) -> float | None:
+  if not values:
+    return None
   values = sorted(values)
   return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
@@ -168,7 +181,7 @@ def main() -> None:
     gaps = [x for r in rs for x in r["event_gaps_s"]]
     summary[side] = {
         "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in rs),
-        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+        "decode_tok_s": median_or_none([r["decode_tok_s"] for r in rs]),
         "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
         "event_gap_p50_s": pct(gaps, 0.5), "event_gap_p99_s": pct(gaps, 0.99),
         "ttft_p50_s": pct([x for r in rs for x in r["ttft_s"]], 0.5),
@@ -186,10 +199,13 @@ def main() -> None:
         f"{'gap p50':>8} {'gap p99':>8} {'TTFT p50':>8}")
   for side, label in (("ftjax", "ftjax.serve"), ("llama", "llama-server")):
     s = summary[side]
-    print(f"{label:14} {s['aggregate_tok_s']:9.1f} {s['decode_tok_s']:7.1f} "
-          f"{s['itl_p50_s'] * 1e3:6.1f}ms {s['itl_p99_s'] * 1e3:6.1f}ms "
-          f"{s['event_gap_p50_s'] * 1e3:6.1f}ms {s['event_gap_p99_s'] * 1e3:6.1f}ms "
-          f"{s['ttft_p50_s'] * 1e3:6.0f}ms")
+
+    def ms(key: str) -> str:
+      return "     -  " if s[key] is None else f"{s[key] * 1e3:6.1f}ms"
+    decode = "      -" if s["decode_tok_s"] is None else f"{s['decode_tok_s']:7.1f}"
+    print(f"{label:14} {s['aggregate_tok_s']:9.1f} {decode} {ms('itl_p50_s')} "
+          f"{ms('itl_p99_s')} {ms('event_gap_p50_s')} {ms('event_gap_p99_s')} "
+          f"{ms('ttft_p50_s')}")
   print(f"aggregate tok/s, ftjax / llama-server: {ratio:.2f} (goal >= {GOAL_AGGREGATE})")
   print(f"wrote {write_results('serve_batch', results, args.out)}")
 
