@@ -208,7 +208,7 @@ def main(argv):
 def cli() -> None:
   """Defines the flags and runs ``main`` (``python -m ftjax.decode``)."""
   global _ENGINE, _SAMPLING, _PROMPT, _PROMPT_FILE, _STATS, _TRACE_OUT, _SPECULATIVE
-  global _DRAFT_TOKENS
+  global _DRAFT_TOKENS, _ADAPTIVE_DRAFT
   _ENGINE = cli_flags.define_engine_flags()
   _SAMPLING = cli_flags.define_sampling_flags(max_new_tokens=64, greedy=False)
   _PROMPT = flags.DEFINE_string("prompt", DEFAULT_PROMPT, "text to complete")
