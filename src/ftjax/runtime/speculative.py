@@ -291,10 +291,12 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
     drafts = jnp.stack([d for d, _ in proposals]) if m else jnp.zeros((0,), jnp.int32)
     forced = jax.lax.dynamic_slice_in_dim(draft.forced, draft.count, m)
     drafts = jnp.where(forced >= 0, forced, drafts)
-    # 2. The model reads [t, d_1 .. d_m], keeping its recurrent states after each token.
+    # 2. The model reads [t, d_1 .. d_m], keeping its recurrent states after each token (with
+    # no draft there is nothing to roll back: a plain one-token forward).
     read = jnp.concatenate([draft.tokens[0, last][None], drafts])[None]
     state, hidden, logits, _, snapshots = runner.forward_hidden(
-        params, bank, state, read, (n + span)[None], fresh=False, snapshot_at=span + 1)
+        params, bank, state, read, (n + span)[None], fresh=False,
+        snapshot_at=span + 1 if m else None)
     if sampled:  # a: the drafts accepted; target: the emitted tokens, then padding
       vocab = logits.shape[-1]
       q = (jnp.stack([q for _, q in proposals]) if m else jnp.zeros((0, vocab), jnp.float32))
@@ -304,9 +306,10 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
       target = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)  # [m + 1]
       a = jnp.sum(jnp.cumprod((drafts == target[:m]).astype(jnp.int32)))
     # 3. Keep the accepted prefix; roll the state back to it.
-    layers = tuple(layer if snap is None else jax.tree.map(lambda x: x[a], snap)
-                   for layer, snap in zip(state.decode.layers, snapshots))
-    state = state.replace(decode=state.decode.replace(layers=layers, length=n + a + 1))
+    if m:
+      layers = tuple(layer if snap is None else jax.tree.map(lambda x: x[a], snap)
+                     for layer, snap in zip(state.decode.layers, snapshots))
+      state = state.replace(decode=state.decode.replace(layers=layers, length=n + a + 1))
     emit = (span <= a) & (span < max_new - draft.count)
     stop = emit & jax.vmap(_stopped, in_axes=(0, None))(target, stop_ids)
     first_stop = jnp.where(jnp.any(stop), jnp.argmax(stop), m + 1)
