@@ -3,8 +3,9 @@
 Requests become jobs (``Job``) on the event loop and queue for the engine thread (``Worker``),
 which runs the engine's decode loop (``Executor.run``) with itself as the loop's ``Feed``: up
 to ``max_running`` jobs at once, first come first served. A job takes a session
-(``SessionPool``), reads its context one prefill chunk at a time between the decode chunks of
-the jobs already running, then joins the decode batch; its reply's deltas
+(``SessionPool``), reads its context between the decode chunks of the jobs already running (up
+to one prefill chunk's worth of prompt tokens between two: several short prompts, or one chunk
+of a long one), then joins the decode batch; its reply's deltas
 (``outputs.ReplyParser``) go back to the request's task as they come, a decode chunk at a
 time. At most ``max_queue`` jobs wait; past that the answer is 429 with ``Retry-After``. A
 streaming client that goes away cancels its job: a waiting job is dropped, a running one
@@ -50,8 +51,8 @@ class ServerConfig:
   """model_name: the id clients send as ``model`` (and ``/v1/models`` lists).
   max_queue: requests that may wait behind the running ones (more: 429).
   max_running: sequences that decode together in one batch (continuous batching: requests
-    join and leave between decode chunks; a new prompt's prefill runs a chunk at a time
-    between them); 1 runs one request at a time.
+    join and leave between decode chunks; new prompts are read between them, up to one
+    prefill chunk's worth of tokens at a time); 1 runs one request at a time.
   max_body_bytes: the largest request body (more: 413).
   default_max_tokens: the completion limit of a chat request that gives none (clipped to the
     context left).
