@@ -76,14 +76,19 @@ def bench_config(kind: str, layers: int):
 def load(kind: str, layers: int, model_dir: str):
   """The bench model, written into ``model_dir/KIND-Ll`` first if missing or stale, loaded
   pre-faulted."""
+  return load_or_write(bench_config(kind, layers), os.path.join(model_dir, f"{kind}-{layers}l"),
+                       log)
+
+
+def load_or_write(config, path: str, log):
+  """The random bfloat16 model of ``config`` at ``path`` (``decode_e2e.write_model``), written
+  first if missing or its config differs; loaded pre-faulted. ``log`` hears what it does."""
   import ftjax  # noqa: PLC0415
   from decode_e2e import write_model  # noqa: PLC0415
   from ftjax.formats import ftw  # noqa: PLC0415
-  config = bench_config(kind, layers)
-  path = os.path.join(model_dir, f"{kind}-{layers}l")
   if not (ftw.is_ftw_dir(path) and ftw.FTWFile.open(path, verify=False).config == config):
     shutil.rmtree(path, ignore_errors=True)
-    log(f"writing the random {kind} model into {path}")
+    log(f"writing the random model into {path}")
     write_model(config, path)
   t0 = time.perf_counter()
   model = ftjax.load(path, verify=False, populate=True)

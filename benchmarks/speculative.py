@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, pyplot, write_results  # noqa: E402
@@ -60,21 +58,11 @@ def log(msg: str) -> None:
 
 
 def load(layers: int, model_dir: str):
-  import ftjax  # noqa: PLC0415
-  from decode_e2e import write_model  # noqa: PLC0415
-  from ftjax.formats import ftw  # noqa: PLC0415
+  from batch_decode import load_or_write  # noqa: PLC0415
   from ftjax.model.config import ModelConfig  # noqa: PLC0415
   from hybrid_e2e import hf_config  # noqa: PLC0415
   config = ModelConfig.from_hf_config(hf_config(layers, mtp_num_hidden_layers=1))
-  path = os.path.join(model_dir, f"hybrid-mtp-{layers}l")
-  if not (ftw.is_ftw_dir(path) and ftw.FTWFile.open(path, verify=False).config == config):
-    shutil.rmtree(path, ignore_errors=True)
-    log(f"writing the random model into {path}")
-    write_model(config, path)
-  t0 = time.perf_counter()
-  model = ftjax.load(path, verify=False, populate=True)
-  log(f"loaded and pre-faulted {path} in {time.perf_counter() - t0:.1f} s")
-  return model
+  return load_or_write(config, os.path.join(model_dir, f"hybrid-mtp-{layers}l"), log)
 
 
 def distinct_experts(routing: list, k: int) -> float:
