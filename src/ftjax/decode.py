@@ -72,6 +72,9 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   the length with the most expected tokens per byte read."""
   if speculative not in ("none", "mtp"):
     raise ValueError(f"--speculative must be none or mtp, got {speculative!r}")
+  if adaptive_draft and speculative != "mtp":
+    raise ValueError("--adaptive_draft chooses the draft length of speculative decoding: pass "
+                     "--speculative=mtp with it, or drop it")
   model = model or "default"
   loaded = load(model)
   if model in EMBEDDED_MODELS and not os.path.exists(model):

@@ -352,6 +352,8 @@ def test_decode_cli_speculative(checkpoints, tmp_path):
                         out=io.StringIO(), log=log)
   assert adaptive.generation.tokens == runs["none"].generation.tokens
   assert "steps with 0 .. 3 drafts [" in log.getvalue()
+  with pytest.raises(ValueError, match="pass --speculative=mtp with it"):
+    run_decode(str(path), prompt, adaptive_draft=True, out=io.StringIO(), log=io.StringIO())
   sampled = [run_decode(str(path), prompt, max_new_tokens=10, greedy=False, temperature=0.9,
                         top_p=0.9, seed=5, kernels="ffi", speculative="mtp", draft_tokens=2,
                         prefault=False, out=io.StringIO(), log=io.StringIO())
