@@ -84,6 +84,9 @@ def test_shipped_models_are_their_trained_configurations(name):
     # What python -m ftjax.tiny.train [--arch=hybrid] writes, with real-model locality.
     assert cfg == train.CONFIGS[cfg.arch]
     assert log["heldout_expert_overlap"] >= 0.35
+    if cfg.mtp_layers:  # the hybrid model's MTP head, trained on it (train_mtp)
+      assert source["mtp"]["steps"] == cfg.mtp_steps == log["mtp"]["steps"]
+      assert source["mtp"]["heldout_agreement"] == log["mtp"]["heldout_agreement"] > 0.7
     tok = load_tokenizer(path, f.config.vocab_size)
     for token, i in train.chat_token_ids(f.config.vocab_size).items():
       assert tok.encode(token) == [i]

@@ -218,3 +218,60 @@ def test_refuses_to_replace_a_directory_that_is_not_a_model(tmp_path):
     train.train(str(tmp_path), train.SMOKE, corpus_bytes=50_000, log=io.StringIO(),
                 progress=False)
   assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_the_hybrid_model_gets_a_trained_mtp_head(smoke):
+  """The hybrid configurations train a multi-token-prediction head in a second stage, on the
+  finished model; the moe ones none. The written model drafts with it, and speculative greedy
+  decoding gives the plain greedy tokens."""
+  cfg, out, result, log = smoke
+  model = ftjax.load(out)
+  if cfg.arch == "moe":
+    assert cfg.mtp_layers == 0 and "mtp" not in result and model.config.mtp_layers == 0
+    return
+  assert train.CONFIGS["hybrid"].mtp_layers == 1 and train.CONFIGS["hybrid"].mtp_steps > 0
+  mtp = result["mtp"]
+  assert model.config.mtp_layers == cfg.mtp_layers == mtp["layers"] == 1
+  assert model.source["mtp"]["heldout_agreement"] == mtp["heldout_agreement"]
+  assert len(mtp["history"]) == 1 + cfg.mtp_steps // cfg.heldout_every == 3  # step 0 first
+  first, last = mtp["history"][0], mtp["history"][-1]
+  assert first["step"] == 0 and last["step"] == cfg.mtp_steps
+  assert last["heldout_loss"] < first["heldout_loss"] - 0.5  # the random head, then trained
+  assert 0.0 <= last["heldout_agreement"] <= 1.0
+  assert "MTP step" in log and "the head's top token is the model's" in log
+  runs = {mode: run_decode(out, "def f(x):", max_new_tokens=8, greedy=True, kernels="xla",
+                           speculative=mode, draft_tokens=2, out=io.StringIO(),
+                           log=io.StringIO()) for mode in ("none", "mtp")}
+  assert runs["mtp"].generation.tokens == runs["none"].generation.tokens
+
+
+def test_the_head_alone_on_the_finished_model_equals_the_whole_run(tmp_path):
+  """``train_head`` (``--trunk_from``) on the model that the first stage wrote gives the files
+  that the whole run writes: the trunk's tensors copied unchanged, the same head."""
+  cfg = train.dataclasses.replace(train.SMOKE_HYBRID, steps=10, heldout_every=10, mtp_steps=10)
+  kw = dict(seed=0, corpus_bytes=200_000, log=io.StringIO(), progress=False)
+  whole = train.train(str(tmp_path / "whole"), cfg, **kw)
+  trunk_only = train.dataclasses.replace(cfg, mtp_layers=0, mtp_steps=0)
+  train.train(str(tmp_path / "trunk"), trunk_only, **kw)
+  headed = train.train_head(str(tmp_path / "trunk"), str(tmp_path / "head"), cfg, **kw)
+  assert headed["config"] == whole["config"] == train.dataclasses.asdict(cfg)
+  assert headed["mtp"]["history"] == [dict(h, elapsed_s=h2["elapsed_s"]) for h, h2 in
+                                      zip(whole["mtp"]["history"], headed["mtp"]["history"])]
+  for name in ("dense.bin", "experts.bin", "tokenizer.json"):
+    with open(tmp_path / "whole" / name, "rb") as fa, open(tmp_path / "head" / name, "rb") as fb:
+      assert fa.read() == fb.read(), name
+  trunk, head = ftjax.load(str(tmp_path / "trunk")), ftjax.load(str(tmp_path / "head"))
+  ours = train.model_lib.named_params(head)
+  for name, value in train.model_lib.named_params(trunk).items():
+    assert np.array_equal(value.view(np.uint16), ours[name].view(np.uint16)), name
+  n = trunk.config.num_moe_layers
+  assert np.array_equal(np.asarray(trunk.bank).view(np.uint16),
+                        np.asarray(head.bank)[:n].view(np.uint16))
+  with pytest.raises(ValueError, match="has an MTP head already"):
+    train.train_head(str(tmp_path / "head"), str(tmp_path / "again"), cfg, **kw)
+  with pytest.raises(ValueError, match="trains no MTP head"):
+    train.train_head(str(tmp_path / "trunk"), str(tmp_path / "again"), trunk_only, **kw)
+  with pytest.raises(ValueError, match="needs training steps"):
+    train.dataclasses.replace(cfg, mtp_steps=0)
+  with pytest.raises(ValueError, match="for the hybrid architecture"):
+    train.dataclasses.replace(train.SMOKE, mtp_layers=1, mtp_steps=5)

@@ -652,17 +652,20 @@ class Engine:
   def routing_record(self) -> dict[str, np.ndarray]:
     """Every routed token so far (needs record_routing=True): ``ids`` and ``weights``
     [steps, L, K] (one step per token, -1 = no route) and ``phase`` [steps] (1 = decode).
+    L is the decoder's MoE layers: a multi-token-prediction head's layers, which only
+    speculative decoding runs (and keeps no record of), are left out.
     ``ftjax.traces.Trace.from_engine(engine)`` makes a trace of it."""
     if not self.options.record_routing:
       raise ValueError("create the engine with record_routing=True to capture routing traces")
     c = self.model.config
     routing = self.executor.routing
     if not routing:
-      empty = np.zeros((0, c.num_moe_layers, c.top_k))
+      empty = np.zeros((0, c.num_layers, c.top_k))
       return {"ids": empty.astype(np.int32), "weights": empty.astype(np.float32),
               "phase": np.zeros((0,), np.uint8)}
-    return {"ids": np.concatenate([r[0].transpose(1, 0, 2) for r in routing]),
-            "weights": np.concatenate([r[1].transpose(1, 0, 2) for r in routing]),
+    layers = c.num_layers
+    return {"ids": np.concatenate([r[0][:layers].transpose(1, 0, 2) for r in routing]),
+            "weights": np.concatenate([r[1][:layers].transpose(1, 0, 2) for r in routing]),
             "phase": np.concatenate([np.full(r[0].shape[1], r[2] == "decode", np.uint8)
                                      for r in routing])}
 

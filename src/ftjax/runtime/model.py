@@ -157,6 +157,30 @@ def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") 
   return Model(config=config, graphdef=graphdef, params=params, bank=bank)
 
 
+def with_mtp_head(model: Model, mtp_layers: int = 1, *, seed: int = 0) -> Model:
+  """The model with a randomly initialised multi-token-prediction head of ``mtp_layers``
+  layers (``Transformer.mtp_step``): every trunk parameter and the trunk's expert bank
+  unchanged, the head's routed experts appended as bank layers ``num_layers ..``. The head's
+  values are ``random_model``'s float32 initialisation for ``seed`` whatever the model's
+  dtype, cast to it. For training a head on a finished model (``python -m ftjax.tiny.train``)
+  and for tests."""
+  c = model.config
+  if c.mtp_layers:
+    raise ValueError(f"this model has {c.mtp_layers} MTP layers already")
+  if model.expert_format in quant.QUANTISED_EXPERT_FORMATS:
+    raise ValueError(f"a head is added to float experts; this model's are {model.expert_format}")
+  config = dataclasses.replace(c, mtp_layers=mtp_layers)  # validates the family
+  dtype = jnp.dtype(model.dtype)
+  head = random_model(config, seed=seed, dtype="float32")
+  arrays = {n: v.astype(dtype) for n, v in named_params(head).items()}
+  arrays.update(named_params(model))
+  blocks = head.bank[c.num_moe_layers:, :, :c.expert_block_elems].astype(dtype)
+  padding = model.bank.shape[-1] - c.expert_block_elems  # the bank's alignment, zeros
+  blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, padding)))
+  bank = jnp.concatenate([jnp.asarray(model.bank), blocks])
+  return _assemble(config, arrays, bank, dtype=dtype, source=model.source)
+
+
 def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
   """The model with its routed experts quantised to ``expert_format`` (``"int8"``, or
   ``"mxfp4"`` for a model with expert biases; docs/ftw.md, ``ftjax.utils.quant``) in memory,

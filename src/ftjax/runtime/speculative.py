@@ -182,6 +182,13 @@ DECAY = 0.95
 PROBE_EVERY = 16
 
 
+@functools.lru_cache(maxsize=8)
+def _element_counts(config) -> dict[str, int]:
+  """Parameter name -> element count (``abstract_params`` traces the model's construction,
+  ~0.25 s on the embedded hybrid model: once per config, not once per request)."""
+  return {n: int(np.prod(a.shape)) for n, a in abstract_params(config).items()}
+
+
 def step_costs(model, k: int) -> np.ndarray:
   """float32 [k + 1]: the bytes a verify step with 0 .. k drafts reads, the cost model of the
   adaptive draft length (``model``: an ``ftjax.runtime.model.Model``). Decode reads its
@@ -197,7 +204,7 @@ def step_costs(model, k: int) -> np.ndarray:
   """
   config = model.config
   itemsize = model.dtype.itemsize
-  sizes = {n: int(np.prod(a.shape)) * itemsize for n, a in abstract_params(config).items()}
+  sizes = {n: count * itemsize for n, count in _element_counts(config).items()}
   head = sizes.get("w_lm_vd", sizes["embed_vd"])  # tied embeddings: the table is the head
   mtp = sum(b for n, b in sizes.items() if n.startswith("mtp."))
   decoder = sum(b for n, b in sizes.items()
@@ -414,8 +421,8 @@ def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, 
   prefill_s = time.perf_counter() - t0 - (ex.compile_s - compiled)
   if on_token is not None:
     on_token(out[0])
-  t0, compiled = time.perf_counter(), ex.compile_s
   cost = ex.put(jnp.asarray(step_costs(engine.model, k)))
+  t0, compiled = time.perf_counter(), ex.compile_s
   key = ("mtp_decode", capacity, k, chunk, ex.slot_capacity(), stop_ids.shape[0], sampled,
          adaptive)
   fn = ex.compiled(key, decode_program, engine.params, engine.bank, est, draft, max_new, stops,

@@ -49,7 +49,7 @@ from flax import nnx
 from ftjax.experts import BankExperts
 from ftjax.model.config import ModelConfig
 from ftjax.model.router import route
-from ftjax.model.transformer import init_state
+from ftjax.model.transformer import init_mtp_state, init_state
 from ftjax.research import routing_stats
 from ftjax.research.traces import Trace
 from ftjax.runtime import model as model_lib
@@ -125,6 +125,12 @@ class TrainConfig:
   heldout_mod: int = 20  # a file is held out when crc32(relative path) % heldout_mod == 0
   routing_sequences: int = 8  # held-out files whose routing each evaluation measures
   routing_tokens: int = 512  # the first tokens of each (as benchmarks/default_model.py)
+  # The multi-token-prediction head (hybrid only; ``mtp_head``): its layers, and the steps of
+  # the second stage that trains it on the finished, frozen model. 0: none.
+  mtp_layers: int = 0
+  mtp_steps: int = 0
+  mtp_learning_rate: float = 3e-3
+  mtp_warmup_steps: int = 30  # at most half of mtp_steps
 
   def __post_init__(self):
     if self.arch not in ARCHS:
@@ -134,11 +140,22 @@ class TrainConfig:
       raise ValueError(f"arch={self.arch!r} but full_attention_interval="
                        f"{self.full_attention_interval}: the hybrid architecture has linear "
                        "attention layers (an interval above 1), the moe one none (1)")
+    if self.mtp_layers and self.arch != "hybrid":
+      raise ValueError("an MTP head is trained for the hybrid architecture (Qwen3-Next and "
+                       f"Qwen3.5-MoE have one), not for arch={self.arch!r}")
+    if bool(self.mtp_layers) != bool(self.mtp_steps):
+      raise ValueError(f"mtp_layers={self.mtp_layers}, mtp_steps={self.mtp_steps}: an MTP head "
+                       "needs training steps and steps need a head (set both or neither)")
     if self.vocab_size <= 256 + 1 + len(CHAT_TOKENS):
       raise ValueError(f"vocab_size={self.vocab_size} leaves no room for BPE merges beside the "
                        f"256 bytes and {1 + len(CHAT_TOKENS)} special tokens")
 
+  def trunk_config(self) -> ModelConfig:
+    """The model the first stage trains: ``model_config`` without the MTP head."""
+    return dataclasses.replace(self.model_config(), mtp_layers=0)
+
   def model_config(self) -> ModelConfig:
+    """The config of the model written (with the MTP head, where there is one)."""
     interval = self.full_attention_interval
     layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
                         for i in range(self.num_layers))
@@ -157,7 +174,8 @@ class TrainConfig:
         linear_num_value_heads=self.linear_num_value_heads,
         linear_key_head_dim=self.linear_key_head_dim,
         linear_value_head_dim=self.linear_value_head_dim,
-        linear_conv_kernel=self.linear_conv_kernel, tie_word_embeddings=True,
+        linear_conv_kernel=self.linear_conv_kernel, mtp_layers=self.mtp_layers,
+        tie_word_embeddings=True,
         source_dtype="bfloat16",
         eos_token_ids=(0, chat_token_ids(self.vocab_size)["<|im_end|>"]))
 
@@ -173,7 +191,8 @@ HYBRID = TrainConfig(
     warmup_steps=50,
     full_attention_interval=4, partial_rotary_factor=0.25, attn_output_gate=True,
     norm_zero_centred=True, linear_num_key_heads=1, linear_num_value_heads=2,
-    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel=4)
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel=4,
+    mtp_layers=1, mtp_steps=1000)
 
 # Configurations small enough for the CI smoke test (seconds on 2 cores).
 SMOKE = TrainConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -185,7 +204,8 @@ SMOKE_HYBRID = dataclasses.replace(
     SMOKE, arch="hybrid", num_layers=4, shared_expert_size=16, full_attention_interval=4,
     partial_rotary_factor=0.25, attn_output_gate=True, norm_zero_centred=True,
     linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
-    linear_value_head_dim=16, linear_conv_kernel=4)
+    linear_value_head_dim=16, linear_conv_kernel=4, mtp_layers=1, mtp_steps=20,
+    mtp_learning_rate=1e-2, mtp_warmup_steps=2)
 
 CONFIGS = {"moe": TrainConfig(), "hybrid": HYBRID}
 SMOKE_CONFIGS = {"moe": SMOKE, "hybrid": SMOKE_HYBRID}
@@ -390,6 +410,142 @@ def heldout_windows(stream: np.ndarray, n: int, seq_len: int) -> list[np.ndarray
   return [stream[s:s + seq_len + 1] for s in starts]
 
 
+# ----------------------------------------------------------------------------- the MTP head
+
+
+def _trunk_forward(params, bank, graphdef, config: ModelConfig, inputs):
+  """inputs [B, T] -> (hidden [B, T, D] after the final norm, log-probabilities [B, T, V]) of
+  the finished model (no gradient is taken through it)."""
+  model = nnx.merge(graphdef, params)
+  b, t = inputs.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  experts = BankExperts(bank=bank, ffn_dim=config.moe_intermediate_size, kernels="xla")
+  _, _, hidden, logits, _ = model.hidden_and_logits(init_state(config, b, t), inputs, positions,
+                                                    experts, kernels="xla", fresh=True)
+  return hidden, jax.nn.log_softmax(logits, axis=-1)
+
+
+def mtp_loss(head, head_bank, rest, trunk_bank, graphdef, config: ModelConfig, inputs, hidden,
+             trunk_logp):
+  """The head's self-distillation loss on a batch, with its agreement and corpus loss.
+
+  At each position p < T - 1 the head reads the model's hidden state h_p and the next input
+  token x_{p+1} (``Transformer.mtp_step`` at depth 0) and predicts the token after, x_{p+2}.
+  Its target is the model's own distribution there, ``trunk_logp[:, p + 1]`` (cross-entropy
+  against it: the KL divergence up to the model's entropy), because a draft is accepted when it
+  is the token the model would emit, not the token the corpus has. Returns (loss, (agreement:
+  the share of positions whose top token is the model's, cross-entropy against the corpus's
+  x_{p+2}))."""
+  model = nnx.merge(graphdef, head, rest)
+  b, t = inputs.shape
+  positions = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
+  bank = jnp.concatenate([trunk_bank, head_bank])
+  experts = BankExperts(bank=bank, ffn_dim=config.moe_intermediate_size, kernels="xla")
+  _, _, _, logits = model.mtp_step(init_mtp_state(config, b, t - 1), jnp.zeros((), jnp.int32),
+                                   hidden[:, :-1], inputs[:, 1:], positions, experts,
+                                   kernels="xla", fresh=True)
+  logp = jax.nn.log_softmax(logits, axis=-1)  # [B, T - 1, V]: the token at p + 2
+  target = trunk_logp[:, 1:]
+  loss = -jnp.mean(jnp.sum(jnp.exp(target) * logp, axis=-1))
+  agreement = jnp.mean(jnp.argmax(logp, -1) == jnp.argmax(target, -1))
+  corpus = -jnp.mean(jnp.take_along_axis(logp[:, :-1], inputs[:, 2:, None], axis=-1))
+  return loss, (agreement, corpus)
+
+
+def train_mtp(trunk: model_lib.Model, stream: np.ndarray, held_stream: np.ndarray,
+              cfg: TrainConfig, *, seed: int = 0, log=sys.stderr, progress: bool = True
+              ) -> tuple[model_lib.Model, dict]:
+  """Trains a multi-token-prediction head (``cfg.mtp_layers``, ``cfg.mtp_steps``) on the
+  finished model ``trunk``, whose weights stay as they are: the head is initialised by
+  ``model_lib.with_mtp_head`` and trained alone (its fc, norms, attention, shared expert and its
+  own routed experts, the bank's layers after the model's), with AdamW on ``mtp_loss`` over the
+  same random windows. The embedding and lm_head it reads are the model's and stay frozen.
+  The model's weights are read as written (bfloat16, so the head learns the model that ships);
+  the head is trained in float32. Returns (the model with the head, the log)."""
+  written = dataclasses.replace(trunk, params=jax.tree.map(
+      lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), trunk.params),
+      bank=jnp.asarray(trunk.bank).astype(jnp.bfloat16).astype(jnp.float32))
+  model = model_lib.with_mtp_head(written, cfg.mtp_layers, seed=seed)
+  config, n = model.config, trunk.config.num_moe_layers
+  trunk_bank, head_bank = model.bank[:n], model.bank[n:]
+  graphdef, head, rest = nnx.split(nnx.merge(model.graphdef, model.params),
+                                   nnx.PathContains("mtp"), ...)
+  warmup = min(cfg.mtp_warmup_steps, cfg.mtp_steps // 2)  # --mtp_steps may be short
+  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.mtp_learning_rate, warmup,
+                                                cfg.mtp_steps, cfg.mtp_learning_rate * 0.05)
+  opt = optax.chain(optax.clip_by_global_norm(1.0),
+                    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+  opt_state = opt.init((head, head_bank))
+
+  # The model's weights go in as arguments, not closed over (they would become constants).
+  @jax.jit
+  def forward_jit(params, bank, tokens):
+    inputs = tokens[:, :-1]
+    return (inputs,) + _trunk_forward(params, bank, model.graphdef, config, inputs)
+
+  def forward(tokens):  # the model's part of a batch: (inputs, hidden, log-probabilities)
+    return forward_jit(model.params, model.bank, tokens)
+
+  @jax.jit
+  def step(head, head_bank, opt_state, rest, trunk_bank, inputs, hidden, trunk_logp):
+    grad_fn = jax.value_and_grad(mtp_loss, argnums=(0, 1), has_aux=True)
+    (loss, aux), grads = grad_fn(head, head_bank, rest, trunk_bank, graphdef, config, inputs,
+                                 hidden, trunk_logp)
+    updates, opt_state = opt.update(grads, opt_state, (head, head_bank))
+    head, head_bank = optax.apply_updates((head, head_bank), updates)
+    return head, head_bank, opt_state, loss, aux
+
+  @jax.jit
+  def evaluate(head, head_bank, rest, trunk_bank, inputs, hidden, trunk_logp):
+    return mtp_loss(head, head_bank, rest, trunk_bank, graphdef, config, inputs, hidden,
+                    trunk_logp)
+
+  held = heldout_windows(held_stream, cfg.heldout_batches * cfg.batch_size, cfg.seq_len)
+  held = [forward(jnp.asarray(np.stack(held[i:i + cfg.batch_size])))
+          for i in range(0, len(held), cfg.batch_size)]
+
+  def heldout():
+    rows = [evaluate(head, head_bank, rest, trunk_bank, *h) for h in held]
+    return tuple(float(np.mean([float(x) for x in col]))
+                 for col in zip(*((loss,) + aux for loss, aux in rows)))
+
+  rng = np.random.default_rng(seed + 1)
+  h_loss, agreement, corpus = heldout()  # the random head, for comparison
+  history, window = [{"step": 0, "train_loss": None, "heldout_loss": h_loss,
+                      "heldout_agreement": agreement, "heldout_corpus_loss": corpus,
+                      "elapsed_s": 0.0}], []
+  bar = Progress(cfg.mtp_steps, desc="training the MTP head", enabled=progress)
+  start = time.perf_counter()
+  for i in range(1, cfg.mtp_steps + 1):
+    batch = forward(jnp.asarray(batches(stream, cfg.batch_size, cfg.seq_len, rng)))
+    head, head_bank, opt_state, loss, _ = step(head, head_bank, opt_state, rest, trunk_bank,
+                                               *batch)
+    window.append(loss)
+    bar.update()
+    if i % cfg.heldout_every == 0 or i == cfg.mtp_steps:
+      train_loss = float(np.mean([float(x) for x in window]))
+      window = []
+      h_loss, agreement, corpus = heldout()
+      if not math.isfinite(h_loss):
+        raise FloatingPointError(f"the MTP head's held-out loss became {h_loss} at step {i}")
+      history.append({"step": i, "train_loss": train_loss, "heldout_loss": h_loss,
+                      "heldout_agreement": agreement, "heldout_corpus_loss": corpus,
+                      "elapsed_s": time.perf_counter() - start})
+      log.write(f"\nMTP step {i}: distillation loss train {train_loss:.3f}, held-out "
+                f"{h_loss:.3f}; the head's top token is the model's at {100 * agreement:.1f}% "
+                f"of held-out positions; corpus loss of the token after next {corpus:.3f}\n")
+  bar.close()
+  params = nnx.split(nnx.merge(graphdef, head, rest))[1]
+  trained = dataclasses.replace(model, params=params,
+                                bank=jnp.concatenate([trunk_bank, head_bank]))
+  last = history[-1]
+  return trained, {"layers": cfg.mtp_layers, "steps": cfg.mtp_steps,
+                   "heldout_loss": last["heldout_loss"],
+                   "heldout_agreement": last["heldout_agreement"],
+                   "heldout_corpus_loss": last["heldout_corpus_loss"],
+                   "train_seconds": time.perf_counter() - start, "history": history}
+
+
 def train(out_dir: str, cfg: TrainConfig = TrainConfig(), *, seed: int = 0,
           corpus: str | None = None, corpus_bytes: int | None = None, log=sys.stderr,
           progress: bool = True) -> dict:
@@ -397,12 +553,7 @@ def train(out_dir: str, cfg: TrainConfig = TrainConfig(), *, seed: int = 0,
   tokenizer_config.json + train_log.json). Returns the training log, with the held-out
   routing statistics. ``corpus_bytes`` caps the text read (smoke tests)."""
   t0 = time.perf_counter()
-  root = corpus or stdlib_root()
-  train_files, held_files = corpus_files(root, cfg.heldout_mod)
-  train_texts = read_texts(root, train_files, corpus_bytes)
-  held_texts = read_texts(root, held_files, None if corpus_bytes is None else corpus_bytes // 4)
-  log.write(f"corpus: {root}: {len(train_texts)} train files "
-            f"({sum(map(len, train_texts)) / 1e6:.1f} MB), {len(held_texts)} held-out files\n")
+  root, train_texts, held_texts = read_corpus(corpus, cfg, corpus_bytes, log)
   tok = train_tokenizer(train_texts, cfg.vocab_size)
   train_stream, held_stream = encode(tok, train_texts), encode(tok, held_texts)
   train_bytes = sum(len(t.encode()) for t in train_texts) + len(train_texts)
@@ -412,7 +563,7 @@ def train(out_dir: str, cfg: TrainConfig = TrainConfig(), *, seed: int = 0,
             f"{len(held_stream)} tokens ({held_bytes / len(held_stream):.2f} bytes/token); "
             f"unigram held-out loss {unigram:.3f} nats/token\n")
 
-  config = cfg.model_config()
+  config = cfg.trunk_config()
   model = model_lib.random_model(config, seed=seed, dtype="float32")
   schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
                                                 cfg.steps, cfg.learning_rate * 0.05)
@@ -485,7 +636,60 @@ def train(out_dir: str, cfg: TrainConfig = TrainConfig(), *, seed: int = 0,
             "corpus": "Python standard library sources (PSF licence)",
             "python": platform.python_version(), "heldout_loss": final,
             "heldout_expert_overlap": overlap, "steps": cfg.steps}
+  if cfg.mtp_layers:
+    trained, result["mtp"] = train_mtp(trained, train_stream, held_stream, cfg, seed=seed,
+                                       log=log, progress=progress)
+    source["mtp"] = _mtp_source(result["mtp"])
+    result["total_seconds"] = time.perf_counter() - t0
   write_model(trained, tok, result, out_dir, source)
+  return result
+
+
+def _mtp_source(mtp: dict) -> dict:
+  return {k: mtp[k] for k in ("layers", "steps", "heldout_loss", "heldout_agreement")}
+
+
+def read_corpus(corpus: str | None, cfg: TrainConfig, corpus_bytes: int | None = None,
+                log=sys.stderr) -> tuple[str, list[str], list[str]]:
+  """(root, train texts, held-out texts) of the corpus (default: the standard library)."""
+  root = corpus or stdlib_root()
+  train_files, held_files = corpus_files(root, cfg.heldout_mod)
+  train_texts = read_texts(root, train_files, corpus_bytes)
+  held_texts = read_texts(root, held_files, None if corpus_bytes is None else corpus_bytes // 4)
+  log.write(f"corpus: {root}: {len(train_texts)} train files "
+            f"({sum(map(len, train_texts)) / 1e6:.1f} MB), {len(held_texts)} held-out files\n")
+  return root, train_texts, held_texts
+
+
+def train_head(trunk_dir: str, out_dir: str, cfg: TrainConfig = HYBRID, *, seed: int = 0,
+               corpus: str | None = None, corpus_bytes: int | None = None, log=sys.stderr,
+               progress: bool = True) -> dict:
+  """The MTP stage alone (``train_mtp``): adds a head trained on the model in ``trunk_dir`` (an
+  FTW directory written by ``train``, with its tokenizer), whose weights are copied unchanged,
+  and writes the result to ``out_dir``. Equal to ``train`` with the same configuration and
+  seed when ``trunk_dir`` is what ``train``'s first stage wrote (it is deterministic).
+  Returns the log: the trunk's ``train_log.json`` with ``"mtp"`` added."""
+  from tokenizers import Tokenizer  # noqa: PLC0415
+  if not cfg.mtp_layers:
+    raise ValueError(f"the {cfg.arch} configuration trains no MTP head (mtp_layers=0)")
+  trunk = model_lib.load(trunk_dir)
+  if trunk.config.mtp_layers:
+    raise ValueError(f"{trunk_dir} has an MTP head already: pass the model without one")
+  if trunk.config != cfg.trunk_config():
+    raise ValueError(f"{trunk_dir} is not the model this configuration trains (its model "
+                     f"config differs from the {cfg.arch} configuration's): pass --arch and "
+                     "--tiny as it was trained")
+  tok = Tokenizer.from_file(os.path.join(trunk_dir, "tokenizer.json"))
+  _, train_texts, held_texts = read_corpus(corpus, cfg, corpus_bytes, log)
+  train_stream, held_stream = encode(tok, train_texts), encode(tok, held_texts)
+  model, mtp = train_mtp(trunk, train_stream, held_stream, cfg, seed=seed, log=log,
+                         progress=progress)
+  with open(os.path.join(trunk_dir, "train_log.json")) as f:
+    result = json.load(f)
+  result["config"] = dataclasses.asdict(cfg)  # the trunk's fields are equal (checked above)
+  result["mtp"] = mtp
+  source = dict(trunk.source or {}, mtp=_mtp_source(mtp))
+  write_model(model, tok, result, out_dir, source)
   return result
 
 
@@ -520,13 +724,22 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   cfg = (SMOKE_CONFIGS if _TINY.value else CONFIGS)[_ARCH.value]
-  overrides = {k: v for k, v in (("steps", _STEPS.value), ("balance_coef", _BALANCE_COEF.value))
-               if v is not None}
+  overrides = {k: v for k, v in (("steps", _STEPS.value), ("balance_coef", _BALANCE_COEF.value),
+                                 ("mtp_steps", _MTP_STEPS.value)) if v is not None}
   cfg = dataclasses.replace(cfg, **overrides)
   try:
-    result = train(_OUT.value, cfg, seed=_SEED.value, corpus=_CORPUS.value)
+    if _TRUNK_FROM.value:
+      result = train_head(_TRUNK_FROM.value, _OUT.value, cfg, seed=_SEED.value,
+                          corpus=_CORPUS.value)
+    else:
+      result = train(_OUT.value, cfg, seed=_SEED.value, corpus=_CORPUS.value)
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     raise SystemExit(f"ftjax.tiny.train: error: {e}") from None
+  if "mtp" in result:
+    mtp = result["mtp"]
+    print(f"MTP head: the model's next-next token at {100 * mtp['heldout_agreement']:.1f}% of "
+          f"held-out positions (distillation loss {mtp['heldout_loss']:.3f}), after "
+          f"{mtp['train_seconds'] / 60:.1f} min")
   print(f"{cfg.arch}: held-out loss {result['heldout_loss']:.3f} nats/token "
         f"({result['heldout_bits_per_byte']:.3f} bits/byte; unigram "
         f"{result['unigram_heldout_loss']:.3f}), consecutive-token expert overlap "
@@ -541,9 +754,14 @@ if __name__ == "__main__":
                             "the qwen3_5_moe-style one (Gated DeltaNet and full attention)")
   _STEPS = flags.DEFINE_integer("steps", None, "training steps (default: the config's)",
                                 lower_bound=1)
+  _MTP_STEPS = flags.DEFINE_integer("mtp_steps", None, "training steps of the MTP head "
+                                    "(hybrid; default: the config's)", lower_bound=1)
   _BALANCE_COEF = flags.DEFINE_float("balance_coef", None, "Switch balance-loss weight per "
                                      "layer (default: the config's)", lower_bound=0.0)
   _SEED = flags.DEFINE_integer("seed", 0, "seed for init and batch order")
   _CORPUS = flags.DEFINE_string("corpus", None, "directory of .py files (default: the stdlib)")
   _TINY = flags.DEFINE_bool("tiny", False, "the smoke-test configuration (seconds)")
+  _TRUNK_FROM = flags.DEFINE_string(
+      "trunk_from", None, "skip the first stage: train only the MTP head (hybrid) on the model "
+      "in this FTW directory, which --out gets unchanged, with the head")
   app.run(main)
