@@ -25,8 +25,10 @@ token array, ``temperature`` 0, ``ignore_eos``); tok/s is ``timings.predicted_pe
 and the acceptance ``draft_n_accepted / draft_n`` (per drafted token; llama.cpp reports no
 per-position counts). Its greedy tokens are compared with ftjax's.
 
-Rounds (``--rounds``) alternate the two engines' order; medians. One warm-up request per
-server and one warm-up pass of ftjax (compiles) are not counted.
+Rounds (``--rounds``) alternate the two engines' order and the configurations' order;
+medians of tok/s, and of each round's ratio to that round's plain decode (the VM's speed
+drifts between rounds). One warm-up request per server and one warm-up pass of ftjax
+(compiles) are not counted.
 
   /work/venv/bin/python benchmarks/mtp_embedded.py      # ~5 min (+ a minute to convert once)
 """
@@ -293,12 +295,15 @@ def main() -> None:
   def med(side: str, name: str) -> float:
     return statistics.median(r[side][name]["tok_s"] for r in rounds)
 
+  def of_plain(side: str, name: str) -> float:  # per round, against that round's plain run
+    return statistics.median(r[side][name]["tok_s"] / r[side]["plain"]["tok_s"] for r in rounds)
+
   last = rounds[-1]
   ftjax_rows = {}
   for name, k, _ in configs:
     r = last["ftjax"][name]
     ftjax_rows[name] = {"tok_s": med("ftjax", name),
-                        "of_plain": med("ftjax", name) / med("ftjax", "plain"),
+                        "of_plain": of_plain("ftjax", name),
                         "equals_plain_greedy": all(not x["ftjax"][name]["differs_at"]
                                                    for x in rounds)}
     if k is not None:
@@ -309,7 +314,7 @@ def main() -> None:
   for name, k in llama_configs:
     r = last["llama"][name]
     llama_rows[name] = {"tok_s": med("llama", name),
-                        "of_plain": med("llama", name) / med("llama", "plain"),
+                        "of_plain": of_plain("llama", name),
                         "prompts_equal_to_ftjax": sum(e == n for e in r["equal_to_ftjax"]),
                         "mean_tokens_equal_to_ftjax": statistics.mean(r["equal_to_ftjax"])}
     if k is not None:
