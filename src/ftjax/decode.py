@@ -229,7 +229,8 @@ def cli() -> None:
   _ADAPTIVE_DRAFT = flags.DEFINE_boolean(
       "adaptive_draft", False, "with --speculative=mtp: each verify step drafts 0 .. "
       "--draft_tokens tokens, the length with the most expected tokens per byte read from the "
-      "acceptance measured so far")
+      "acceptance measured so far (each step then also copies the KV caches, which costs "
+      "more as the context grows: at long contexts a fixed --draft_tokens is faster)")
   app.run(main)
 
 
