@@ -125,7 +125,7 @@ class TrainConfig:
   heldout_mod: int = 20  # a file is held out when crc32(relative path) % heldout_mod == 0
   routing_sequences: int = 8  # held-out files whose routing each evaluation measures
   routing_tokens: int = 512  # the first tokens of each (as benchmarks/default_model.py)
-  # The multi-token-prediction head (hybrid only; ``mtp_head``): its layers, and the steps of
+  # The multi-token-prediction head (hybrid only; ``train_mtp``): its layers, and the steps of
   # the second stage that trains it on the finished, frozen model. 0: none.
   mtp_layers: int = 0
   mtp_steps: int = 0
