@@ -37,26 +37,29 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import http.client
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from agent_peer import gguf_converter  # noqa: E402
+from agent_peer import (  # noqa: E402
+  HTTP_TIMEOUT_S,
+  Server,
+  free_port,
+  gguf_converter,
+  post,
+  read_json,
+  write_json,
+)
 from common import machine_info, pyplot, write_results  # noqa: E402
 from ftw_to_hf import check_round_trip, export_hf  # noqa: E402
 
 LLAMA_BUILD = "/work/scratch/llama/build"
 LLAMA_SRC = "/work/scratch/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"
 KS = (1, 2, 3, 4)
-START_TIMEOUT_S = 120
-HTTP_TIMEOUT_S = 600
 
 
 def log(msg: str) -> None:
@@ -93,7 +96,7 @@ def ftjax_run(engine, batch: list[list[int]], n: int, k: int | None, adaptive: b
   """One configuration over all prompts: tok/s, tokens per step, per-position acceptance."""
   decode_s, tokens, steps, lengths = 0.0, 0, 0, [0] * (max(KS) + 1)
   accepted = [0] * (k or 0)
-  outputs, differs = [], []
+  differs = []
   for i, ids in enumerate(batch):
     if k is None:
       r = engine.generate_timed(ids, n, greedy=True)
@@ -104,11 +107,10 @@ def ftjax_run(engine, batch: list[list[int]], n: int, k: int | None, adaptive: b
       lengths = [a + b for a, b in zip(lengths, r.lengths + [0] * len(lengths))]
     decode_s += r.decode_s
     tokens += len(r.tokens) - 1
-    outputs.append(list(r.tokens))
     if reference is not None and r.tokens != reference[i]:
       differs.append(next(j for j, (a, b) in enumerate(zip(r.tokens, reference[i])) if a != b))
   row = {"tok_s": tokens / decode_s, "decode_s": decode_s, "tokens": tokens,
-         "differs_at": differs, "outputs": outputs}
+         "differs_at": differs}
   if k is not None:
     row.update(steps=steps, accepted=accepted, tokens_per_step=tokens / steps,
                per_drafted_token=sum(accepted) / max(1, sum(j * c for j, c in
@@ -138,14 +140,9 @@ def prepare_gguf(ftw_dir: str, args) -> tuple[str, dict]:
   os.makedirs(d, exist_ok=True)
   gguf, stamp_path = os.path.join(d, "model-mtp-bf16.gguf"), os.path.join(d, "stamp.json")
   stamp = {"model": fingerprint(ftw_dir), "llama_src": os.path.abspath(args.llama_src)}
-  try:
-    with open(stamp_path) as f:
-      current = json.load(f) == stamp and os.path.isfile(gguf)
-  except (OSError, ValueError):
-    current = False
-  if current:
-    with open(os.path.join(d, "round_trip.json")) as f:
-      return gguf, json.load(f)
+  round_trip_path = os.path.join(d, "round_trip.json")
+  if read_json(stamp_path) == stamp and os.path.isfile(gguf):
+    return gguf, read_json(round_trip_path)
   hf_dir = os.path.join(d, "hf")
   log(f"exporting {ftw_dir} as a Hugging Face checkpoint into {hf_dir}")
   export_hf(ftw_dir, hf_dir, overwrite=True)
@@ -161,57 +158,33 @@ def prepare_gguf(ftw_dir: str, args) -> tuple[str, dict]:
       raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}; it needs "
                          f"pip install {args.llama_src}/gguf-py):\n{f.read()[-3000:]}")
   os.rename(gguf + ".partial", gguf)
-  with open(os.path.join(d, "round_trip.json"), "w") as f:
-    json.dump(round_trip, f)
-  with open(stamp_path, "w") as f:
-    json.dump(stamp, f)
+  write_json(round_trip_path, round_trip)
+  write_json(stamp_path, stamp)
   return gguf, round_trip
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def post(port: int, body: dict) -> dict:
-  req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(),
-                               {"Content-Type": "application/json"})
-  with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
-    return json.load(r)
 
 
 def llama_run(args, gguf: str, batch: list[list[int]], n: int, k: int | None,
               reference: list[list[int]]) -> dict:
   """One llama-server (plain, or draft-mtp with up to k drafts) over all prompts."""
-  port = free_port()
   cmd = [os.path.join(args.llama_build, "bin", "llama-server"), "-m", gguf, "-t",
          str(args.threads), "-c", "4096", "-np", "1", "-lm", "none", "--host", "127.0.0.1",
-         "--port", str(port)]
+         "--port", str(free_port())]
   if k is not None:
     cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(k)]
-  server_log = os.path.join(args.cache_dir, f"server-{'plain' if k is None else k}.log")
-  with open(server_log, "w") as f:
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+  server = Server("llama-server", cmd, os.path.join(
+      args.cache_dir, f"server-{'plain' if k is None else k}.log"), cwd=args.cache_dir)
+  body = {"n_predict": n, "temperature": 0, "cache_prompt": False, "ignore_eos": True,
+          "return_tokens": True}
   try:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-      if proc.poll() is not None:
-        with open(server_log) as f:
-          raise RuntimeError(f"llama-server exited ({proc.returncode}):\n{f.read()[-2000:]}")
-      try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-        break
-      except OSError:
-        if time.monotonic() > deadline:
-          raise RuntimeError(f"llama-server did not start in {START_TIMEOUT_S} s") from None
-        time.sleep(0.2)
-    body = {"n_predict": n, "temperature": 0, "cache_prompt": False, "ignore_eos": True,
-            "return_tokens": True}
-    post(port, dict(body, prompt=batch[0]))  # warm-up
-    ms, predicted, drafted, kept, equal, outputs = 0.0, 0, 0, 0, [], []
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=HTTP_TIMEOUT_S)
+
+    def complete(ids: list[int]) -> dict:
+      return post(conn, "/completion", json.dumps(dict(body, prompt=ids)).encode())[0]
+
+    complete(batch[0])  # warm-up
+    ms, predicted, drafted, kept, equal = 0.0, 0, 0, 0, []
     for i, ids in enumerate(batch):
-      r = post(port, dict(body, prompt=ids))
+      r = complete(ids)
       t = r["timings"]
       if t["prompt_n"] != len(ids):
         raise RuntimeError(f"llama-server read {t['prompt_n']} prompt tokens, not {len(ids)}")
@@ -220,16 +193,14 @@ def llama_run(args, gguf: str, batch: list[list[int]], n: int, k: int | None,
       drafted += t.get("draft_n", 0)
       kept += t.get("draft_n_accepted", 0)
       out = r["tokens"]
-      outputs.append(out)
       # tokens equal to ftjax's plain greedy ones before the first that differs
       equal.append(next((j for j, (a, b) in enumerate(zip(out, reference[i])) if a != b),
                         min(len(out), len(reference[i]))))
+    conn.close()
   finally:
-    proc.terminate()
-    proc.wait()
+    server.stop()
   # predicted_ms covers the generated tokens after the first (which the prompt pass makes).
-  row = {"tok_s": predicted / (ms / 1e3), "tokens": predicted, "equal_to_ftjax": equal,
-         "outputs": outputs}
+  row = {"tok_s": predicted / (ms / 1e3), "tokens": predicted, "equal_to_ftjax": equal}
   if k is not None:
     row.update(drafted=drafted, accepted=kept, per_drafted_token=kept / max(drafted, 1))
   return row
@@ -320,10 +291,6 @@ def main() -> None:
     if k is not None:
       llama_rows[name].update(per_drafted_token=r["per_drafted_token"], drafted=r["drafted"],
                               accepted=r["accepted"])
-  for row in rounds:  # the token lists are large and the same every round: keep one
-    for side in row.values():
-      for r in side.values():
-        r.pop("outputs", None)
   results = {"benchmark": "mtp_embedded", "machine": machine_info(), "model": model_dir,
              "source": model.source, "kernels": engine.kernels_path,
              "llama_threads": args.threads, "prompts": len(batch),

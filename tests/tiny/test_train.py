@@ -275,3 +275,23 @@ def test_the_head_alone_on_the_finished_model_equals_the_whole_run(tmp_path):
     train.dataclasses.replace(cfg, mtp_steps=0)
   with pytest.raises(ValueError, match="for the hybrid architecture"):
     train.dataclasses.replace(train.SMOKE, mtp_layers=1, mtp_steps=5)
+
+
+def test_with_mtp_head_keeps_the_trunk_and_refuses_what_it_cannot_extend():
+  model_lib = train.model_lib
+  trunk = model_lib.random_model(train.SMOKE_HYBRID.trunk_config(), seed=3, dtype="bfloat16")
+  headed = model_lib.with_mtp_head(trunk, seed=0)
+  assert headed.config == train.SMOKE_HYBRID.model_config()
+  ours, theirs = model_lib.named_params(headed), model_lib.named_params(trunk)
+  assert set(ours) - set(theirs) and all(n.startswith("mtp.") for n in set(ours) - set(theirs))
+  for name, value in theirs.items():
+    assert np.array_equal(value.view(np.uint16), ours[name].view(np.uint16)), name
+  n = trunk.config.num_moe_layers
+  assert headed.bank.shape == (n + 1,) + trunk.bank.shape[1:]
+  assert np.array_equal(np.asarray(headed.bank[:n]).view(np.uint16),
+                        np.asarray(trunk.bank).view(np.uint16))
+  assert np.any(np.asarray(headed.bank[n], np.float32) != 0)  # the head's own experts
+  with pytest.raises(ValueError, match="has 1 MTP layers already"):
+    model_lib.with_mtp_head(headed)
+  with pytest.raises(ValueError, match="float experts"):
+    model_lib.with_mtp_head(model_lib.quantize_experts(trunk, "int8"))
