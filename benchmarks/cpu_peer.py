@@ -263,12 +263,12 @@ class RoundWorker:
     self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--worker", *args],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  cwd="/tmp")
-    self.ready = json.loads(self.proc.stdout.readline())
+    self.ready = json_line(self.proc)
 
   def ask(self) -> dict:
     self.proc.stdin.write("round\n")
     self.proc.stdin.flush()
-    return json.loads(self.proc.stdout.readline())
+    return json_line(self.proc)
 
   def close(self) -> None:
     self.proc.stdin.close()
@@ -298,6 +298,19 @@ def check_llama_args(p, args) -> None:
             "../shared/PEERS.md says)")
   if not os.path.exists(os.path.join(args.llama_build, "bin", "llama-bench")):
     p.error(f"no bin/llama-bench in {args.llama_build}")
+
+
+def json_line(proc) -> dict:
+  """The worker's next JSON line on its stdout. Lines before it that are not JSON (a library
+  that printed to stdout during the first load's conversion) are passed on to the log."""
+  while True:
+    line = proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"the ftjax worker exited ({proc.wait()}) before answering: its "
+                         "stderr above says why")
+    if line.lstrip().startswith("{"):
+      return json.loads(line)
+    log(f"worker stdout: {line.rstrip()}")
 
 
 def worker(hf_dir: str, long_tokens: int) -> None:
@@ -405,7 +418,7 @@ def main() -> None:
   me = [sys.executable, os.path.abspath(__file__), "--worker", "--hf_dir", hf_dir]
   proc = subprocess.Popen(me + ["--long_tokens", "0"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True, cwd="/tmp")
-  ready = json.loads(proc.stdout.readline())
+  ready = json_line(proc)
   log(f"ftjax worker ready: {ready}")
   rounds = []
   for r in range(args.rounds):
@@ -415,7 +428,7 @@ def main() -> None:
         def ask():
           proc.stdin.write("round\n")
           proc.stdin.flush()
-          return json.loads(proc.stdout.readline())
+          return json_line(proc)
         ours = with_other_load(ask, proc.pid)
         # The CLI right after the worker, with the weights as the worker left them (resident).
         ours.update(with_other_load(lambda: cli_round(hf_dir), proc.pid))

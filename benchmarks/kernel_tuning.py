@@ -113,6 +113,9 @@ def main(argv=None):
   parser.add_argument("--check_rounds", type=int, default=9)
   parser.add_argument("--bf16_activations", action="store_true",
                       help="as the engine's ffi_bf16 (the default for bf16 models)")
+  parser.add_argument("--out", default=None,
+                      help="results name under benchmarks/results/ (default kernel_tuning_<isa>, "
+                      "with _bf16_activations when given): name another machine's run apart")
   args = parser.parse_args(argv)
   info = machine_info()
   print(f"machine: {info['cpu_model']} (family {info['cpu_family']} model "
@@ -136,9 +139,11 @@ def main(argv=None):
   results = {"machine": info, "shapes": dataclasses.asdict(SHAPES), "tuner": record,
              "check": {"rounds": args.check_rounds, "read_gb_s": read, "contenders": checked,
                        "fastest": fastest}}
-  print(f"wrote {write_results(f'kernel_tuning_{isa}', results)}")
+  name = args.out or f"kernel_tuning_{isa}" + ("_bf16_activations" if args.bf16_activations
+                                                else "")
+  print(f"wrote {write_results(name, results)}")
   # Identical settings measured apart differ by the noise: the spread of the check says how much.
-  png = plot(record, os.path.join(RESULTS_DIR, f"kernel_tuning_{isa}.png"))
+  png = plot(record, os.path.join(RESULTS_DIR, f"{name}.png"))
   if png:
     print(f"wrote {png}")
 
