@@ -11,6 +11,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace ftjax {
 namespace {
@@ -55,6 +59,24 @@ Isa DetectIsa() {
   return Isa::kScalar;
 }
 
+bool DetectAmx() {
+  uint32_t eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !Bit(ecx, 27) /*OSXSAVE*/) return false;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_bf16 = Bit(edx, 22), amx_tile = Bit(edx, 24);
+  const uint64_t tile_state = (uint64_t{1} << 17) | (uint64_t{1} << 18);  // XTILECFG, XTILEDATA
+  if (!amx_bf16 || !amx_tile || (ReadXcr0() & tile_state) != tile_state) return false;
+  if (!Avx512Bf16HasAmx() || BestSupportedIsa() != Isa::kAvx512Bf16) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  // Linux hands out the 8 KiB tile data per process on request (kernel 5.16+); without the
+  // grant the first tile instruction faults.
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
 bool IsAmd() {
   uint32_t eax, vendor[3];
   if (!__get_cpuid(0, &eax, &vendor[0], &vendor[2], &vendor[1])) return false;  // ebx, edx, ecx
@@ -64,6 +86,7 @@ bool IsAmd() {
 #else
 
 Isa DetectIsa() { return Isa::kScalar; }
+bool DetectAmx() { return false; }
 bool IsAmd() { return false; }
 
 #endif
@@ -169,6 +192,17 @@ int64_t PackedMinTokens(const KernelTable& kernels) {
 Isa BestSupportedIsa() {
   static const Isa best = DetectIsa();  // thread-safe one-time initialisation; never changes
   return best;
+}
+
+bool AmxSupported() {
+  static const bool supported = DetectAmx();  // one-time: the permission request included
+  return supported;
+}
+
+bool AmxEnabled() {
+  if (!AmxSupported()) return false;
+  const char* requested = std::getenv("FTJAX_AMX");
+  return requested == nullptr || std::strcmp(requested, "0") != 0;
 }
 
 KernelChoice ChooseKernels() {

@@ -33,6 +33,15 @@ struct KernelChoice {
 // getenv), so a process (a test) can switch ISAs between calls.
 KernelChoice ChooseKernels();
 
+// Whether the avx512bf16 kernels' packed bf16 GEMM (bf16 weights times bf16-rounded activations:
+// prefill and batches with bf16_activations) runs on AMX tiles: the CPU has AMX-TILE and
+// AMX-BF16, the OS saves the tile state, Linux granted this process the tile data
+// (arch_prctl ARCH_REQ_XCOMP_PERM), and this build has the AMX kernel. Detected once.
+bool AmxSupported();
+// AmxSupported() unless the environment sets FTJAX_AMX=0 (read on every call, like FTJAX_ISA):
+// then the packed GEMM runs on AVX-512-BF16 (vdpbf16ps) as on CPUs without AMX.
+bool AmxEnabled();
+
 }  // namespace ftjax
 
 #endif  // FTJAX_XLA_FFI_CPU_ISA_H_

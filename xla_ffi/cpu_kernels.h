@@ -8,7 +8,10 @@
 //   cpu_kernels_scalar.cc       baseline flags (any x86-64 or aarch64)
 //   cpu_kernels_avx2.cc         -mavx2 -mfma -mf16c
 //   cpu_kernels_avx512.cc       -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
-//   cpu_kernels_avx512bf16.cc   the AVX-512 flags plus -mavx512bf16 -mavx512vnni
+//   cpu_kernels_avx512bf16.cc   the AVX-512 flags plus -mavx512bf16 -mavx512vnni, and
+//                               -mamx-tile -mamx-bf16 where the compiler has them (its packed
+//                               bf16 GEMM on AMX tiles, run only where cpu_isa.cc's
+//                               AmxEnabled() says the CPU and the OS allow it)
 //
 // Only the functions in this header cross from a baseline translation unit into an ISA one, and
 // only through a KernelTable returned after the CPU was checked (cpu_isa.cc), so no instruction
@@ -171,7 +174,8 @@ struct KernelTable {
   // set, ops round float32 activations to bf16 once and use it for bf16 weights.
   DotBf16Bf16Fn dot_bf16_bf16;
   // Packed-activation GEMMs, faster than the dot kernels above packed_min_tokens tokens per
-  // weight row; null where the ISA lacks them. bf16 x bf16 pairs (vdpbf16ps) needs AVX-512-BF16;
+  // weight row; null where the ISA lacks them. bf16 x bf16 pairs (vdpbf16ps) needs AVX-512-BF16,
+  // and runs on AMX tiles (tdpbf16ps) where cpu_isa.h's AmxEnabled() and n % 32 == 0;
   // bf16 weights widened to float32 and float32 weights, both against float32 activations (FMA),
   // AVX2 and AVX-512.
   void (*packed_dot_bf16)(const PackedDotProblem<Bf16Bits, Bf16Bits>&);
@@ -300,6 +304,9 @@ const KernelTable* ScalarKernels();
 const KernelTable* Avx2Kernels();
 const KernelTable* Avx512Kernels();
 const KernelTable* Avx512Bf16Kernels();
+// Whether cpu_kernels_avx512bf16.cc was compiled with its AMX packed GEMM (-mamx-tile
+// -mamx-bf16; cpu_isa.h's AmxSupported() checks the CPU and the OS too).
+bool Avx512Bf16HasAmx();
 
 }  // namespace ftjax
 

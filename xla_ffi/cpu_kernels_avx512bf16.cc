@@ -3,8 +3,11 @@
 // int8 activations with vpdpbusd (AVX-512-VNNI, which every AVX-512-BF16 CPU has; cpu_isa.cc
 // checks both), plus the AVX-512 float32 paths. Compiled with the AVX-512, -mavx512bf16 and
 // -mavx512vnni flags by its suffix (CMakeLists.txt); on a compiler that does not target them the
-// table is absent. See cpu_kernels.h.
+// table is absent. See cpu_kernels.h. Where the compiler targets AMX (-mamx-tile -mamx-bf16,
+// added when it accepts them), the packed bf16 GEMM runs on AMX tiles on CPUs that have them
+// (cpu_isa.h's AmxEnabled()).
 
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -164,8 +167,136 @@ struct PackedBf16Kernels {
   }
 };
 
-void PackedDotBf16(const PackedDotProblem<Bf16Bits, Bf16Bits>& p) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool kHasAmx = true;
+
+// The packed bf16 GEMM on AMX tiles. The packed activations are already the layout tdpbf16ps
+// takes for its second operand (VNNI: row p holds input pair p of 16 tokens, 64 bytes), and the
+// weight rows, read in place, are its first: C[16 rows][16 tokens] += W[16 rows][32 inputs] x
+// X[16 pairs][16 tokens x 2], float32 sums of exact bf16 products (denormal inputs read as zero,
+// as vdpbf16ps does). A block is up to 2 x 2 tiles of C (32 weight rows x 32 tokens, tmm0-3),
+// with 2 weight tiles (tmm4-5) and 2 activation tiles (tmm6-7) loaded per 32 inputs.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Copies the first `columns` of a 16 x 16 float32 tile to ct.
+inline void CopyColumns(const float* tile, float* ct, int64_t c_stride, int columns) {
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < columns; ++c) ct[r * c_stride + c] = tile[r * 16 + c];
+  }
+}
+
+// Stores C tile `tile` (a literal: GCC's tile intrinsics name the register by it) at ct, its
+// first `columns` (16, or 8 for a half group) of 16.
+#define FTJAX_STORE_TILE(tile, ct, c_stride, columns)                        \
+  do {                                                                       \
+    if ((columns) == 16) {                                                   \
+      _tile_stored(tile, (ct), (c_stride) * static_cast<int64_t>(sizeof(float))); \
+    } else {                                                                 \
+      alignas(64) float stored[16 * 16];                                     \
+      _tile_stored(tile, stored, 16 * sizeof(float));                        \
+      CopyColumns(stored, (ct), (c_stride), (columns));                      \
+    }                                                                        \
+  } while (0)
+
+// kRowTiles x kGroupTiles tiles of C over all n inputs (n a multiple of 32). `columns`: of the
+// last group (16, or 8 for a half group).
+template <int kRowTiles, int kGroupTiles>
+inline void AmxBlock(const Bf16Bits* w, int64_t w_stride, const Bf16Bits* packed,
+                     int64_t group_stride, int64_t n, float* ct, int64_t c_stride,
+                     int last_columns) {
+  const int64_t w_bytes = w_stride * static_cast<int64_t>(sizeof(Bf16Bits));
+  constexpr int64_t kPairRowBytes = 2 * kPackedGroup * sizeof(Bf16Bits);  // 64
+  _tile_zero(0);
+  if constexpr (kGroupTiles == 2) _tile_zero(1);
+  if constexpr (kRowTiles == 2) _tile_zero(2);
+  if constexpr (kRowTiles == 2 && kGroupTiles == 2) _tile_zero(3);
+  for (int64_t i = 0; i < n; i += 32) {
+    // Inputs i .. i + 31 are pairs i / 2 .. i / 2 + 15: 16 rows of 32 elements from i * 16.
+    _tile_loadd(6, packed + i * kPackedGroup, kPairRowBytes);
+    if constexpr (kGroupTiles == 2) _tile_loadd(7, packed + group_stride + i * kPackedGroup,
+                                                kPairRowBytes);
+    _tile_loadd(4, w + i, w_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kGroupTiles == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kRowTiles == 2) {
+      _tile_loadd(5, w + 16 * w_stride + i, w_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (kGroupTiles == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int first_columns = kGroupTiles == 2 ? 16 : last_columns;
+  FTJAX_STORE_TILE(0, ct, c_stride, first_columns);
+  if constexpr (kGroupTiles == 2) FTJAX_STORE_TILE(1, ct + 16, c_stride, last_columns);
+  if constexpr (kRowTiles == 2) {
+    FTJAX_STORE_TILE(2, ct + 16 * c_stride, c_stride, first_columns);
+    if constexpr (kGroupTiles == 2) {
+      FTJAX_STORE_TILE(3, ct + 16 * c_stride + 16, c_stride, last_columns);
+    }
+  }
+}
+
+// Rows in blocks of 32 (then 16) on the tiles; the last rows % 16 on the vdpbf16ps kernels.
+// Needs n % 32 == 0 (PackedDotBf16 checks).
+void PackedDotBf16Amx(const PackedDotProblem<Bf16Bits, Bf16Bits>& p) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  const int64_t group_stride = PackedGroupElements<Bf16Bits>(p.n);
+  const int64_t tile_rows = p.rows / 16 * 16;
+  for (int64_t r = 0; r < tile_rows;) {
+    const bool two_rows = tile_rows - r >= 32;
+    const Bf16Bits* w = p.w + r * p.w_stride;
+    for (int64_t g = 0; g < p.groups;) {
+      const bool two_groups = p.groups - g >= 2;
+      const bool last = g + (two_groups ? 2 : 1) == p.groups;
+      const int last_columns = last && p.half_last_group ? 8 : 16;
+      const Bf16Bits* packed = p.packed + g * group_stride;
+      float* ct = p.ct + r * p.c_stride + 16 * g;
+      if (two_rows && two_groups) {
+        AmxBlock<2, 2>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride, last_columns);
+      } else if (two_rows) {
+        AmxBlock<2, 1>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride, last_columns);
+      } else if (two_groups) {
+        AmxBlock<1, 2>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride, last_columns);
+      } else {
+        AmxBlock<1, 1>(w, p.w_stride, packed, group_stride, p.n, ct, p.c_stride, last_columns);
+      }
+      g += two_groups ? 2 : 1;
+    }
+    r += two_rows ? 32 : 16;
+  }
+  _tile_release();  // the 8 KiB of tile state is not kept (nor saved at context switches)
+  if (tile_rows < p.rows) {
+    PackedDotProblem<Bf16Bits, Bf16Bits> rest = p;
+    rest.w = p.w + tile_rows * p.w_stride;
+    rest.rows = p.rows - tile_rows;
+    rest.ct = p.ct + tile_rows * p.c_stride;
+    PackedPasses<PackedBf16Kernels>(rest);
+  }
+}
+#undef FTJAX_STORE_TILE
+#else
+constexpr bool kHasAmx = false;
+void PackedDotBf16Amx(const PackedDotProblem<Bf16Bits, Bf16Bits>& p) {
   PackedPasses<PackedBf16Kernels>(p);
+}
+#endif
+
+void PackedDotBf16(const PackedDotProblem<Bf16Bits, Bf16Bits>& p) {
+  if (p.n % 32 == 0 && p.rows >= 16 && AmxEnabled()) {
+    PackedDotBf16Amx(p);
+  } else {
+    PackedPasses<PackedBf16Kernels>(p);
+  }
 }
 
 // vcvtneps2bf16: round to nearest even, NaN stays NaN.
@@ -229,6 +360,7 @@ const KernelTable kAvx512Bf16Table = {
 }  // namespace
 
 const KernelTable* Avx512Bf16Kernels() { return &kAvx512Bf16Table; }
+bool Avx512Bf16HasAmx() { return kHasAmx; }
 
 }  // namespace ftjax
 
@@ -236,6 +368,7 @@ const KernelTable* Avx512Bf16Kernels() { return &kAvx512Bf16Table; }
 
 namespace ftjax {
 const KernelTable* Avx512Bf16Kernels() { return nullptr; }
+bool Avx512Bf16HasAmx() { return false; }
 }  // namespace ftjax
 
 #endif

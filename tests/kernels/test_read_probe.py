@@ -87,7 +87,7 @@ def test_cpu_info_honours_the_environment(monkeypatch):
     ("ftjax_peak_probe", jax.ShapeDtypeStruct((3,), jnp.float32),
      dict(tasks=np.int64(1), iterations=np.int64(5)), "ftjax_peak_probe: result must be [2], got [3]"),
     ("ftjax_cpu_info", jax.ShapeDtypeStruct((3,), jnp.int32), {},
-     "ftjax_cpu_info: result must be [4], got [3]"),
+     "ftjax_cpu_info: result must be [5], got [3]"),
   ],
   ids=["read_probe_result", "peak_probe_counts", "peak_probe_result", "cpu_info_result"],
 )

@@ -22,17 +22,20 @@ _POOLS = ("own", "xla")  # as numbered by xla_ffi/cpu_info.cc
 def cpu_info() -> dict:
   """The instruction set and threads a host kernel called now would use.
 
-  Honours FTJAX_ISA, FTJAX_THREAD_POOL and (at the pool's creation) FTJAX_NUM_THREADS.
+  Honours FTJAX_ISA, FTJAX_AMX, FTJAX_THREAD_POOL and (at the pool's creation)
+  FTJAX_NUM_THREADS.
 
   Returns:
-    {"isa": ISA in use, "best_isa": best supported, "threads": workers, "pool": "xla"|"own"}.
+    {"isa": ISA in use, "best_isa": best supported, "threads": workers, "pool": "xla"|"own",
+     "amx": whether the bf16-activation GEMMs (prefill, batches) run on AMX tiles}.
   """
   require("cpu_info")
   call = jax.ffi.ffi_call(
-    "ftjax_cpu_info", jax.ShapeDtypeStruct((4,), jnp.int32), vmap_method="sequential"
+    "ftjax_cpu_info", jax.ShapeDtypeStruct((5,), jnp.int32), vmap_method="sequential"
   )
-  isa, best, threads, pool = (int(v) for v in np.asarray(call()))
-  return {"isa": ISAS[isa], "best_isa": ISAS[best], "threads": threads, "pool": _POOLS[pool]}
+  isa, best, threads, pool, amx = (int(v) for v in np.asarray(call()))
+  return {"isa": ISAS[isa], "best_isa": ISAS[best], "threads": threads, "pool": _POOLS[pool],
+          "amx": bool(amx)}
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ftjax/

@@ -122,7 +122,9 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
   if chosen == "xla":
     return chosen, f"xla ({backend}, requested)" if requested == "xla" else f"xla ({backend})"
   info = host_kernels.cpu_info()
-  return chosen, f"{chosen} ({info['isa']}, {info['threads']} threads)"
+  # AMX runs the GEMMs of bf16 weights with bf16-rounded activations: prefill under ffi_bf16.
+  amx = "+amx" if info["amx"] and chosen == "ffi_bf16" else ""
+  return chosen, f"{chosen} ({info['isa']}{amx}, {info['threads']} threads)"
 
 
 @dataclasses.dataclass(frozen=True)
