@@ -295,8 +295,15 @@ KernelTuning CurrentKernelTuning();
 const char* SetKernelTuning(const KernelTuning& tuning);
 // Whether the one-token prefetch is non-temporal under `tuning` (its hint, or the CPU's default).
 bool TunedPrefetchNonTemporal(const KernelTuning& tuning);
-// KernelTable::packed_min_tokens, or the tuning's override.
-int64_t PackedMinTokens(const KernelTable& kernels);
+// The packed GEMMs run above this many tokens (routes) per weight: the tuning's override, else
+// KernelTable::packed_min_tokens; for bf16 x bf16 pairs (`bf16_pairs`) on AMX tiles,
+// kAmxPackedMinTokens.
+int64_t PackedMinTokens(const KernelTable& kernels, bool bf16_pairs);
+// AMX tiles read the weights at the memory rate from a few tokens on, where the vdpbf16ps dot
+// kernels turn compute-bound (a batch's decode step). Measured on a Xeon (2 cores, an lm_head of
+// [151936, 2048] bf16, alternating): tiles / dot kernels 26.2 / 18.3 GB/s at 8 tokens, 27.5 /
+// 13.9 at 12, 23.6 / 10.6 at 16; level (0.99-1.01) at 1, 2 and 4, 1.10 at 5.
+constexpr int64_t kAmxPackedMinTokens = 4;
 
 // Each returns the table of its translation unit, or null when the compiler did not build that
 // ISA (a non-x86 target). Callers must check the CPU first: see cpu_isa.h.

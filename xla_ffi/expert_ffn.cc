@@ -457,9 +457,14 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
 
   // The plan: storage of every expert's activations, all scratch sized up front and taken from
   // one buffer reused across calls (packing.h).
+  constexpr bool kBf16Pairs =
+      std::is_same_v<PackedWeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>;
+  // (AMX needs whole tiles of 32 inputs; otherwise the pairs run on vdpbf16ps.)
+  const int64_t packed_min_routes =
+      PackedMinTokens(kernels, kBf16Pairs && D % 32 == 0 && F % 32 == 0);
   auto is_packed = [&](int64_t i) {
     const int64_t routes_of_expert = groups.offsets[i + 1] - groups.offsets[i];
-    return packed_dot != nullptr && routes_of_expert > PackedMinTokens(kernels);
+    return packed_dot != nullptr && routes_of_expert > packed_min_routes;
   };
   int64_t packed_x_size = 0, packed_hidden_size = 0;
   for (int64_t i = 0; i < num_experts; ++i) {
