@@ -8,7 +8,8 @@
 // rows, A head width; R = H / G query heads share one kv head. Query t sits at cache row
 // length - T + t (the cache already holds this step's keys) and attends the rows s <= its own
 // row, and with a sliding window w > 0 only those with s > row - w. Rows from `length` on are
-// never read. With use_sinks, a learned per-head logit sink[h] joins the softmax's denominator
+// never read; `length` is one for the batch, or one per sequence (int32 [B]: a batch whose
+// sequences sit at different positions, one kernel call for all of them). With use_sinks, a learned per-head logit sink[h] joins the softmax's denominator
 // (it takes probability mass) but contributes no value; without, the sinks buffer is ignored and
 // may be empty ([0]) or [H].
 //
@@ -557,9 +558,14 @@ ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuf
                                     ") and shape " + ShapeString(k_dims) + ", got shape " +
                                     ShapeString(v_dims));
   }
-  if (length.element_type() != ffi::DataType::S32 || length.dimensions().size() != 0) {
-    return InvalidArgument(kOp, "length must be an int32 scalar, got shape " +
-                                    ShapeString(length.dimensions()));
+  // One length for the batch, or one per sequence ([B]: a batch at different lengths, each
+  // sequence then its own problem).
+  const auto length_dims = length.dimensions();
+  const bool per_row = length_dims.size() == 1 && length_dims[0] == B;
+  if (length.element_type() != ffi::DataType::S32 || !(length_dims.size() == 0 || per_row)) {
+    return InvalidArgument(kOp, "length must be an int32 scalar or [B] with B = " +
+                                    std::to_string(B) + ", got shape " +
+                                    ShapeString(length_dims));
   }
   const auto sinks_dims = sinks.dimensions();
   const bool sinks_are_h = sinks_dims.size() == 1 && sinks_dims[0] == H;
@@ -580,27 +586,40 @@ ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuf
                                     ", got " + ShapeString(out_dims));
   }
   if (B == 0 || T == 0 || H == 0 || A == 0) return ffi::Error::Success();  // nothing to compute
-  const int64_t valid_rows = *length.typed_data<int32_t>();
-  if (valid_rows < T || valid_rows > S) {
-    return InvalidArgument(kOp, "length must be in [T, S] = [" + std::to_string(T) + ", " +
-                                    std::to_string(S) + "], got " + std::to_string(valid_rows));
+  const int32_t* lengths = length.typed_data<int32_t>();
+  for (int64_t b = 0; b < (per_row ? B : 1); ++b) {
+    if (lengths[b] < T || lengths[b] > S) {
+      return InvalidArgument(kOp, "length must be in [T, S] = [" + std::to_string(T) + ", " +
+                                      std::to_string(S) + "], got " +
+                                      std::to_string(lengths[b]) +
+                                      (per_row ? " for sequence " + std::to_string(b) : ""));
+    }
   }
 
   const HostSetup setup = ChooseHostSetup(&xla_pool);
   if (!setup.error.empty()) return InvalidArgument(kOp, setup.error);
 
   const float* sinks_h = use_sinks ? sinks.typed_data<float>() : nullptr;
-  if (kv_dtype == ffi::DataType::BF16) {
-    const AttentionProblem<Bf16Bits> problem{
-        B, T, H, G, A, S, valid_rows, window, scale, q.typed_data<float>(),
-        k.reinterpret_data<Bf16Bits>(),
-        v.reinterpret_data<Bf16Bits>(), sinks_h, out->typed_data()};
-    Attention(problem, *setup.kernels, setup.workers);
-  } else {
-    const AttentionProblem<float> problem{B, T, H, G, A, S, valid_rows, window, scale,
-                                          q.typed_data<float>(), k.typed_data<float>(),
-                                          v.typed_data<float>(), sinks_h, out->typed_data()};
-    Attention(problem, *setup.kernels, setup.workers);
+  // Per-row lengths: one problem per sequence, each split across the threads as a whole batch
+  // would be (the results do not depend on the split).
+  const int64_t problems = per_row ? B : 1, rows_each = per_row ? 1 : B;
+  const int64_t q_stride = T * H * A, kv_stride = S * G * A;
+  for (int64_t b = 0; b < problems; ++b) {
+    const float* q_b = q.typed_data<float>() + b * q_stride;
+    float* out_b = out->typed_data() + b * q_stride;
+    if (kv_dtype == ffi::DataType::BF16) {
+      const AttentionProblem<Bf16Bits> problem{
+          rows_each, T, H, G, A, S, lengths[b], window, scale, q_b,
+          k.reinterpret_data<Bf16Bits>() + b * kv_stride,
+          v.reinterpret_data<Bf16Bits>() + b * kv_stride, sinks_h, out_b};
+      Attention(problem, *setup.kernels, setup.workers);
+    } else {
+      const AttentionProblem<float> problem{rows_each, T, H, G, A, S, lengths[b], window, scale,
+                                            q_b, k.typed_data<float>() + b * kv_stride,
+                                            v.typed_data<float>() + b * kv_stride, sinks_h,
+                                            out_b};
+      Attention(problem, *setup.kernels, setup.workers);
+    }
   }
   return ffi::Error::Success();
 }
@@ -615,7 +634,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxAttention, ftjax::AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()    // q [B, T, H, A] f32, unscaled
                                   .Arg<ffi::AnyBuffer>()    // k [B, S, G, A] f32 or bf16, the cache
                                   .Arg<ffi::AnyBuffer>()    // v [B, S, G, A] k's dtype, the cache
-                                  .Arg<ffi::AnyBuffer>()    // length: int32 scalar, valid rows
+                                  .Arg<ffi::AnyBuffer>()    // length: int32 [] or [B], valid rows
                                   .Arg<ffi::AnyBuffer>()    // sinks [H] f32 (or [0] unused)
                                   .Attr<float>("scale")     // multiplies q . k
                                   .Attr<int64_t>("window")  // sliding window, 0: none

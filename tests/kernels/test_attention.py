@@ -321,7 +321,10 @@ PYTHON_ERRORS = {
   "length_below_queries": (dict(length=np.int32(2)), "length must be in [T, S] = [3, 10], got 2"),
   "length_above_rows": (dict(length=11), "length must be in [T, S] = [3, 10], got 11"),
   "length_dtype": (dict(length=np.zeros((), np.int64)), "length must be an int32 scalar"),
-  "length_not_scalar": (dict(length=np.zeros((1,), np.int32)), "length must be an int32 scalar"),
+  "length_not_scalar": (dict(length=np.zeros((1,), np.int32)),
+                        "length must be an int32 scalar or [B] with B = 2"),
+  "length_per_row_above_rows": (dict(length=np.array([6, 11], np.int32)),
+                                "length must be in [T, S] = [3, 10], got 11"),
   "scale_array": (dict(scale=np.ones(1, np.float32)), "scale must be a Python or numpy number"),
   "window_zero": (dict(window=0), "window must be None or a positive int"),
   "window_float": (dict(window=2.5), "window must be None or a positive int"),
@@ -336,6 +339,23 @@ def test_python_side_rejects_bad_input(error_name):
   arguments = good_arguments() | dict(scale=1.0) | changes
   with pytest.raises(ValueError, match=re.escape(message)):
     attention(**arguments)
+
+
+@pytest.mark.parametrize("kv_name", KV_DTYPES)
+@pytest.mark.parametrize("case_name", ["decode_gqa_r2", "queries_5", "window", "sinks"])
+def test_per_sequence_lengths_equal_each_sequence_alone(case_name, kv_name):
+  """length [B] (a batch at different positions): each sequence's output is exactly what the
+  kernel gives that sequence alone at its length, in one call (traced and concrete lengths)."""
+  case = CASES[case_name]
+  q, k, v, sinks = make_inputs(case, "per_row", kv_dtype=KV_DTYPES[kv_name])
+  lengths = np.array([case.length - 3 * b for b in range(case.B)], np.int32)
+  kwargs = dict(scale=case.A ** -0.5, window=case.window, sinks=sinks)
+  together = np.asarray(attention(q, k, v, lengths, **kwargs))
+  traced = np.asarray(jax.jit(lambda n: attention(q, k, v, n, **kwargs))(lengths))
+  for b in range(case.B):
+    alone = np.asarray(attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], int(lengths[b]), **kwargs))
+    np.testing.assert_array_equal(together[b:b + 1], alone)
+    np.testing.assert_array_equal(traced[b:b + 1], alone)
 
 
 def call_kernel_directly(q, k, v, length, sinks=np.zeros(0, np.float32), result_shape=None,
@@ -368,6 +388,10 @@ KERNEL_ERRORS = {
   "length_below_queries": (dict(length=np.int32(2)),
                            "length must be in [T, S] = [3, 10], got 2"),
   "length_above_rows": (dict(length=np.int32(11)), "length must be in [T, S] = [3, 10], got 11"),
+  "length_wrong_rows": (dict(length=np.zeros((3,), np.int32)),
+                        "length must be an int32 scalar or [B] with B = 2, got shape [3]"),
+  "length_per_row_above_rows": (dict(length=np.array([6, 11], np.int32)),
+                                "length must be in [T, S] = [3, 10], got 11 for sequence 1"),
   "sinks_missing": (dict(use_sinks=True),
                     "sinks must be float32 [H] with H = 4, got shape [0]"),
   "sinks_shape": (dict(sinks=np.zeros(3, np.float32)),

@@ -42,8 +42,9 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
       the kernel), G dividing H; query head h uses kv head h // (H / G).
     v: [B, S, G, A] value cache, k's dtype.
     length: int32 scalar (array or Python int; may be traced): the number of valid cache rows,
-      this step's T included, in [T, S]. A concrete value is checked here, a traced one by the
-      kernel at run time.
+      this step's T included, in [T, S]; or int32 [B], one per sequence (a batch at different
+      positions: one call, each sequence against its own rows). A concrete value is checked
+      here, a traced one by the kernel at run time.
     scale: the factor of the scores q · k (usually A ** -0.5); a Python number.
     window: None, or a positive int w: query row i attends only rows s > i - w.
     sinks: None, or [H] float32 per-head sink logits.
@@ -73,7 +74,7 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
   if v_dtype != k_dtype:
     raise ValueError(f"v must have k's dtype {k_dtype} (one cache dtype for both: cast one, e.g. "
                      f"v.astype(k.dtype)), got {v_dtype}")
-  length = _checked_length(length, T, S)
+  length = _checked_length(length, T, S, B)
   if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
     raise ValueError(f"scale must be a Python or numpy number, got {scale!r}")
   if window is not None and (isinstance(window, (bool, np.bool_))
@@ -97,20 +98,22 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
               window=np.int64(0 if window is None else window), use_sinks=sinks is not None)
 
 
-def _checked_length(length, T, S):
-  """length as an int32 scalar; its range checked when it is known at trace time."""
+def _checked_length(length, T, S, B):
+  """length as an int32 scalar or [B]; its range checked when it is known at trace time."""
   if isinstance(length, (bool, np.bool_)):
-    raise ValueError(f"length must be an int32 scalar, got {length!r}")
+    raise ValueError(f"length must be an int32 scalar or [B], got {length!r}")
   if isinstance(length, (int, np.integer)):
     value = int(length)
     if not T <= value <= S:
       raise ValueError(f"length must be in [T, S] = [{T}, {S}], got {value}")
     return np.int32(value)
   shape, dtype = shape_and_dtype("length", length)
-  if shape != () or dtype != np.int32:
-    raise ValueError(f"length must be an int32 scalar, got {dtype} of shape {shape}")
+  if shape not in ((), (B,)) or dtype != np.int32:
+    raise ValueError(f"length must be an int32 scalar or [B] with B = {B}, got {dtype} of shape "
+                     f"{shape}")
   if not isinstance(length, jax.core.Tracer):
-    value = int(length)
-    if not T <= value <= S:
-      raise ValueError(f"length must be in [T, S] = [{T}, {S}], got {value}")
+    values = np.asarray(length).reshape(-1)
+    bad = values[(values < T) | (values > S)]
+    if bad.size:
+      raise ValueError(f"length must be in [T, S] = [{T}, {S}], got {int(bad[0])}")
   return length

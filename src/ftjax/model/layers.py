@@ -300,13 +300,10 @@ class Attention(nnx.Module):
       scale = self.head_dim ** -0.5
       if jnp.ndim(length) and length.shape[0] == 1:
         length = length[0]
-      if jnp.ndim(length):  # a batch at different lengths: the kernel once per sequence
-        out = jax.vmap(lambda q, k, v, n: attention(
-            q[None], k[None], v[None], n, scale=scale, window=self.window, sinks=sinks)[0])(
-                q, cache.k, cache.v, length + t)
-      else:
-        out = attention(q, cache.k, cache.v, length + t, scale=scale, window=self.window,
-                        sinks=sinks)
+      # A batch at different lengths passes one per sequence: one call (under jax.vmap the calls
+      # would run in an XLA loop that copies every sequence's cache to float32 each layer).
+      out = attention(q, cache.k, cache.v, length + t, scale=scale, window=self.window,
+                      sinks=sinks)
     # XLA (float32 einsums; keys and values widened from the cache's dtype).
     elif fresh:  # the chunk's own keys and values: T x T scores
       out = dense_attention(q, k, v, 0, window=self.window, sinks=sinks)
