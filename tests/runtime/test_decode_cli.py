@@ -45,7 +45,7 @@ def test_no_flags_runs_the_embedded_default_model(tmp_path):
   # The bfloat16 default model runs on the C++ kernels with bf16 activations, and says so, with
   # the kernels' variant for this machine (measured by the first run here, read from the tuning
   # file by every later one; the scalar kernels have none).
-  assert re.search(r", kernels: ffi_bf16 \(\w+, \d+ threads?, tuning (\S+ \((tuned|from) .+\)|"
+  assert re.search(r", kernels: ffi_bf16 \(\w+(\+amx)?, \d+ threads?, tuning (\S+ \((tuned|from) .+\)|"
                    r"default \(scalar kernels: nothing to tune\))\)$", summary), summary
 
 
