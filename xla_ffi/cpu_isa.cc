@@ -206,7 +206,7 @@ bool AmxSupported() {
 
 bool AmxEnabled() {
   if (!AmxSupported()) return false;
-  const char* requested = std::getenv("FTJAX_AMX");
+  const char* requested = std::getenv("FTJAX_AMX");  // 0 or 1: ChooseKernels rejects the rest
   return requested == nullptr || std::strcmp(requested, "0") != 0;
 }
 
@@ -225,6 +225,10 @@ KernelChoice ChooseKernels() {
       return {nullptr, std::string("FTJAX_ISA = \"") + requested +
                            "\" is not one of scalar, avx2, avx512, avx512bf16"};
     }
+  }
+  if (const char* amx = std::getenv("FTJAX_AMX");
+      amx != nullptr && *amx && std::strcmp(amx, "0") != 0 && std::strcmp(amx, "1") != 0) {
+    return {nullptr, std::string("FTJAX_AMX = \"") + amx + "\" is not one of 0, 1"};
   }
   return {KernelsFor(isa), ""};
 }

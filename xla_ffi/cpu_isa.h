@@ -39,7 +39,8 @@ KernelChoice ChooseKernels();
 // (arch_prctl ARCH_REQ_XCOMP_PERM), and this build has the AMX kernel. Detected once.
 bool AmxSupported();
 // AmxSupported() unless the environment sets FTJAX_AMX=0 (read on every call, like FTJAX_ISA):
-// then the packed GEMM runs on AVX-512-BF16 (vdpbf16ps) as on CPUs without AMX.
+// then the packed GEMM runs on AVX-512-BF16 (vdpbf16ps) as on CPUs without AMX. Values other
+// than 0 and 1 make ChooseKernels() an error.
 bool AmxEnabled();
 
 }  // namespace ftjax

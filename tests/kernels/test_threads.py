@@ -52,6 +52,7 @@ def test_both_pools_give_identical_results(T, isa, monkeypatch):
   [
     ("FTJAX_ISA", "avx1024", 'FTJAX_ISA = "avx1024" is not one of scalar, avx2, avx512, avx512bf16'),
     ("FTJAX_THREAD_POOL", "openmp", 'FTJAX_THREAD_POOL = "openmp" is not one of xla, own'),
+    ("FTJAX_AMX", "off", 'FTJAX_AMX = "off" is not one of 0, 1'),
   ],
 )
 def test_unknown_environment_values_are_errors(variable, value, message, monkeypatch):

@@ -25,7 +25,7 @@ it.
 Environment (read by the C++ kernels):
   FTJAX_ISA=scalar|avx2|avx512|avx512bf16   use at most this instruction set (read every call;
                                             the default is the best the CPU supports)
-  FTJAX_AMX=0                               with avx512bf16 on a CPU with AMX (Intel Xeon 4th
+  FTJAX_AMX=0|1                             0: with avx512bf16 on a CPU with AMX (Intel Xeon 4th
                                             generation on), run the GEMMs of bf16 weights and
                                             bf16-rounded activations (prefill under ffi_bf16) on
                                             vdpbf16ps instead of AMX tiles (read every call;
