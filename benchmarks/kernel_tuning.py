@@ -2,7 +2,8 @@
 bandwidth, the tuner's choice, and a check that the choice is the fastest.
 
 1. The tuner, as ``python -m ftjax.profile`` runs it, on Qwen3-30B-A3B's shapes (D = 2048,
-   F = 768, top-8; 128 MiB weights, past the last-level cache): every variant of its three stages
+   F = 768, top-8; ``tuning.workload_bytes()`` of weights: twice the last-level cache, 128 MiB
+   to 1 GiB): every variant of its three stages
    (one token: prefetch distance x hint x accumulators, on the GEMV and the decode expert FFN;
    the GEMV's rows per task; rows per register block at 4 and 8 tokens), with its time relative
    to the stage's baseline and its ratio to the read probe of the same rounds.
@@ -58,7 +59,7 @@ def _stage_field(stage, name):
 def check(record, rounds, bf16_activations):
   """Alternating rounds of every contender on every workload: median ms and time relative to
   the choice."""
-  work = tuning.Workloads(SHAPES.clamped(), 128 << 20, bf16_activations)
+  work = tuning.Workloads(SHAPES.clamped(), record["bytes_each"], bf16_activations)
   entries = contenders(record)
   names = list(entries)
   times = {(n, w): [] for n in names for w in WORKLOADS}

@@ -12,6 +12,7 @@ import pytest
 
 import ftjax
 from ftjax.kernels import dense, expert_ffn, tuning
+from ftjax.kernels.cpu_info import last_level_cache_bytes
 from ftjax.kernels.expert_ffn import ExpertVariant
 from ftjax.runtime import model as model_lib
 
@@ -119,7 +120,9 @@ def test_the_tuning_file_is_this_machines(tmp_path, monkeypatch, restore_tuning)
       len(tuning.BLOCK_ROWS)]
   assert stages["one_token"][0]["variant"] == "default" and stages["one_token"][0]["score"] == 1
   path = tuning.save(record)
-  assert path == tuning.default_path() and path.startswith(str(tmp_path / "kernel_tuning"))
+  assert path == tuning.default_path(tuning.Shapes(64, 32, 2), False)
+  assert path.startswith(str(tmp_path / "kernel_tuning")) and path.endswith("-h1024f256k2-f32.json")
+  assert record["bytes_each"] == 8 << 20 and record["llc_bytes"] == last_level_cache_bytes()
   assert tuning.load(path)[0] == chosen
   # Measured elsewhere, malformed, missing: each refused with the fix.
   other = dict(record, key=dict(record["key"], isa="avx512bf16", cpu="Other CPU"))
@@ -133,6 +136,26 @@ def test_the_tuning_file_is_this_machines(tmp_path, monkeypatch, restore_tuning)
     tuning.load(str(tmp_path / "missing.json"))
 
 
+def test_a_tuning_is_kept_per_model_shape_and_read_past_the_caches(tmp_path, monkeypatch):
+  monkeypatch.setenv("FTJAX_CACHE_DIR", str(tmp_path))
+  paths = {tuning.default_path(tuning.Shapes(h, f, k), bf16)
+           for h, f, k in ((2048, 768, 8), (2880, 2880, 4), (2048, 768, 4))
+           for bf16 in (False, True)}
+  assert len(paths) == 6  # each shape and each activation type has a file of its own
+  # Tinier shapes are measured (and kept) as the clamped ones.
+  assert (tuning.default_path(tuning.Shapes(64, 32, 1), True)
+          == tuning.default_path(tuning.Shapes(1024, 256, 2), True))
+  # The weights a run reads: twice the largest cache, within [128 MiB, 1 GiB].
+  assert tuning.workload_bytes(0) == 128 << 20
+  assert tuning.workload_bytes(32 << 20) == 128 << 20
+  assert tuning.workload_bytes(480 << 20) == 960 << 20  # the Xeon's L3
+  assert tuning.workload_bytes(4 << 30) == 1 << 30
+  llc = last_level_cache_bytes()
+  assert llc >= 0 and tuning.workload_bytes() == tuning.workload_bytes(llc)
+  if os.path.isdir("/sys/devices/system/cpu/cpu0/cache/index0"):
+    assert llc > 0
+
+
 def test_engine_modes(tmp_path, monkeypatch, tiny_config, restore_tuning):
   monkeypatch.setenv("FTJAX_CACHE_DIR", str(tmp_path))
   model = model_lib.random_model(tiny_config, seed=0)
@@ -143,8 +166,11 @@ def test_engine_modes(tmp_path, monkeypatch, tiny_config, restore_tuning):
     pytest.skip("the scalar kernels have nothing to tune")
   # auto, first run on this machine: measures and keeps the file; later runs read it.
   engine = ftjax.Engine(model, kernels="ffi", kernel_tuning="auto")
-  path = tuning.default_path()
+  path = tuning.default_path(tuning.Shapes(tiny_config.hidden_size,
+                                           tiny_config.moe_intermediate_size, tiny_config.top_k),
+                             False)
   assert os.path.isfile(path) and "(tuned now in " in engine.kernels_path
+  assert os.listdir(tmp_path / "kernel_tuning") == [os.path.basename(path)]
   chosen, record = tuning.load(path)
   assert engine.kernel_tuning == chosen == tuning.current()
   assert record["shapes"] == {"hidden": 1024, "ffn": 256, "top_k": tiny_config.top_k}

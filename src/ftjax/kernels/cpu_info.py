@@ -67,6 +67,25 @@ def cpu_model() -> dict:
   return out
 
 
+def last_level_cache_bytes() -> int:
+  """The largest CPU cache of the first processor, in bytes (sysfs; 0 where unknown)."""
+  best = 0
+  for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+    try:
+      with open(os.path.join(index, "type")) as f:
+        if f.read().strip() == "Instruction":
+          continue
+      with open(os.path.join(index, "size")) as f:
+        size = f.read().strip()
+    except OSError:
+      continue
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+    digits = size.rstrip("KMGkmg")
+    if digits.isdigit():
+      best = max(best, int(digits) * scale)
+  return best
+
+
 def build_digest() -> str:
   """A digest of ftjax's compiled modules (name, size, mtime): changes with every rebuild."""
   digest = hashlib.sha256()

@@ -23,9 +23,16 @@ a variant equal to it (the default rows of the ISA) is not measured twice.
 
 ``resolve(mode, ...)`` is what ``Engine(kernel_tuning=...)`` (``--kernel_tuning``) calls: ``off``
 keeps the built-in defaults; ``auto`` reads this machine's tuning file, or measures and writes it
-when there is none (a few seconds, once per machine, CPU, ISA, thread count and ftjax build); a
-path reads that file, which must have been measured on this machine. ``python -m ftjax.profile``
-measures again and overwrites. The file lives under ``$FTJAX_CACHE_DIR/kernel_tuning/``.
+when there is none (10-20 seconds, once per machine, CPU, ISA, thread count, ftjax build and model
+shape: the hidden width, the experts' width, top-k and whether the activations are bf16); a path
+reads that file, which must have been measured on this machine (for any shape). ``python -m
+ftjax.profile`` measures again and overwrites. The files live under
+``$FTJAX_CACHE_DIR/kernel_tuning/``.
+
+The measured weights (``workload_bytes``) are twice the CPU's largest cache, so that every variant
+reads from memory as a model's decode does: at a fixed 128 MiB, a 480 MiB L3 (an Intel Xeon of
+this project's machines) held most of them, and the GEMV measured 1.4x the memory's read
+bandwidth.
 
 The tuning is the process's (the kernels are): an engine that resolves one sets it for every later
 kernel call. ftjax._ffi_cuda (the GPU path's host experts) keeps its built-in defaults.
@@ -49,7 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.kernels._registration import ffi_module, require
-from ftjax.kernels.cpu_info import build_digest, cpu_info, cpu_model, ftjax_version
+from ftjax.kernels.cpu_info import (build_digest, cpu_info, cpu_model, ftjax_version,
+                                     last_level_cache_bytes)
 from ftjax.kernels.dense import dense
 from ftjax.kernels.expert_ffn import expert_ffn
 from ftjax.kernels.read_probe import read_probe
@@ -145,6 +153,16 @@ BATCH_TOKENS = (4, 8)
 # on the 2-core AVX2 Zen 3 VM, the same settings measured as two variants (medians of 7-15
 # alternating rounds) differed by 4-5% (benchmarks/results/kernel_tuning_avx2.json).
 MARGIN = 0.05
+# The measured weights: twice the last-level cache, within these bounds.
+MIN_WORKLOAD_BYTES = 128 << 20
+MAX_WORKLOAD_BYTES = 1 << 30
+
+
+def workload_bytes(llc_bytes: int | None = None) -> int:
+  """Bytes of the GEMV weight and of the expert bank that a tuning run reads: twice the largest
+  CPU cache (``last_level_cache_bytes``), at least 128 MiB and at most 1 GiB."""
+  llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+  return min(max(MIN_WORKLOAD_BYTES, 2 * llc), MAX_WORKLOAD_BYTES)
 
 
 def one_token_variants() -> list[Tuning]:
@@ -187,13 +205,16 @@ def machine_key() -> dict:
           "build": build_digest()}
 
 
-def default_path(key: dict | None = None) -> str:
+def default_path(shapes: Shapes, bf16_activations: bool, key: dict | None = None) -> str:
   """``$FTJAX_CACHE_DIR/kernel_tuning/<cpu>-<family>-<model>-<isa>-<threads>t-<version>-<build>
-  .json`` for ``key`` (default: this machine's)."""
+  -h<hidden>f<ffn>k<top_k>-<bf16|f32>.json`` for ``shapes`` (clamped) and ``key`` (default: this
+  machine's): a model of other shapes, or the other activations, has a tuning of its own."""
   key = key or machine_key()
+  shapes = shapes.clamped()
   slug = re.sub(r"[^A-Za-z0-9.]+", "_", key["cpu"]).strip("_") or "cpu"
   name = (f"{slug}-f{key['family']}m{key['model']}-{key['isa']}-{key['threads']}t-"
-          f"{key['ftjax']}-{key['build']}.json")
+          f"{key['ftjax']}-{key['build']}-h{shapes.hidden}f{shapes.ffn}k{shapes.top_k}-"
+          f"{'bf16' if bf16_activations else 'f32'}.json")
   return os.path.join(paths.cache_root(), "kernel_tuning", name)
 
 
@@ -290,14 +311,17 @@ def _stage(work: Workloads, base: Tuning, variants: list[Tuning], names: tuple[s
 
 
 def measure(shapes: Shapes, *, rounds: int = 5, bf16_activations: bool = False,
-            bytes_each: int = 128 << 20, show_progress: bool = True) -> dict:
+            bytes_each: int | None = None, show_progress: bool = True) -> dict:
   """Measures the variants on ``shapes`` (clamped, ``Shapes``) and returns the tuning record:
-  {"version", "key", "chosen", "name", "shapes", "bf16_activations", "read_gb_s", "stages",
-  "seconds", "created"}. Leaves the chosen tuning applied. ``bytes_each``: the size of the GEMV
-  weight and of the expert bank (well past the last-level cache)."""
+  {"version", "key", "chosen", "name", "shapes", "bf16_activations", "read_gb_s", "bytes_each",
+  "llc_bytes", "stages", "seconds", "created"}. Leaves the chosen tuning applied.
+  ``bytes_each``: the size of the GEMV weight and of the expert bank (default
+  ``workload_bytes()``: past the last-level cache)."""
   t0 = time.perf_counter()
   key = machine_key()
   shapes = shapes.clamped()
+  llc = last_level_cache_bytes()
+  bytes_each = workload_bytes(llc) if bytes_each is None else bytes_each
   work = Workloads(shapes, bytes_each, bf16_activations)
   previous = current()
   stage1 = one_token_variants()
@@ -329,14 +353,17 @@ def measure(shapes: Shapes, *, rounds: int = 5, bf16_activations: bool = False,
   return {"version": FILE_VERSION, "key": key, "chosen": dataclasses.asdict(chosen),
           "name": chosen.name, "shapes": dataclasses.asdict(shapes),
           "bf16_activations": bf16_activations, "read_gb_s": statistics.median(reads),
+          "bytes_each": bytes_each, "llc_bytes": llc,
           "stages": {"one_token": one_token, "gemv_tasks": gemv_tasks, "blocks": blocks},
           "seconds": time.perf_counter() - t0,
           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def save(record: dict, path: str | None = None) -> str:
-  """Writes ``record`` to ``path`` (default: this machine's ``default_path``) atomically."""
-  path = path or default_path(record["key"])
+  """Writes ``record`` to ``path`` (default: the ``default_path`` of its key and shapes)
+  atomically."""
+  path = path or default_path(Shapes(**record["shapes"]), record["bf16_activations"],
+                              record["key"])
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
   with os.fdopen(fd, "w") as f:
@@ -384,13 +411,16 @@ def resolve(mode: str, shapes: Shapes, *, bf16_activations: bool = False,
   if key["isa"] not in SIMD_ISAS:
     apply(DEFAULT)
     return DEFAULT, f"default ({key['isa']} kernels: nothing to tune)"
-  path = default_path(key)
+  path = default_path(shapes, bf16_activations, key)
   if os.path.isfile(path):
     tuning, record = load(path)
     apply(tuning)
     return tuning, f"{tuning.name} (tuned {record['created'][:10]}, {path})"
-  log(f"no kernel tuning for this machine yet ({key['cpu']}, {key['isa']}, {key['threads']} "
-      f"threads): measuring the kernels' variants once; {path} keeps the result")
+  s = shapes.clamped()
+  log(f"no kernel tuning for this machine and shape yet ({key['cpu']}, {key['isa']}, "
+      f"{key['threads']} threads; hidden {s.hidden}, experts {s.ffn}, top-{s.top_k}, "
+      f"{'bf16' if bf16_activations else 'float32'} activations): measuring the kernels' "
+      f"variants once; {path} keeps the result")
   record = measure(shapes, bf16_activations=bf16_activations)
   save(record, path)
   return Tuning.from_dict(record["chosen"]), (f"{record['name']} (tuned now in "
