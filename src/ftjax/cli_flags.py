@@ -17,7 +17,7 @@ from ftjax.cache import POLICIES
 from ftjax.kernels import tuning
 from ftjax.runtime import compile_cache
 from ftjax.runtime.engine import Engine
-from ftjax.runtime.model import load, prefault
+from ftjax.runtime.model import LOAD_MODES, LOAD_MODES_HELP, load, prefault, residency
 
 MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted once into "
               "$FTJAX_CACHE_DIR, default ~/.cache/ftjax), or an embedded model: 'default' (the "
@@ -25,7 +25,7 @@ MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted onc
 
 
 def define_engine_flags() -> dict[str, flags.FlagHolder]:
-  """--model, --max_seq_len, --kernels, --kernel_tuning, --prefault, --decode_chunk, the
+  """--model, --max_seq_len, --kernels, --kernel_tuning, --load_mode, --prefault, --decode_chunk, the
   expert-cache flags, --pool, --prefill_chunk, --kv_dtype, --devices and --compilation_cache."""
   return {
       "model": flags.DEFINE_string("model", None, MODEL_HELP),
@@ -37,10 +37,12 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "ffi_int8 (C++, int8 activations for int8 experts on AVX-512-VNNI and for mxfp4 "
           "experts' decode on any CPU, as llama.cpp's Q8_0; opt-in), xla; auto "
           "picks ffi_bf16 for bf16 models on CPU, ffi otherwise"),
+      "load_mode": flags.DEFINE_enum("load_mode", "auto", list(LOAD_MODES), LOAD_MODES_HELP),
       "prefault": flags.DEFINE_boolean(
-          "prefault", True, "fault the memory-mapped weights into the process before the first "
-          "step (when they fit in the memory available), so that decode reads resident pages "
-          "from its first token; says so on stderr"),
+          "prefault", True, "with mapped weights (--load_mode=mmap, or auto when they do not "
+          "fit): fault them into the process before the first step (when they fit in the "
+          "memory available), so that decode reads resident pages from its first token; says "
+          "so on stderr"),
       "kernel_tuning": flags.DEFINE_string(
           "kernel_tuning", "auto", "the C++ kernels' per-machine variant: " + tuning.MODES_HELP),
       "decode_chunk": flags.DEFINE_integer(
@@ -160,9 +162,9 @@ def precompile(engine: Engine, anchor_slots: int, name: str) -> None:
 def build_engine(holders: dict[str, flags.FlagHolder]) -> Engine:
   """The model of ``--model`` (the default model when omitted) in an engine with the
   command line's runtime flags."""
-  model = load(holders["model"].value or "default")
-  if holders["prefault"].value:
-    print(prefault(model), file=sys.stderr)
+  model = load(holders["model"].value or "default", load_mode=holders["load_mode"].value,
+               show_progress=True)
+  print(prefault(model) if holders["prefault"].value else residency(model), file=sys.stderr)
   return Engine(model, max_seq_len=holders["max_seq_len"].value,
                 kernels=holders["kernels"].value, decode_chunk=holders["decode_chunk"].value,
                 **cache_options(holders))

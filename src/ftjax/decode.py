@@ -20,7 +20,7 @@ from ftjax.assets import EMBEDDED_MODELS
 from ftjax.kernels import KernelsUnavailable
 from ftjax.research.traces import Trace
 from ftjax.runtime.engine import Engine, GenerateResult
-from ftjax.runtime.model import load, prefault as prefault_weights
+from ftjax.runtime.model import load, prefault as prefault_weights, residency
 from ftjax.runtime.sampling import check_sampling_args
 from ftjax.runtime.speculative import SpeculativeResult
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
@@ -56,6 +56,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
                greedy: bool = False, temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
                max_seq_len: int | None = None, kernels: str = "auto", show_stats: bool = False,
                trace_out: str | None = None, decode_chunk: int = 8, prefault: bool = True,
+               load_mode: str = "auto",
                speculative: str = "none", draft_tokens: int = 2, adaptive_draft: bool = False,
                out: TextIO = sys.stdout, log: TextIO = sys.stderr,
                **cache_options) -> DecodeResult:
@@ -64,8 +65,10 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   ``cache_options`` are the expert-cache options of ``ftjax.runtime.engine.RuntimeOptions``
   (cache_slots, cache_fraction, cache_bytes, policy, bandwidths, profile). ``trace_out``
   saves the routing trace of the run (``ftjax.traces.Trace``). ``decode_chunk``: decode
-  steps per device program (text streams once per chunk). ``prefault``: fault the mapped
-  weights in before the first step (``ftjax.runtime.model.prefault``; said on ``log``).
+  steps per device program (text streams once per chunk). ``load_mode``: how the weights are
+  held (``ftjax.runtime.model.LOAD_MODES``: copied into memory, or mapped); ``prefault``: fault
+  mapped weights in before the first step (``ftjax.runtime.model.prefault``). Which happened
+  is said on ``log``.
   ``speculative="mtp"``: the model's multi-token-prediction head drafts ``draft_tokens`` tokens
   per verify step (greedy, or rejection sampling with the same sampling options;
   ``ftjax.runtime.speculative``); ``adaptive_draft``: each step drafts 0 .. ``draft_tokens``,
@@ -76,7 +79,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
     raise ValueError("--adaptive_draft chooses the draft length of speculative decoding: pass "
                      "--speculative=mtp with it, or drop it")
   model = model or "default"
-  loaded = load(model)
+  loaded = load(model, load_mode=load_mode, show_progress=True)
   if model in EMBEDDED_MODELS and not os.path.exists(model):
     source = loaded.source or {}
     kind = ("random-initialised and untrained: its output is noise"
@@ -85,8 +88,7 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
             "ftjax/tiny/README.md")
     log.write(f"ftjax: using the embedded default model {model!r} ({kind}); pass --model=DIR for a "
               "real one\n")
-  if prefault:
-    log.write(prefault_weights(loaded) + "\n")
+  log.write((prefault_weights(loaded) if prefault else residency(loaded)) + "\n")
   tokenizer = load_tokenizer(loaded.path, loaded.config.vocab_size)
   ids = tokenizer.encode(prompt)
   engine = Engine(loaded, max_seq_len=max_seq_len, kernels=kernels,
@@ -202,6 +204,7 @@ def main(argv):
                max_seq_len=_ENGINE["max_seq_len"].value, kernels=_ENGINE["kernels"].value,
                show_stats=_STATS.value, trace_out=_TRACE_OUT.value,
                decode_chunk=_ENGINE["decode_chunk"].value, prefault=_ENGINE["prefault"].value,
+               load_mode=_ENGINE["load_mode"].value,
                speculative=_SPECULATIVE.value, draft_tokens=_DRAFT_TOKENS.value,
                adaptive_draft=_ADAPTIVE_DRAFT.value, **cache)
   except (ValueError, FileNotFoundError, KernelsUnavailable) as e:

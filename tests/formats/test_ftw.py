@@ -48,14 +48,47 @@ def test_layout_is_aligned_and_experts_contiguous(saved):
   np.testing.assert_array_equal(f.expert_part(0, 2, "up").reshape(-1), bank[0, 2, fd:2 * fd])
 
 
-def test_cpu_load_is_zero_copy(saved):
+@pytest.mark.parametrize("load_mode", ["copy", "mmap"])
+def test_cpu_load_is_zero_copy(saved, load_mode):
   _, path = saved
-  loaded = ftjax.load(path)
+  loaded = ftjax.load(path, load_mode=load_mode)
   assert jax.default_backend() == "cpu"
+  assert loaded.storage.residency == {"copy": "copied", "mmap": "mapped"}[load_mode]
+  # The arrays view the storage's buffers (the copies, or the mapped files) without a copy.
   assert loaded.bank.unsafe_buffer_pointer() == loaded.storage.expert_bank().ctypes.data
   name = "layers.0.attn.w_q_had"
   assert (model_lib.leaf(loaded, name).unsafe_buffer_pointer()
           == loaded.storage.tensor(name).ctypes.data)
+  assert not loaded.storage.expert_bank().flags.writeable
+
+
+def test_load_modes_read_the_same_bytes(saved, monkeypatch):
+  model, path = saved
+  copied = ftjax.load(path, load_mode="copy")
+  mapped = ftjax.load(path, load_mode="mmap")
+  assert copied.load_s > 0 and mapped.load_s == 0
+  for name, value in model_lib.named_params(mapped).items():
+    assert model_lib.named_params(copied)[name].tobytes() == value.tobytes(), name
+  assert np.asarray(copied.bank).tobytes() == np.asarray(mapped.bank).tobytes()
+  assert model_lib.residency(copied).startswith("ftjax: copied the weights (")
+  assert model_lib.residency(mapped).endswith("are mapped from their files")
+  # auto copies when the files take at most 80% of the memory available, else maps them.
+  assert ftjax.load(path).storage.residency == "copied"
+  nbytes = mapped.storage.mapped_bytes()
+  monkeypatch.setattr(model_lib, "available_host_bytes", lambda: nbytes)  # a machine that short
+  assert ftjax.load(path).storage.residency == "mapped"
+  assert ftjax.load(path, load_mode="copy").storage.residency == "copied"
+  with pytest.raises(ValueError, match="load_mode must be one of auto, copy, mmap, got 'ram'"):
+    ftjax.load(path, load_mode="ram")
+
+
+def test_a_copy_of_a_file_cut_short_is_an_error(tmp_path):
+  p = tmp_path / "f.bin"
+  p.write_bytes(bytes(range(256)) * 4)
+  np.testing.assert_array_equal(ftw.read_into_memory(str(p), 1024),
+                                np.frombuffer(p.read_bytes(), np.uint8))
+  with pytest.raises(ftw.FTWTruncatedError, match="ended at byte 1024 while copying"):
+    ftw.read_into_memory(str(p), 2048)
 
 
 def _copy(path, tmp_path):

@@ -36,9 +36,9 @@ def test_no_flags_runs_the_embedded_default_model(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("def fibonacci(n):")
   assert "embedded default model 'default' (trained" in proc.stderr
-  # The mapped weights were faulted in before the first step, and it says so (issue 34).
-  assert re.search(r"^ftjax: pre-faulted the weights \(0\.0\d GB mapped\) in \d+\.\d s",
-                   proc.stderr, re.M), proc.stderr
+  # The weights were copied into memory before the first step, and it says so (issue 34).
+  assert re.search(r"^ftjax: copied the weights \(0\.0\d GB\) into memory in \d+\.\d s "
+                   r"\(--load_mode=mmap maps the files instead\)$", proc.stderr, re.M), proc.stderr
   summary = proc.stderr.strip().splitlines()[-1]
   n = len(_tokens("def fibonacci(n):"))
   assert summary.startswith(f"prompt tokens: {n}, new tokens: 8, prefill:") and "decode:" in summary
@@ -47,6 +47,17 @@ def test_no_flags_runs_the_embedded_default_model(tmp_path):
   # file by every later one; the scalar kernels have none).
   assert re.search(r", kernels: ffi_bf16 \(\w+(\+amx)?, \d+ threads?, tuning (\S+ \((tuned|from) .+\)|"
                    r"default \(scalar kernels: nothing to tune\))\)$", summary), summary
+
+
+def test_mapped_weights_are_prefaulted_and_say_so(tmp_path):
+  proc = _run("--max_new_tokens=2", "--load_mode=mmap", cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert re.search(r"^ftjax: pre-faulted the weights \(0\.0\d GB mapped\) in \d+\.\d s",
+                   proc.stderr, re.M), proc.stderr
+  proc = _run("--max_new_tokens=2", "--load_mode=mmap", "--noprefault", cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  assert re.search(r"^ftjax: the weights \(0\.0\d GB\) are mapped from their files$",
+                   proc.stderr, re.M), proc.stderr
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -19,6 +19,7 @@ from ftjax.model.config import ModelConfig
 from ftjax.model.transformer import Transformer, param_name
 from ftjax.runtime.programs import available_host_bytes
 from ftjax.utils import quant
+from ftjax.utils.progress import Progress
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -33,7 +34,8 @@ class Model:
   bank: jax.Array
   path: str | None = None
   source: dict[str, Any] | None = None
-  storage: ftw.FTWFile | None = None  # the memory-mapped FTW file the arrays view
+  storage: ftw.FTWFile | None = None  # the FTW file the arrays view (mapped or copied)
+  load_s: float = 0.0  # seconds ``load`` took to copy the files into memory (load_mode)
 
   @property
   def dtype(self) -> np.dtype:
@@ -54,15 +56,36 @@ class Model:
     return ftw.expert_content_bytes(self.config, self.expert_format)
 
 
-def prefault(model: Model, *, headroom: float = 0.8) -> str:
+LOAD_MODES = ("auto", "copy", "mmap")
+LOAD_MODES_HELP = ("how the weights are held: copy (read into this process's memory: the same "
+                   "bytes read up to 1.8x faster than the files' mapped pages on some "
+                   "machines), mmap (views of the memory-mapped files: nothing copied, "
+                   "pages come from the page cache as read), or auto (copy when the files take "
+                   "at most 80% of the memory available, mmap otherwise)")
+COPY_HEADROOM = 0.8
+
+
+def residency(model: Model) -> str:
+  """A line that says how ``model``'s weights are held (``load_mode``), for the CLIs' stderr."""
+  storage = model.storage
+  if storage is None:
+    return "ftjax: the weights are in memory already (no file behind them)"
+  nbytes = storage.mapped_bytes()
+  if storage.residency == "copied":
+    return (f"ftjax: copied the weights ({nbytes / 1e9:.2f} GB) into memory in "
+            f"{model.load_s:.1f} s (--load_mode=mmap maps the files instead)")
+  return f"ftjax: the weights ({nbytes / 1e9:.2f} GB) are mapped from their files"
+
+
+def prefault(model: Model, *, headroom: float = COPY_HEADROOM) -> str:
   """Faults the model's memory-mapped weights into this process before its first step, when
   they take at most ``headroom`` of the memory available, and returns a line that says what it
   did. A fresh process otherwise takes a page fault for every 4 KiB page the first time a step
   reads it: on the 4-layer Qwen3-30B-A3B-shaped bench model (5.4 GB) that slowed the first 64
   decode tokens of ``python -m ftjax.decode`` below the benchmarks' workers, which pre-fault
   (issue 34). The pages come from the page cache (or the disk, the first time)."""
-  if model.storage is None:
-    return "ftjax: the weights are in memory already (no mapped file to pre-fault)"
+  if model.storage is None or model.storage.residency == "copied":
+    return residency(model)
   nbytes = model.storage.mapped_bytes()
   available = available_host_bytes()
   if available is not None and nbytes > headroom * available:
@@ -100,19 +123,26 @@ def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.fl
   return Model(config=config, graphdef=graphdef, params=params, bank=bank, **fields)
 
 
-def load(path: str | os.PathLike, *, verify: bool | str = "once",
-         populate: bool = False) -> Model:
+def load(path: str | os.PathLike, *, verify: bool | str = "once", populate: bool = False,
+         load_mode: str = "auto", show_progress: bool = False) -> Model:
   """Loads an FTW directory, a Hugging Face checkpoint directory (converted once, cached), or
   an embedded model by name: ``"default"`` or ``"default-hybrid"``
   (``ftjax.assets.EMBEDDED_MODELS``).
 
-  On the CPU backend the dense tensors and the expert bank are zero-copy views of the
-  memory-mapped files; on an accelerator the bank stays a numpy view of its mapping, placed
-  by the engine (``RuntimeOptions.pool``). ``verify``: ``"once"`` checks every CRC-32 (which
-  also reads every page) the first time these files are loaded on this machine and skips the
-  check while they stay unchanged (``FTWFile.open``); True checks every time, False never.
-  ``populate`` faults every page in without checking, for timing with resident weights.
+  ``load_mode`` (``LOAD_MODES_HELP``): ``"copy"`` reads the files into this process's memory
+  (``FTWFile.copy_to_memory``), ``"mmap"`` maps them, ``"auto"`` copies when they take at most
+  80% of the memory available (``MemAvailable``) and maps them otherwise;
+  ``model.storage.residency`` says which ("copied" or "mapped") and ``residency(model)`` in a
+  line. On the CPU backend the dense tensors and the expert bank are zero-copy views of those
+  buffers; on an accelerator the bank stays a numpy view, placed by the engine
+  (``RuntimeOptions.pool``). ``verify``: ``"once"`` checks every CRC-32 (which also reads
+  every page) the first time these files are loaded on this machine and skips the check while
+  they stay unchanged (``FTWFile.open``); True checks every time, False never. ``populate``
+  faults every mapped page in without checking, for timing with resident weights (copied
+  weights are resident already). ``show_progress``: a progress bar on stderr while copying.
   """
+  if load_mode not in LOAD_MODES:
+    raise ValueError(f"load_mode must be one of {', '.join(LOAD_MODES)}, got {load_mode!r}")
   path = os.fspath(path)
   if path in EMBEDDED_MODELS and not os.path.exists(path):
     name, path = path, EMBEDDED_MODELS[path]
@@ -132,15 +162,29 @@ def load(path: str | os.PathLike, *, verify: bool | str = "once",
           f"{path} is neither an FTW directory (no {ftw.INDEX_NAME}) nor a Hugging Face "
           "checkpoint (no config.json)")
   f = ftw.FTWFile.open(path, verify=verify)
-  if populate:
+  load_s = 0.0
+  nbytes = f.mapped_bytes()
+  available = available_host_bytes()
+  if load_mode == "copy" or (load_mode == "auto" and (available is None
+                                                      or nbytes <= COPY_HEADROOM * available)):
+    t0 = time.perf_counter()
+    bar = Progress(nbytes, desc="ftjax: copying the weights into memory", unit="B",
+                   enabled=show_progress and nbytes >= 1 << 30)
+    try:
+      f.copy_to_memory(bar.update)
+    finally:
+      bar.close()
+    load_s = time.perf_counter() - t0
+  elif populate:
     f.populate()
   arrays = {name: jax.device_put(f.tensor(name)) for name in f.tensor_names()}
   bank = f.expert_bank()
   if jax.default_backend() == "cpu":
-    bank = jax.device_put(bank)  # zero-copy view of the mapping
+    bank = jax.device_put(bank)  # zero-copy view of the mapped or copied file
   # On an accelerator the bank stays the host mapping: the engine places it (pool=, see
   # ftjax.runtime.placement), so a pool larger than device memory never goes there whole.
-  return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"), storage=f)
+  return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"), storage=f,
+                   load_s=load_s)
 
 
 def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") -> Model:
