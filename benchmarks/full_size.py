@@ -14,7 +14,8 @@ cache first:
 Load to the first token: each side's server started fresh, seconds from the process's start
 to the end of a 1-token completion of a short prompt: ``python -m ftjax.serve`` (its start-up
 compiles come from the persistent compilation cache, warmed by an earlier start; the weights
-as its default ``--load_mode=auto`` holds them: copied into its memory where they fit) and ``llama-server`` (2 threads). Cold: the page cache dropped first (``echo 3 >
+held as its default ``--load_mode=auto`` holds them: copied into its memory where they fit)
+and ``llama-server`` (2 threads). Cold: the page cache dropped first (``echo 3 >
 /proc/sys/vm/drop_caches``, as root; recorded as not measured otherwise); warm: right after,
 the files cached. The server's peak RSS (VmHWM) is read before it stops.
 

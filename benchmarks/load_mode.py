@@ -131,7 +131,8 @@ def main() -> None:
   results = {"benchmark": "load_mode", "machine": machine_info(), "model": hf_dir,
              "bytes": rounds[0]["copy"]["bytes"], "kernels": rounds[0]["copy"]["kernels"],
              "medians": medians, "decode_copy_over_mmap": ratio, "rounds": rounds}
-  print(f"\n{'':6} {'load s':>7} {'bank read GB/s':>15} {'own memory GB/s':>16} {'decode tok/s':>13}")
+  print(f"\n{'':6} {'load s':>7} {'bank read GB/s':>15} {'own memory GB/s':>16} "
+        f"{'decode tok/s':>13}")
   for m in MODES:
     x = medians[m]
     print(f"{m:6} {x['load_s']:7.1f} {x['bank_read_gb_s']:15.1f} {x['own_memory_read_gb_s']:16.1f} "

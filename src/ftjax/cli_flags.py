@@ -25,8 +25,8 @@ MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted onc
 
 
 def define_engine_flags() -> dict[str, flags.FlagHolder]:
-  """--model, --max_seq_len, --kernels, --kernel_tuning, --load_mode, --prefault, --decode_chunk, the
-  expert-cache flags, --pool, --prefill_chunk, --kv_dtype, --devices and --compilation_cache."""
+  """--model, --max_seq_len, --kernels, --kernel_tuning, --load_mode, --prefault,
+  --decode_chunk, the expert-cache flags, --pool, --prefill_chunk, --kv_dtype, --devices and --compilation_cache."""
   return {
       "model": flags.DEFINE_string("model", None, MODEL_HELP),
       "max_seq_len": flags.DEFINE_integer("max_seq_len", None,
