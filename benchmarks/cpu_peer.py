@@ -14,8 +14,9 @@ dir whose unknown-pre-tokenizer error is replaced by "default" (the stand-in tok
 default model's), with the tree's ``gguf-py`` on its path.
 
 Rounds alternate the two sides (``--rounds``, medians reported); each side measures, with 2
-threads and the weights in RAM (llama-bench ``-lm none``; ftjax faults its mapping back in
-before each round, as ``hybrid_e2e.py`` does). Each side's round records ``other_load``, the
+threads and the weights in its own memory (llama-bench ``-lm none``; ftjax by
+``ftjax.load``'s default ``load_mode``, which copies them where they fit, and touches them
+again before each round). Each side's round records ``other_load``, the
 cores that other processes kept busy meanwhile (``hybrid_e2e.with_other_load``):
 
   decode          64 new tokens after a short prompt (ftjax: 8 tokens, greedy)
@@ -322,7 +323,8 @@ def worker(hf_dir: str, long_tokens: int) -> None:
   from ftjax.runtime.engine import state_bytes  # noqa: PLC0415
   t0 = time.perf_counter()
   model = ftjax.load(hf_dir, verify=False, populate=True)
-  log(f"ftjax: loaded (converted once) and pre-faulted in {time.perf_counter() - t0:.1f} s")
+  log(f"ftjax: loaded (converted once; weights {model.storage.residency}) in "
+      f"{time.perf_counter() - t0:.1f} s")
   engine = ftjax.Engine(model)
   rng = np.random.default_rng(0)
   vocab = model.config.vocab_size

@@ -175,7 +175,7 @@ def worker(ftw_dir: str, tokens: int) -> None:
   model = ftjax.load(ftw_dir, verify=False, populate=True)
   if model.expert_format != "mxfp4":
     raise SystemExit(f"{ftw_dir} holds {model.expert_format} experts, not mxfp4")
-  log(f"ftjax: loaded and pre-faulted in {time.perf_counter() - t0:.1f} s")
+  log(f"ftjax: loaded (weights {model.storage.residency}) in {time.perf_counter() - t0:.1f} s")
   engine = ftjax.Engine(model)
   prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 8)
   experts = model.bank[0]  # one layer's expert blocks, for the read probe

@@ -148,7 +148,7 @@ def worker(ftw_dir: str, tokens: int) -> None:
   model = ftjax.load(ftw_dir, verify=False, populate=True)
   if model.expert_format != "int8":
     raise SystemExit(f"{ftw_dir} holds {model.expert_format} experts, not int8")
-  log(f"ftjax: loaded and pre-faulted in {time.perf_counter() - t0:.1f} s")
+  log(f"ftjax: loaded (weights {model.storage.residency}) in {time.perf_counter() - t0:.1f} s")
   engines = {"ftjax": ftjax.Engine(model)}
   if cpu_info()["isa"] == "avx512bf16":  # the AVX-512-VNNI kernels
     engines["ftjax_int8act"] = ftjax.Engine(model, kernels="ffi_int8")
