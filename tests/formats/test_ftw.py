@@ -66,7 +66,7 @@ def test_load_modes_read_the_same_bytes(saved, monkeypatch):
   model, path = saved
   copied = ftjax.load(path, load_mode="copy")
   mapped = ftjax.load(path, load_mode="mmap")
-  assert copied.load_s > 0 and mapped.load_s == 0
+  assert copied.storage.copy_s > 0 and mapped.storage.copy_s == 0
   for name, value in model_lib.named_params(mapped).items():
     assert model_lib.named_params(copied)[name].tobytes() == value.tobytes(), name
   assert np.asarray(copied.bank).tobytes() == np.asarray(mapped.bank).tobytes()
@@ -76,6 +76,7 @@ def test_load_modes_read_the_same_bytes(saved, monkeypatch):
   assert ftjax.load(path).storage.residency == "copied"
   nbytes = mapped.storage.mapped_bytes()
   monkeypatch.setattr(model_lib, "available_host_bytes", lambda: nbytes)  # a machine that short
+  assert not model_lib.fits_in_memory(nbytes) and model_lib.fits_in_memory(nbytes, 1.0)
   assert ftjax.load(path).storage.residency == "mapped"
   assert ftjax.load(path, load_mode="copy").storage.residency == "copied"
   with pytest.raises(ValueError, match="load_mode must be one of auto, copy, mmap, got 'ram'"):

@@ -413,8 +413,10 @@ class FTWFile:
   # What ``open`` did with the CRC-32s: "verified", "verified before, unchanged since (DATE)"
   # or "not verified" (its ``verify``).
   verification: str = "not verified"
-  # "mapped" (the files' pages, from the page cache) or "copied" (``copy_to_memory``).
+  # "mapped" (the files' pages, from the page cache) or "copied" (``copy_to_memory``, which
+  # took ``copy_s`` seconds).
   residency: str = "mapped"
+  copy_s: float = 0.0
 
   @classmethod
   def open(cls, path: str | os.PathLike, *, verify: bool | str = True,
@@ -570,6 +572,7 @@ class FTWFile:
     weights the same way."""
     if self.residency == "copied":
       return 0
+    t0 = time.perf_counter()
     copies, total = {}, 0
     for name, mapped in self._maps.items():
       size = len(mapped)
@@ -577,6 +580,7 @@ class FTWFile:
       total += size
     self._maps = copies
     self.residency = "copied"
+    self.copy_s = time.perf_counter() - t0
     return total
 
   def populate(self) -> int:

@@ -35,7 +35,6 @@ class Model:
   path: str | None = None
   source: dict[str, Any] | None = None
   storage: ftw.FTWFile | None = None  # the FTW file the arrays view (mapped or copied)
-  load_s: float = 0.0  # seconds ``load`` took to copy the files into memory (load_mode)
 
   @property
   def dtype(self) -> np.dtype:
@@ -65,6 +64,13 @@ LOAD_MODES_HELP = ("how the weights are held: copy (read into this process's mem
 COPY_HEADROOM = 0.8
 
 
+def fits_in_memory(nbytes: int, headroom: float = COPY_HEADROOM) -> bool:
+  """Whether ``nbytes`` take at most ``headroom`` of the memory available now (True where
+  /proc/meminfo does not say)."""
+  available = available_host_bytes()
+  return available is None or nbytes <= headroom * available
+
+
 def residency(model: Model) -> str:
   """A line that says how ``model``'s weights are held (``load_mode``), for the CLIs' stderr."""
   storage = model.storage
@@ -73,7 +79,7 @@ def residency(model: Model) -> str:
   nbytes = storage.mapped_bytes()
   if storage.residency == "copied":
     return (f"ftjax: copied the weights ({nbytes / 1e9:.2f} GB) into memory in "
-            f"{model.load_s:.1f} s (--load_mode=mmap maps the files instead)")
+            f"{storage.copy_s:.1f} s (--load_mode=mmap maps the files instead)")
   return f"ftjax: the weights ({nbytes / 1e9:.2f} GB) are mapped from their files"
 
 
@@ -87,10 +93,9 @@ def prefault(model: Model, *, headroom: float = COPY_HEADROOM) -> str:
   if model.storage is None or model.storage.residency == "copied":
     return residency(model)
   nbytes = model.storage.mapped_bytes()
-  available = available_host_bytes()
-  if available is not None and nbytes > headroom * available:
+  if not fits_in_memory(nbytes, headroom):
     return (f"ftjax: not pre-faulting the weights: {nbytes / 1e9:.1f} GB mapped, "
-            f"{available / 1e9:.1f} GB available; the first steps fault them in as they read "
+            f"{available_host_bytes() / 1e9:.1f} GB available; the first steps fault them in as they read "
             "them (--noprefault silences this)")
   t0 = time.perf_counter()
   model.storage.populate()
@@ -162,19 +167,14 @@ def load(path: str | os.PathLike, *, verify: bool | str = "once", populate: bool
           f"{path} is neither an FTW directory (no {ftw.INDEX_NAME}) nor a Hugging Face "
           "checkpoint (no config.json)")
   f = ftw.FTWFile.open(path, verify=verify)
-  load_s = 0.0
   nbytes = f.mapped_bytes()
-  available = available_host_bytes()
-  if load_mode == "copy" or (load_mode == "auto" and (available is None
-                                                      or nbytes <= COPY_HEADROOM * available)):
-    t0 = time.perf_counter()
+  if load_mode == "copy" or (load_mode == "auto" and fits_in_memory(nbytes)):
     bar = Progress(nbytes, desc="ftjax: copying the weights into memory", unit="B",
                    enabled=show_progress and nbytes >= 1 << 30)
     try:
       f.copy_to_memory(bar.update)
     finally:
       bar.close()
-    load_s = time.perf_counter() - t0
   elif populate:
     f.populate()
   arrays = {name: jax.device_put(f.tensor(name)) for name in f.tensor_names()}
@@ -183,8 +183,7 @@ def load(path: str | os.PathLike, *, verify: bool | str = "once", populate: bool
     bank = jax.device_put(bank)  # zero-copy view of the mapped or copied file
   # On an accelerator the bank stays the host mapping: the engine places it (pool=, see
   # ftjax.runtime.placement), so a pool larger than device memory never goes there whole.
-  return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"), storage=f,
-                   load_s=load_s)
+  return _assemble(f.config, arrays, bank, path=path, source=f.index.get("source"), storage=f)
 
 
 def random_model(config: ModelConfig, *, seed: int = 0, dtype: str = "float32") -> Model:
