@@ -121,6 +121,25 @@ struct RowSumProblem {
   int64_t acc_stride;  // elements from one accumulator vector to the next
 };
 
+// One token of the gated delta rule for one head (model/deltanet.py, gated_delta_recurrent):
+// with S the head's state [key_dim, value_dim] (row-major, updated in place),
+//   S <- decay * S;  delta = beta * (v - S^T k);  S <- S + k delta^T;  out = S^T q.
+// In two passes over S: the first reads it for S^T k and S^T q together (the second product
+// is taken before the update and corrected by delta * (k . q)), the second writes it back
+// (the head's state, 64 KiB for 128 x 128, is still in L2). scratch: 2 * value_dim floats.
+struct DeltaRuleHead {
+  float* state;
+  const float* q;
+  const float* k;
+  const float* v;
+  float decay;  // exp(g)
+  float beta;
+  int64_t key_dim;
+  int64_t value_dim;
+  float* out;
+  float* scratch;
+};
+
 // mxfp4 weights (an FTW mxfp4 bank, docs/ftw.md) against float32 activations: the DotProblem of
 // the dequantised weights. Row r of the [rows, n] weight matrix is n / 2 bytes of 4-bit E2M1
 // codes at codes + r * code_stride (input 2j in the low nibble of byte j, 2j + 1 in the high
@@ -256,6 +275,9 @@ struct KernelTable {
   // kernel's float32 weight panel (AVX2); null elsewhere, where the expert FFN decodes a task's
   // rows to bf16 for packed_dot_bf16_f32 (the same products and sums).
   void (*packed_dot_mxfp4_f32)(const PackedMxfp4Problem&);
+  // One token of the gated delta rule for one head (DeltaRuleHead): the loops of
+  // cpu_kernels_impl.h's DeltaRuleStepLoop, vectorised at the ISA's width. Never null.
+  void (*delta_rule_step)(const DeltaRuleHead&);
 };
 
 // The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read

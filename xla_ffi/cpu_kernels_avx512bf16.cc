@@ -355,6 +355,7 @@ const KernelTable kAvx512Bf16Table = {
     /*decode_mxfp4=*/DecodeMxfp4Avx512,
     /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
     /*packed_dot_mxfp4_f32=*/nullptr,
+    /*delta_rule_step=*/cpu_kernels_impl::DeltaRuleStepLoop,
 };
 
 }  // namespace

@@ -420,6 +420,39 @@ static inline void WeightedRowSumLoop(const RowSumProblem<ValueT>& p) {
   }
 }
 
+// KernelTable::delta_rule_step (DeltaRuleHead, cpu_kernels.h): two passes over the head's state,
+// the loops over the value dimension vectorised at the ISA's width. A head that neither decays
+// nor updates (a padded row of a batch: decay 1, beta 0) is read and not written.
+static inline void DeltaRuleStepLoop(const DeltaRuleHead& p) {
+  const int64_t U = p.key_dim, Y = p.value_dim;
+  float* __restrict pred = p.scratch;      // S^T k, before the decay
+  float* __restrict read = p.scratch + Y;  // S^T q, before the decay
+  for (int64_t y = 0; y < Y; ++y) pred[y] = read[y] = 0.0f;
+  float kq = 0.0f;
+  for (int64_t u = 0; u < U; ++u) {
+    const float* __restrict row = p.state + u * Y;
+    const float ku = p.k[u], qu = p.q[u];
+    kq += ku * qu;
+    for (int64_t y = 0; y < Y; ++y) {
+      pred[y] += ku * row[y];
+      read[y] += qu * row[y];
+    }
+  }
+  float* __restrict out = p.out;
+  const float decay = p.decay, beta = p.beta;
+  for (int64_t y = 0; y < Y; ++y) {
+    const float delta = beta * (p.v[y] - decay * pred[y]);
+    pred[y] = delta;
+    out[y] = decay * read[y] + delta * kq;
+  }
+  if (decay == 1.0f && beta == 0.0f) return;
+  for (int64_t u = 0; u < U; ++u) {
+    float* __restrict row = p.state + u * Y;
+    const float ku = p.k[u];
+    for (int64_t y = 0; y < Y; ++y) row[y] = decay * row[y] + ku * pred[y];
+  }
+}
+
 // XOR of n_words little-endian 32-bit words, one at a time (for tails).
 static inline uint32_t XorWordsLoop(const unsigned char* bytes, int64_t n_words) {
   uint32_t result = 0;

@@ -177,6 +177,7 @@ const KernelTable kScalarTable = {
     /*decode_mxfp4=*/cpu_kernels_impl::DecodeMxfp4Loop,
     /*dot_mxfp4_q8=*/cpu_kernels_impl::DotMxfp4Q8Loop,
     /*packed_dot_mxfp4_f32=*/nullptr,
+    /*delta_rule_step=*/cpu_kernels_impl::DeltaRuleStepLoop,
 };
 
 }  // namespace

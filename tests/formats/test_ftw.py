@@ -72,12 +72,19 @@ def test_load_modes_read_the_same_bytes(saved, monkeypatch):
   assert np.asarray(copied.bank).tobytes() == np.asarray(mapped.bank).tobytes()
   assert model_lib.residency(copied).startswith("ftjax: copied the weights (")
   assert model_lib.residency(mapped).endswith("are mapped from their files")
-  # auto copies when the files take at most 80% of the memory available, else maps them.
+  # auto copies when the copy and the files' cached pages take at most 80% of the memory
+  # available, else maps them.
   assert ftjax.load(path).storage.residency == "copied"
   nbytes = mapped.storage.mapped_bytes()
   monkeypatch.setattr(model_lib, "available_host_bytes", lambda: nbytes)  # a machine that short
   assert not model_lib.fits_in_memory(nbytes) and model_lib.fits_in_memory(nbytes, 1.0)
   assert ftjax.load(path).storage.residency == "mapped"
+  # Room for the copy alone, not beside the files' pages: mapped.
+  monkeypatch.setattr(model_lib, "available_host_bytes", lambda: int(1.5 * nbytes / 0.8))
+  assert model_lib.fits_in_memory(nbytes) and not model_lib.copy_fits(nbytes)
+  assert ftjax.load(path).storage.residency == "mapped"
+  monkeypatch.setattr(model_lib, "available_host_bytes", lambda: int(2.5 * nbytes / 0.8))
+  assert ftjax.load(path).storage.residency == "copied"
   assert ftjax.load(path, load_mode="copy").storage.residency == "copied"
   with pytest.raises(ValueError, match="load_mode must be one of auto, copy, mmap, got 'ram'"):
     ftjax.load(path, load_mode="ram")

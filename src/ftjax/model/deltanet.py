@@ -10,7 +10,9 @@ Per token t and value head, with the state ``S [U, Y]``:
   S ← S + k_t ⊗ β_t (v_t - Sᵀk_t)          β_t = sigmoid(b_t); the delta rule
   o_t = Sᵀ q_t                             q, k L2-normalised, q scaled by U^-1/2
 
-``gated_delta_recurrent`` runs that loop; ``gated_delta_chunked`` computes the same thing a
+``gated_delta_recurrent`` runs that loop (with ftjax's host kernels, a decode token runs the
+same step as one op, ``ftjax.kernels.delta_rule_step``, which reads the state once and updates
+it in place); ``gated_delta_chunked`` computes the same thing a
 chunk of Q tokens at a time (the WY/UT form: a unit lower-triangular solve per chunk, then
 matrix products), which is what prefill uses. A layer's decode state (``LinearState``) is the
 last W-1 conv inputs and S: O(1) per token, whatever the context length.
@@ -23,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
-from ftjax.model.layers import RMSNorm, f32, normal_param, linear
+from ftjax.kernels import delta_rule_step
+from ftjax.model.layers import FFI_KERNELS, RMSNorm, f32, linear, normal_param
 
 CHUNK = 64  # Q: tokens per chunk of the chunked form (transformers' and FLA's default)
 # Up to this many tokens, a forward that keeps per-token states (a speculative verify step)
@@ -276,6 +279,10 @@ class GatedDeltaNet(nnx.Module):
       out, recurrent, snap_rec = rule(q, k, v, g, beta, state.recurrent,
                                       snapshot_at=snapshot_at)
       snaps = LinearState(conv=snap_conv, recurrent=snap_rec)
+    elif t == 1 and kernels in FFI_KERNELS:  # one pass over the state, in place
+      out, recurrent = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                       state.recurrent)
+      out = out[:, None]
     else:
       rule = gated_delta_recurrent if t == 1 else gated_delta_chunked
       out, recurrent = rule(q, k, v, g, beta, state.recurrent)

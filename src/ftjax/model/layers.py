@@ -22,6 +22,8 @@ from ftjax.model.moe import RoutedExperts
 from ftjax.model.router import route
 
 _INIT_STD = 0.02
+# The kernels switch's values that run ftjax's host kernels (the others: "xla").
+FFI_KERNELS = ("ffi", "ffi_bf16", "ffi_int8")
 
 
 def normal_param(rngs: nnx.Rngs, shape, dtype):
@@ -43,7 +45,7 @@ def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Ar
   n_in = int(np.prod(in_shape))
   x2 = x.reshape(*x.shape[:x.ndim - len(in_shape)], n_in)
   w2 = w.reshape(int(np.prod(out_shape)), n_in)
-  if kernels in ("ffi", "ffi_bf16", "ffi_int8"):
+  if kernels in FFI_KERNELS:
     y = dense(x2.astype(jnp.float32), w2, bf16_activations=kernels == "ffi_bf16")
   elif kernels == "xla":
     y = jnp.einsum("...C,OC->...O", x2, w2.astype(jnp.float32))
@@ -296,7 +298,7 @@ class Attention(nnx.Module):
     k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
     cache = KVCache(k=_write_kv(cache.k, k, length), v=_write_kv(cache.v, v, length))
     sinks = f32(self.sinks_h) if self.sinks else None
-    if kernels in ("ffi", "ffi_bf16", "ffi_int8"):  # fresh or not: no T x S scores in memory
+    if kernels in FFI_KERNELS:  # fresh or not: no T x S scores in memory
       scale = self.head_dim ** -0.5
       if jnp.ndim(length) and length.shape[0] == 1:
         length = length[0]
