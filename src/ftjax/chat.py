@@ -160,6 +160,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  cli_flags.check_speculative(_SPECULATIVE, "ftjax.chat")
   print(f"compilation cache: {cli_flags.start_compilation_cache(_ENGINE)}", file=sys.stderr,
         flush=True)
   try:
@@ -186,9 +187,10 @@ def main(argv):
 
 def cli() -> None:
   """Defines the flags and runs ``main`` (``python -m ftjax.chat``)."""
-  global _ENGINE, _SAMPLING, _SYSTEM, _THINKING, _ANCHOR_BUDGET, _PRECOMPILE
+  global _ENGINE, _SAMPLING, _SYSTEM, _THINKING, _ANCHOR_BUDGET, _PRECOMPILE, _SPECULATIVE
   _ENGINE = cli_flags.define_engine_flags()
   _PRECOMPILE = cli_flags.define_precompile_flag(False)
+  _SPECULATIVE = cli_flags.define_unsupported_speculative_flag("ftjax.chat")
   _SAMPLING = cli_flags.define_sampling_flags(max_new_tokens=256, greedy=False)
   _SYSTEM = flags.DEFINE_string("system", None, "a system message opening the conversation")
   _THINKING = flags.DEFINE_boolean("thinking", True, "let the model think first (the "

@@ -145,6 +145,25 @@ def define_precompile_flag(default: bool) -> flags.FlagHolder:
       "compile")
 
 
+def define_unsupported_speculative_flag(name: str) -> flags.FlagHolder:
+  """``--speculative`` of a program that decodes on the executor's step (``ftjax.chat``,
+  ``ftjax.serve``), which has no verify step: ``mtp`` is refused (``check_speculative``)."""
+  return flags.DEFINE_enum(
+      "speculative", "none", ["none", "mtp"],
+      f"speculative decoding: not in {name} (mtp is refused with the reason); it runs in "
+      "python -m ftjax.decode --speculative=mtp")
+
+
+def check_speculative(holder: flags.FlagHolder, name: str) -> None:
+  """Refuses ``--speculative=mtp`` in ``name`` with the reason and what to run instead."""
+  if holder.value != "none":
+    raise app.UsageError(
+        f"--speculative={holder.value}: {name} decodes its sequences on the executor's batched "
+        "step (sessions, continuous batching), which has no speculative verify step; "
+        "speculative decoding runs one sequence at a time in python -m ftjax.decode "
+        "--speculative=mtp (Engine.generate_speculative): drop --speculative here")
+
+
 def precompile(engine: Engine, anchor_slots: int, name: str) -> None:
   """``engine.precompile`` with its progress on stderr (one line, rewritten)."""
   t0 = time.perf_counter()

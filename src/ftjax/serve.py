@@ -37,6 +37,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  cli_flags.check_speculative(_FLAGS["speculative"], "ftjax.serve")
   compiled_in = cli_flags.start_compilation_cache(_ENGINE)
   try:
     engine = cli_flags.build_engine(_ENGINE)
@@ -79,6 +80,7 @@ def cli() -> None:
   _FLAGS = {
       "host": flags.DEFINE_string("host", "127.0.0.1", "address to listen on"),
       "precompile": cli_flags.define_precompile_flag(True),
+      "speculative": cli_flags.define_unsupported_speculative_flag("ftjax.serve"),
       "port": flags.DEFINE_integer("port", 8000, "TCP port (0: the OS chooses)", lower_bound=0,
                                    upper_bound=65535),
       "served_model_name": flags.DEFINE_string(

@@ -355,3 +355,15 @@ def test_the_command_serves_and_shuts_down():
   bad = subprocess.run([sys.executable, "-m", "ftjax.serve", "--model=/no/such/dir",
                         "--port=0"], capture_output=True, text=True, timeout=300)
   assert bad.returncode != 0 and "ftjax.serve: error:" in bad.stderr
+
+
+@pytest.mark.parametrize("program", ["ftjax.serve", "ftjax.chat"])
+def test_speculative_is_refused_with_the_reason(program):
+  """The server and the chat decode on the executor's batched step, which has no verify step:
+  ``--speculative=mtp`` is refused before the model loads, naming ``ftjax.decode``."""
+  run = subprocess.run([sys.executable, "-m", program, "--model=default-hybrid",
+                        "--speculative=mtp"], capture_output=True, text=True, timeout=300)
+  assert run.returncode != 0
+  assert "no speculative verify step" in run.stderr, run.stderr
+  assert "python -m ftjax.decode --speculative=mtp" in run.stderr
+  assert "Traceback" not in run.stderr
