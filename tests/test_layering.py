@@ -2,7 +2,7 @@
 module uses another's private (underscored) names.
 
   runtime -> model, runtime -> cache -> experts -> kernels, model -> kernels (dense ops only:
-  GEMV/GEMM and attention),
+  GEMV/GEMM, attention and the delta-rule step),
   research -> runtime (and below), server -> runtime, and nothing below imports what is above
   it.
 
@@ -40,10 +40,11 @@ ALLOWED = {
 }
 # Compiled extension modules (no .py source) and the layer they belong to.
 EXTENSIONS = {"ftjax._ffi": "kernels", "ftjax._ffi_cuda": "kernels"}
-# What the model may take from the kernels: its dense ops (GEMV/GEMM, attention), never the
-# expert kernels (the routed experts come as an argument).
-MODEL_KERNELS = {"ftjax.kernels", "ftjax.kernels.dense", "ftjax.kernels.attention"}
-MODEL_KERNEL_NAMES = {"dense", "attention"}
+# What the model may take from the kernels: its dense ops (GEMV/GEMM, attention, the Gated
+# DeltaNet's delta-rule step), never the expert kernels (the routed experts come as an argument).
+MODEL_KERNELS = {"ftjax.kernels", "ftjax.kernels.dense", "ftjax.kernels.attention",
+                 "ftjax.kernels.delta_rule"}
+MODEL_KERNEL_NAMES = {"dense", "attention", "delta_rule_step"}
 
 
 def read_package(root: str) -> dict[str, str]:
