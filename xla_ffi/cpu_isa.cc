@@ -184,12 +184,12 @@ bool TunedPrefetchNonTemporal(const KernelTuning& tuning) {
   return tuning.prefetch_hint == 0 ? PrefetchNonTemporal() : tuning.prefetch_hint == 1;
 }
 
-int64_t PackedMinTokens(const KernelTable& kernels, bool bf16_pairs) {
+int64_t PackedMinTokens(const KernelTable& kernels, bool bf16_pairs, PackedUse use) {
   const int32_t tuned = TuningStore().packed_min_tokens.load(std::memory_order_relaxed);
   if (tuned >= 0) return tuned;
   if (bf16_pairs && kernels.packed_dot_bf16 != nullptr &&
       std::strcmp(kernels.name, IsaName(Isa::kAvx512Bf16)) == 0 && AmxEnabled()) {
-    return kAmxPackedMinTokens;
+    return use == PackedUse::kDense ? kAmxDensePackedMinTokens : kAmxPackedMinTokens;
   }
   return kernels.packed_min_tokens;
 }

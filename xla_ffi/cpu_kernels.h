@@ -140,6 +140,14 @@ struct DeltaRuleHead {
   float* scratch;
 };
 
+// Where the largest value of a float32 range is (KernelTable::argmax_f32), in jnp.argmax's order:
+// a NaN counts as the largest (the first NaN wins), ties keep the first index.
+struct ArgmaxResult {
+  int64_t index;  // 0 for an empty range or one of -inf only
+  float value;    // x[index] (-inf for an empty range)
+  bool nan;       // x[index] is a NaN
+};
+
 // mxfp4 weights (an FTW mxfp4 bank, docs/ftw.md) against float32 activations: the DotProblem of
 // the dequantised weights. Row r of the [rows, n] weight matrix is n / 2 bytes of 4-bit E2M1
 // codes at codes + r * code_stride (input 2j in the low nibble of byte j, 2j + 1 in the high
@@ -278,6 +286,10 @@ struct KernelTable {
   // One token of the gated delta rule for one head (DeltaRuleHead): the loops of
   // cpu_kernels_impl.h's DeltaRuleStepLoop, vectorised at the ISA's width. Never null.
   void (*delta_rule_step)(const DeltaRuleHead&);
+  // The first index of the largest of x[0, n) (ArgmaxResult): blocks that stay in L1, each read
+  // once for its maximum (lanes of the ISA's width) and once more only where the maximum rose
+  // (or a NaN is in it). Never null.
+  ArgmaxResult (*argmax_f32)(const float* x, int64_t n);
 };
 
 // The cache hint of the one-token software prefetch (cpu_kernels_impl.h; also the AVX2 read
@@ -317,15 +329,21 @@ KernelTuning CurrentKernelTuning();
 const char* SetKernelTuning(const KernelTuning& tuning);
 // Whether the one-token prefetch is non-temporal under `tuning` (its hint, or the CPU's default).
 bool TunedPrefetchNonTemporal(const KernelTuning& tuning);
+// Whose weights a GEMM reads: a dense layer's (ftjax_dense) or an expert's (ftjax_expert_ffn).
+enum class PackedUse { kDense, kExpert };
 // The packed GEMMs run above this many tokens (routes) per weight: the tuning's override, else
 // KernelTable::packed_min_tokens; for bf16 x bf16 pairs (`bf16_pairs`) on AMX tiles,
-// kAmxPackedMinTokens.
-int64_t PackedMinTokens(const KernelTable& kernels, bool bf16_pairs);
+// kAmxDensePackedMinTokens or kAmxPackedMinTokens.
+int64_t PackedMinTokens(const KernelTable& kernels, bool bf16_pairs, PackedUse use);
 // AMX tiles read the weights at the memory rate from a few tokens on, where the vdpbf16ps dot
 // kernels turn compute-bound (a batch's decode step). Measured on a Xeon (2 cores, an lm_head of
 // [151936, 2048] bf16, alternating): tiles / dot kernels 26.2 / 18.3 GB/s at 8 tokens, 27.5 /
-// 13.9 at 12, 23.6 / 10.6 at 16; level (0.99-1.01) at 1, 2 and 4, 1.10 at 5.
+// 13.9 at 12, 23.6 / 10.6 at 16; level (0.99-1.01) at 1, 2 and 4, 1.10 at 5 (32-row blocks).
+// With 16-row blocks (PackedDotBf16Amx) the dense GEMM's tiles win from 2 tokens ([248320, 2048]:
+// 29.4 / 28.5 GB/s at 2 tokens, 29.3 / 27.2 at 3, 28.7 / 26.4 at 4); an expert's ([512, 2048]
+// gate and up, [2048, 512] down) lose 4-8% at 4 to 8 routes on tiles, so they keep 4.
 constexpr int64_t kAmxPackedMinTokens = 4;
+constexpr int64_t kAmxDensePackedMinTokens = 1;
 
 // Each returns the table of its translation unit, or null when the compiler did not build that
 // ISA (a non-x86 target). Callers must check the CPU first: see cpu_isa.h.

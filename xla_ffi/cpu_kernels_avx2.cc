@@ -710,6 +710,7 @@ const KernelTable kAvx2Table = {
     /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
     /*packed_dot_mxfp4_f32=*/PackedDotMxfp4F32Avx2,
     /*delta_rule_step=*/cpu_kernels_impl::DeltaRuleStepLoop,
+    /*argmax_f32=*/cpu_kernels_impl::ArgmaxLoop,
 };
 
 }  // namespace

@@ -44,6 +44,7 @@ const KernelTable kAvx512Table = {
     /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
     /*packed_dot_mxfp4_f32=*/nullptr,
     /*delta_rule_step=*/cpu_kernels_impl::DeltaRuleStepLoop,
+    /*argmax_f32=*/cpu_kernels_impl::ArgmaxLoop,
 };
 
 }  // namespace

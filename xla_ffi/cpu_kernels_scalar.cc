@@ -178,6 +178,7 @@ const KernelTable kScalarTable = {
     /*dot_mxfp4_q8=*/cpu_kernels_impl::DotMxfp4Q8Loop,
     /*packed_dot_mxfp4_f32=*/nullptr,
     /*delta_rule_step=*/cpu_kernels_impl::DeltaRuleStepLoop,
+    /*argmax_f32=*/cpu_kernels_impl::ArgmaxLoop,
 };
 
 }  // namespace

@@ -15,7 +15,7 @@
 // all tokens against its rows in tiles of kTokenTile tokens, so its weight rows (kRowTile * K
 // elements, 256 KiB for K = 2048 bf16) stay in L2 while the tokens go past. Each weight element
 // is read from memory once. Up to PackedMinTokens (KernelTable::packed_min_tokens, or
-// kAmxPackedMinTokens for bf16 pairs on AMX tiles) tokens the tiles run the dot
+// kAmxDensePackedMinTokens for bf16 pairs on AMX tiles) tokens the tiles run the dot
 // kernels (4 rows at a time stay in L1; T = 1 is one sequential stream per task, in larger tasks
 // of ~2 MiB: GemvRowTile); above it, where the ISA
 // has one (AVX2, AVX-512), the packed-activation GEMM (cpu_kernels.h) on x packed once per call
@@ -145,7 +145,8 @@ void DenseWith(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, cons
   const auto packed_dot = PackedDotFor<WeightT, ActivationT>(kernels);
   // bf16 pairs on AMX tiles (whole tiles of 32 inputs) take the packed GEMM from fewer tokens.
   const bool amx_pairs = kRound && std::is_same_v<WeightT, Bf16Bits> && k % 32 == 0;
-  const bool use_packed = packed_dot != nullptr && tokens > PackedMinTokens(kernels, amx_pairs);
+  const bool use_packed =
+      packed_dot != nullptr && tokens > PackedMinTokens(kernels, amx_pairs, PackedUse::kDense);
   // The plan: every scratch region of this call, from one reused buffer (packing.h).
   ScratchPlan plan;
   const int64_t rounded = kRound ? plan.Add<Bf16Bits>(tokens * k) : 0;

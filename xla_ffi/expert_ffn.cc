@@ -461,7 +461,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       std::is_same_v<PackedWeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>;
   // (AMX needs whole tiles of 32 inputs; otherwise the pairs run on vdpbf16ps.)
   const int64_t packed_min_routes =
-      PackedMinTokens(kernels, kBf16Pairs && D % 32 == 0 && F % 32 == 0);
+      PackedMinTokens(kernels, kBf16Pairs && D % 32 == 0 && F % 32 == 0, PackedUse::kExpert);
   auto is_packed = [&](int64_t i) {
     const int64_t routes_of_expert = groups.offsets[i + 1] - groups.offsets[i];
     return packed_dot != nullptr && routes_of_expert > packed_min_routes;

@@ -24,6 +24,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxPeakProbe);  // peak_probe.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxCpuInfo);    // cpu_info.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpSubSum);  // exp_sub_sum.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxDeltaRuleStep);  // delta_rule.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxArgmax);  // argmax.cc
 
 namespace {
 
@@ -48,6 +49,7 @@ NB_MODULE(_ffi, m) {
     registrations["ftjax_cpu_info"] = EncapsulateHandler(FtjaxCpuInfo);
     registrations["ftjax_exp_sub_sum"] = EncapsulateHandler(FtjaxExpSubSum);
     registrations["ftjax_delta_rule_step"] = EncapsulateHandler(FtjaxDeltaRuleStep);
+    registrations["ftjax_argmax"] = EncapsulateHandler(FtjaxArgmax);
     return registrations;
   });
   // The tuning's fields by name (KernelTuning); what set_kernel_tuning leaves out keeps its

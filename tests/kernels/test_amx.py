@@ -39,10 +39,12 @@ def rounded(a):
 
 # (tokens, inputs, outputs): inputs a multiple of 32 (the AMX path); tokens across the groups
 # of 16 (half groups of at most 8 at the end), the dense op's token tiles of 64, and the few
-# tokens of a batch's decode step (above kAmxPackedMinTokens = 4 the tiles take them; 4 stays on
-# the dot kernels); outputs in tiles of 32 and 16 rows with a tail of fewer than 16 on the
-# vdpbf16ps kernels.
-DENSE_SHAPES = [(4, 64, 32), (5, 64, 32), (8, 2048, 48), (12, 96, 17), (16, 128, 64),
+# tokens of a batch's decode step (above kAmxDensePackedMinTokens = 1 the tiles take them; one
+# token stays on the dot kernels); outputs in blocks of 16 rows (up to 8 groups of tokens) or of
+# 32 and 16 (more groups: 129 and 300 tokens), with a tail of fewer than 16 on the vdpbf16ps
+# kernels.
+DENSE_SHAPES = [(1, 64, 32), (2, 64, 32), (3, 2048, 48), (4, 64, 32), (5, 64, 32), (8, 2048, 48),
+                (12, 96, 17), (16, 128, 64),
                 (17, 32, 16), (24, 64, 48), (32, 96, 37), (40, 2048, 64), (64, 768, 200),
                 (100, 128, 31), (300, 256, 77), (129, 512, 1024)]
 

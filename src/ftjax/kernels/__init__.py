@@ -18,6 +18,8 @@ Ops:
   slot_fill(slots, bank, src, dst)                       copy experts into cache slots in place
   delta_rule_step(q, k, v, g, beta, state)               one token of the gated delta rule (the
                                                          Gated DeltaNet recurrence), in place
+  argmax(x)                                              the first index of each row's largest
+                                                         value (greedy sampling)
 
 Kernel tuning (``ftjax.kernels.tuning``): the kernels' per-machine variant (prefetch distance
 and hint, accumulators, rows per task and per register block), measured on this CPU and kept in
@@ -43,6 +45,7 @@ Environment (read by the C++ kernels):
 """
 
 from ftjax.kernels._registration import KernelsUnavailable, available, load_error, require
+from ftjax.kernels.argmax import argmax
 from ftjax.kernels.attention import attention
 from ftjax.kernels.cpu_info import cpu_info
 from ftjax.kernels.delta_rule import delta_rule_step
@@ -53,6 +56,6 @@ from ftjax.kernels.peak_probe import peak_probe
 from ftjax.kernels.read_probe import read_probe
 from ftjax.kernels.slot_fill import slot_fill
 
-__all__ = ["KernelsUnavailable", "available", "load_error", "require", "attention", "cpu_info",
-           "delta_rule_step", "dense", "exp_sub_sum", "expert_ffn", "peak_probe", "read_probe",
-           "slot_fill", "ExpertVariant", "SWIGLU"]
+__all__ = ["KernelsUnavailable", "available", "load_error", "require", "argmax", "attention",
+           "cpu_info", "delta_rule_step", "dense", "exp_sub_sum", "expert_ffn", "peak_probe",
+           "read_probe", "slot_fill", "ExpertVariant", "SWIGLU"]

@@ -303,8 +303,7 @@ def _stopped(token, count, max_new, stop_ids):
 def first_program(runner: Runner, logits, max_new, stop_ids, sampling: Sampling) -> Loop:
   """The first new token, sampled from ``logits [V]`` (after a prompt's last token): the
   decode loop's starting carry."""
-  del runner  # the table's key; the program needs only its arguments
-  token = sample(logits, sampling, jnp.zeros((), jnp.int32))
+  token = sample(logits, sampling, jnp.zeros((), jnp.int32), kernels=runner.kernels)
   count = jnp.ones((), jnp.int32)
   return Loop(token=token, count=count, max_new=max_new,
               done=_stopped(token, count, max_new, stop_ids))
@@ -375,7 +374,7 @@ def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows,
     state, logits, record_i, _ = runner.forward(
         params, bank, state, rows.token[:, None], state.decode.length[:, None],
         last_only=True, fresh=False, active=step)
-    token = sample_rows(logits[:, -1], sampling, rows.count)
+    token = sample_rows(logits[:, -1], sampling, rows.count, kernels=runner.kernels)
     token = jnp.where(step, token, rows.token)
     count = rows.count + step.astype(jnp.int32)
     halted = jax.vmap(_stopped)(token, count, max_new, stop_ids)

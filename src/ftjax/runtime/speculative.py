@@ -57,7 +57,7 @@ from flax import struct
 from ftjax.model import KVCache, abstract_params
 from ftjax.model.transformer import init_mtp_state
 from ftjax.runtime.programs import Runner
-from ftjax.runtime.sampling import Sampling, distribution, sample
+from ftjax.runtime.sampling import Sampling, distribution, greedy_tokens, sample
 from ftjax.runtime.state import EngineState
 
 MAX_DRAFT_TOKENS = 4
@@ -157,7 +157,7 @@ def prefill_program(runner: Runner, params, bank, state: EngineState, caches, to
   positions = jnp.arange(n, dtype=jnp.int32)[None]
   state, hidden, logits, _, _ = runner.forward_hidden(params, bank, state, tokens, positions,
                                                       fresh=True)
-  first = sample(logits[0, -1], sampling, jnp.zeros((), jnp.int32))
+  first = sample(logits[0, -1], sampling, jnp.zeros((), jnp.int32), kernels=runner.kernels)
   if n > 1:
     state, caches, _, _, _ = runner.mtp_step(params, bank, state, caches, jnp.zeros((), jnp.int32),
                                              hidden[:, :-1], tokens[:, 1:], positions[:, :-1],
@@ -282,7 +282,7 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
 
     def propose(row, j):  # the head's draft j from its logits row, and its distribution
       if not sampled:
-        return jnp.argmax(row).astype(jnp.int32), None
+        return greedy_tokens(row[None], runner.kernels)[0], None
       q = distribution(row[None], sampling)[0]
       return jax.random.categorical(keys[j], jnp.log(q)).astype(jnp.int32), q
 
@@ -310,7 +310,7 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
       q = jnp.where((forced >= 0)[:, None], jax.nn.one_hot(drafts, vocab), q)
       a, target = accept_sampled(keys[m], drafts, q, distribution(logits[0], sampling))
     else:  # greedy targets y_0 .. y_m; a: the drafts that agree, in order
-      target = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)  # [m + 1]
+      target = greedy_tokens(logits[0], runner.kernels)  # [m + 1]
       a = jnp.sum(jnp.cumprod((drafts == target[:m]).astype(jnp.int32)))
     # 3. Keep the accepted prefix; roll the state back to it.
     if m:
