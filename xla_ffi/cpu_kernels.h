@@ -83,6 +83,10 @@ struct PackedDotProblem {
   int64_t n;
   float* ct;
   int64_t c_stride;  // >= 16 * groups
+  // Groups of tokens the caller runs against these rows over all its calls (its tiles of
+  // `groups`; 0: just `groups`): the AMX GEMM's blocks follow it (kAmxOneRowTileMaxGroups), as
+  // the rows stay in L2 for the tiles after the first.
+  int64_t call_groups = 0;
 };
 
 // The packed-activation GEMM of mxfp4 weights (rows as in Mxfp4DotProblem; n a multiple of 32)

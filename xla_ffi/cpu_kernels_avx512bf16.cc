@@ -7,6 +7,8 @@
 // added when it accepts them), the packed bf16 GEMM runs on AMX tiles on CPUs that have them
 // (cpu_isa.h's AmxEnabled()).
 
+#include <algorithm>
+
 #include "cpu_isa.h"
 #include "cpu_kernels.h"
 
@@ -241,9 +243,9 @@ inline void AmxBlock(const Bf16Bits* w, int64_t w_stride, const Bf16Bits* packed
   }
 }
 
-// Up to this many groups of 16 tokens, the rows go in blocks of 16 (one weight tile): the
-// GEMM reads its weights at the memory's rate, and 16 rows are 16 streams of reads, which the
-// L2 prefetcher follows better than 32. On the Xeon VM (lm_head [248320, 2048] bf16, 2 threads)
+// Up to this many groups of 16 tokens over the caller's tiles (PackedDotProblem::call_groups),
+// the rows go in blocks of 16 (one weight tile): the GEMM reads its weights at the memory's
+// rate, and 16 rows are 16 streams of reads, which the L2 prefetcher follows better than 32. On the Xeon VM (lm_head [248320, 2048] bf16, 2 threads)
 // 16-row blocks read 29.5 GB/s at 8 tokens against 27.2 for 32 rows, 27.1 against 23.7 at 16
 // tokens, 24.1 against 20.0 at 32, 18.9 against 17.5 at 64, and the two tied at 128; past that
 // the GEMM is bound by the tiles' products, and 32-row blocks, whose activation tiles each
@@ -261,8 +263,9 @@ void PackedDotBf16Amx(const PackedDotProblem<Bf16Bits, Bf16Bits>& p) {
   _tile_loadconfig(&config);
   const int64_t group_stride = PackedGroupElements<Bf16Bits>(p.n);
   const int64_t tile_rows = p.rows / 16 * 16;
+  const bool memory_bound = std::max(p.groups, p.call_groups) <= kAmxOneRowTileMaxGroups;
   for (int64_t r = 0; r < tile_rows;) {
-    const bool two_rows = p.groups > kAmxOneRowTileMaxGroups && tile_rows - r >= 32;
+    const bool two_rows = !memory_bound && tile_rows - r >= 32;
     const Bf16Bits* w = p.w + r * p.w_stride;
     for (int64_t g = 0; g < p.groups;) {
       const bool two_groups = p.groups - g >= 2;

@@ -128,7 +128,7 @@ void RunDensePacked(int64_t tokens, int64_t n_out, int64_t k, const PackedT* x_t
       const int64_t tile = std::min(tile_groups * kPackedGroup, tokens - t0);
       const bool half = tile - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
       packed_dot({w_nk + n0 * k, k, rows, packed + g0 * group_elements, tile_groups, half, k, ct,
-                  kTokenTile});
+                  kTokenTile, groups});
       for (int64_t t = 0; t < tile; ++t) {
         float* y = y_tn + (t0 + t) * n_out + n0;
         for (int64_t r = 0; r < rows; ++r) y[r] = ct[r * kTokenTile + t];

@@ -582,12 +582,12 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   }
 
   // The packed GEMM of rows [row, row + rows) of part `part` of an expert block against
-  // tile_groups groups of packed activations, into ct (transposed, kTokenTile a row): the
-  // weights are `rows_of` (the bank's rows, or a task's decoded mxfp4 rows), or for
-  // direct_mxfp4 the block's codes.
+  // tile_groups groups of packed activations (of the expert's call_groups), into ct
+  // (transposed, kTokenTile a row): the weights are `rows_of` (the bank's rows, or a task's
+  // decoded mxfp4 rows), or for direct_mxfp4 the block's codes.
   auto packed_part = [&](const WeightT* block, int part, int64_t row, int64_t rows,
                          const PackedWeightT* rows_of, const ActivationT* act_packed,
-                         int64_t tile_groups, bool half, float* ct) {
+                         int64_t tile_groups, int64_t call_groups, bool half, float* ct) {
     const int64_t n = part == 2 ? F : D;
     if constexpr (kMxfp4 && std::is_same_v<ActivationT, float>) {
       if (direct_mxfp4) {
@@ -597,7 +597,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
         return;
       }
     }
-    packed_dot({rows_of, n, rows, act_packed, tile_groups, half, n, ct, kTokenTile});
+    packed_dot({rows_of, n, rows, act_packed, tile_groups, half, n, ct, kTokenTile, call_groups});
   };
 
   // Phase 0 (packed experts only): pack each expert's x rows.
@@ -649,8 +649,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
             packed_x + e.x_offset + g0 * PackedGroupElements<ActivationT>(D);
         const bool half = n - (g0 + tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
         // Transposed: gate_ft[f][t], t over the tile's 16 * tile_groups routes.
-        packed_part(block, 0, f0, rows, gate_fd, x, tile_groups, half, s.gate);
-        packed_part(block, 1, f0, rows, up_fd, x, tile_groups, half, s.up);
+        packed_part(block, 0, f0, rows, gate_fd, x, tile_groups, e.groups, half, s.gate);
+        packed_part(block, 1, f0, rows, up_fd, x, tile_groups, e.groups, half, s.up);
         gate_scales.ApplyTransposed(rows, kTokenTile, s.gate, kTokenTile);
         up_scales.ApplyTransposed(rows, kTokenTile, s.up, kTokenTile);
         Activate(act, kernels, biases, F, f0, rows, kTokenTile, kTokenTile, 1,
@@ -743,7 +743,7 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           const int64_t tokens = std::min(tile_groups * kPackedGroup, groups.offsets[i + 1] - r0);
           const bool half = tokens - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
           // Transposed: z_dt[d][t].
-          packed_part(block, 2, d0, rows, down_df, h, tile_groups, half, z);
+          packed_part(block, 2, d0, rows, down_df, h, tile_groups, e.groups, half, z);
           down_scales.ApplyTransposed(rows, tokens, z, kTokenTile);
           for (int64_t j = 0; j < tokens; ++j) {
             const float weight = groups.route_weight[r0 + j];
