@@ -320,7 +320,7 @@ def worker(hf_dir: str, long_tokens: int) -> None:
   import numpy as np  # noqa: PLC0415
 
   import ftjax  # noqa: PLC0415
-  from ftjax.runtime.engine import state_bytes  # noqa: PLC0415
+  from ftjax.runtime.kv import state_bytes  # noqa: PLC0415
   t0 = time.perf_counter()
   model = ftjax.load(hf_dir, verify=False, populate=True)
   log(f"ftjax: loaded (converted once; weights {model.storage.residency}) in "

@@ -29,7 +29,7 @@ import sys
 import time
 
 import ftjax
-from ftjax.runtime.engine import RuntimeOptions
+from ftjax.runtime.options import RuntimeOptions
 from ftjax.runtime.tokenizer import load_tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -167,24 +167,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
   return out
 
 
+# The public API of named tuples, underscored so as not to clash with field names.
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
 def private_uses(sources: dict[str, str]) -> list[str]:
-  """Private names used across modules: ``from ftjax.x import _name``, and ``obj._name``
-  (``obj`` not ``self`` or ``cls``) where the module does not define ``_name`` itself (as a
-  function, a class, an assigned name or a ``self._name`` attribute). Underscored names are a
-  module's own: another module uses its public API."""
+  """Private names used outside their owner: ``from ftjax.x import _name``, and ``obj._name``
+  for any ``obj`` but ``self`` and ``cls``, even where the module defines a ``_name`` of its own
+  (another instance's private state is not the module's to touch either: it goes through a
+  public method or the constructor). Underscored names are their owner's: everyone else uses
+  its public API."""
   found = []
   for module, source in sources.items():
     tree = ast.parse(source)
-    own = set()
-    for node in ast.walk(tree):
-      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        own.add(node.name)
-      elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-        own.add(node.id)
-      elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-        own.add(node.attr)
-      elif isinstance(node, ast.arg):
-        own.add(node.arg)
     for node in ast.walk(tree):
       if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ftjax"):
         for alias in node.names:
@@ -193,11 +188,11 @@ def private_uses(sources: dict[str, str]) -> list[str]:
                          f"{alias.name}")
       elif isinstance(node, ast.Attribute):
         name = node.attr
-        if not name.startswith("_") or name.startswith("__") or name in own:
+        if not name.startswith("_") or name.startswith("__") or name in NAMEDTUPLE_API:
           continue
         if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
           continue
-        found.append(f"{module}:{node.lineno} uses another module's private name "
+        found.append(f"{module}:{node.lineno} uses a private name of another object "
                      f"{ast.unparse(node)}")
   return found
 
@@ -211,7 +206,11 @@ def test_no_private_name_is_used_across_modules():
      "imports the private ftjax.runtime.b._helper"),
     ({"ftjax.runtime.a": "def f(engine):\n  return engine._keep(1)\n",
       "ftjax.runtime.b": "class E:\n  def _keep(self, x):\n    return x\n"},
-     "private name engine._keep"),
+     "private name of another object engine._keep"),
+    # The module defines _keep too: another object's is still not its to use.
+    ({"ftjax.runtime.a": "class S:\n  def _keep(self):\n    return 1\n"
+                         "  def copy(self, other):\n    return other._keep()\n"},
+     "private name of another object other._keep"),
 ])
 def test_private_checker_finds_each_kind(sources, expected):
   found = private_uses(sources)

@@ -16,7 +16,8 @@ Stable public API::
 
 from ftjax.formats.hf import convert_hf
 from ftjax.model.config import ModelConfig
-from ftjax.runtime.engine import Engine, RuntimeOptions
+from ftjax.runtime.engine import Engine
+from ftjax.runtime.options import RuntimeOptions
 from ftjax.runtime.model import Model, load
 from ftjax.runtime.checkpoint import CheckpointError
 from ftjax.runtime.session import ContextResult, Session

@@ -13,7 +13,8 @@ from ftjax.cache import POLICIES
 from ftjax.cache.state import check_invariants
 from ftjax.runtime import model as model_lib
 from ftjax.runtime.budget import slots_for_budget
-from ftjax.runtime.engine import slot_bucket, state_bytes
+from ftjax.runtime.engine import slot_bucket
+from ftjax.runtime.kv import state_bytes
 
 import tolerances
 from conftest import scaled_params

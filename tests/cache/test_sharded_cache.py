@@ -105,7 +105,7 @@ CHILD = textwrap.dedent("""
         disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in cuda.TARGETS])(
         jax.tree.map(spec, engine.params), None,
         jax.tree.map(spec, engine.executor.engine_state(state)),
-        *engine.executor.decode_specs(1, sharding=rep))
+        *engine.executor.decode_specs(1))  # replicated over the engine's mesh
     text = exported.mlir_module()
     print(json.dumps({"generate": loops, "export": [
         exported.nr_devices, text.count("ftjax_cuda_host_experts_start"),

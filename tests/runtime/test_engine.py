@@ -9,7 +9,7 @@ import pytest
 
 import ftjax
 from ftjax.runtime import model as model_lib
-from ftjax.runtime.engine import ContextLengthError, state_bytes
+from ftjax.runtime.kv import ContextLengthError, state_bytes
 from ftjax.runtime.sampling import Sampling, sample
 
 import tolerances

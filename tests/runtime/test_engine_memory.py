@@ -26,7 +26,8 @@ import jax
 import ftjax
 from ftjax.model.config import ModelConfig
 from ftjax.runtime import placement
-from ftjax.runtime.engine import slot_bucket, state_bytes
+from ftjax.runtime.engine import slot_bucket
+from ftjax.runtime.kv import state_bytes
 from ftjax.runtime.model import random_model
 
 

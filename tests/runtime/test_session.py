@@ -9,7 +9,7 @@ import pytest
 
 import ftjax
 from ftjax.runtime import model as model_lib
-from ftjax.runtime.engine import ContextLengthError
+from ftjax.runtime.kv import ContextLengthError
 
 import tolerances
 from conftest import scaled_params

@@ -1,5 +1,6 @@
-"""The reply parser and stop matcher (the same deltas however the text is cut into pieces), and
-the per-turn prompt encoder (the same ids as encoding the whole text)."""
+"""The reply parser and stop matcher (the same deltas however the text is cut into pieces), the
+per-turn prompt encoder (the same ids as encoding the whole text), and the one reader of
+string-or-text-blocks content the Anthropic and Responses mappings share."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 from ftjax.assets import DEFAULT_HYBRID_MODEL_DIR
 from ftjax.runtime.chat_template import load_chat_template
 from ftjax.runtime.tokenizer import load_tokenizer
+from ftjax.server import anthropic, responses
 from ftjax.server.anthropic import tool_input
 from ftjax.server.app import TurnEncoder
 from ftjax.server.outputs import ReplyParser, StopMatcher, opens_thinking
+from ftjax.server.protocol import ApiError
 
 
 def run(pieces, **options):
@@ -160,3 +163,29 @@ def test_anthropic_tool_input_is_always_an_object():
   assert tool_input("Paris") == {"arguments": "Paris"}
   assert tool_input('"Paris"') == {"arguments": '"Paris"'}
   assert tool_input("[1, 2]") == {"arguments": "[1, 2]"}
+
+
+@pytest.mark.parametrize("reader,content,expected", [
+    (anthropic.TEXT, None, ""),
+    (anthropic.TEXT, "plain", "plain"),
+    (anthropic.TEXT, [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "a\nb"),
+    (anthropic.TEXT, 5, "w: content must be a string or a list of blocks"),
+    (anthropic.TEXT, [{"type": "image"}], "w.0: image blocks are not supported: this server's "
+     "model reads text only"),
+    (anthropic.TEXT, [{"type": "text", "text": "a"}, {"type": "tool_use"}],
+     "w.1: expected a text block ({'type': 'text', 'text': ...}), got type 'tool_use'"),
+    (responses.MESSAGE_TEXT, [{"type": "input_text", "text": "a"},
+                              {"type": "refusal", "refusal": "no"}], "a\nno"),
+    (responses.MESSAGE_TEXT, None, "w: content must be a string or a list of parts"),
+    (responses.MESSAGE_TEXT, [{"type": "input_file"}], "w.0: input_file parts are not "
+     "supported: this server's model reads text only"),
+    (responses.REASONING_TEXT, [{"type": "input_text", "text": "a"}], "w.0: expected a text "
+     "part (reasoning_text, summary_text, text), got type 'input_text'"),
+])
+def test_text_content_reader(reader, content, expected):
+  """Each API's content that is a string or a list of text blocks: its text, or a 400 that
+  names the block, in the API's words."""
+  try:
+    assert reader.read(content, "w") == expected
+  except ApiError as e:
+    assert (e.status, e.message, e.param) == (400, expected, expected.split(":")[0])

@@ -96,16 +96,26 @@ class ExpertCache:
     n = len(flat_ids)
     if n == 0:
       return cache
-    idx = jnp.asarray(flat_ids, jnp.int32)
+    # Every array op has the buffer's shape, not the preloaded count's: a sweep over cache
+    # sizes compiles no new op per size (one per capacity).
+    capacity = cache.capacity
+    padded = np.zeros(capacity, np.int32)
+    padded[:n] = flat_ids
     if isinstance(bank, np.ndarray):  # a host pool (GPU path): copy only the preloaded blocks
-      blocks = jnp.asarray(bank.reshape(layers * experts, -1)[flat_ids])
+      blocks = np.zeros((capacity, bank.shape[2]), bank.dtype)
+      blocks[:n] = bank.reshape(layers * experts, -1)[flat_ids]
+      slots = jnp.asarray(blocks)
     else:
-      blocks = take(bank.reshape(layers * experts, -1), idx)
-    slots = cache.slots.at[:n].set(blocks)
-    slot_of = cache.slot_of.reshape(-1).at[idx].set(jnp.arange(n, dtype=jnp.int32))
-    return cache.replace(slots=slots, slot_of=slot_of.reshape(layers, experts),
-                         owner=cache.owner.at[:n].set(idx),
-                         slot_stamp=cache.slot_stamp.at[:n].set(0))
+      held = jnp.asarray(np.arange(capacity) < n)
+      blocks = take(bank.reshape(layers * experts, -1), jnp.asarray(padded))
+      slots = jnp.where(held[:, None], blocks, cache.slots)
+    slot_of = np.full(layers * experts, -1, np.int32)
+    slot_of[flat_ids] = np.arange(n, dtype=np.int32)
+    owner = np.full(capacity, -1, np.int32)
+    owner[:n] = flat_ids
+    stamp = np.where(np.arange(capacity) < n, 0, -1).astype(np.int32)
+    return cache.replace(slots=slots, slot_of=jnp.asarray(slot_of.reshape(layers, experts)),
+                         owner=jnp.asarray(owner), slot_stamp=jnp.asarray(stamp))
 
   def resized(self, num_slots: int, capacity: int | None = None) -> "ExpertCache":
     """``num_slots`` usable slots in a buffer of ``capacity``, keeping the most recently used

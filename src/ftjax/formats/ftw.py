@@ -472,16 +472,16 @@ class FTWFile:
       maps[name] = (np.memmap(file_path, dtype=np.uint8, mode="r", shape=(size,)) if size
                     else np.zeros((0,), np.uint8))  # np.memmap cannot map an empty file
     ftw = cls(path=path, index=index, config=config, dtype=dtype, _maps=maps)
-    ftw._check_layout()
+    ftw.check_layout()
     if verify == "once":
-      stamp = ftw._verified_stamp()
+      stamp = ftw.verified_stamp()
       if stamp is not None:
         ftw.verification = f"verified before, unchanged since ({stamp})"
         return ftw
     if verify:
       ftw.verify(progress=progress)
       ftw.verification = "verified"
-      ftw._write_verified_stamp()
+      ftw.write_verified_stamp()
     return ftw
 
   def _identity(self) -> dict[str, list[int]]:
@@ -497,7 +497,7 @@ class FTWFile:
     key = hashlib.sha256(os.path.realpath(self.path).encode()).hexdigest()[:24]
     return os.path.join(paths.cache_root(), "verified", f"{key}.json")
 
-  def _verified_stamp(self) -> str | None:
+  def verified_stamp(self) -> str | None:
     """When these unchanged files' CRC-32s were checked, or None (never, or changed since)."""
     try:
       with open(self._stamp_path()) as f:
@@ -509,7 +509,7 @@ class FTWFile:
       return None
     return stamp.get("verified")
 
-  def _write_verified_stamp(self) -> None:
+  def write_verified_stamp(self) -> None:
     """Records that these files passed ``verify`` (best effort: a cache directory that cannot
     be written only means the next ``verify="once"`` checks again). Files changed in the last
     few seconds get no record: a file system's clock ticks coarsely, so a write within the same
@@ -529,7 +529,7 @@ class FTWFile:
     except OSError:
       pass
 
-  def _check_layout(self) -> None:
+  def check_layout(self) -> None:
     """Every tensor and the bank lie inside their files and agree with the config."""
     for name, t in self.index["tensors"].items():
       end = t["offset"] + t["nbytes"]

@@ -12,9 +12,10 @@ the sum over every holder of device state, each counted by its owner:
   in it; a sequence that joins hands its own row over (its owner then holds nothing until the
   sequence leaves with a state of its own again).
 
-An owner's count changes when its state is allocated, grown, handed over or dropped; the
-engine re-divides the budget at once (``Engine.hold_memory``), before the new state is
-allocated, so that the cache gives up its slots first. That is between programs: the expert
+An owner's count changes when its state is allocated, grown, handed over or dropped (the
+executor tells the budget, ``hold``, before the new state is allocated); the budget tells its
+listener (``listen``: the engine, which re-divides it and resizes the expert cache), so that
+the cache gives up its slots first. That is between programs: the expert
 cache is resized at a safe point (``Engine.resize_cache``), and a sequence's outputs do not
 depend on the cache's size. When a state goes (a finished batch, a session dropped by the
 server's pool), its bytes go back to the cache.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import collections
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 
 def slots_for_budget(budget_bytes: int, state_bytes: int, slot_bytes: int) -> int:
@@ -39,22 +40,29 @@ def slots_for_budget(budget_bytes: int, state_bytes: int, slot_bytes: int) -> in
 
 class MemoryBudget:
   """The bytes of device state each owner holds, and the budget they share with the expert
-  cache (``total``: None when the cache was sized on its own)."""
+  cache (``total``: None when the cache was sized on its own). The owner None is the engine
+  itself (``Engine.generate``'s states and a caller's ``Engine.new_state``)."""
 
   def __init__(self, total: int | None):
     self.total = total
     self._held: dict[int, int] = {}  # id(owner) -> bytes
     self._finalizers: dict[int, weakref.finalize] = {}
     self.resizes: collections.deque[dict[str, Any]] = collections.deque(maxlen=16)  # latest
+    self._listener: weakref.WeakMethod | None = None
+
+  def listen(self, method: Callable[[str], None]) -> None:
+    """``method(reason)`` (a bound method, held weakly) is told each time the state held
+    changes, before the new state is allocated."""
+    self._listener = weakref.WeakMethod(method)
 
   def hold(self, owner: Any, nbytes: int) -> bool:
-    """``owner`` now holds ``nbytes`` of device state (0: none); whether that changed. The
-    count goes when the owner is garbage-collected."""
-    key = id(owner)
+    """``owner`` now holds ``nbytes`` of device state (0: none); whether that changed, which the
+    listener hears. The count goes when the owner is garbage-collected."""
+    key = id(self if owner is None else owner)
     before = self._held.get(key, 0)
     if nbytes:
       self._held[key] = int(nbytes)
-      if key not in self._finalizers:
+      if owner is not None and key not in self._finalizers:
         try:
           self._finalizers[key] = weakref.finalize(owner, self._forget, key)
         except TypeError:  # not weakly referable: released explicitly only
@@ -64,14 +72,18 @@ class MemoryBudget:
       finalizer = self._finalizers.pop(key, None)
       if finalizer is not None:
         finalizer.detach()
-    return before != int(nbytes)
+    changed = before != int(nbytes)
+    listener = None if self._listener is None else self._listener()
+    if changed and listener is not None:
+      listener(f"decode states now {self.state_bytes} bytes ({self.holders} holders)")
+    return changed
 
   def _forget(self, key: int) -> None:
     self._held.pop(key, None)
     self._finalizers.pop(key, None)
 
   def held_by(self, owner: Any) -> int:
-    return self._held.get(id(owner), 0)
+    return self._held.get(id(self if owner is None else owner), 0)
 
   @property
   def state_bytes(self) -> int:

@@ -16,7 +16,7 @@ measure execution only.
 from __future__ import annotations
 
 import dataclasses
-import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -26,73 +26,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ftjax import kernels as host_kernels
 from ftjax.kernels import tuning
-from ftjax.cache import ExpertCache, PolicyConfig, get_policy
+from ftjax.cache import ExpertCache, get_policy
 from ftjax.cache.policy import initial_cache
-from ftjax.cache.streaming import (PREFILL_STREAM_MODES, prefill_stream_mode, stream_costs,
-                                   stream_min_tokens)
-from ftjax.experts import KERNELS
-from ftjax.model import DecodeState, init_state
-from ftjax.runtime import programs, speculative
+from ftjax.cache.streaming import prefill_stream_mode, stream_costs, stream_min_tokens
+from ftjax.model import DecodeState
+from ftjax.runtime import speculative
 from ftjax.runtime.budget import MemoryBudget, slots_for_budget
-from ftjax.runtime.executor import STOP_BUCKET, Executor, Generation
+from ftjax.runtime.executor import Executor, ExecutorSpec, Generation
+from ftjax.runtime.kv import Chunk, KVLayout
+from ftjax.runtime.options import RuntimeOptions
 from ftjax.runtime.model import Model
-from ftjax.runtime.placement import POOLS, expert_mesh, resolve_pool, shard_params
+from ftjax.runtime.placement import expert_mesh, resolve_pool, shard_params
 from ftjax.runtime.profile import ExpertShape, load_profile
-from ftjax.runtime.programs import Programs, Runner, expert_variant
+from ftjax.runtime.programs import Programs, Runner, expert_variant, return_free_heap
 from ftjax.runtime.sampling import Sampling
-
-KV_DTYPES = ("float32", "bfloat16")
-KV_GROWTHS = ("auto", "max", "grow")
-MIN_KV_ROWS = 4096  # the smallest KV capacity of a state that grows (by 4x)
-MIN_CHUNK = 16  # the smallest prefill chunk size
-KV_MAX_AUTO_BYTES = 64 << 20  # kv_growth="auto": one buffer of the whole context up to this
-
-
-class ContextLengthError(ValueError):
-  pass
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-  """One extend program of a prefill: ``tokens`` real tokens from ``begin`` (counted in the
-  tokens being read), padded to ``size``; ``anchors``: positions in the chunk at which the
-  recurrent layers' states are kept."""
-  begin: int
-  tokens: int
-  size: int
-  anchors: tuple[int, ...] = ()
-
-
-def chunk_sizes(largest: int) -> tuple[int, ...]:
-  """The chunk sizes of a prefill whose chunks hold at most ``largest`` tokens: ``largest``
-  and its quarters down to ``MIN_CHUNK`` (1024: 1024, 256, 64, 16), largest first. Each size is one
-  compiled extend program per KV capacity."""
-  sizes = [largest]
-  while sizes[-1] // 4 >= MIN_CHUNK:
-    sizes.append(sizes[-1] // 4)
-  return tuple(sizes)
-
-
-def split_tokens(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
-  """``n`` tokens as (tokens, size) chunks of ``sizes`` (largest first): whole chunks of the
-  largest size, then the rest in the smallest size that holds it when that size is less than
-  twice the rest, else in chunks of the next size down, and so on. Padding stays under the
-  rest's own length (the last chunk at most doubles), in few chunks."""
-  out = []
-  while n > 0:
-    if n >= sizes[0]:
-      out.append((sizes[0], sizes[0]))
-      n -= sizes[0]
-      continue
-    i = max(j for j, size in enumerate(sizes) if size >= n)  # the smallest size that holds n
-    if 2 * n > sizes[i] or i == len(sizes) - 1:
-      out.append((n, sizes[i]))
-      break
-    whole = n // sizes[i + 1]  # 1 or 2: n > sizes[i + 1] and 2n <= sizes[i] = 4 sizes[i + 1]
-    out += [(sizes[i + 1], sizes[i + 1])] * whole
-    n -= whole * sizes[i + 1]
-  return out
-
 
 def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
   """The kernels a step runs with and a description of that path for the summary line.
@@ -127,181 +74,10 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
   return chosen, f"{chosen} ({info['isa']}{amx}, {info['threads']} threads)"
 
 
-@dataclasses.dataclass(frozen=True)
-class RuntimeOptions:
-  """Runtime choices, separate from the model config.
-
-  max_seq_len: context limit (prompt + new tokens); default the model's
-    ``max_position_embeddings``.
-  kernels: how host-side work runs: "ffi" (ftjax's C++ kernels, CPU backend; bfloat16
-    weights widened exactly to float32), "ffi_bf16" (the same, with activations rounded to
-    bfloat16 for bfloat16 weights: about 1.8x faster prefill, ~1e-2 relative error, as
-    llama.cpp does), "ffi_int8" (int8 and mxfp4 experts only, opt-in: their activations
-    quantised to int8, ~1e-2 relative error; int8 experts for vpdpbusd on AVX-512-VNNI CPUs,
-    mxfp4 experts per block of 32 as llama.cpp's Q8_0, in decode steps only, on any CPU; dense
-    work as "ffi"), "xla"
-    (plain jnp), or "auto" (on the CPU backend with the compiled module: ffi_bf16 for bfloat16
-    models, ffi otherwise, int8 experts included; else xla).
-  Expert cache (at most one of the four sizes; none = no cache, every routed expert runs
-  from the host pool):
-    cache_slots: number of slots; cache_fraction: of all L·E experts; cache_bytes: a memory
-    size; device_budget_bytes: a budget shared with the KV cache, re-divided automatically
-    as the KV cache grows or shrinks (DESIGN section 5).
-  policy: a name in ``ftjax.cache.POLICIES`` or a ``PolicyConfig``.
-  bandwidths: (B_P, B_H) in GB/s, or profile: a ``python -m ftjax.profile`` JSON. Needed by
-    the freetoken policy.
-  hot_experts: routing counts [L, E] choosing the pinned set of ``static_hot``.
-  cache_capacity: a fixed slot-buffer size (default: the power-of-two bucket of the slot
-    count). Sizes up to it then share one compiled step: sweeps over cache sizes compile once.
-  record_routing: keep every step's router output (``engine.routing_record()``;
-    ``ftjax.traces.Trace.from_engine(engine)``).
-  decode_chunk: decode steps per decode program (N): the host reads the new tokens, the
-    cache counts and the routing record once per chunk, so text streams every N tokens.
-  pool: where the host expert pool lives and so how fills and host experts run: "device",
-    "pinned_host", "mapped" (GPU) or "auto" (``ftjax.runtime.placement``).
-  stream_prefill_tokens: prefills (and session segments) of at least this many tokens move
-    each MoE layer whole to the device and compute every route there (DESIGN section 4);
-    0 never does. Default (None): on an accelerator with the pool off the device, when the
-    tokens' routes (T·K) reach the layer's E experts (about 63% of them then distinct under
-    uniform routing); never on the CPU backend, where device memory is host memory and the
-    grouped host kernel reads the pool in place. With a ``profile`` that has the host's
-    grouped rate, the threshold comes from the cost model instead
-    (``ftjax.cache.streaming.prefill_stream_threshold``); ``engine.stream_source`` says which.
-  prefill_stream: how a prefill at or past that threshold streams: "always" (every MoE
-    layer, each layer's transfer started during the previous layer-step) or "cost" (each
-    layer-step streams when the cost model, ``ftjax.cache.streaming.prefill_layer_times``, makes
-    streaming that layer cheaper than its sparse fills and host experts: a layer whose
-    experts are in the cache stays sparse; ``ftjax.cache.moe.CachedExperts``). Default
-    "auto": "cost" when the host's grouped rate is known (``host_gflops`` or a ``profile``),
-    else "always". ``engine.stats()`` counts the layer-steps that streamed.
-  host_gflops: the host expert kernel's grouped rate in GFLOP/s, which the cost model weighs
-    against streaming; default: the ``profile``'s ``host_grouped_gflops``.
-  devices: split the expert cache's slots over this many local devices (expert-parallel, one
-    contiguous block of slots each) and the large dense weights along their first axis, with
-    ``jax.sharding``; None or 1: one device. Every placement works (the pool is read by every
-    device); long prefills do not stream. Test it on a CPU with ``JAX_NUM_CPU_DEVICES=4``.
-  prefill_chunk: the most tokens one prefill program reads (at most ``max_seq_len``, and 4096
-    when the KV buffer grows: ``engine.chunk_sizes`` says what runs). A prompt (or a session's next
-    segment) is read in chunks of a few fixed sizes, this one and its quarters down to 16
-    (``chunk_sizes``; 1024, 256, 64, 16), each chunk's queries attending the KV cache written
-    so far: a prefill's activation memory is bounded by one chunk, and a context of any length
-    runs the same compiled programs (``split_tokens`` says how a length is split). 1024 was
-    the fastest of 256-2048 for suffixes of 60-2000 tokens (``benchmarks/prefill_chunks.py``).
-  kv_growth: how a decode state's KV buffer is sized. Programs are compiled per KV capacity,
-    and the buffer is addressed with the state's length, so its capacity is not the context's.
-    "max": one buffer of the whole context limit (``max_seq_len`` plus one small chunk's
-    padding) from the first token: one set of programs for every request. "grow": 4096 rows,
-    grown 4x (with a copy) as a context outgrows them, up to the limit: about
-    ``log4(max_seq_len / 4096) + 1`` sets of programs (3 for 65536 tokens), memory within 4x
-    of the context's. "auto" (default): "max" when that buffer (with the recurrent states)
-    takes at most 64 MiB and no ``device_budget_bytes`` shares memory with it, else "grow".
-    ``engine.kv_capacities`` lists the capacities a state can have.
-  kv_dtype: the KV cache's dtype, "float32" or "bfloat16". Default (None): bfloat16 for
-    bfloat16 models, float32 otherwise. Keys and values are rounded once when written;
-    attention reads them widened and accumulates in float32.
-  kernel_tuning: the C++ kernels' per-machine variant (``ftjax.kernels.tuning``): "auto"
-    (default: this machine's tuning file under ``$FTJAX_CACHE_DIR/kernel_tuning``, measured on
-    this model's shapes, a few seconds, when there is none), "off" (the built-in defaults), or
-    the path of a tuning file. The tuning is the process's: it holds for every engine in it.
-    ``engine.kernels_path`` names the variant in use.
-  """
-  max_seq_len: int | None = None
-  kernels: str = "auto"
-  cache_slots: int | None = None
-  cache_fraction: float | None = None
-  cache_bytes: int | None = None
-  device_budget_bytes: int | None = None
-  policy: str | PolicyConfig = "freetoken"
-  bandwidths: tuple[float, float] | None = None
-  profile: str | None = None
-  hot_experts: Any = None
-  cache_capacity: int | None = None
-  record_routing: bool = False
-  decode_chunk: int = 8
-  pool: str = "auto"
-  stream_prefill_tokens: int | None = None
-  prefill_stream: str = "auto"
-  host_gflops: float | None = None
-  devices: int | None = None
-  prefill_chunk: int = 1024
-  kv_dtype: str | None = None
-  kv_growth: str = "auto"
-  kernel_tuning: str = "auto"
-
-  def __post_init__(self):
-    if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
-        or self.prefill_chunk < 1):
-      raise ValueError(f"prefill_chunk must be a positive int (tokens per prefill chunk), got "
-                       f"{self.prefill_chunk!r}")
-    if self.kv_growth not in KV_GROWTHS:
-      raise ValueError(f"kv_growth must be one of {KV_GROWTHS}, got {self.kv_growth!r}")
-    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-      raise ValueError(f"kv_dtype must be one of {KV_DTYPES} (or None: bfloat16 for bfloat16 "
-                       f"models), got {self.kv_dtype!r}")
-    if self.prefill_stream not in PREFILL_STREAM_MODES:
-      raise ValueError(f"prefill_stream must be one of {PREFILL_STREAM_MODES}, got "
-                       f"{self.prefill_stream!r}")
-    if self.host_gflops is not None and (isinstance(self.host_gflops, bool) or not isinstance(
-        self.host_gflops, (int, float)) or not self.host_gflops > 0):
-      raise ValueError(f"host_gflops must be a positive number (GFLOP/s of the host expert "
-                       f"kernel's grouped form), got {self.host_gflops!r}")
-    if self.stream_prefill_tokens is not None and (
-        not isinstance(self.stream_prefill_tokens, int) or self.stream_prefill_tokens < 0):
-      raise ValueError(f"stream_prefill_tokens must be an int >= 0 (0: never), got "
-                       f"{self.stream_prefill_tokens!r}")
-    if self.pool not in POOLS:
-      raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
-    if self.devices is not None:
-      if not isinstance(self.devices, int) or not 1 <= self.devices <= len(jax.devices()):
-        raise ValueError(f"devices must be an int in [1, {len(jax.devices())}] (the local "
-                         f"devices; more CPU devices with JAX_NUM_CPU_DEVICES=n before jax "
-                         f"starts), got {self.devices!r}")
-      if self.devices > 1 and not self.caching:
-        raise ValueError("devices= splits the expert cache's slots: give a cache size")
-    if self.kernels != "auto" and self.kernels not in KERNELS:
-      raise ValueError(f"kernels must be 'auto' or one of {KERNELS}, got {self.kernels!r}")
-    if not isinstance(self.decode_chunk, int) or self.decode_chunk < 1:
-      raise ValueError(f"decode_chunk must be a positive int, got {self.decode_chunk!r}")
-    if self.max_seq_len is not None and self.max_seq_len < 1:
-      raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
-    sizes = {k: getattr(self, k) for k in ("cache_slots", "cache_fraction", "cache_bytes",
-                                           "device_budget_bytes") if getattr(self, k) is not None}
-    if len(sizes) > 1:
-      raise ValueError(f"give at most one cache size, got {', '.join(sizes)}")
-    for key, value in sizes.items():
-      if value < 0 or (key == "cache_fraction" and value > 1):
-        raise ValueError(f"{key} must be {'in [0, 1]' if key == 'cache_fraction' else '>= 0'}, "
-                         f"got {value}")
-    get_policy(self.policy)  # validates the name
-    if self.bandwidths is not None and self.profile is not None:
-      raise ValueError("give bandwidths or profile, not both")
-    if self.bandwidths is not None:
-      if len(self.bandwidths) != 2 or min(self.bandwidths) <= 0:
-        raise ValueError(f"bandwidths must be two positive GB/s numbers (B_P, B_H), got "
-                         f"{self.bandwidths}")
-
-  @property
-  def caching(self) -> bool:
-    return any(getattr(self, k) is not None for k in ("cache_slots", "cache_fraction",
-                                                      "cache_bytes", "device_budget_bytes"))
-
-
 def slot_bucket(num_slots: int) -> int:
   """Buffer capacity for ``num_slots``: the next power of two, so that resizes within a
   bucket reuse the compiled step (one compile per bucket)."""
   return 0 if num_slots == 0 else 1 << (num_slots - 1).bit_length()
-
-
-def state_bytes(config, batch: int, capacity: int, kv_dtype: str = "float32") -> int:
-  """Bytes of a decode state: KV caches of the attention layers (in ``kv_dtype``), conv and
-  recurrent state of the Gated DeltaNet layers (float32)."""
-  c = config
-  linear = sum(t == "linear_attention" for t in c.layer_types)
-  kv = 2 * (c.num_layers - linear) * batch * capacity * c.num_kv_heads * c.head_dim
-  rec = linear * batch * (c.linear_num_value_heads * c.linear_key_head_dim
-                          * c.linear_value_head_dim
-                          + max(c.linear_conv_kernel - 1, 0) * c.linear_conv_dim)
-  return np.dtype(jnp.dtype(kv_dtype)).itemsize * kv + 4 * rec
 
 
 @dataclasses.dataclass
@@ -322,6 +98,22 @@ class GenerateResult:
     # The first new token comes from the prefill; the others from decode steps.
     steps = max(len(self.tokens) - 1, 0)
     return steps / self.decode_s if self.decode_s else float("nan")
+
+
+def _engine_gone(executor: Executor) -> None:
+  """An engine was closed or collected: its executor lets go of its programs and its expert
+  cache, and the heap they held goes back to the system (without it glibc keeps the freed
+  pages, and a sweep's RSS grew by a third over 200 engines)."""
+  executor.release()
+  return_free_heap()
+
+
+class _Closed:
+  """What a closed engine has for an executor: every use says so."""
+
+  def __getattr__(self, name: str):
+    raise RuntimeError(f"this Engine was closed (Engine.close()): its programs and state are "
+                       f"gone; create a new Engine to use {name!r}")
 
 
 class Engine:
@@ -362,28 +154,15 @@ class Engine:
       kind = self.bank.sharding.memory_kind if hasattr(self.bank, "sharding") else None
       self.bank = jax.device_put(self.bank, NamedSharding(self.mesh, PartitionSpec(),
                                                           memory_kind=kind))
-    self.max_seq_len = opts.max_seq_len or model.config.max_position_embeddings
-    self.kv_dtype = opts.kv_dtype or (
+    kv_dtype = opts.kv_dtype or (
         "bfloat16" if np.dtype(model.dtype) == np.dtype(jnp.bfloat16) else "float32")
-    self.kv_growth = opts.kv_growth
-    if self.kv_growth == "auto":
-      small = (state_bytes(model.config, 1, self.max_seq_len + MIN_CHUNK, self.kv_dtype)
-               <= KV_MAX_AUTO_BYTES)
-      self.kv_growth = "max" if small and opts.device_budget_bytes is None else "grow"
-    # A chunk fits the smallest KV buffer: at most the context limit, and with "grow" at most
-    # the first capacity.
-    largest = min(opts.prefill_chunk, self.max_seq_len)
-    if self.kv_growth == "grow":
-      largest = min(largest, MIN_KV_ROWS)
-    self.chunk_sizes = chunk_sizes(largest)
-    # The KV rows a state can need: the context limit, plus the padding of a last chunk that
-    # ends past it (``plan_chunks`` keeps that under the smallest chunk size).
-    top = self.max_seq_len + self.chunk_sizes[-1]
-    capacities = [top]
-    if self.kv_growth == "grow":  # 4096, 16384, ... while the next still fits, then the limit
-      capacities = [MIN_KV_ROWS << 2 * i for i in range(32) if MIN_KV_ROWS << 2 * i + 1 <= top]
-      capacities.append(top)
-    self.kv_capacities = tuple(capacities)
+    self.kv = KVLayout.make(model.config, kv_dtype=kv_dtype,
+                            max_seq_len=opts.max_seq_len or model.config.max_position_embeddings,
+                            kv_growth=opts.kv_growth, prefill_chunk=opts.prefill_chunk,
+                            shares_budget=opts.device_budget_bytes is not None)
+    kv = self.kv
+    self.max_seq_len, self.kv_dtype, self.kv_growth = kv.max_seq_len, kv.kv_dtype, kv.kv_growth
+    self.chunk_sizes, self.kv_capacities = kv.chunk_sizes, kv.kv_capacities
     self.policy = get_policy(opts.policy) if opts.caching else None
     self._profile: dict | None = None  # the bandwidth profile, when one was given
     self.bandwidths, self.bandwidth_source = self._bandwidths()
@@ -399,13 +178,38 @@ class Engine:
                                     host_gflops=self._host_gflops() or 0.0),
         stream_min_tokens=stream_min, prefill_stream=self._prefill_stream(stream_min),
         kv_dtype=self.kv_dtype, variant=expert_variant(c))
-    self.programs = Programs.shared(self.runner)
     # Device state (KV caches, recurrent states) by owner, and the budget it shares with the
-    # expert cache (ftjax.runtime.budget).
+    # expert cache (ftjax.runtime.budget); the engine listens and resizes the cache.
     self.memory = MemoryBudget(opts.device_budget_bytes)
-    # The programs' runner: compiles, the expert cache, per-step records and the decode loop.
-    self.executor = Executor(self, self._initial_cache(self._requested_slots(kv_bytes=0))
+    self.memory.listen(self._refit)
+    # The programs, their protocol, the expert cache, per-step records and the decode loop.
+    spec = ExecutorSpec(params=self.params, bank=self.bank, kv=kv, mesh=self.mesh,
+                        decode_chunk=opts.decode_chunk, bandwidths=self.bandwidths)
+    self.executor = Executor(spec, Programs.shared(self.runner), self.memory,
+                             self._initial_cache(self._requested_slots(kv_bytes=0))
                              if opts.caching else None)
+    self._release = weakref.finalize(self, _engine_gone, self.executor)
+
+  @property
+  def programs(self) -> Programs:
+    """The table of compiled programs this engine uses (shared with equal engines)."""
+    return self.executor.table
+
+  def close(self) -> None:
+    """Lets go of the engine's programs, expert cache and decode states now, instead of when
+    the engine is garbage-collected. Its table of programs is then released unless another
+    live engine uses it, or it is one of those kept after their engines
+    (``ftjax.runtime.programs.keep_released``; ``release_unused`` drops those too). Using the
+    engine afterwards raises an error that says so."""
+    self._release()
+    self.executor = _Closed()
+    self.params = self.bank = None
+
+  def __enter__(self) -> "Engine":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   # The executor's compile counters, read and set through the engine.
   @property
@@ -567,21 +371,42 @@ class Engine:
     """``owner`` (a session, a decode batch, the engine) now holds ``nbytes`` of decode state
     on the device (0: none). With a budget, the expert cache is re-divided at once: call it
     before allocating a larger state, so that the cache gives up its slots first."""
-    if self.memory.hold(owner, nbytes):
-      self._refit(f"decode states now {self.memory.state_bytes} bytes "
-                  f"({self.memory.holders} holders)")
+    self.memory.hold(self._owner(owner), nbytes)
 
-  def state_bytes(self, batch: int, capacity: int) -> int:
-    """Bytes of a decode state of ``batch`` rows of ``capacity`` KV rows on this engine."""
-    return state_bytes(self.model.config, batch, capacity, self.kv_dtype)
+  def _owner(self, owner: Any) -> Any:
+    """The budget's owner: None for the engine itself."""
+    return None if owner is self else owner
 
   def _refit(self, reason: str) -> None:
+    """The budget's listener: the cache gets what the decode states leave."""
     cache = self.executor.cache
     if cache is None or self.memory.total is None:
       return
     n = self._requested_slots(self.memory.state_bytes)
     if n != int(cache.limit):
       self.resize_cache(slots=n, reason=reason)
+
+  # -- KV sizes (``self.kv``: ``ftjax.runtime.kv.KVLayout``) -----------------------------------
+
+  def state_bytes(self, batch: int, capacity: int) -> int:
+    """Bytes of a decode state of ``batch`` rows of ``capacity`` KV rows on this engine."""
+    return self.kv.state_bytes(batch, capacity)
+
+  def kv_capacity(self, rows: int) -> int:
+    """The smallest of ``kv_capacities`` that holds ``rows`` rows."""
+    return self.kv.capacity(rows)
+
+  def plan_chunks(self, start: int, n: int, anchors_at: Sequence[int] = (),
+                  anchor_slots: int = 0) -> list[Chunk]:
+    """How ``n`` tokens after ``start`` are read (``KVLayout.plan_chunks``)."""
+    return self.kv.plan_chunks(start, n, anchors_at, anchor_slots)
+
+  def check_context(self, prompt_len: int, new: int) -> None:
+    self.kv.check_context(prompt_len, new)
+
+  def check_ids(self, ids: np.ndarray) -> None:
+    """Raises a clear error for token ids outside the vocabulary or of vision inputs."""
+    self.kv.check_ids(ids)
 
   def cache_info(self) -> dict[str, Any]:
     """The expert cache and the budget now: slots (in use of the buffer's capacity), bytes,
@@ -671,7 +496,7 @@ class Engine:
             "phase": np.concatenate([np.full(r[0].shape[1], r[2] == "decode", np.uint8)
                                      for r in routing])}
 
-  # -- Programs ------------------------------------------------------------------------------
+  # -- Programs (the executor's) and decode states --------------------------------------------
 
   def step(self, state: DecodeState, tokens: jax.Array, positions: jax.Array, *,
            last_only: bool = False, fresh: bool = False) -> tuple[DecodeState, jax.Array]:
@@ -683,105 +508,20 @@ class Engine:
     (resized since, perhaps) rides along and comes back updated."""
     if fresh and int(state.length) != 0:
       raise ValueError(f"fresh=True needs an empty state, but it holds {int(state.length)} tokens")
-    ex = self.executor
-    tokens, positions = ex.put((jnp.asarray(tokens, jnp.int32),
-                                jnp.asarray(positions, jnp.int32)))
-    est = ex.engine_state(state)
-    key = ("step", tokens.shape, state.capacity, ex.slot_capacity(), last_only, fresh)
-    fn = ex.compiled(key, programs.step_program, self.params, self.bank, est,
-                     tokens, positions, last_only=last_only, fresh=fresh)
-    t0 = time.perf_counter()
-    est, logits, record = fn(self.params, self.bank, est, tokens, positions)
-    decode = ex.keep(est)
-    if record.stats is not None or record.routing is not None:
-      jax.block_until_ready(logits)
-      ex.record(record, time.perf_counter() - t0,
-                "prefill" if tokens.shape[1] > 1 else "decode", tokens=int(tokens.size))
-    return decode, logits
-
-  def kv_capacity(self, rows: int) -> int:
-    """The KV capacity of a state that must hold ``rows`` rows: the smallest of
-    ``kv_capacities`` that does."""
-    for capacity in self.kv_capacities:
-      if capacity >= rows:
-        return capacity
-    raise ContextLengthError(f"{rows} KV rows exceed the context limit of {self.max_seq_len} "
-                             "tokens")
+    return self.executor.step(state, tokens, positions, last_only=last_only, fresh=fresh)
 
   def new_state(self, batch: int, capacity: int, owner: Any = None) -> DecodeState:
     """An empty decode state for ``capacity`` tokens (rounded up to one of
     ``kv_capacities``, at most the largest), held by ``owner`` (default: the engine; see
     ``hold_memory``): with a device budget, the cache is re-divided first."""
-    return self._new_state(batch, self.kv_capacity(min(capacity, self.kv_capacities[-1])),
-                           owner)
-
-  def _new_state(self, batch: int, capacity: int, owner: Any = None) -> DecodeState:
-    self.hold_memory(self if owner is None else owner, self.state_bytes(batch, capacity))
-    return init_state(self.model.config, batch, capacity, jnp.dtype(self.kv_dtype))
+    capacity = self.kv.capacity(min(capacity, self.kv_capacities[-1]))
+    return self.executor.new_state(batch, capacity, self._owner(owner))
 
   def grow_state(self, state: DecodeState, rows: int, batch: int = 1,
                  owner: Any = None) -> DecodeState:
-    """``state`` (donated; ``batch`` rows) with a KV capacity of at least ``rows`` rows: the
-    same state when it has room, else grown through ``kv_capacities`` (each step one compiled
-    copy) to the first that holds them, held by ``owner`` (default: the engine): with a
-    device budget, the cache is re-divided first."""
-    held = state.capacity
-    if not held or held >= rows:
-      return state
-    target = self.kv_capacity(rows)
-    self.hold_memory(self if owner is None else owner, self.state_bytes(batch, target))
-    for capacity in self.kv_capacities:
-      if held < capacity <= target:
-        grow = self.executor.compiled(("grow", batch, held, capacity), programs.grow_program,
-                                      state, capacity=capacity)
-        state, held = grow(state), capacity
-    return state
-
-  def check_context(self, prompt_len: int, new: int) -> None:
-    if prompt_len < 1:
-      raise ValueError("the prompt is empty: give at least one token")
-    if prompt_len + new > self.max_seq_len:
-      raise ContextLengthError(
-          f"prompt ({prompt_len} tokens) + max_new_tokens ({new}) = {prompt_len + new} exceeds the "
-          f"context of {self.max_seq_len} tokens: shorten the prompt or lower max_new_tokens")
-
-  def check_ids(self, ids: np.ndarray) -> None:
-    """Raises a clear error for token ids outside the vocabulary or of vision inputs."""
-    vocab = self.model.config.vocab_size
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-      raise ValueError(f"token ids must be in [0, {vocab}); got min {ids.min()}, max {ids.max()}")
-    vision = np.intersect1d(ids, np.asarray(self.model.config.vision_token_ids, np.int32))
-    if vision.size:
-      raise ValueError(
-          f"the prompt holds vision token ids {vision.tolist()} (image/video placeholders of "
-          f"this {self.model.config.model_type} checkpoint): ftjax runs the text model only, so "
-          "image and video inputs are not supported; remove them from the prompt")
-
-  # -- Prefill: fixed-size chunks ----------------------------------------------------------------
-
-  def plan_chunks(self, start: int, n: int, anchors_at: Sequence[int] = (),
-                  anchor_slots: int = 0) -> list[Chunk]:
-    """How ``n`` tokens after ``start`` held tokens are read: chunks of ``chunk_sizes``
-    (``split_tokens``), each with the ``anchors_at`` positions (counted in the ``n`` tokens,
-    ascending) that fall in it. A chunk holds at most ``anchor_slots`` of them (0: none are
-    taken): one that would hold more ends before the next. Near the context limit the last
-    chunks take the smallest size, so that no chunk's padding runs past the KV buffer."""
-    limit = self.kv_capacities[-1]
-    out: list[Chunk] = []
-    begin = 0
-    while begin < n:
-      tokens, size = split_tokens(n - begin, self.chunk_sizes)[0]
-      inside = [p - begin for p in anchors_at if begin <= p < begin + tokens]
-      if anchor_slots and len(inside) > anchor_slots:
-        tokens, size = split_tokens(inside[anchor_slots], self.chunk_sizes)[0]
-      if start + begin + size > limit:
-        size = self.chunk_sizes[-1]
-        tokens = min(tokens, size)
-      inside = [p for p in inside if p < tokens]
-      out.append(Chunk(begin=begin, tokens=tokens, size=size,
-                       anchors=tuple(inside) if anchor_slots else ()))
-      begin += tokens
-    return out
+    """``state`` (donated; ``batch`` rows) with a KV capacity of at least ``rows`` rows
+    (``Executor.grow``), held by ``owner`` (default: the engine)."""
+    return self.executor.grow(state, rows, batch, self._owner(owner))
 
   def extend(self, state: DecodeState, ids: Sequence[int] | np.ndarray, **options):
     """Reads ``ids`` into ``state`` (donated) after the tokens it holds
@@ -789,27 +529,8 @@ class Engine:
     return self.executor.extend(state, ids, **options)
 
   def programs_needed(self, anchor_slots: int = 0, batch: int = 1) -> list[tuple]:
-    """The keys of every program a request (or a session with ``anchor_slots``) can run on
-    this engine, in a decode batch of one and of ``batch`` rows: per KV capacity, one extend
-    program per chunk size and the decode loop; the first-token program; the copies between
-    consecutive capacities; with ``batch`` > 1, the batch's decode loop and growth, and the
-    copies of a sequence into and out of a row for each pair of capacities. A request never
-    compiles another, unless the expert cache is resized past its buffer or more than
-    ``STOP_BUCKET`` stop tokens are given."""
-    slots = self.executor.slot_capacity()
-    sizes = [1] + ([batch] if batch > 1 else [])
-    keys = [("first", STOP_BUCKET)]
-    for i, capacity in enumerate(self.kv_capacities):
-      keys += [("extend", size, capacity, slots, anchor_slots) for size in self.chunk_sizes]
-      for size in sizes:
-        keys.append(("decode", size, capacity, slots, STOP_BUCKET))
-        if i:
-          keys.append(("grow", size, self.kv_capacities[i - 1], capacity))
-    if batch > 1:
-      for held in self.kv_capacities:
-        for capacity in self.kv_capacities:
-          keys += [("join", batch, held, capacity), ("leave", batch, held, capacity)]
-    return keys
+    """The keys of every program a request can run (``Executor.programs_needed``)."""
+    return self.executor.programs_needed(anchor_slots, batch)
 
   def precompile(self, anchor_slots: int = 0,
                  on_progress: Callable[[int, int, tuple], None] | None = None,
@@ -817,36 +538,7 @@ class Engine:
     """Compiles every program of ``programs_needed(anchor_slots, batch)`` not compiled yet
     (from abstract shapes: no state is allocated), so that no request compiles. Returns the
     keys compiled now; ``on_progress(done, total, key)`` is told before each."""
-    if self.mesh is not None:
-      raise ValueError("precompile compiles one device's programs; an engine with devices= "
-                       "compiles its programs on first use")
-    ex = self.executor
-    keys = [key for key in self.programs_needed(anchor_slots, batch) if key not in self.programs]
-    spec = jax.ShapeDtypeStruct
-    sampling = jax.tree.map(lambda x: spec(np.shape(x), np.asarray(x).dtype),
-                            Sampling.make(greedy=True))
-    stop_ids, scalar = spec((STOP_BUCKET,), jnp.int32), spec((), jnp.int32)
-    logits = spec((self.model.config.vocab_size,), jnp.float32)
-    for done, key in enumerate(keys):
-      if on_progress is not None:
-        on_progress(done, len(keys), key)
-      kind = key[0]
-      if kind == "first":
-        ex.first_program(logits, scalar, stop_ids, sampling)
-      elif kind == "extend":
-        ex.extend_program(key[1], key[2], anchor_slots,
-                          ex.engine_state(ex.abstract_state(1, key[2])))
-      elif kind == "decode":
-        ex.decode_program(ex.engine_state(ex.abstract_state(key[1], key[2], rows=True)),
-                          ex.abstract_rows(key[1]))
-      elif kind == "grow":
-        ex.compiled(key, programs.grow_program, ex.abstract_state(key[1], key[2]),
-                    capacity=key[3])
-      elif kind == "join":
-        ex.join_program(key[1], key[2], key[3])
-      else:
-        ex.leave_program(key[1], key[2], key[3])
-    return keys
+    return self.executor.precompile(anchor_slots, on_progress, batch)
 
   # -- Public API ----------------------------------------------------------------------------
 
@@ -871,7 +563,7 @@ class Engine:
     self.check_ids(ids)
     self.check_context(len(ids), 0)
     last = self.plan_chunks(0, len(ids))[-1]
-    state = self._new_state(1, self.kv_capacity(last.begin + last.size))
+    state = self.executor.new_state(1, self.kv.capacity(last.begin + last.size))
     read = self.executor.extend(state, ids, on_progress=on_progress, start=0)
     return np.asarray(read.logits, np.float32)
 
@@ -882,19 +574,27 @@ class Engine:
                            forced_drafts: Sequence[int] | None = None,
                            on_token: Callable[[int], None] | None = None,
                            adaptive: bool = False) -> speculative.SpeculativeResult:
-    """Decoding with the model's multi-token-prediction head drafting ``draft_tokens`` tokens
-    per verify step (``ftjax.runtime.speculative``), with each draft position's acceptance.
-    Greedy: the same tokens as ``generate(..., greedy=True)``; sampled (``greedy=False``,
-    the options of ``generate``): rejection sampling, tokens that follow the distribution
-    ``generate`` samples from. ``adaptive``: each step drafts 0 .. ``draft_tokens`` tokens,
-    the length with the most expected tokens per byte read; ``forced_drafts``: research
-    (``speculative.generate_speculative``)."""
+    """Decoding with the model's multi-token-prediction head drafting ``draft_tokens`` (1 .. 4)
+    tokens per verify step (``ftjax.runtime.speculative``; ``Executor.speculate`` runs it),
+    with each draft position's acceptance. Greedy: the same tokens as ``generate(...,
+    greedy=True)``; sampled (``greedy=False``, the options of ``generate``): rejection
+    sampling, tokens that follow the distribution ``generate`` samples from (not its draws).
+    ``adaptive``: each step drafts 0 .. ``draft_tokens`` tokens, the length with the most
+    expected tokens per byte read (``speculative.choose_draft_length``, ``step_costs``) from
+    the acceptance measured so far. ``forced_drafts`` (research: a verify step's cost at a
+    chosen acceptance): per emitted token i, a token >= 0 that the draft proposing it is
+    forced to (the head still runs), or -1 for the head's own draft. ``on_token`` hears each
+    new token as its chunk of verify steps comes back."""
+    speculative.check_request(self.model.config, draft_tokens, max_new_tokens)
     sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
                              top_k=top_k)
-    return speculative.generate_speculative(self, token_ids, max_new_tokens,
-                                            draft_tokens=draft_tokens, stop_tokens=stop_tokens,
-                                            sampling=sampling, forced_drafts=forced_drafts,
-                                            on_token=on_token, adaptive=adaptive)
+    ids = np.asarray(token_ids, np.int32).reshape(1, -1)
+    self.check_ids(ids)
+    self.check_context(ids.shape[1], max_new_tokens + draft_tokens)
+    return self.executor.speculate(ids, max_new_tokens, k=draft_tokens, sampling=sampling,
+                                   stop_tokens=stop_tokens, forced_drafts=forced_drafts,
+                                   cost=speculative.step_costs(self.model, draft_tokens),
+                                   on_token=on_token, adaptive=adaptive)
 
   def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
@@ -925,7 +625,7 @@ class Engine:
     last = self.plan_chunks(0, len(ids))[-1]
     capacity = self.kv_capacity(max(last.begin + last.size, len(ids) + max_new_tokens))
     compile_before = self.compile_s
-    read = self.executor.extend(self._new_state(1, capacity), ids, on_progress=on_progress,
+    read = self.executor.extend(self.executor.new_state(1, capacity), ids, on_progress=on_progress,
                                 start=0)
     delivered = 0
 

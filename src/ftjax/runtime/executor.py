@@ -1,20 +1,31 @@
-"""The executor: every program a request runs, and the one loop that runs them.
+"""The executor: every program a request runs, the one protocol that runs them, and the loop.
 
-An ``Executor`` belongs to one ``Engine`` and owns what the programs share: the compiled
-executables (``compiled``, keyed by the program's name and bucketed sizes, with the compile
-count and seconds), the hand-off of the engine's state to a program and back (``engine_state``
-and ``keep``: the expert cache rides, donated, in every program), the per-step records
-(``record``: cache counts and routing), and the two ways a sequence is run:
+An ``Executor`` is built from a frozen ``ExecutorSpec`` (the parameters and the host pool as
+placed, the KV sizes, the decode chunk, the bandwidths), a table of compiled programs
+(``ftjax.runtime.programs.Programs``) and a ``MemoryBudget``; it never calls back into the
+engine that made it. It owns:
 
-* ``extend`` (and ``extend_steps``, one chunk at a time): a context read into one sequence's
-  state in the engine's fixed-size chunks (``Engine.plan_chunks``);
-* ``run``: the decode loop. Sequences (``Generation``: a state that has read its context, and
+* **the program protocol.** ``key(kind, **sizes)`` builds the compile key of every kind of
+  program, in one place (``KEY_FIELDS``); ``program(key)`` takes the executable from the table
+  or compiles it from abstract arguments built from the key alone (``precompile`` is a loop
+  over ``programs_needed``); ``execute(key, *args, state=...)`` runs it: a program of the model
+  gets the decode state with the expert cache and the bandwidths (donated), the executor keeps
+  the cache it returns, and the step's record (cache counts, routing) is kept
+  (``record``). Extend, first, decode, join, leave, grow, step and the speculative verify
+  loop all run through it;
+* **decode states**: allocated (``new_state``) and grown (``grow``) at the capacities of
+  ``ftjax.runtime.kv.KVLayout``, each held in the budget by its owner before it is allocated
+  (the engine listens to the budget and gives up expert-cache slots first);
+* **the ways a sequence is run**: ``extend`` (and ``extend_steps``, one chunk at a time), a
+  context read into one sequence's state in fixed-size chunks (``KVLayout.plan_chunks``);
+  ``run``, the decode loop: sequences (``Generation``: a state that has read its context, and
   the logits after it) join a ``Batch`` of rows, decode together in one program per chunk
   (``programs.decode_program``: per-row lengths, sampling and stops), and leave it with their
   state when they finish. A lone request is a batch of one; the server's is ``max_running``
   rows, which sequences join and leave between chunks without a compile. A ``Feed`` (the
   server's scheduler) gives the loop new sequences and runs their prefills one chunk at a time
   between decode chunks, so a long prompt never stalls the running rows for more than a chunk.
+  ``speculate``: the MTP head's verify loop (``ftjax.runtime.speculative``'s programs).
 
 Each decode chunk is dispatched before the previous one is read while nothing is about to
 change (no row halted, left or joined), so the device does not wait for the host; a change is
@@ -24,18 +35,22 @@ applied once the chunks in flight are read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ftjax.model import DecodeState, KVCache, init_state
-from ftjax.runtime import programs
+from ftjax.model import DecodeState, KVCache, ModelConfig, init_state
+from ftjax.model.transformer import init_mtp_state
+from ftjax.runtime import programs, speculative
+from ftjax.runtime.budget import MemoryBudget
+from ftjax.runtime.kv import KVLayout
 from ftjax.runtime.placement import EXPERT_AXIS
-from ftjax.runtime.programs import Loop, Rows
+from ftjax.runtime.programs import Loop, ProgramKind, Programs, Rows
 from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.state import EngineState
 
@@ -141,11 +156,55 @@ class Batch:
     return bool(self.go().any() or self.leaving)
 
 
-class Executor:
-  """The programs and the loop of one engine (see the module's docstring)."""
+@dataclasses.dataclass(frozen=True)
+class ExecutorSpec:
+  """What the programs of one engine run on, fixed for its life: the model's parameters and
+  host expert pool as the programs receive them (placed on ``mesh`` when there is one), the
+  KV sizes (``ftjax.runtime.kv.KVLayout``), the decode steps per decode program, and the
+  bandwidths (B_P, B_H) the cache policy plans with (None when it needs none)."""
+  params: Any
+  bank: Any
+  kv: KVLayout
+  mesh: Mesh | None = None
+  decode_chunk: int = 8
+  bandwidths: np.ndarray | None = None
 
-  def __init__(self, engine, initial_cache=None):
-    self.engine = engine
+  @property
+  def config(self) -> ModelConfig:
+    return self.kv.config
+
+
+# The programs, by kind: the program (``ftjax.runtime.programs.ProgramKind``) and the names of
+# the sizes that follow the kind in its compile key. ``Executor.key`` builds every key from
+# these; ``Executor.program`` compiles any key from its sizes alone.
+KEY_FIELDS: dict[str, tuple[ProgramKind, tuple[str, ...]]] = {
+    "extend": (programs.EXTEND, ("size", "capacity", "slots", "anchor_slots")),
+    "first": (programs.FIRST, ("stop_width",)),
+    "decode": (programs.DECODE, ("batch", "capacity", "slots", "stop_width")),
+    "grow": (programs.GROW, ("batch", "held", "capacity")),
+    "join": (programs.JOIN, ("batch", "batch_capacity", "capacity")),
+    "leave": (programs.LEAVE, ("batch", "batch_capacity", "capacity")),
+    "step": (programs.STEP, ("shape", "capacity", "slots", "last_only", "fresh")),
+    "mtp_prefill": (speculative.PREFILL, ("size", "capacity", "slots", "k")),
+    "mtp_decode": (speculative.VERIFY, ("capacity", "slots", "k", "chunk", "stop_width",
+                                        "sampled", "adaptive")),
+}
+
+
+class Executor:
+  """The programs and the loop of one engine (see the module's docstring).
+
+  Built from an ``ExecutorSpec``, the engine's ``Programs`` table (``ftjax.runtime.programs``),
+  the ``MemoryBudget`` its states are held in (``ftjax.runtime.budget``: the engine listens to
+  it and resizes the expert cache) and the expert cache to start from (None: none). It knows
+  nothing of the engine that made it."""
+
+  def __init__(self, spec: ExecutorSpec, table: Programs, memory: MemoryBudget,
+               initial_cache=None):
+    self.spec = spec
+    self.kv = spec.kv
+    self.table = table
+    self.memory = memory
     self.cache = initial_cache  # the expert cache as of the last program (None: none)
     self.steps: list[dict[str, Any]] = []  # per step: cache counts and seconds
     self.routing: list[tuple[np.ndarray, np.ndarray, str]] = []  # ids, weights [L, t, K]
@@ -155,21 +214,190 @@ class Executor:
     # Told of each program compiled: (key: the program's name and bucketed sizes, seconds).
     self.compile_listener: Callable[[tuple, float], None] | None = None
 
-  # -- Programs and state hand-off -------------------------------------------------------------
+  # -- The program protocol: keys, compiles, runs ----------------------------------------------
 
-  def compiled(self, key: tuple, program, *args, **static):
-    """The executable of ``program`` for ``key`` (compiled from ``args`` on first use,
-    shared by the engines of one model), counted in ``compile_count`` and ``compile_s``."""
-    def counted(seconds):
-      self.compile_count += 1
-      self.compile_s += seconds
-      if self.compile_listener is not None:
-        self.compile_listener(key, seconds)
-    return self.engine.programs.compiled(key, program, *args, on_compile=counted, **static)
+  def key(self, kind: str, **sizes) -> tuple:
+    """The compile key of a ``kind`` program (``KEY_FIELDS``): the kind, then its sizes in
+    order; ``slots`` defaults to the expert cache's buffer now (``slot_capacity``)."""
+    if "slots" in KEY_FIELDS[kind][1]:
+      sizes.setdefault("slots", self.slot_capacity())
+    return (kind, *(sizes[name] for name in KEY_FIELDS[kind][1]))
+
+  def program(self, key: tuple) -> Callable:
+    """The executable of ``key``: from the table, or compiled from abstract arguments built
+    from the key's sizes (nothing is allocated), counted in ``compile_count`` and
+    ``compile_s`` and told to ``compile_listener``."""
+    fn = self.table.get(key)
+    if fn is not None:
+      return fn
+    kind, names = KEY_FIELDS[key[0]]
+    args, static = getattr(self, f"_abstract_{key[0]}")(**dict(zip(names, key[1:])))
+    return self.table.compile(key, kind, args, static, on_compile=self._counted)
+
+  def execute(self, key: tuple, *args, state: DecodeState | None = None,
+              record: dict | None = None) -> tuple:
+    """Runs the program of ``key`` (``program``) on ``args``. A program of the model takes
+    ``state`` with the expert cache and the bandwidths (donated), and the executor keeps the
+    expert cache it returns: the result is (``state`` after it, its other outputs...).
+    ``record`` (a forward's ``phase`` and ``tokens``): its step record is kept now
+    (``record``); a decode chunk's is read with its tokens (``run``)."""
+    fn = self.program(key)
+    kind = KEY_FIELDS[key[0]][0]
+    if not kind.model:
+      return fn(*args)
+    begun = time.perf_counter()
+    est, *outs = fn(self.spec.params, self.spec.bank, self.engine_state(state), *args)
+    state = self.keep(est)  # the newest cache is kept, even if a read fails
+    if record is not None:
+      self.record(outs[kind.record_at], time.perf_counter() - begun, **record)
+    return (state, *outs)
+
+  def release(self) -> None:
+    """Lets go of the programs' table, the expert cache and the step history (the engine
+    that made this executor was closed or collected)."""
+    self.cache, self.table = None, None
+    self.clear_history()
+
+  def _counted(self, key: tuple, seconds: float) -> None:
+    self.compile_count += 1
+    self.compile_s += seconds
+    if self.compile_listener is not None:
+      self.compile_listener(key, seconds)
+
+  def programs_needed(self, anchor_slots: int = 0, batch: int = 1) -> list[tuple]:
+    """The keys of every program a request (or a session with ``anchor_slots``) can run, in a
+    decode batch of one and of ``batch`` rows: per KV capacity, one extend program per chunk
+    size and the decode loop; the first-token program; the copies between consecutive
+    capacities; with ``batch`` > 1, the batch's decode loop and growth, and the copies of a
+    sequence into and out of a row for each pair of capacities. A request never compiles
+    another, unless the expert cache is resized past its buffer or more than
+    ``STOP_BUCKET`` stop tokens are given."""
+    capacities = self.kv.kv_capacities
+    sizes = [1] + ([batch] if batch > 1 else [])
+    keys = [self.key("first", stop_width=STOP_BUCKET)]
+    for i, capacity in enumerate(capacities):
+      keys += [self.key("extend", size=size, capacity=capacity, anchor_slots=anchor_slots)
+               for size in self.kv.chunk_sizes]
+      for size in sizes:
+        keys.append(self.key("decode", batch=size, capacity=capacity, stop_width=STOP_BUCKET))
+        if i:
+          keys.append(self.key("grow", batch=size, held=capacities[i - 1], capacity=capacity))
+    if batch > 1:
+      for held in capacities:
+        for capacity in capacities:
+          keys += [self.key(kind, batch=batch, batch_capacity=held, capacity=capacity)
+                   for kind in ("join", "leave")]
+    return keys
+
+  def precompile(self, anchor_slots: int = 0,
+                 on_progress: Callable[[int, int, tuple], None] | None = None,
+                 batch: int = 1) -> list[tuple]:
+    """Compiles every program of ``programs_needed(anchor_slots, batch)`` not compiled yet, so
+    that no request compiles. Returns the keys compiled now; ``on_progress(done, total, key)``
+    is told before each."""
+    keys = [key for key in self.programs_needed(anchor_slots, batch) if key not in self.table]
+    for done, key in enumerate(keys):
+      if on_progress is not None:
+        on_progress(done, len(keys), key)
+      self.program(key)
+    return keys
+
+  # -- Abstract arguments of each kind (the shapes a key names; nothing allocated) -------------
+
+  def _spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
+    """A replicated argument's shape (over the mesh, when there is one)."""
+    mesh = self.spec.mesh
+    sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+  def _model_args(self, decode: DecodeState) -> tuple:
+    """The parameters, the pool and the shapes of the ``EngineState`` around ``decode``: the
+    expert cache's and the bandwidths' as ``engine_state`` places them."""
+    state = EngineState(decode=decode)
+    if self.cache is not None:
+      cache = jax.tree.map(lambda x: self._spec(x.shape, x.dtype), self.cache)
+      if self.spec.mesh is not None:  # the slots split along N, as engine_state puts them
+        slots = self.cache.slots
+        cache = cache.replace(slots=jax.ShapeDtypeStruct(
+            slots.shape, slots.dtype, sharding=NamedSharding(self.spec.mesh,
+                                                             PartitionSpec(EXPERT_AXIS))))
+      state = state.replace(cache=cache, bandwidths=self._spec((2,), jnp.float32))
+    return (self.spec.params, self.spec.bank, state)
+
+  def _check_slots(self, slots: int) -> None:
+    if slots != self.slot_capacity():
+      raise ValueError(f"a program for {slots} cache slots, but the expert cache's buffer "
+                       f"holds {self.slot_capacity()}: compile it after resizing the cache")
+
+  def _abstract_extend(self, size, capacity, slots, anchor_slots):
+    self._check_slots(slots)
+    args = [self._spec((1, size), jnp.int32), self._spec((), jnp.int32)]
+    if anchor_slots:
+      args.append(self._spec((anchor_slots,), jnp.int32))
+    return (*self._model_args(self.abstract_state(1, capacity)), *args), {}
+
+  def _abstract_first(self, stop_width):
+    sampling = jax.tree.map(lambda x: self._spec(np.shape(x), np.asarray(x).dtype),
+                            Sampling.make(greedy=True))
+    return (self._spec((self.spec.config.vocab_size,), jnp.float32), self._spec((), jnp.int32),
+            self._spec((stop_width,), jnp.int32), sampling), {}
+
+  def _abstract_decode(self, batch, capacity, slots, stop_width):
+    self._check_slots(slots)
+    state = self.abstract_state(batch, capacity, rows=True)
+    return (*self._model_args(state), *self.decode_specs(batch, stop_width)), {}
+
+  def _abstract_grow(self, batch, held, capacity):
+    return (self.abstract_state(batch, held),), {"capacity": capacity}
+
+  def _abstract_join(self, batch, batch_capacity, capacity):
+    scalar = self._spec((), jnp.int32)
+    loop = Loop(token=scalar, count=scalar, max_new=scalar, done=self._spec((), jnp.bool_))
+    return (self.abstract_state(batch, batch_capacity), self.decode_specs(batch)[0], scalar,
+            self.abstract_state(1, capacity), loop), {}
+
+  def _abstract_leave(self, batch, batch_capacity, capacity):
+    return ((self.abstract_state(batch, batch_capacity), self._spec((), jnp.int32)),
+            {"capacity": capacity})
+
+  def _abstract_step(self, shape, capacity, slots, last_only, fresh):
+    self._check_slots(slots)
+    state = self.abstract_state(shape[0], capacity, rows=False)
+    tokens = self._spec(shape, jnp.int32)
+    return ((*self._model_args(state), tokens, tokens),
+            {"last_only": last_only, "fresh": fresh})
+
+  def _mtp_prefill_specs(self, size, capacity, k):
+    """The MTP prefill's arguments after the engine state (``speculative.prefill_program``)."""
+    config = self.spec.config
+    caches = jax.eval_shape(lambda: init_mtp_state(config, 1, capacity,
+                                                   jnp.dtype(self.kv.kv_dtype)))
+    caches = jax.tree.map(lambda x: self._spec(x.shape, x.dtype), caches)
+    sampling = self._abstract_first(STOP_BUCKET)[0][3]
+    return (caches, self._spec((1, size), jnp.int32), self._spec((), jnp.int32),
+            self._spec((STOP_BUCKET,), jnp.int32), self._spec((capacity + k,), jnp.int32),
+            sampling)
+
+  def _abstract_mtp_prefill(self, size, capacity, slots, k):
+    self._check_slots(slots)
+    state = self.abstract_state(1, capacity, rows=False)
+    return (*self._model_args(state), *self._mtp_prefill_specs(size, capacity, k)), {"k": k}
+
+  def _abstract_mtp_decode(self, capacity, slots, k, chunk, stop_width, sampled, adaptive):
+    args, static = self._abstract_mtp_prefill(1, capacity, slots, k)
+    draft = jax.eval_shape(functools.partial(speculative.prefill_program, self.table.runner,
+                                             **static), *args)[1]
+    draft = jax.tree.map(lambda x: self._spec(x.shape, x.dtype), draft)
+    _, tokens, max_new, _, _, sampling = self._mtp_prefill_specs(1, capacity, k)
+    return ((*args[:3], draft, max_new, self._spec((stop_width,), jnp.int32), sampling,
+             self._spec((k + 1,), jnp.float32)),
+            {"k": k, "chunk": chunk, "sampled": sampled, "adaptive": adaptive})
+
+  # -- State hand-off ----------------------------------------------------------------------------
 
   def put(self, tree):
     """Program inputs to the device: replicated over the mesh when there is one."""
-    mesh = self.engine.mesh
+    mesh = self.spec.mesh
     if mesh is None:
       return jax.device_put(tree)
     return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
@@ -182,16 +410,16 @@ class Executor:
     """What a program takes: ``decode`` with the engine's expert cache and bandwidths."""
     if self.cache is None:
       return EngineState(decode=decode)
-    engine = self.engine
-    bandwidths = engine.bandwidths if engine.bandwidths is not None else np.ones(2, np.float32)
+    spec = self.spec
+    bandwidths = spec.bandwidths if spec.bandwidths is not None else np.ones(2, np.float32)
     state = EngineState(decode=decode, cache=self.cache,
                         bandwidths=jax.device_put(np.asarray(bandwidths, np.float32)))
-    if engine.mesh is None:
+    if spec.mesh is None:
       return state
     # Everything replicated but the slots, split along N: the compiled programs expect
     # exactly these shardings.
     slots = jax.device_put(self.cache.slots,
-                           NamedSharding(engine.mesh, PartitionSpec(EXPERT_AXIS)))
+                           NamedSharding(spec.mesh, PartitionSpec(EXPERT_AXIS)))
     state = self.put(state.replace(cache=self.cache.replace(slots=None)))
     return state.replace(cache=state.cache.replace(slots=slots))
 
@@ -200,6 +428,43 @@ class Executor:
     if self.cache is not None:
       self.cache = state.cache
     return state.decode
+
+  def abstract_state(self, batch: int, capacity: int, rows: bool | None = None) -> DecodeState:
+    """The shapes of a decode state of ``batch`` rows of ``capacity`` KV rows (nothing
+    allocated); with ``rows`` (default: for more than one row) one length per row, as a decode
+    batch has."""
+    kv = self.kv
+    state = jax.eval_shape(lambda: init_state(kv.config, batch, capacity,
+                                              jnp.dtype(kv.kv_dtype)))
+    if rows or (rows is None and batch > 1):
+      state = state.replace(length=jax.ShapeDtypeStruct((batch,), jnp.int32))
+    if self.spec.mesh is None:
+      return state
+    return jax.tree.map(lambda x: self._spec(x.shape, x.dtype), state)
+
+  # -- Decode states: allocation and growth, held in the memory budget -----------------------
+
+  def new_state(self, batch: int, capacity: int, owner: Any = None) -> DecodeState:
+    """An empty decode state of exactly ``capacity`` KV rows (one of ``kv_capacities``), held
+    by ``owner`` (None: the engine): the budget hears of it before it is allocated."""
+    self.memory.hold(owner, self.kv.state_bytes(batch, capacity))
+    return init_state(self.kv.config, batch, capacity, jnp.dtype(self.kv.kv_dtype))
+
+  def grow(self, state: DecodeState, rows: int, batch: int = 1,
+           owner: Any = None) -> DecodeState:
+    """``state`` (donated; ``batch`` rows) with a KV capacity of at least ``rows`` rows: the
+    same state when it has room, else grown through ``kv_capacities`` (each step one ``grow``
+    program) to the first that holds them, held by ``owner`` (None: the engine)."""
+    held = state.capacity
+    if not held or held >= rows:
+      return state
+    target = self.kv.capacity(rows)
+    self.memory.hold(owner, self.kv.state_bytes(batch, target))
+    for capacity in self.kv.kv_capacities:
+      if held < capacity <= target:
+        state = self.execute(self.key("grow", batch=batch, held=held, capacity=capacity), state)
+        held = capacity
+    return state
 
   def record(self, record, seconds: float, phase: str, tokens: int = 1,
              stepped: np.ndarray | None = None) -> np.ndarray | None:
@@ -240,45 +505,41 @@ class Executor:
     self.steps.clear()
     self.routing.clear()
 
+  # -- One forward (teacher forcing, tests) ------------------------------------------------------
+
+  def step(self, state: DecodeState, tokens, positions, *, last_only: bool = False,
+           fresh: bool = False) -> tuple[DecodeState, jax.Array]:
+    """One forward of ``tokens``/``positions`` [B, T] -> (state, logits); ``state`` donated."""
+    tokens, positions = self.put((jnp.asarray(tokens, jnp.int32),
+                                  jnp.asarray(positions, jnp.int32)))
+    key = self.key("step", shape=tuple(tokens.shape), capacity=state.capacity,
+                   last_only=last_only, fresh=fresh)
+    recording = self.cache is not None or self.table.runner.record_routing
+    phase = "prefill" if tokens.shape[1] > 1 else "decode"
+    state, logits, _ = self.execute(key, tokens, positions, state=state, record=(
+        {"phase": phase, "tokens": int(tokens.size)} if recording else None))
+    return state, logits
+
   # -- Extend: a context in fixed-size chunks -------------------------------------------------
-
-  def chunk_args(self, size: int, anchor_slots: int) -> tuple:
-    """Abstract arguments of an extend program after the state: tokens [1, size], the count
-    of real ones, and with ``anchor_slots`` the anchor positions."""
-    mesh = self.engine.mesh
-    sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-    args = [jax.ShapeDtypeStruct((1, size), jnp.int32, sharding=sharding),
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)]
-    if anchor_slots:
-      args.append(jax.ShapeDtypeStruct((anchor_slots,), jnp.int32, sharding=sharding))
-    return tuple(args)
-
-  def extend_program(self, size: int, capacity: int, anchor_slots: int, state: EngineState):
-    key = ("extend", size, capacity, self.slot_capacity(), anchor_slots)
-    return self.compiled(key, programs.extend_program, self.engine.params, self.engine.bank,
-                         state, *self.chunk_args(size, anchor_slots))
 
   def extend_steps(self, state: DecodeState, ids, *, anchors_at: Sequence[int] = (),
                    anchor_slots: int = 0, start: int | None = None,
-                   on_progress: Callable[[int, int], None] | None = None
-                   ) -> Iterator[int]:
+                   on_progress: Callable[[int, int], None] | None = None,
+                   owner: Any = None) -> Iterator[int]:
     """``extend`` one chunk at a time: a generator that yields the tokens read so far after
     each chunk is dispatched and returns the ``Extended`` result (``yield from``)."""
-    engine = self.engine
     ids = np.asarray(ids, np.int32).reshape(-1)
     n = len(ids)
     if n == 0:
       raise ValueError("extend needs at least one token to read")
     if start is None:
       start = int(state.length)
-    plan = engine.plan_chunks(start, n, sorted(anchors_at), anchor_slots)
+    plan = self.kv.plan_chunks(start, n, sorted(anchors_at), anchor_slots)
     last = plan[-1]
-    state = engine.grow_state(state, start + last.begin + last.size)
-    est = self.engine_state(state)
-    fns = {}
-    for chunk in plan:
-      if chunk.size not in fns:
-        fns[chunk.size] = self.extend_program(chunk.size, state.capacity, anchor_slots, est)
+    state = self.grow(state, start + last.begin + last.size, owner=owner)
+    for size in {chunk.size for chunk in plan}:  # compiled before the first chunk runs
+      self.program(self.key("extend", size=size, capacity=state.capacity,
+                            anchor_slots=anchor_slots))
     progress = on_progress if len(plan) > 1 else None
     if progress is not None:
       progress(0, n)
@@ -294,11 +555,10 @@ class Executor:
         at[:len(chunk.anchors)] = chunk.anchors
         args.append(at)
       begun = time.perf_counter()
-      est, logits, record, snaps = fns[chunk.size](engine.params, engine.bank, est,
-                                                   *self.put(tuple(args)))
-      state = self.keep(est)  # the newest cache is kept, even if a read fails
-      est = self.engine_state(state)
-      self.record(record, time.perf_counter() - begun, "prefill", tokens=chunk.tokens)
+      key = self.key("extend", size=chunk.size, capacity=state.capacity,
+                     anchor_slots=anchor_slots)
+      state, logits, _, snaps = self.execute(key, *self.put(tuple(args)), state=state,
+                                             record={"phase": "prefill", "tokens": chunk.tokens})
       if chunk.anchors:
         host = jax.device_get([layer for layer in snaps if layer is not None])
         recurrent = [i for i, layer in enumerate(snaps) if layer is not None]
@@ -320,11 +580,12 @@ class Executor:
 
   def extend(self, state: DecodeState, ids, **options) -> Extended:
     """Reads ``ids`` into ``state`` (donated) after the tokens it holds, in the chunks of
-    ``Engine.plan_chunks``; the state grows first if its KV buffer is too small. Options:
+    ``KVLayout.plan_chunks``; the state grows first if its KV buffer is too small. Options:
     ``anchors_at`` and ``anchor_slots`` (every chunk keeps the recurrent layers' states at
     the ``anchors_at`` positions, counted in ``ids``, that fall in it), ``start`` (the tokens
-    ``state`` holds, when the caller knows it) and ``on_progress(done, total)`` (told of each
-    chunk as it completes, when there is more than one; ``done = 0`` first)."""
+    ``state`` holds, when the caller knows it), ``on_progress(done, total)`` (told of each
+    chunk as it completes, when there is more than one; ``done = 0`` first) and ``owner`` (who
+    holds the state's memory when it grows; None: the engine)."""
     steps = self.extend_steps(state, ids, **options)
     while True:
       try:
@@ -341,27 +602,10 @@ class Executor:
     out[:len(stops)] = stops
     return out
 
-  def first_program(self, logits, max_new, stop_ids, sampling):
-    """The compiled program that samples the first new token from ``logits`` [V] and makes
-    a sequence's starting carry."""
-    return self.compiled(("first", len(stop_ids)), programs.first_program, logits, max_new,
-                         stop_ids, sampling)
-
-  def decode_program(self, state: EngineState, rows: Rows, stop_width: int = STOP_BUCKET):
-    """The compiled decode chunk for a batch of ``rows``' size at ``state``'s KV capacity,
-    with ``stop_width`` stop ids per row."""
-    size = rows.token.shape[0]
-    key = ("decode", size, state.decode.capacity, self.slot_capacity(), stop_width)
-    mesh = self.engine.mesh
-    sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-    return self.compiled(key, programs.decode_program, self.engine.params, self.engine.bank,
-                         state, rows, *self.decode_specs(size, stop_width, sharding)[1:])
-
-  def decode_specs(self, size: int, stop_width: int = STOP_BUCKET, sharding=None) -> tuple:
+  def decode_specs(self, size: int, stop_width: int = STOP_BUCKET) -> tuple:
     """The shapes of a decode chunk's arguments after the state, for a batch of ``size``:
     the carry (``Rows``), go and resume masks, max_new, stop ids and sampling."""
-    def spec(shape, dtype):
-      return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    spec = self._spec
     mask = spec((size,), jnp.bool_)
     sampling = jax.tree.map(lambda x: spec((size,), np.asarray(x).dtype),
                             Sampling.make(greedy=True))
@@ -370,36 +614,6 @@ class Executor:
     return (rows, mask, mask, spec((size,), jnp.int32), spec((size, stop_width), jnp.int32),
             sampling)
 
-  def abstract_rows(self, size: int) -> Rows:
-    return self.decode_specs(size)[0]
-
-  def join_program(self, size: int, batch_capacity: int, capacity: int, batch=None,
-                   rows=None, state=None, loop=None):
-    key = ("join", size, batch_capacity, capacity)
-    batch = batch if batch is not None else self.abstract_state(size, batch_capacity)
-    state = state if state is not None else self.abstract_state(1, capacity)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    loop = loop if loop is not None else Loop(token=scalar, count=scalar, max_new=scalar,
-                                              done=jax.ShapeDtypeStruct((), jnp.bool_))
-    rows = rows if rows is not None else self.abstract_rows(size)
-    return self.compiled(key, programs.join_program, batch, rows, scalar, state, loop)
-
-  def leave_program(self, size: int, batch_capacity: int, capacity: int, batch=None):
-    key = ("leave", size, batch_capacity, capacity)
-    batch = batch if batch is not None else self.abstract_state(size, batch_capacity)
-    return self.compiled(key, programs.leave_program, batch,
-                         jax.ShapeDtypeStruct((), jnp.int32), capacity=capacity)
-
-  def abstract_state(self, batch: int, capacity: int, rows: bool | None = None) -> DecodeState:
-    """The shapes of a decode state of ``batch`` rows of ``capacity`` KV rows (nothing
-    allocated); with ``rows`` (default: for more than one row) one length per row, as a decode
-    batch has."""
-    engine = self.engine
-    state = jax.eval_shape(lambda: init_state(engine.model.config, batch, capacity,
-                                              jnp.dtype(engine.kv_dtype)))
-    if rows or (rows is None and batch > 1):
-      state = state.replace(length=jax.ShapeDtypeStruct((batch,), jnp.int32))
-    return state
 
   def batch(self, size: int, stop_width: int = STOP_BUCKET) -> Batch:
     """An empty batch of ``size`` rows (its state is allocated when the first sequence
@@ -419,14 +633,13 @@ class Executor:
   def join(self, batch: Batch, seq: Generation) -> bool:
     """Samples ``seq``'s first token (told to ``seq.on_chunk``) and gives it a free row;
     False when it ended at its first token (it has then left)."""
-    engine = self.engine
     row = batch.seqs.index(None)
     stops = self.stop_ids(seq.stops)
     max_new, stop_dev, sampling, logits = self.put(
         (np.int32(seq.max_new), stops, seq.sampling, seq.logits))
     t0, compiled = time.perf_counter(), self.compile_s
-    loop = self.first_program(logits, max_new, stop_dev, sampling)(logits, max_new, stop_dev,
-                                                                   sampling)
+    loop = self.execute(self.key("first", stop_width=len(stops)), logits, max_new, stop_dev,
+                        sampling)
     first, halted = (int(x) for x in jax.device_get((loop.token, loop.done)))
     seq.first_s = time.perf_counter() - t0 - (self.compile_s - compiled)
     seq.tokens.append(first)
@@ -438,19 +651,19 @@ class Executor:
     needed = int(state.length) + seq.max_new + 1
     if batch.size == 1:  # a batch of one is the sequence's own state, its length [1]
       seq.state = None
-      grown = engine.grow_state(state, needed, owner=seq.owner)
+      grown = self.grow(state, needed, owner=seq.owner)
       batch.state, batch.capacity = grown.replace(length=grown.length.reshape(1)), grown.capacity
       batch.rows = self.put(Rows(token=loop.token.reshape(1), count=loop.count.reshape(1),
                                  done=np.zeros(1, bool)))
     else:
       self._room(batch, needed)
       seq.state = None
-      fn = self.join_program(batch.size, batch.capacity, state.capacity, batch.state,
-                             batch.rows, state, loop)
-      batch.state, batch.rows = fn(batch.state, batch.rows, self.put(np.int32(row)), state,
-                                   loop)
+      key = self.key("join", batch=batch.size, batch_capacity=batch.capacity,
+                     capacity=state.capacity)
+      batch.state, batch.rows = self.execute(key, batch.state, batch.rows,
+                                             self.put(np.int32(row)), state, loop)
       del state  # its row is in the batch now, which holds the memory
-      engine.hold_memory(engine if seq.owner is None else seq.owner, 0)
+      self.memory.hold(seq.owner, 0)
     batch.seqs[row] = seq
     batch.max_new[row] = seq.max_new
     batch.counts[row] = 1
@@ -464,18 +677,16 @@ class Executor:
 
   def _room(self, batch: Batch, needed: int) -> None:
     """Allocates or grows a batch's state to hold ``needed`` KV rows per sequence."""
-    engine = self.engine
     if batch.state is None:
-      capacity = engine.kv_capacity(needed)
-      engine.hold_memory(batch, engine.state_bytes(batch.size, capacity))
-      state = init_state(engine.model.config, batch.size, capacity, jnp.dtype(engine.kv_dtype))
+      capacity = self.kv.capacity(needed)
+      state = self.new_state(batch.size, capacity, owner=batch)
       batch.state = state.replace(length=jnp.zeros((batch.size,), jnp.int32))
       batch.rows = self.put(Rows(token=np.zeros(batch.size, np.int32),
                                  count=np.zeros(batch.size, np.int32),
                                  done=np.ones(batch.size, bool)))
       batch.capacity = capacity
     elif needed > batch.capacity:
-      batch.state = engine.grow_state(batch.state, needed, batch=batch.size, owner=batch)
+      batch.state = self.grow(batch.state, needed, batch=batch.size, owner=batch)
       batch.capacity = batch.state.capacity
 
   def _layers(self, state: DecodeState, row: int | None) -> dict:
@@ -494,36 +705,33 @@ class Executor:
       state = batch.state.replace(length=batch.state.length[0])
       batch.state, batch.rows = None, None
     else:
-      engine = self.engine
-      capacity = engine.kv_capacity(length + 1)
-      engine.hold_memory(engine if seq.owner is None else seq.owner,
-                         engine.state_bytes(1, capacity))
-      fn = self.leave_program(batch.size, batch.capacity, capacity, batch.state)
-      state = fn(batch.state, self.put(np.int32(row)))
+      capacity = self.kv.capacity(length + 1)
+      self.memory.hold(seq.owner, self.kv.state_bytes(1, capacity))
+      key = self.key("leave", batch=batch.size, batch_capacity=batch.capacity, capacity=capacity)
+      state = self.execute(key, batch.state, self.put(np.int32(row)))
     seq.state = state
     batch.seqs[row] = None
     if batch.size > 1 and not any(s is not None for s in batch.seqs):
       # The last one left: the batch's rows go, and their memory back to the expert cache
       # (with a budget); the next sequence to join allocates them again.
       batch.state, batch.rows, batch.capacity = None, None, 0
-      self.engine.hold_memory(batch, 0)
+      self.memory.hold(batch, 0)
     batch.leaving.discard(row)
     batch.decided.discard(row)
     seq.on_leave(seq)
 
   def _dispatch(self, batch: Batch):
-    engine = self.engine
     for row, seq in enumerate(batch.seqs):
       if seq is not None and seq.cancel is not None and row not in batch.leaving and (
           seq.cancel()):
         batch.leaving.add(row)
-    est = self.engine_state(batch.state)
-    fn = self.decode_program(est, batch.rows, batch.stop_ids.shape[1])
+    key = self.key("decode", batch=batch.size, capacity=batch.state.capacity,
+                   stop_width=batch.stop_ids.shape[1])
     go = batch.go()
     args = self.put((go, batch.resume.copy(), batch.max_new.copy(), batch.stop_ids.copy(),
                      jax.tree.map(np.copy, batch.sampling)))
-    est, batch.rows, out, record = fn(engine.params, engine.bank, est, batch.rows, *args)
-    batch.state = self.keep(est)
+    batch.state, batch.rows, out, record = self.execute(key, batch.rows, *args,
+                                                        state=batch.state)
     for row, seq in enumerate(batch.seqs):
       if go[row]:
         seq.programs += 1
@@ -570,7 +778,7 @@ class Executor:
     """The decode loop: runs ``batch``'s rows chunk by chunk until none is running and
     ``feed`` (if any) has nothing left to give; between chunks, sequences leave, halted rows
     resume, ``feed``'s ready sequences join free rows and its prefills run a chunk each."""
-    chunk = self.engine.options.decode_chunk
+    chunk = self.spec.decode_chunk
     while True:
       if feed is not None and batch.free():
         for seq in feed.ready(batch.free()):
@@ -595,3 +803,60 @@ class Executor:
         if feed is not None:
           feed.work()
         inflight = ahead
+
+  # -- Speculative decoding: the MTP head's verify loop -----------------------------------------
+
+  def speculate(self, ids: np.ndarray, max_new_tokens: int, *, k: int, sampling: Sampling,
+                stop_tokens: Sequence[int] = (), forced_drafts: Sequence[int] | None = None,
+                cost: np.ndarray, on_token: Callable[[int], None] | None = None,
+                adaptive: bool = False, chunk: int = 8) -> speculative.SpeculativeResult:
+    """Speculative decoding of one prompt ``ids`` [1, n] (``ftjax.runtime.speculative``): the
+    ``mtp_prefill`` program, then ``mtp_decode`` programs of up to ``chunk`` verify steps each
+    (a different program body from the decode loop's, run by the same protocol), until the
+    device says done. ``cost``: the verify step's cost per draft length (``adaptive``)."""
+    config = self.spec.config
+    sampled = not bool(sampling.greedy)
+    rows = ids.shape[1] + max_new_tokens + k + 1  # the verify reads k + 1 past the last token
+    capacity = self.kv.capacity(min(rows, self.kv.kv_capacities[-1]))
+    if capacity < rows:
+      raise ValueError(f"speculative decoding needs {rows} KV rows (prompt + max_new_tokens + "
+                       f"draft_tokens + 1), the engine's largest state holds {capacity}: raise "
+                       "max_seq_len or lower max_new_tokens")
+    state = self.new_state(1, capacity)
+    caches = init_mtp_state(config, 1, capacity, jnp.dtype(self.kv.kv_dtype))
+    stop_ids = self.stop_ids(stop_tokens)
+    forced = np.full(capacity + k, -1, np.int32)  # read up to count + k - 1 <= max_new + k
+    if forced_drafts is not None:
+      given = np.asarray(forced_drafts, np.int32).reshape(-1)[:max_new_tokens]
+      if given.size and given.max() >= config.vocab_size:
+        raise ValueError(f"forced_drafts must be token ids below {config.vocab_size} or -1")
+      forced[:given.size] = given
+    compile_start = self.compile_s
+    tokens, max_new, stops, forced, sampling, cost = self.put((
+        jnp.asarray(ids), jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_ids),
+        jnp.asarray(forced), sampling, jnp.asarray(cost, jnp.float32)))
+    t0, compiled = time.perf_counter(), self.compile_s
+    key = self.key("mtp_prefill", size=ids.shape[1], capacity=capacity, k=k)
+    state, draft, first = self.execute(key, caches, tokens, max_new, stops, forced, sampling,
+                                       state=state)
+    out = [int(first)]
+    prefill_s = time.perf_counter() - t0 - (self.compile_s - compiled)
+    if on_token is not None:
+      on_token(out[0])
+    t0, compiled = time.perf_counter(), self.compile_s
+    key = self.key("mtp_decode", capacity=capacity, k=k, chunk=chunk,
+                   stop_width=stop_ids.shape[0], sampled=sampled, adaptive=adaptive)
+    while not bool(draft.done):
+      state, draft, chunk_out = self.execute(key, draft, max_new, stops, sampling, cost,
+                                             state=state)
+      got = np.asarray(chunk_out)
+      for t in got[got >= 0]:
+        out.append(int(t))
+        if on_token is not None:
+          on_token(out[-1])
+    decode_s = time.perf_counter() - t0 - (self.compile_s - compiled)
+    return speculative.SpeculativeResult(
+        tokens=out, draft_tokens=k, steps=int(draft.steps),
+        accepted=[int(a) for a in np.asarray(draft.accepted)], prompt_tokens=ids.shape[1],
+        prefill_s=prefill_s, decode_s=decode_s, compile_s=self.compile_s - compile_start,
+        lengths=[int(x) for x in np.asarray(draft.chosen)])

@@ -28,6 +28,8 @@ model share their compiles, and a table is freed with its last engine.
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import dataclasses
 import functools
 import threading
@@ -183,51 +185,109 @@ class Runner:
     return state, StepRecord(stats=stats, routing=routing)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProgramKind:
+  """One kind of program: its body (a pure function of a ``Runner`` and arrays), the names of
+  its static keyword options and of its donated arguments. ``model``: it takes the parameters,
+  the host pool and the ``EngineState`` after the runner, and returns the state first;
+  ``record_at``: where its ``StepRecord`` sits among the outputs after the state (None: it
+  keeps none, or the caller reads it later)."""
+  name: str
+  body: Callable
+  static: tuple[str, ...] = ()
+  donate: tuple[str, ...] = ()
+  model: bool = False
+  record_at: int | None = None
+
+
+def _owned(body: Callable) -> Callable:
+  """A new function object that calls ``body``: what a table hands to ``jax.jit``. JAX keeps
+  its traces, lowerings and executables in caches keyed weakly by the function it was given
+  (and strongly by static arguments such as the runner), so a body shared by every table
+  would keep every program ever compiled alive; one function per table is released with it."""
+  @functools.wraps(body)
+  def program(*args, **kwargs):
+    return body(*args, **kwargs)
+  return program
+
+
 class Programs:
   """The compiled executables of one ``Runner``, keyed by the program's name and bucketed
-  sizes (all ints the engine already knows: no per-token key building).
+  sizes (``ftjax.runtime.executor.Executor.key`` builds every key).
 
-  ``Programs.shared(runner)`` is the table every live engine with an equal runner uses, so
-  engines of one model share their compiles. The table lives as long as an engine holds it.
-  It is kept apart from the runner on purpose: each executable refers to its runner (a static
-  argument, inside a pytree definition the garbage collector cannot see through), so a table
-  held by the runner would never be freed. A process that makes many engines (a sweep over
-  policies and cache sizes, a test suite) then keeps every program it ever compiled, and
-  XLA:CPU maps each executable's code into memory: past ``vm.max_map_count`` (65530 by
-  default) the next compile crashes inside LLVM.
+  The table lives as long as an engine holds it, plus a short while: ``Programs.shared(runner)``
+  is the table of every live engine with an equal runner (engines of one model share their
+  compiles), and the ``keep_released()`` tables acquired last (default 1) are kept after their
+  engines are gone, so that a sweep whose consecutive engines share a runner (cache sizes
+  within one slot-buffer capacity, repeats) compiles once. Any other table is released with its
+  last engine: its executables, JIT code and buffers go with it. That needs the table's own
+  ``jax.jit`` of each program body (``_owned``): JAX's own caches hold what they compiled for as
+  long as the function they were given lives. Without that release a process that makes many
+  engines keeps every program it compiled, and XLA:CPU maps each executable's code into
+  memory: past ``vm.max_map_count`` (65530 by default) the next compile crashes inside LLVM
+  (issue 50: a sweep died at about 55 configurations).
+
+  The table is kept apart from the runner on purpose: each executable refers to its runner (a
+  static argument), so a table held by the runner would never be freed.
   """
 
   def __init__(self, runner: Runner):
     self.runner = runner
     self._table: dict[tuple, Callable] = {}
+    self._jitted: dict[str, Callable] = {}  # kind name -> this table's jax.jit of its body
     self._lock = threading.Lock()
 
   @classmethod
   def shared(cls, runner: Runner) -> "Programs":
+    """The table of ``runner`` (see the class docstring), made the most recently acquired."""
     with _SHARED_LOCK:
+      if _RELEASED[0]:  # a table went since: its executables' heap goes back to the system
+        _RELEASED[0] = False
+        return_free_heap()
       programs = _SHARED.get(runner)
       if programs is None:
         programs = _SHARED[runner] = cls(runner)
+        weakref.finalize(programs, _RELEASED.__setitem__, 0, True)
+      _RECENT.pop(runner, None)
+      _RECENT[runner] = programs
+      while len(_RECENT) > _KEEP[0]:
+        _RECENT.popitem(last=False)
       return programs
 
   def __contains__(self, key: tuple) -> bool:
     return key in self._table
 
-  def compiled(self, key: tuple, program: Callable, *args, on_compile=None,
-               **static) -> Callable:
-    """The executable of ``program`` for ``key``, compiled ahead of time from ``args`` (and
-    its static keyword options) on first use. ``on_compile(seconds)`` is told of a compile."""
-    fn = self._table.get(key)
+  def __len__(self) -> int:
+    return len(self._table)
+
+  def get(self, key: tuple) -> Callable | None:
+    """The executable of ``key`` when it is compiled, else None."""
+    return self._table.get(key)
+
+  def compile(self, key: tuple, kind: ProgramKind, args: tuple, static: dict,
+              on_compile: Callable[[tuple, float], None] | None = None) -> Callable:
+    """The executable of ``key``: ``kind``'s body compiled ahead of time for ``args`` (arrays or
+    ``jax.ShapeDtypeStruct``s) and its ``static`` options, unless another thread compiled it
+    first. ``on_compile(key, seconds)`` is told of a compile."""
+    with self._lock:
+      fn = self._table.get(key)
+      if fn is None:
+        t0 = time.perf_counter()
+        fn = self._jit(kind).lower(self.runner, *args, **static).compile()
+        check_host_memory(key, fn, self.runner)
+        self._table[key] = fn
+        seconds = time.perf_counter() - t0
+        return_free_heap()  # what the compiler used and freed
+        if on_compile is not None:
+          on_compile(key, seconds)
+    return fn
+
+  def _jit(self, kind: ProgramKind) -> Callable:
+    fn = self._jitted.get(kind.name)
     if fn is None:
-      with self._lock:
-        fn = self._table.get(key)
-        if fn is None:
-          t0 = time.perf_counter()
-          fn = program.lower(self.runner, *args, **static).compile()
-          check_host_memory(key, fn, self.runner)
-          self._table[key] = fn
-          if on_compile is not None:
-            on_compile(time.perf_counter() - t0)
+      fn = self._jitted[kind.name] = jax.jit(
+          _owned(kind.body), static_argnums=0, static_argnames=kind.static,
+          donate_argnames=kind.donate)
     return fn
 
 
@@ -271,22 +331,72 @@ def check_host_memory(key: tuple, compiled, runner: Runner) -> None:
       f"process killed. {fix}")
 
 
-# Values are weak: a table goes when its last engine does.
+# Values are weak: a table goes when its last engine does, unless it is one of the
+# ``keep_released()`` tables acquired last (``_RECENT``, strong).
 _SHARED: weakref.WeakValueDictionary[Runner, Programs] = weakref.WeakValueDictionary()
+_RECENT: collections.OrderedDict[Runner, Programs] = collections.OrderedDict()
+_KEEP = [1]
+_RELEASED = [False]  # a table was released since the heap was last returned
 _SHARED_LOCK = threading.Lock()
 
 
+def keep_released(tables: int | None = None) -> int:
+  """How many of the tables acquired last are kept when no engine holds them (default 1);
+  with ``tables``, sets it first (0: every table goes with its last engine). Returns it."""
+  if tables is not None:
+    if isinstance(tables, bool) or not isinstance(tables, int) or tables < 0:
+      raise ValueError(f"keep_released takes an int >= 0 (tables), got {tables!r}")
+    with _SHARED_LOCK:
+      _KEEP[0] = tables
+      while len(_RECENT) > tables:
+        _RECENT.popitem(last=False)
+  return _KEEP[0]
+
+
+def release_unused() -> None:
+  """Releases every table no live engine holds now (their executables and JIT code), and hands
+  the heap they held back to the system."""
+  with _SHARED_LOCK:
+    _RECENT.clear()
+  return_free_heap()
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+  try:
+    return ctypes.CDLL(None).malloc_trim
+  except (OSError, AttributeError):  # not glibc: the heap keeps what it freed
+    return None
+
+
+_TRIM = _malloc_trim()
+
+
+def return_free_heap() -> None:
+  """Hands the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing
+  elsewhere). XLA:CPU's compiler frees most of what a compile used, and a released table its
+  executables, but glibc's arenas keep those pages: without this a process's RSS keeps the
+  high-water mark of its compiles (measured: a sweep's RSS 0.63 -> 0.92 GB over 200 engines,
+  ~0.42 GB with it). It takes about a millisecond, after a compile of seconds."""
+  if _TRIM is not None:
+    _TRIM(0)
+
+
+def live_tables() -> int:
+  """Tables alive now: those of live engines and those kept after them."""
+  return len(_SHARED)
+
+
 def clear_compiled() -> None:
-  """Forgets every shared table (tests that count compiles start from here); engines that
-  hold a table keep it."""
-  _SHARED.clear()
+  """Forgets every shared and kept table (tests that count compiles start from here); engines
+  that hold a table keep it."""
+  with _SHARED_LOCK:
+    _SHARED.clear()
+    _RECENT.clear()
 
 
 # Programs: pure functions of (runner, arrays); ``runner`` is static, ``state`` donated.
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("last_only", "fresh"),
-                   donate_argnames=("state",))
 def step_program(runner: Runner, params, bank, state: EngineState, tokens, positions, *,
                  last_only: bool = False, fresh: bool = False):
   """One forward over ``tokens [B, T]`` -> (state, logits, record)."""
@@ -299,7 +409,6 @@ def _stopped(token, count, max_new, stop_ids):
   return jnp.any(token == stop_ids) | (count >= max_new)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def first_program(runner: Runner, logits, max_new, stop_ids, sampling: Sampling) -> Loop:
   """The first new token, sampled from ``logits [V]`` (after a prompt's last token): the
   decode loop's starting carry."""
@@ -309,7 +418,6 @@ def first_program(runner: Runner, logits, max_new, stop_ids, sampling: Sampling)
               done=_stopped(token, count, max_new, stop_ids))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
 def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid,
                    snapshot_at=None):
   """``tokens [1, size]`` (the first ``num_valid`` real) appended to a state that already
@@ -326,7 +434,6 @@ def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num
   return state, logits[0, -1], record, snapshots
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity",))
 def grow_program(runner: Runner, state: DecodeState, *, capacity: int) -> DecodeState:
   """The decode state with every KV cache padded to ``capacity`` rows (the rows held are
   kept): a session's context outgrew its allocation."""
@@ -340,7 +447,6 @@ def grow_program(runner: Runner, state: DecodeState, *, capacity: int) -> Decode
   return state.replace(layers=tuple(grow(layer) for layer in state.layers))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
 def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows, go, resume,
                    max_new, stop_ids, sampling: Sampling):
   """Up to ``runner.chunk`` decode steps of a batch of B sequences (one row each, at its own
@@ -387,7 +493,6 @@ def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows,
   return state, rows, out, record
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames=("batch", "rows"))
 def join_program(runner: Runner, batch: DecodeState, rows: Rows, row, state: DecodeState,
                  loop: Loop):
   """A batch (decode state of B rows, one length each, and the loop's carry) with one
@@ -409,7 +514,6 @@ def join_program(runner: Runner, batch: DecodeState, rows: Rows, row, state: Dec
   return batch, rows
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("capacity",))
 def leave_program(runner: Runner, batch: DecodeState, row, *, capacity: int) -> DecodeState:
   """Row ``row`` of a batch as one sequence's state of ``capacity`` KV rows (its length a
   scalar); the batch is left as it is."""
@@ -426,3 +530,14 @@ def leave_program(runner: Runner, batch: DecodeState, row, *, capacity: int) -> 
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0), whole)
 
   return DecodeState(layers=tuple(take(w) for w in batch.layers), length=batch.length[row])
+
+
+# The kinds (``ftjax.runtime.executor.KEY_FIELDS`` names their compile keys' sizes).
+STEP = ProgramKind("step", step_program, static=("last_only", "fresh"), donate=("state",),
+                   model=True, record_at=1)
+FIRST = ProgramKind("first", first_program)
+EXTEND = ProgramKind("extend", extend_program, donate=("state",), model=True, record_at=1)
+GROW = ProgramKind("grow", grow_program, static=("capacity",))
+DECODE = ProgramKind("decode", decode_program, donate=("state",), model=True)
+JOIN = ProgramKind("join", join_program, donate=("batch", "rows"))
+LEAVE = ProgramKind("leave", leave_program, static=("capacity",))

@@ -54,7 +54,7 @@ import numpy as np
 from ftjax.model import DecodeState, KVCache, LinearState
 from ftjax.runtime import checkpoint, executor
 from ftjax.runtime.checkpoint import CheckpointError
-from ftjax.runtime.engine import Engine, state_bytes
+from ftjax.runtime.engine import Engine
 from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.tokenizer import load_tokenizer
 
@@ -283,21 +283,28 @@ class Session:
     other = Session(self.engine, anchor_budget_bytes=self.anchor_budget_bytes,
                     anchor_tokens=sorted(self.anchor_ids), anchor_prefill=self.anchor_prefill,
                     turn_token=self.turn_id)
+    state = None
     if self._state is not None:
       self.engine.hold_memory(other, self.engine.state_bytes(1, self._state.capacity))
-      other._state = jax.tree.map(jnp.copy, self._state)
-    other._fed, other._pending = list(self._fed), self._pending
-    other._logits = None if self._logits is None else self._logits.copy()
-    other._anchors = {p: dataclasses.replace(a, uses=0) for p, a in self._anchors.items()}
-    other._serial = self._serial
+      state = jax.tree.map(jnp.copy, self._state)
+    other.take_over(state, list(self._fed), self._pending,
+                    None if self._logits is None else self._logits.copy(),
+                    {p: dataclasses.replace(a, uses=0) for p, a in self._anchors.items()},
+                    self._serial)
     return other
+
+  def take_over(self, state, fed: list[int], pending, logits, anchors: dict,
+                serial: int) -> None:
+    """Makes this new session hold a context: its decode state (already held in the engine's
+    budget by this session), the tokens fed and the one pending, the logits after them, the
+    anchors and their serial (``fork``)."""
+    self._state, self._fed, self._pending, self._logits = state, fed, pending, logits
+    self._anchors, self._serial = anchors, serial
 
   def memory_bytes(self) -> int:
     """Host/device memory this session holds: its decode state (KV rows allocated, recurrent
     states) and its anchors."""
-    held = 0 if self._state is None else state_bytes(self.engine.model.config, 1,
-                                                     self._state.capacity,
-                                                     self.engine.kv_dtype)
+    held = 0 if self._state is None else self.engine.state_bytes(1, self._state.capacity)
     return held + sum(a.nbytes for a in self._anchors.values())
 
   def _restore_point(self, limit: int) -> tuple[int, Anchor | None]:
@@ -623,10 +630,12 @@ class Session:
           f", fingerprint {meta.get('model_fingerprint')}); this engine runs "
           f"{engine.model.config.model_type}, fingerprint {session.model_fingerprint}: restore it "
           "into an engine of the model it was saved from")
-    session._load(arrays, meta, where)
+    session.read_checkpoint(arrays, meta, where)
     return session
 
-  def _load(self, arrays: dict, meta: dict, where: str) -> None:
+  def read_checkpoint(self, arrays: dict, meta: dict, where: str) -> None:
+    """Makes this new session's context and state the checkpoint's (``restore``: ``arrays``
+    and ``meta`` as ``checkpoint.read`` gives them; ``where`` names it in errors)."""
     fed = [int(t) for t in meta["tokens"]]
     self.engine.check_ids(np.asarray(fed, np.int32))
     n = len(fed)

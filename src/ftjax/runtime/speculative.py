@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +53,7 @@ import numpy as np
 from flax import struct
 
 from ftjax.model import KVCache, abstract_params
-from ftjax.model.transformer import init_mtp_state
-from ftjax.runtime.programs import Runner
+from ftjax.runtime.programs import ProgramKind, Runner
 from ftjax.runtime.sampling import Sampling, distribution, greedy_tokens, sample
 from ftjax.runtime.state import EngineState
 
@@ -145,8 +142,6 @@ def accept_sampled(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array
   return a, jnp.where(span < a, jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]), last)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("k",),
-                   donate_argnames=("state", "caches"))
 def prefill_program(runner: Runner, params, bank, state: EngineState, caches, tokens, max_new,
                     stop_ids, forced, sampling: Sampling, *, k: int):
   """The prompt ``tokens [1, n]`` into an empty state; the head reads positions 0 .. n - 2
@@ -253,9 +248,6 @@ def choose_draft_length(draft: Draft, cost: jax.Array) -> jax.Array:
   return jnp.where((k == 0) & (draft.idle >= PROBE_EVERY), 1, k)
 
 
-@functools.partial(jax.jit, static_argnums=0,
-                   static_argnames=("k", "chunk", "sampled", "adaptive"),
-                   donate_argnames=("state", "draft"))
 def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draft, max_new,
                    stop_ids, sampling: Sampling, cost, *, k: int, chunk: int, sampled: bool,
                    adaptive: bool):
@@ -353,27 +345,15 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
   return state, draft, out
 
 
-def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, *,
-                         draft_tokens: int, stop_tokens: Sequence[int] = (),
-                         sampling: Sampling | None = None,
-                         forced_drafts: Sequence[int] | None = None,
-                         on_token: Callable[[int], None] | None = None,
-                         adaptive: bool = False, chunk: int = 8) -> SpeculativeResult:
-  """Decoding of ``max_new_tokens`` after ``token_ids`` on ``engine`` (an ``ftjax.Engine``),
-  ``draft_tokens`` (1 .. 4) drafted by the model's MTP head per verify step. Greedy (the
-  default, ``sampling`` None or greedy), the tokens equal ``engine.generate(token_ids,
-  max_new_tokens, greedy=True, stop_tokens=stop_tokens)``; sampled, they follow the
-  distribution of ``engine.generate`` with the same options (rejection sampling: the module
-  docstring), not its draws.
+# The programs, run by ``ftjax.runtime.executor.Executor.speculate``.
+PREFILL = ProgramKind("mtp_prefill", prefill_program, static=("k",), donate=("state", "caches"),
+                      model=True)
+VERIFY = ProgramKind("mtp_decode", decode_program, static=("k", "chunk", "sampled", "adaptive"),
+                     donate=("state", "draft"), model=True)
 
-  ``forced_drafts`` (research: a verify step's cost at a chosen acceptance): per emitted
-  token i, a token >= 0 that the draft proposing it is forced to (the head still runs), or
-  -1 for the head's own draft. Forced to the plain greedy tokens with probability p, the
-  drafts are accepted at about that rate whatever the head predicts. ``on_token`` hears each
-  new token as its chunk of verify steps comes back. ``adaptive``: each verify step drafts
-  the number of tokens, 0 .. ``draft_tokens``, with the most expected tokens per byte read
-  (``choose_draft_length``, ``step_costs``) from the acceptance measured so far."""
-  config = engine.model.config
+
+def check_request(config, draft_tokens: int, max_new_tokens: int) -> None:
+  """Refuses, with the reason, speculative decoding that cannot run on ``config``'s model."""
   if not config.mtp_layers:
     raise ValueError(
         f"speculative decoding with MTP needs the model's multi-token-prediction head, and "
@@ -383,62 +363,3 @@ def generate_speculative(engine, token_ids: Sequence[int], max_new_tokens: int, 
     raise ValueError(f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens}")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  if sampling is None:
-    sampling = Sampling.make(greedy=True)
-  sampled = not bool(sampling.greedy)
-  ids = np.asarray(token_ids, np.int32).reshape(1, -1)
-  engine.check_ids(ids)
-  engine.check_context(ids.shape[1], max_new_tokens + draft_tokens)
-  k = draft_tokens
-  ex = engine.executor
-  rows = ids.shape[1] + max_new_tokens + k + 1  # the verify reads k + 1 past the last token
-  state = engine.new_state(1, rows)
-  capacity = state.capacity
-  if capacity < rows:
-    raise ValueError(f"speculative decoding needs {rows} KV rows (prompt + max_new_tokens + "
-                     f"draft_tokens + 1), the engine's largest state holds {capacity}: raise "
-                     "max_seq_len or lower max_new_tokens")
-  caches = init_mtp_state(config, 1, capacity, jnp.dtype(engine.kv_dtype))
-  stop_ids = ex.stop_ids(stop_tokens)
-  forced = np.full(capacity + k, -1, np.int32)  # read up to count + k - 1 <= max_new + k
-  if forced_drafts is not None:
-    given = np.asarray(forced_drafts, np.int32).reshape(-1)[:max_new_tokens]
-    if given.size and given.max() >= config.vocab_size:
-      raise ValueError(f"forced_drafts must be token ids below {config.vocab_size} or -1")
-    forced[:given.size] = given
-  compile_start = ex.compile_s
-  est = ex.engine_state(state)
-  tokens, max_new, stops, forced, sampling = ex.put((
-      jnp.asarray(ids), jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_ids),
-      jnp.asarray(forced), sampling))
-  t0, compiled = time.perf_counter(), ex.compile_s
-  key = ("mtp_prefill", ids.shape[1], capacity, k, ex.slot_capacity())
-  fn = ex.compiled(key, prefill_program, engine.params, engine.bank, est, caches, tokens,
-                   max_new, stops, forced, sampling, k=k)
-  est, draft, first = fn(engine.params, engine.bank, est, caches, tokens, max_new, stops,
-                         forced, sampling)
-  out = [int(first)]
-  prefill_s = time.perf_counter() - t0 - (ex.compile_s - compiled)
-  if on_token is not None:
-    on_token(out[0])
-  cost = ex.put(jnp.asarray(step_costs(engine.model, k)))
-  t0, compiled = time.perf_counter(), ex.compile_s
-  key = ("mtp_decode", capacity, k, chunk, ex.slot_capacity(), stop_ids.shape[0], sampled,
-         adaptive)
-  fn = ex.compiled(key, decode_program, engine.params, engine.bank, est, draft, max_new, stops,
-                   sampling, cost, k=k, chunk=chunk, sampled=sampled, adaptive=adaptive)
-  while not bool(draft.done):
-    est, draft, chunk_out = fn(engine.params, engine.bank, est, draft, max_new, stops, sampling,
-                               cost)
-    got = np.asarray(chunk_out)
-    for t in got[got >= 0]:
-      out.append(int(t))
-      if on_token is not None:
-        on_token(out[-1])
-  decode_s = time.perf_counter() - t0 - (ex.compile_s - compiled)
-  ex.keep(est)
-  return SpeculativeResult(tokens=out, draft_tokens=k, steps=int(draft.steps),
-                           accepted=[int(a) for a in np.asarray(draft.accepted)],
-                           prompt_tokens=ids.shape[1], prefill_s=prefill_s, decode_s=decode_s,
-                           compile_s=ex.compile_s - compile_start,
-                           lengths=[int(x) for x in np.asarray(draft.chosen)])

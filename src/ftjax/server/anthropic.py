@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ftjax.server.outputs import Delta
-from ftjax.server.protocol import ApiError, ChatSpec, Body
+from ftjax.server.protocol import ApiError, Body, ChatSpec, TextContent
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -122,26 +122,10 @@ class MessagesRequest(CountTokensRequest):
     return v
 
 
-def _text_of(content, where: str) -> str:
-  """The text of a string or a list of text blocks (a tool result's, the system's)."""
-  if content is None:
-    return ""
-  if isinstance(content, str):
-    return content
-  if not isinstance(content, list):
-    raise ApiError(400, f"{where}: content must be a string or a list of blocks", param=where)
-  texts = []
-  for i, block in enumerate(content):
-    kind = block.get("type") if isinstance(block, dict) else None
-    if kind == "text" and isinstance(block.get("text"), str):
-      texts.append(block["text"])
-    elif kind in ("image", "document"):
-      raise ApiError(400, f"{where}.{i}: {kind} blocks are not supported: this server's model "
-                     "reads text only", param=f"{where}.{i}")
-    else:
-      raise ApiError(400, f"{where}.{i}: expected a text block ({{'type': 'text', 'text': "
-                     f"...}}), got type {kind!r}", param=f"{where}.{i}")
-  return "\n".join(texts)
+# A string or a list of text blocks: the system prompt, a tool result's content.
+TEXT = TextContent(noun="block", fields=(("text", "text"),),
+                   expected="{'type': 'text', 'text': ...}", media=("image", "document"),
+                   none_is_empty=True)
 
 
 def _block_field(block: dict, name: str, kind: type, where: str):
@@ -160,7 +144,7 @@ def _user_messages(blocks: list, where: str) -> list[dict[str, Any]]:
     if kind == "text":
       texts.append(_block_field(block, "text", str, at))
     elif kind == "tool_result":
-      text = _text_of(block.get("content"), f"{at}.content")
+      text = TEXT.read(block.get("content"), f"{at}.content")
       if block.get("is_error"):
         text = "Error: " + text
       out.append({"role": "tool", "tool_call_id": _block_field(block, "tool_use_id", str, at),
@@ -207,13 +191,13 @@ def to_spec(req: CountTokensRequest) -> ChatSpec:
   """The chat job's spec of a Messages (or count_tokens) request; a 400 naming the block for
   content the server cannot take."""
   messages: list[dict[str, Any]] = []
-  system = _text_of(req.system, "system")
+  system = TEXT.read(req.system, "system")
   if system:
     messages.append({"role": "system", "content": system})
   for i, m in enumerate(req.messages):
     where = f"messages.{i}.content"
     if m.role == "system":
-      messages.append({"role": "system", "content": _text_of(m.content, where)})
+      messages.append({"role": "system", "content": TEXT.read(m.content, where)})
     elif isinstance(m.content, str):
       messages.append({"role": m.role, "content": m.content})
     elif m.role == "user":

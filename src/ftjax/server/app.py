@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one engine and its session pool.
 
-Requests are validated (``protocol``, ``anthropic``, ``responses``: the API mappings),
-rendered with the model's chat template and tokenized on the event loop, then queued as jobs
-for the scheduler (``scheduler.Worker``), whose one thread runs the engine's decode loop with
-up to ``max_running`` requests in one batch. This module holds the routes, and turns a job's
-events into responses: whole, or streamed as server-sent events.
+Requests are validated and mapped to jobs (``openai``, ``anthropic``, ``responses``: the API
+mappings, over ``protocol``), rendered with the model's chat template and tokenized on the
+event loop, then queued as jobs for the scheduler (``scheduler.Worker``), whose one thread runs
+the engine's decode loop with up to ``max_running`` requests in one batch. This module holds
+the routes and the errors, and turns a job's events into a response, whole or streamed as
+server-sent events, in the shape its API's mapping makes (``Server.respond``).
 
 ``create_app(engine, ServerConfig(...))`` makes the app; ``BackgroundServer`` runs it with
 uvicorn in a thread (tests, notebooks); ``python -m ftjax.serve`` is the command.
@@ -13,14 +14,13 @@ uvicorn in a thread (tests, notebooks); ``python -m ftjax.serve`` is the command
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import random
 import socket
 import threading
 import time
-import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ftjax.runtime.chat_template import ChatTemplateError, load_chat_template
 from ftjax.runtime.engine import Engine
 from ftjax.runtime.tokenizer import load_tokenizer
-from ftjax.server import anthropic, responses
+from ftjax.server import anthropic, openai, responses
 from ftjax.server.metrics import Metrics
 from ftjax.server.outputs import Delta, opens_thinking
 from ftjax.server.protocol import (ApiError, CacheRequest, ChatRequest, ChatSpec,
@@ -41,18 +41,6 @@ from ftjax.server.scheduler import Job, Outcome, ServerConfig, Worker
 
 
 _LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
-
-
-def _usage(o: Outcome) -> dict[str, Any]:
-  return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-          "total_tokens": o.prompt_tokens + o.completion_tokens,
-          "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
-
-
-def _tool_call_json(call, index: int | None = None) -> dict[str, Any]:
-  out = {"id": call.id, "type": "function",
-         "function": {"name": call.name, "arguments": call.arguments}}
-  return out if index is None else {"index": index, **out}
 
 
 class TurnEncoder:
@@ -115,6 +103,11 @@ class Server:
     return {"object": "cache", **self.engine.cache_info(), "running": w.running,
             "waiting": w.waiting, "max_running": w.max_running, "sequences": list(w.recent)}
 
+  @property
+  def fingerprint(self) -> str:
+    """The ``system_fingerprint`` of OpenAI's replies: the kernels the engine runs."""
+    return f"ftjax-{self.engine.kernels}"
+
   def _compiled(self, key: tuple, seconds: float) -> None:
     if self.worker.startup["done"]:  # start-up compiles are logged as progress
       _warn_compile(key, seconds)
@@ -122,7 +115,7 @@ class Server:
 
   # -- Requests to jobs ---------------------------------------------------------------------
 
-  def _check_model(self, name: str) -> None:
+  def check_model(self, name: str) -> None:
     if name != self.config.model_name:
       raise ApiError(404, f"the model {name!r} does not exist: this server serves "
                      f"{self.config.model_name!r} (GET /v1/models)", param="model",
@@ -168,7 +161,7 @@ class Server:
   def spec_job(self, spec: ChatSpec, loop, received: float,
                prompt_param: str = "messages") -> Job:
     """The job of a chat request of any API."""
-    self._check_model(spec.model)
+    self.check_model(spec.model)
     prompt = self.render(spec, prompt_param)
     ids = self.encoder.encode(prompt)
     limit = self._limit(len(ids), spec.max_tokens, prompt_param)
@@ -176,27 +169,15 @@ class Server:
                stream=spec.stream, chat=True, reasoning=opens_thinking(prompt),
                tool_calls=spec.parse_tool_calls, loop=loop, received=received)
 
-  def chat_job(self, req: ChatRequest, loop, received: float) -> Job:
-    return self.spec_job(req.spec(), loop, received)
-
   def count_tokens(self, spec: ChatSpec, prompt_param: str = "messages") -> int:
     """The prompt tokens ``spec`` would be given (the generation prompt included)."""
-    self._check_model(spec.model)
+    self.check_model(spec.model)
     return len(self.encoder.encode(self.render(spec, prompt_param)))
 
   def completion_job(self, req: CompletionRequest, loop, received: float) -> Job:
-    self._check_model(req.model)
-    if isinstance(req.prompt, str):
-      ids = self.tokenizer.encode(req.prompt)
-      if not ids:
-        raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
-    else:
-      ids = list(req.prompt)
-      vocab = self.engine.model.config.vocab_size
-      bad = [t for t in ids if not 0 <= t < vocab]
-      if bad:
-        raise ApiError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}",
-                       param="prompt")
+    """The job of a completions request: its prompt's ids, continued as they are."""
+    self.check_model(req.model)
+    ids = openai.prompt_ids(req, self.tokenizer, self.engine.model.config.vocab_size)
     limit = self._limit(len(ids), req.limit, "prompt")
     return Job(ids=ids, max_tokens=limit, sampling=self._sampling(req), stops=req.stops,
                stream=req.stream, chat=False, reasoning=False, tool_calls=False, loop=loop,
@@ -222,15 +203,42 @@ class Server:
       if kind in ("done", "error", "cancelled"):
         return
 
-  async def collect(self, job: Job, request: Request, endpoint: str
-                    ) -> tuple[list[Delta], Outcome | None]:
-    """Runs ``job`` to its end: its deltas and outcome (None when the client went away, which
-    cancels the job). Raises the worker's exception if generation failed."""
+  async def respond(self, job: Job, request: Request, endpoint: str,
+                    stream: Callable[[AsyncIterator[tuple[str, Any]], Callable[[Outcome], None]],
+                                     AsyncIterator[str]],
+                    body: Callable[[list[Delta], Outcome], dict[str, Any]],
+                    heartbeat_s: float | None = None) -> Response:
+    """The response to ``job``'s request, in its API's shapes: streamed (``job.stream``), the
+    server-sent events ``stream(events, on_done)`` makes of the job's ``events`` (with
+    ``heartbeat_s``: pings); else the JSON ``body(deltas, outcome)`` of the whole reply, or
+    ``{}`` when the client went away. ``on_done(outcome)`` counts a finished reply under
+    ``endpoint``. The job is submitted here; a client that goes away cancels it
+    (``cancel_on_disconnect``)."""
+
+    def on_done(outcome: Outcome) -> None:
+      self.metrics.finished(endpoint, outcome)
+
+    self.worker.submit(job)  # a 429 is raised here, before a stream starts
+    if job.stream:
+      async def watched() -> AsyncIterator[str]:
+        async with cancel_on_disconnect(request, job):
+          async for chunk in stream(self.events(job, heartbeat_s), on_done):
+            yield chunk
+
+      return StreamingResponse(watched(), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    deltas, outcome = await self.collect(job, request)
+    if outcome is None:  # cancelled: the client is gone
+      return JSONResponse({})
+    on_done(outcome)
+    return JSONResponse(body(deltas, outcome))
+
+  async def collect(self, job: Job, request: Request) -> tuple[list[Delta], Outcome | None]:
+    """Waits for the submitted ``job``'s end: its deltas and outcome (None when the client
+    went away, which cancels the job). Raises the worker's exception if generation failed."""
     deltas: list[Delta] = []
     outcome = None
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    try:
-      self.worker.submit(job)  # last: the worker starts while this task waits
+    async with cancel_on_disconnect(request, job):
       async for kind, payload in self.events(job):
         if kind == "deltas":
           deltas += payload
@@ -238,104 +246,7 @@ class Server:
           raise payload
         elif kind == "done":
           outcome = payload
-    finally:
-      watcher.cancel()
-      job.cancelled.set()  # a no-op when done; drops the job if this task was cancelled
-    if outcome is not None:
-      self.metrics.finished(endpoint, outcome)
     return deltas, outcome
-
-  async def run(self, job: Job, request: Request, endpoint: str) -> dict[str, Any]:
-    """Waits for the whole reply in OpenAI's format (a client that goes away cancels the
-    job)."""
-    rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
-    deltas, outcome = await self.collect(job, request, endpoint)
-    if outcome is None:  # cancelled: the client is gone
-      return {}
-    content = [d.text for d in deltas if d.kind == "content"]
-    reasoning = [d.text for d in deltas if d.kind == "reasoning"]
-    calls = [d.call for d in deltas if d.kind == "tool_call"]
-    base = {"id": rid, "created": int(time.time()), "model": self.config.model_name,
-            "system_fingerprint": f"ftjax-{self.engine.kernels}", "usage": _usage(outcome)}
-    text = "".join(content)
-    if not job.chat:
-      return {**base, "object": "text_completion",
-              "choices": [{"index": 0, "text": text, "logprobs": None,
-                           "finish_reason": outcome.finish_reason}]}
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls
-                               else None}
-    if reasoning:
-      message["reasoning_content"] = "".join(reasoning)
-    if calls:
-      message["tool_calls"] = [_tool_call_json(c) for c in calls]
-    return {**base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": outcome.finish_reason}]}
-
-  async def stream(self, job: Job, request: Request, endpoint: str,
-                   include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
-    rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
-    created = int(time.time())
-    base = {"id": rid, "created": created, "model": self.config.model_name,
-            "system_fingerprint": f"ftjax-{self.engine.kernels}"}
-    if include_usage:
-      base["usage"] = None
-
-    def chunk(delta=None, finish=None, text=None) -> str:
-      if job.chat:
-        choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
-        body = {**base, "object": "chat.completion.chunk", "choices": [choice]}
-      else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        body = {**base, "object": "text_completion", "choices": [choice]}
-      return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    calls = 0
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    try:
-      if job.chat:
-        yield chunk({"role": "assistant", "content": ""})
-      async for kind, payload in self.events(job):
-        if kind == "deltas":
-          for d in payload:
-            if not job.chat:
-              yield chunk(text=d.text)
-            elif d.kind == "content":
-              yield chunk({"content": d.text})
-            elif d.kind == "reasoning":
-              yield chunk({"reasoning_content": d.text})
-            else:
-              yield chunk({"tool_calls": [_tool_call_json(d.call, calls)]})
-              calls += 1
-        elif kind == "error":
-          error = ApiError(500, f"generation failed: {type(payload).__name__}: {payload}")
-          yield f"data: {json.dumps(error.body())}\n\n"
-          return
-        elif kind == "done":
-          self.metrics.finished(endpoint, payload)
-          yield chunk(finish=payload.finish_reason)
-          if include_usage:
-            body = {**base, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                    "choices": [], "usage": _usage(payload)}
-            yield f"data: {json.dumps(body)}\n\n"
-          yield "data: [DONE]\n\n"
-    finally:
-      watcher.cancel()
-      job.cancelled.set()  # a no-op when done; stops the job when the client went away
-
-
-  async def watched(self, job: Job, request: Request, chunks: AsyncIterator[str]
-                    ) -> AsyncIterator[str]:
-    """``chunks`` of a streamed reply, with the job cancelled as soon as its client goes away
-    (or the stream is closed)."""
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    try:
-      async for chunk in chunks:
-        yield chunk
-    finally:
-      watcher.cancel()
-      job.cancelled.set()  # a no-op when done; stops the job when the client went away
 
 
 def _warn_compile(key: tuple, seconds: float) -> None:
@@ -344,15 +255,26 @@ def _warn_compile(key: tuple, seconds: float) -> None:
                "shape; counted in ftjax_compiles_total)", key[0], key[1:], seconds)
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
-  """Cancels ``job`` as soon as its client goes away. The request's body has been read, so
-  the next ASGI message is the disconnect (uvicorn answers every later receive with it too):
-  no polling."""
-  while True:
-    message = await request.receive()
-    if message["type"] == "http.disconnect":
-      job.cancelled.set()
-      return
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request, job: Job) -> AsyncIterator[None]:
+  """The one watch of a reply's client: inside it, ``job`` is cancelled as soon as the client
+  goes away; on leaving, it is cancelled anyway (a no-op when it is done; it drops a job whose
+  reply was abandoned). The request's body has been read, so the next ASGI message is the
+  disconnect (uvicorn answers every later receive with it too): no polling."""
+
+  async def watch() -> None:
+    while True:
+      message = await request.receive()
+      if message["type"] == "http.disconnect":
+        job.cancelled.set()
+        return
+
+  watcher = asyncio.create_task(watch())
+  try:
+    yield
+  finally:
+    watcher.cancel()
+    job.cancelled.set()
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -482,39 +404,44 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
 
   @app.get("/v1/models/{name:path}")
   async def model(name: str):
-    server._check_model(name)
+    server.check_model(name)
     return _model_card(server)
 
   @app.get("/metrics")
   async def metrics():
     return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+  async def openai_response(job: Job, request: Request, endpoint: str, include_usage: bool):
+    rid, model, fingerprint = openai.completion_id(job.chat), config.model_name, server.fingerprint
+    return await server.respond(
+        job, request, endpoint,
+        lambda events, on_done: openai.stream(events, rid, model, fingerprint, job.chat,
+                                              include_usage, on_done),
+        lambda deltas, outcome: openai.completion_body(rid, model, fingerprint, job.chat,
+                                                       deltas, outcome))
+
   @app.post("/v1/chat/completions")
   async def chat(req: ChatRequest, request: Request):
     received = time.perf_counter()
-    job = server.chat_job(req, asyncio.get_running_loop(), received)
-    return await _respond(server, job, request, "chat", req)
+    job = server.spec_job(openai.to_spec(req), asyncio.get_running_loop(), received)
+    return await openai_response(job, request, "chat", openai.include_usage(req))
 
   @app.post("/v1/completions")
   async def completions(req: CompletionRequest, request: Request):
     received = time.perf_counter()
     job = server.completion_job(req, asyncio.get_running_loop(), received)
-    return await _respond(server, job, request, "completions", req)
+    return await openai_response(job, request, "completions", openai.include_usage(req))
 
   @app.post("/v1/messages")
   async def messages(req: anthropic.MessagesRequest, request: Request):
     received = time.perf_counter()
     job = server.spec_job(anthropic.to_spec(req), asyncio.get_running_loop(), received)
-    rid = anthropic.message_id()
-    if req.stream:
-      server.worker.submit(job)  # a 429 is raised here, before the stream starts
-      chunks = anthropic.stream(server.events(job, heartbeat_s=PING_S), rid, config.model_name,
-                                len(job.ids), lambda o: server.metrics.finished("messages", o))
-      return _event_stream(server.watched(job, request, chunks))
-    deltas, outcome = await server.collect(job, request, "messages")
-    if outcome is None:  # cancelled: the client is gone
-      return JSONResponse({})
-    return JSONResponse(anthropic.message_body(rid, config.model_name, deltas, outcome))
+    rid, model = anthropic.message_id(), config.model_name
+    return await server.respond(
+        job, request, "messages",
+        lambda events, on_done: anthropic.stream(events, rid, model, len(job.ids), on_done),
+        lambda deltas, outcome: anthropic.message_body(rid, model, deltas, outcome),
+        heartbeat_s=PING_S)
 
   @app.post("/v1/messages/count_tokens")
   async def count_tokens(req: anthropic.CountTokensRequest):
@@ -525,38 +452,17 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
     received = time.perf_counter()
     job = server.spec_job(responses.to_spec(req), asyncio.get_running_loop(), received,
                           prompt_param="input")
-    rid = responses.response_id()
-    if req.stream:
-      server.worker.submit(job)  # a 429 is raised here, before the stream starts
-      chunks = responses.stream(server.events(job), rid, req, config.model_name,
-                                lambda o: server.metrics.finished("responses", o))
-      return _event_stream(server.watched(job, request, chunks))
-    deltas, outcome = await server.collect(job, request, "responses")
-    if outcome is None:  # cancelled: the client is gone
-      return JSONResponse({})
-    return JSONResponse(responses.response_body(rid, req, config.model_name, deltas, outcome))
+    rid, model = responses.response_id(), config.model_name
+    return await server.respond(
+        job, request, "responses",
+        lambda events, on_done: responses.stream(events, rid, req, model, on_done),
+        lambda deltas, outcome: responses.response_body(rid, req, model, deltas, outcome))
 
   app.add_middleware(BodyLimit, limit=config.max_body_bytes)
   return app
 
 
 PING_S = 5.0  # a streamed Anthropic reply sends a ping after this long without an event
-
-
-def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
-  return StreamingResponse(chunks, media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache"})
-
-
-async def _respond(server: Server, job: Job, request: Request, endpoint: str, req):
-  if req.stream:
-    server.worker.submit(job)  # a 429 is raised here, before the stream starts
-    include = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(server.stream(job, request, endpoint, include),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-  body = await server.run(job, request, endpoint)
-  return JSONResponse(body)
 
 
 def _model_card(server: Server) -> dict[str, Any]:

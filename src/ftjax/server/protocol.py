@@ -1,4 +1,6 @@
-"""OpenAI's request bodies as pydantic models, and its error format.
+"""OpenAI's request bodies as pydantic models, and its error format; with what every API's
+mapping shares: ``ChatSpec`` (what a chat request becomes), ``Body`` and ``TextContent`` (the
+reader of "a string or a list of text blocks" content).
 
 Fields the server does not use (``user``, ``metadata``, ``parallel_tool_calls``, ...) are
 accepted and ignored, as OpenAI-compatible servers do; fields whose meaning the server cannot
@@ -52,6 +54,40 @@ class ChatSpec:
   seed: int | None = None
   stops: list[str] = dataclasses.field(default_factory=list)
   stream: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TextContent:
+  """How an API writes content that is a string or a list of text blocks (Anthropic's system
+  prompt and tool results, the Responses API's message parts): ``read`` gives its text, the
+  blocks' joined by a newline, or a 400 naming the block it cannot take."""
+  noun: str  # what the API calls a block ("block", "part"), as its errors say
+  fields: tuple[tuple[str, str], ...]  # (block type, the field holding its text) of those read
+  expected: str  # the text blocks wanted, as an error names them
+  media: tuple[str, ...]  # block types refused as not text (images, files)
+  none_is_empty: bool = False  # missing content (None) reads as "" (else it is refused)
+
+  def read(self, content, where: str) -> str:
+    if content is None and self.none_is_empty:
+      return ""
+    if isinstance(content, str):
+      return content
+    if not isinstance(content, list):
+      raise ApiError(400, f"{where}: content must be a string or a list of {self.noun}s",
+                     param=where)
+    texts = []
+    for i, block in enumerate(content):
+      kind = block.get("type") if isinstance(block, dict) else None
+      field = next((f for k, f in self.fields if kind == k), None)
+      if field is not None and isinstance(block.get(field), str):
+        texts.append(block[field])
+      elif kind in self.media:
+        raise ApiError(400, f"{where}.{i}: {kind} {self.noun}s are not supported: this "
+                       "server's model reads text only", param=f"{where}.{i}")
+      else:
+        raise ApiError(400, f"{where}.{i}: expected a text {self.noun} ({self.expected}), got "
+                       f"type {kind!r}", param=f"{where}.{i}")
+    return "\n".join(texts)
 
 
 class Body(BaseModel):
@@ -200,14 +236,6 @@ class ChatRequest(_Sampling):
   def limit(self) -> int | None:
     return self.max_completion_tokens if self.max_completion_tokens is not None \
         else self.max_tokens
-
-  def spec(self) -> ChatSpec:
-    tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-    return ChatSpec(model=self.model, messages=[m.for_template() for m in self.messages],
-                    tools=tools, template_options=dict(self.chat_template_kwargs or {}),
-                    parse_tool_calls=bool(tools) and self.tool_choice != "none",
-                    max_tokens=self.limit, temperature=self.temperature, top_p=self.top_p,
-                    seed=self.seed, stops=self.stops, stream=self.stream)
 
 
 class CompletionRequest(_Sampling):

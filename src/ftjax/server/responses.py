@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ftjax.server.outputs import Delta
-from ftjax.server.protocol import ApiError, Body, ChatSpec
+from ftjax.server.protocol import ApiError, Body, ChatSpec, TextContent
 
 THINKING_OFF = ("none", "minimal")  # reasoning.effort values that switch thinking off
 # Tools that OpenAI's servers run themselves (or, for custom and local_shell, that take
@@ -116,25 +116,14 @@ class Request(Body):
     return self
 
 
-def _parts_text(content, where: str, kinds: tuple[str, ...]) -> str:
-  if isinstance(content, str):
-    return content
-  if not isinstance(content, list):
-    raise ApiError(400, f"{where}: content must be a string or a list of parts", param=where)
-  texts = []
-  for i, part in enumerate(content):
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in kinds and isinstance(part.get("text"), str):
-      texts.append(part["text"])
-    elif kind == "refusal" and isinstance(part.get("refusal"), str):
-      texts.append(part["refusal"])
-    elif kind in ("input_image", "input_file", "input_audio"):
-      raise ApiError(400, f"{where}.{i}: {kind} parts are not supported: this server's model "
-                     "reads text only", param=f"{where}.{i}")
-    else:
-      raise ApiError(400, f"{where}.{i}: expected a text part ({', '.join(kinds)}), got type "
-                     f"{kind!r}", param=f"{where}.{i}")
-  return "\n".join(texts)
+def _parts(kinds: tuple[str, ...]) -> TextContent:
+  """The reader of content that is a string or a list of ``kinds`` parts (and refusals)."""
+  return TextContent(noun="part", fields=(*((k, "text") for k in kinds), ("refusal", "refusal")),
+                     expected=", ".join(kinds), media=("input_image", "input_file", "input_audio"))
+
+
+MESSAGE_TEXT = _parts(("input_text", "output_text", "text"))  # a message's, a tool output's
+REASONING_TEXT = _parts(("reasoning_text", "summary_text", "text"))  # a reasoning item's
 
 
 def _field(item: dict, name: str, where: str) -> str:
@@ -173,8 +162,7 @@ def _messages(req: Request) -> list[dict[str, Any]]:
       if role not in ("user", "system", "developer", "assistant"):
         raise ApiError(400, f"{where}: role must be user, system, developer or assistant, got "
                        f"{role!r}", param=f"{where}.role")
-      text = _parts_text(item.get("content"), f"{where}.content",
-                         ("input_text", "output_text", "text"))
+      text = MESSAGE_TEXT.read(item.get("content"), f"{where}.content")
       if role == "assistant":
         messages.append({"role": "assistant", "content": text})
         assistant()  # takes the reasoning items before it
@@ -187,15 +175,12 @@ def _messages(req: Request) -> list[dict[str, Any]]:
           "function": {"name": _field(item, "name", where),
                        "arguments": _field(item, "arguments", where)}})
     elif kind == "function_call_output":
-      output = item.get("output")
-      text = output if isinstance(output, str) else _parts_text(
-          output, f"{where}.output", ("input_text", "output_text", "text"))
+      text = MESSAGE_TEXT.read(item.get("output"), f"{where}.output")
       messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
                        "content": text})
     elif kind == "reasoning":
       parts = item.get("content") or item.get("summary") or []
-      reasoning.append(_parts_text(parts, f"{where}.content",
-                                   ("reasoning_text", "summary_text", "text")))
+      reasoning.append(REASONING_TEXT.read(parts, f"{where}.content"))
     elif kind == "item_reference":
       raise ApiError(400, f"{where}: item references are not supported: this server keeps no "
                      "items; send the item itself", param=where)
