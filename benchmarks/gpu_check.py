@@ -396,7 +396,7 @@ def full_pool_ops(engine) -> list[str]:
   bank = "[" + ",".join(str(n) for n in engine.model.bank.shape) + "]"
   instruction = re.compile(r"^(?:ROOT )?%[\w.\-]+ = (\S+) ([\w\-]+)\(")
   found = []
-  for key, fn in engine.programs._table.items():
+  for key, fn in engine.programs.items():
     if key[0] != "decode":
       continue
     for line in fn.as_text().splitlines():

@@ -8,10 +8,12 @@ a subprocess, so that the maps and RSS it reads are its own.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 
@@ -22,7 +24,7 @@ from ftjax.runtime import programs
 POLICIES = ("freetoken", "lru_fill", "cpu_only", "freetoken_lrfu", "static_layers")
 
 SWEEP = textwrap.dedent("""
-    import gc, json, sys
+    import gc, json, sys, time
     import ftjax
     from ftjax.assets import DEFAULT_MODEL_DIR
     from ftjax.runtime import programs
@@ -40,6 +42,7 @@ SWEEP = textwrap.dedent("""
     total = model.config.num_moe_layers * model.config.num_experts
     sizes = [0, 1, 4, 12, 24, 48, 96, total]
     rows, compiles, tokens = [], 0, {}
+    began = time.perf_counter()
     for policy in policies:
       for size in sizes:
         for _ in range(repeats):
@@ -51,14 +54,14 @@ SWEEP = textwrap.dedent("""
           out = engine.generate([3, 17, 29, 4, 11], 12)
           tokens.setdefault(policy, set()).add(tuple(out))
           compiles += engine.compile_count
-          del engine
-          gc.collect()
+          del engine  # as a sweep drops it: no close(), no gc.collect()
           rows.append((maps(), rss()))
     after_sweep = rows[-1]
     programs.release_unused()
     gc.collect()
     print(json.dumps({"rows": rows, "compiles": compiles, "tables": programs.live_tables(),
                       "released": [maps(), rss()], "after_sweep": after_sweep,
+                      "seconds": time.perf_counter() - began,
                       "distinct_outputs": {p: len(t) for p, t in tokens.items()}}))
 """)
 
@@ -77,7 +80,7 @@ def test_a_sweep_of_200_engines_runs_to_the_end_in_bounded_memory():
   maps_10, rss_10 = rows[9]
   maps_end, rss_end = rows[-1]
   peak_maps = max(m for m, _ in rows)
-  print(f"200 configurations: {result['compiles']} compiles; maps after the 10th {maps_10}, "
+  print(f"200 configurations in {result['seconds']:.0f} s: {result['compiles']} compiles; maps after the 10th {maps_10}, "
         f"after the last {maps_end}, peak {peak_maps}; RSS after the 10th "
         f"{rss_10 / 2**20:.0f} MiB, after the last {rss_end / 2**20:.0f} MiB; after "
         f"release_unused: {result['released'][0]} maps, {result['released'][1] / 2**20:.0f} MiB")
@@ -98,22 +101,26 @@ def test_a_sweep_of_200_engines_runs_to_the_end_in_bounded_memory():
 
 def test_an_engine_releases_its_programs_when_it_goes():
   model = ftjax.load(DEFAULT_MODEL_DIR)
+  # Options no other test's engine has, so that no live engine elsewhere shares the table.
+  options = dict(kernel_tuning="off", max_seq_len=72, prefill_chunk=16, decode_chunk=3)
   kept = programs.keep_released()
   programs.keep_released(0)
   try:
-    programs.release_unused()
-    before = programs.live_tables()
-    with ftjax.Engine(model, kernel_tuning="off", max_seq_len=64, prefill_chunk=16) as engine:
+    with ftjax.Engine(model, **options) as engine:
       engine.generate([1, 2, 3], 2)
-      assert programs.live_tables() == before + 1
-    assert programs.live_tables() == before  # close() let go of the table
+      table = weakref.ref(engine.programs)
+      assert len(table()) == 3  # extend, first, decode
+    gc.collect()
+    assert table() is None  # close() let go of the table, and nothing else held it
     with pytest.raises(RuntimeError, match="closed"):
       engine.generate([1, 2, 3], 2)
-    first = ftjax.Engine(model, kernel_tuning="off", max_seq_len=64, prefill_chunk=16)
-    second = ftjax.Engine(model, kernel_tuning="off", max_seq_len=64, prefill_chunk=16)
+    first = ftjax.Engine(model, **options)
+    second = ftjax.Engine(model, **options)
     assert first.programs is second.programs  # live engines of one runner share a table
-    del first, second
-    assert programs.live_tables() == before
+    table = weakref.ref(first.programs)
+    del first, second  # dropped: no close()
+    gc.collect()
+    assert table() is None
   finally:
     programs.keep_released(kept)
   with pytest.raises(ValueError, match="int >= 0"):

@@ -62,13 +62,18 @@ class ExpertCache:
 
   @classmethod
   def empty(cls, bank_shape: tuple[int, int, int], dtype, num_slots: int,
-            capacity: int | None = None) -> "ExpertCache":
-    """An empty cache of ``num_slots`` usable slots (buffer ``capacity``) for a bank [L, E, P]."""
+            capacity: int | None = None, *, slots: jax.Array | None = None) -> "ExpertCache":
+    """An empty cache of ``num_slots`` usable slots (buffer ``capacity``) for a bank [L, E, P];
+    ``slots``: the slot buffer to use (default: zeros), whose contents no slot owns yet."""
     layers, experts, block = bank_shape
     capacity = num_slots if capacity is None else capacity
     if not 0 <= num_slots <= capacity:
       raise ValueError(f"cache_slots must be in [0, capacity={capacity}], got {num_slots}")
-    return cls(slots=jnp.zeros((capacity, block), dtype),
+    if slots is None:
+      slots = jnp.zeros((capacity, block), dtype)
+    elif slots.shape != (capacity, block):
+      raise ValueError(f"a slot buffer of {(capacity, block)} was expected, got {slots.shape}")
+    return cls(slots=slots,
                slot_of=jnp.full((layers, experts), -1, jnp.int32),
                owner=jnp.full((capacity,), -1, jnp.int32),
                slot_stamp=jnp.full((capacity,), -1, jnp.int32),
@@ -92,13 +97,13 @@ class ExpertCache:
     if len(set(flat_ids.tolist())) != len(flat_ids) or (
         len(flat_ids) and not (0 <= flat_ids.min() and flat_ids.max() < layers * experts)):
       raise ValueError("preloaded expert ids must be distinct and in [0, L·E)")
-    cache = cls.empty(bank.shape, bank.dtype, num_slots, capacity)
     n = len(flat_ids)
     if n == 0:
-      return cache
-    # Every array op has the buffer's shape, not the preloaded count's: a sweep over cache
-    # sizes compiles no new op per size (one per capacity).
-    capacity = cache.capacity
+      return cls.empty(bank.shape, bank.dtype, num_slots, capacity)
+    capacity = num_slots if capacity is None else capacity
+    # Every array op has the buffer's shape, not the preloaded count's (a sweep over cache sizes
+    # compiles no op per size), and the buffer is made once, by the gather: the slots past the
+    # preloaded ones hold copies of the first block, which no owner points to.
     padded = np.zeros(capacity, np.int32)
     padded[:n] = flat_ids
     if isinstance(bank, np.ndarray):  # a host pool (GPU path): copy only the preloaded blocks
@@ -106,16 +111,15 @@ class ExpertCache:
       blocks[:n] = bank.reshape(layers * experts, -1)[flat_ids]
       slots = jnp.asarray(blocks)
     else:
-      held = jnp.asarray(np.arange(capacity) < n)
-      blocks = take(bank.reshape(layers * experts, -1), jnp.asarray(padded))
-      slots = jnp.where(held[:, None], blocks, cache.slots)
+      slots = take(bank.reshape(layers * experts, -1), jnp.asarray(padded))
     slot_of = np.full(layers * experts, -1, np.int32)
     slot_of[flat_ids] = np.arange(n, dtype=np.int32)
     owner = np.full(capacity, -1, np.int32)
     owner[:n] = flat_ids
     stamp = np.where(np.arange(capacity) < n, 0, -1).astype(np.int32)
-    return cache.replace(slots=slots, slot_of=jnp.asarray(slot_of.reshape(layers, experts)),
-                         owner=jnp.asarray(owner), slot_stamp=jnp.asarray(stamp))
+    return cls.empty(bank.shape, bank.dtype, num_slots, capacity, slots=slots).replace(
+        slot_of=jnp.asarray(slot_of.reshape(layers, experts)), owner=jnp.asarray(owner),
+        slot_stamp=jnp.asarray(stamp))
 
   def resized(self, num_slots: int, capacity: int | None = None) -> "ExpertCache":
     """``num_slots`` usable slots in a buffer of ``capacity``, keeping the most recently used

@@ -260,6 +260,10 @@ class Programs:
   def __len__(self) -> int:
     return len(self._table)
 
+  def items(self) -> list[tuple[tuple, Callable]]:
+    """(key, executable) of every program compiled so far."""
+    return list(self._table.items())
+
   def get(self, key: tuple) -> Callable | None:
     """The executable of ``key`` when it is compiled, else None."""
     return self._table.get(key)
