@@ -102,7 +102,8 @@ def test_a_sweep_of_200_engines_runs_to_the_end_in_bounded_memory():
 def test_an_engine_releases_its_programs_when_it_goes():
   model = ftjax.load(DEFAULT_MODEL_DIR)
   # Options no other test's engine has, so that no live engine elsewhere shares the table.
-  options = dict(kernel_tuning="off", max_seq_len=72, prefill_chunk=16, decode_chunk=3)
+  options = dict(kernel_tuning="off", max_seq_len=72, prefill_chunk=16, decode_chunk=11,
+                 record_routing=True)
   kept = programs.keep_released()
   programs.keep_released(0)
   try:
