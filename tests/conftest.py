@@ -320,6 +320,27 @@ def tiny_hybrid_config(tiny_config):
       linear_conv_kernel=4)
 
 
+def greedy_run(engine, prompts, steps: int, tokens_per_step=None):
+  """Prefill ``prompts`` [B, P], then ``steps`` single-token steps of the engine's own greedy
+  tokens (or ``tokens_per_step``, teacher forcing): (logits per step [steps + 1, B, V],
+  tokens [steps, B])."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  batch, prompt = np.shape(prompts)
+  state = engine.new_state(batch, prompt + steps + 1)
+  ids = jnp.asarray(np.array(prompts, np.int32))
+  pos = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (batch, prompt))
+  state, logits = engine.step(state, ids, pos, last_only=True)
+  out_logits, out_tokens = [np.asarray(logits[:, -1])], []
+  for i in range(steps):
+    tok = (tokens_per_step[i] if tokens_per_step is not None
+           else out_logits[-1].argmax(-1).astype(np.int32))
+    out_tokens.append(tok)
+    state, logits = engine.step(state, jnp.asarray(tok)[:, None],
+                                jnp.full((batch, 1), prompt + i, jnp.int32), last_only=True)
+    out_logits.append(np.asarray(logits[:, -1]))
+  return np.stack(out_logits), np.stack(out_tokens)
+
+
 def scaled_params(model, factor: float):
   """The model with every weight multiplied by ``factor`` (sharper routing and logits), except
   the Gated DeltaNet decay parameters, which keep their values so the recurrent state neither

@@ -196,6 +196,125 @@ void Dense(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const We
 }
 
 // ---------------------------------------------------------------------------------------------
+// Quantised weights (ftjax.utils.dense_quant, docs/ftw.md "Dense formats"): int8 rows with one
+// float32 scale per output row, and mxfp4 rows (E2M1 codes with an E8M0 scale per 32 inputs).
+
+// int8: the dot kernels and the packed GEMM of int8 weights widened exactly to float32
+// (DenseWith<int8_t, float>, the same paths as bf16 weights), then each output multiplied by its
+// row's scale once: the result is that of the dequantised weights to float32 rounding.
+void DenseInt8(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const int8_t* w_nk,
+               const float* scales, const KernelTable& kernels, const Workers& workers,
+               float* y_tn) {
+  if (k == 0) {
+    std::fill_n(y_tn, tokens * n_out, 0.0f);
+    return;
+  }
+  DenseWith<int8_t, float>(tokens, n_out, k, x_tk, w_nk, kernels.dot_i8_f32, kernels, workers,
+                           y_tn);
+  workers.ParallelFor(tokens, [&](int64_t t, int /*worker*/) {
+    float* y = y_tn + t * n_out;
+    for (int64_t n = 0; n < n_out; ++n) y[n] *= scales[n];
+  });
+}
+
+// mxfp4 rows of k inputs: k / 2 code bytes and k / 32 scale bytes each.
+constexpr int64_t kMxfp4Inputs = 32;
+
+// Rows of an mxfp4 weight per task: as RowTile and GemvRowTile, by the bytes of a row.
+int64_t Mxfp4RowTile(int64_t tokens, int64_t n_out, int64_t k, int num_workers) {
+  const int64_t row_bytes = std::max<int64_t>(k / 2 + k / kMxfp4Inputs, 1);
+  const int64_t l2_rows = std::max<int64_t>(8, (int64_t{256} << 10) / row_bytes / 8 * 8);
+  if (tokens != 1) return l2_rows;
+  const int32_t tuned_kib = CurrentKernelTuning().gemv_task_kib;
+  const int64_t task_bytes = tuned_kib > 0 ? int64_t{tuned_kib} << 10 : int64_t{2} << 20;
+  const int64_t by_tasks = n_out / (4 * std::max(num_workers, 1));
+  return std::max(l2_rows, std::min(task_bytes / row_bytes, by_tasks) / 8 * 8);
+}
+
+// mxfp4: up to PackedMinTokens tokens the fused dot kernel (KernelTable::dot_mxfp4_f32: the
+// 4.25-bit rows read once as one stream per task); above it the packed GEMM, straight from the
+// codes where the ISA has packed_dot_mxfp4_f32 (AVX2), else on each task's rows decoded to
+// float32 once (KernelTable::decode_mxfp4, exact) into a per-worker buffer that stays in L2,
+// against x packed once per call. Products and sums are those of the dequantised weights in
+// float32, as for float32 weights.
+void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
+                const uint8_t* codes, const uint8_t* scales, const KernelTable& kernels,
+                const Workers& workers, float* y_tn) {
+  if (k == 0) {
+    std::fill_n(y_tn, tokens * n_out, 0.0f);
+    return;
+  }
+  const int64_t code_stride = k / 2, scale_stride = k / kMxfp4Inputs;
+  const auto packed_f32 = kernels.packed_dot_f32;
+  const auto packed_mxfp4 = kernels.packed_dot_mxfp4_f32;
+  const bool use_packed = (packed_f32 != nullptr || packed_mxfp4 != nullptr) &&
+                          tokens > PackedMinTokens(kernels, false, PackedUse::kDense);
+  const int64_t row_tile = Mxfp4RowTile(tokens, n_out, k, workers.num_workers());
+  const int64_t groups = CeilDiv(tokens, kPackedGroup);
+  const int64_t group_elements = PackedGroupElements<float>(k);
+  ScratchPlan plan;
+  const int64_t rows_at = plan.Add<const float*>(tokens);
+  int64_t packed_at = 0, ct_at = 0, decoded_at = 0;
+  if (use_packed) {
+    packed_at = plan.Add<float>(groups * group_elements);
+    ct_at = plan.Add<float>(workers.num_workers() * row_tile * kTokenTile);
+    if (packed_mxfp4 == nullptr) decoded_at = plan.Add<float>(workers.num_workers() * row_tile * k);
+  }
+  unsigned char* scratch = Scratch(plan);
+  const float** x_rows = At<const float*>(scratch, rows_at);
+  for (int64_t t = 0; t < tokens; ++t) x_rows[t] = x_tk + t * k;
+  if (!use_packed) {
+    workers.ParallelFor(CeilDiv(n_out, row_tile), [&](int64_t task, int /*worker*/) {
+      const int64_t n0 = task * row_tile;
+      const int64_t rows = std::min(row_tile, n_out - n0);
+      for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
+        const int64_t tile = std::min(kTokenTile, tokens - t0);
+        kernels.dot_mxfp4_f32({codes + n0 * code_stride, code_stride, scales + n0 * scale_stride,
+                               scale_stride, rows, x_rows + t0, tile, k, y_tn + t0 * n_out + n0,
+                               n_out});
+      }
+    });
+    return;
+  }
+  float* packed = At<float>(scratch, packed_at);
+  workers.ParallelFor(groups, [&](int64_t g, int /*worker*/) {
+    PackRows(x_rows + g * kPackedGroup, std::min(kPackedGroup, tokens - g * kPackedGroup), 1, k,
+             packed + g * group_elements);
+  });
+  workers.ParallelFor(CeilDiv(n_out, row_tile), [&](int64_t task, int worker) {
+    const int64_t n0 = task * row_tile;
+    const int64_t rows = std::min(row_tile, n_out - n0);
+    float* ct = At<float>(scratch, ct_at) + worker * row_tile * kTokenTile;
+    float* decoded = nullptr;
+    if (packed_mxfp4 == nullptr) {
+      decoded = At<float>(scratch, decoded_at) + worker * row_tile * k;
+      for (int64_t r = 0; r < rows; ++r) {
+        kernels.decode_mxfp4(codes + (n0 + r) * code_stride, scales + (n0 + r) * scale_stride, k,
+                             decoded + r * k);
+      }
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerTile) {
+      const int64_t tile_groups = std::min(kGroupsPerTile, groups - g0);
+      const int64_t t0 = g0 * kPackedGroup;
+      const int64_t tile = std::min(tile_groups * kPackedGroup, tokens - t0);
+      const bool half = tile - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+      if (packed_mxfp4 != nullptr) {
+        packed_mxfp4({codes + n0 * code_stride, code_stride, scales + n0 * scale_stride,
+                      scale_stride, rows, packed + g0 * group_elements, tile_groups, half, k, ct,
+                      kTokenTile});
+      } else {
+        packed_f32({decoded, k, rows, packed + g0 * group_elements, tile_groups, half, k, ct,
+                    kTokenTile, groups});
+      }
+      for (int64_t t = 0; t < tile; ++t) {
+        float* y = y_tn + (t0 + t) * n_out + n0;
+        for (int64_t r = 0; r < rows; ++r) y[r] = ct[r * kTokenTile + t];
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // FFI implementation.
 
 // The FFI target name, which prefixes every error message.
@@ -237,8 +356,84 @@ ffi::Error DenseImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
   return ffi::Error::Success();
 }
 
+// The quantised weights: w is int8 [O, C] with float32 scales [O], or uint8 mxfp4 codes
+// [O, C / 2] with uint8 E8M0 scales [O, C / 32] (C a multiple of 32).
+constexpr std::string_view kQuantizedOp = "ftjax_dense_quantized";
+
+ffi::Error DenseQuantizedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                              ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) {
+    return InvalidArgument(kQuantizedOp, "x must be 2-D [T, C], got shape " + ShapeString(x_dims));
+  }
+  const int64_t T = x_dims[0], K = x_dims[1];
+  const auto w_dims = w.dimensions();
+  const auto s_dims = scales.dimensions();
+  const ffi::DataType w_dtype = w.element_type();
+  const bool mxfp4 = w_dtype == ffi::DataType::U8;
+  if (w_dtype != ffi::DataType::S8 && !mxfp4) {
+    return InvalidArgument(kQuantizedOp, "w must be int8 (int8 rows) or uint8 (mxfp4 codes)");
+  }
+  if (w_dims.size() != 2) {
+    return InvalidArgument(kQuantizedOp, "w must be 2-D, got shape " + ShapeString(w_dims));
+  }
+  const int64_t N = w_dims[0];
+  if (mxfp4) {
+    if (K % kMxfp4Inputs != 0 || w_dims[1] != K / 2) {
+      return InvalidArgument(kQuantizedOp, "mxfp4 codes must be [O, C / 2] with C = " +
+                                               std::to_string(K) +
+                                               " (a multiple of 32) from x, got shape " +
+                                               ShapeString(w_dims));
+    }
+    if (scales.element_type() != ffi::DataType::U8 || s_dims.size() != 2 || s_dims[0] != N ||
+        s_dims[1] != K / kMxfp4Inputs) {
+      return InvalidArgument(kQuantizedOp, "mxfp4 scales must be uint8 [O, C / 32] = [" +
+                                               std::to_string(N) + ", " +
+                                               std::to_string(K / kMxfp4Inputs) + "], got " +
+                                               ShapeString(s_dims));
+    }
+  } else {
+    if (w_dims[1] != K) {
+      return InvalidArgument(kQuantizedOp, "int8 w must be [O, C] with C = " + std::to_string(K) +
+                                               " from x, got shape " + ShapeString(w_dims));
+    }
+    if (scales.element_type() != ffi::DataType::F32 || s_dims.size() != 1 || s_dims[0] != N) {
+      return InvalidArgument(kQuantizedOp, "int8 scales must be float32 [O] = [" +
+                                               std::to_string(N) + "], got " +
+                                               ShapeString(s_dims));
+    }
+  }
+  const auto y_dims = y->dimensions();
+  if (y_dims.size() != 2 || y_dims[0] != T || y_dims[1] != N) {
+    return InvalidArgument(kQuantizedOp, "result y must be [T, O] = [" + std::to_string(T) +
+                                             ", " + std::to_string(N) + "], got " +
+                                             ShapeString(y_dims));
+  }
+  const HostSetup setup = ChooseHostSetup(&xla_pool);
+  if (!setup.error.empty()) return InvalidArgument(kQuantizedOp, setup.error);
+  if (mxfp4) {
+    DenseMxfp4(T, N, K, x.typed_data(), w.reinterpret_data<uint8_t>(),
+               scales.reinterpret_data<uint8_t>(), *setup.kernels, setup.workers,
+               y->typed_data());
+  } else {
+    DenseInt8(T, N, K, x.typed_data(), w.reinterpret_data<int8_t>(),
+              scales.reinterpret_data<float>(), *setup.kernels, setup.workers, y->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace ftjax
+
+// Binding: registered by Python as the CPU target "ftjax_dense_quantized".
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxDenseQuantized, ftjax::DenseQuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()        // XLA's intra-op pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, C]
+                                  .Arg<ffi::AnyBuffer>()         // w: int8 [O, C] or mxfp4 codes
+                                  .Arg<ffi::AnyBuffer>()         // scales
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, O]
+);
 
 // Binding: registered by Python as the CPU target "ftjax_dense".
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxDense, ftjax::DenseImpl,

@@ -23,8 +23,8 @@
 // block holds the 4-bit E2M1 codes of gate [F, D/2], up [F, D/2] and down [D, F/2] bytes (from
 // byte 0, in that order), then from Mxfp4ScalesOffset(F, D) their E8M0 scales per 32 inputs
 // (gate [F, D/32], up [F, D/32], down [D, F/32]), then from Mxfp4BiasesOffset(F, D) the float32
-// biases gate [F], up [F], down [D]: they always have biases (the gpt-oss variant). F and D are
-// multiples of 32, P of 64. KernelTable::dot_mxfp4_f32 decodes the codes times their scale
+// biases gate [F], up [F], down [D] when the variant has biases (gpt-oss's; every other family's
+// blocks end after the scales). F and D are multiples of 32, P of 64. KernelTable::dot_mxfp4_f32 decodes the codes times their scale
 // (exact in float32) and multiplies with float32 FMA: the result is that of the dequantised
 // weights to float32 rounding, and a decode call reads the 4.25-bit bytes once. Experts that
 // take the packed GEMM (below) have each task's rows decoded to bf16 once (exact), then
@@ -123,8 +123,8 @@ int64_t Mxfp4BiasesOffset(int64_t F, int64_t D) {
   return Mxfp4ScalesOffset(F, D) +
          CeilDiv(3 * F * D / kMxfp4Block, kInt8ScalesAlignment) * kInt8ScalesAlignment;
 }
-int64_t Mxfp4BlockBytes(int64_t F, int64_t D) {
-  return Mxfp4BiasesOffset(F, D) + static_cast<int64_t>(sizeof(float)) * (2 * F + D);
+int64_t Mxfp4BlockBytes(int64_t F, int64_t D, bool biases) {
+  return Mxfp4BiasesOffset(F, D) + (biases ? static_cast<int64_t>(sizeof(float)) * (2 * F + D) : 0);
 }
 
 // The per-output-row scales of int8 weights, applied after the dot products (a no-op for
@@ -892,19 +892,15 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   act.limit = limit;
   act.biases = biases;
   if (mxfp4) {
-    if (!biases) {
-      return InvalidArgument(kOp, "mxfp4 expert blocks carry the gpt-oss biases: pass "
-                                  "biases=true (the gpt-oss ExpertVariant)");
-    }
     if (ffn_dim % kMxfp4Block != 0 || D % kMxfp4Block != 0) {
       return InvalidArgument(kOp, "mxfp4 needs F and D to be multiples of 32, got F = " +
                                   std::to_string(ffn_dim) + ", D = " + std::to_string(D));
     }
-    if (D > 0 && (ffn_dim > P / D || P < Mxfp4BlockBytes(ffn_dim, D))) {
+    if (D > 0 && (ffn_dim > P / D || P < Mxfp4BlockBytes(ffn_dim, D, biases))) {
       return InvalidArgument(kOp, "mxfp4 bank's last dimension P = " + std::to_string(P) +
                                   " is smaller than the bytes of an mxfp4 block of F = " +
                                   std::to_string(ffn_dim) + ", D = " + std::to_string(D) +
-                                  " (codes, scales, biases)");
+                                  (biases ? " (codes, scales, biases)" : " (codes, scales)"));
     }
     if (P % kInt8ScalesAlignment != 0) {
       return InvalidArgument(kOp, "mxfp4 bank's last dimension P = " + std::to_string(P) +

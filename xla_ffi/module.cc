@@ -18,6 +18,7 @@ namespace nb = nanobind;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxExpertFfn);  // expert_ffn.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxSlotFill);   // slot_fill.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxDense);      // dense.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxDenseQuantized);  // dense.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxAttention);  // attention.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxReadProbe);  // read_probe.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FtjaxPeakProbe);  // peak_probe.cc
@@ -43,6 +44,7 @@ NB_MODULE(_ffi, m) {
     registrations["ftjax_expert_ffn"] = EncapsulateHandler(FtjaxExpertFfn);
     registrations["ftjax_slot_fill"] = EncapsulateHandler(FtjaxSlotFill);
     registrations["ftjax_dense"] = EncapsulateHandler(FtjaxDense);
+    registrations["ftjax_dense_quantized"] = EncapsulateHandler(FtjaxDenseQuantized);
     registrations["ftjax_attention"] = EncapsulateHandler(FtjaxAttention);
     registrations["ftjax_read_probe"] = EncapsulateHandler(FtjaxReadProbe);
     registrations["ftjax_peak_probe"] = EncapsulateHandler(FtjaxPeakProbe);

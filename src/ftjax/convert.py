@@ -1,5 +1,5 @@
 """``python -m ftjax.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16|float32]
-[--expert_dtype=bfloat16|float32|int8|mxfp4]``."""
+[--expert_dtype=bfloat16|float32|int8|mxfp4] [--dense_dtype=int8|mxfp4|mixed4]``."""
 
 from absl import app, flags
 
@@ -12,7 +12,14 @@ _EXPERT_DTYPE = flags.DEFINE_enum(
     "expert_dtype", None, ["bfloat16", "float32", "int8", "mxfp4"],
     "routed experts' format (default: --dtype, or mxfp4 for a checkpoint with MXFP4 experts); "
     "int8 is symmetric per output channel with float32 scales; mxfp4 keeps gpt-oss's MXFP4 "
-    "experts as shipped, or quantises float gpt-oss experts to it (docs/ftw.md)")
+    "experts as shipped, or quantises float experts to it (docs/ftw.md)")
+_DENSE_DTYPE = flags.DEFINE_enum(
+    "dense_dtype", None, ["int8", "mxfp4", "mixed4"],
+    "quantise the dense matrices outside the experts (attention and Gated DeltaNet projections, "
+    "shared experts, MTP projection, lm_head; routers, norms and convolutions stay --dtype): "
+    "int8 (per row, float32 scales), mxfp4 (4.25 bits: E2M1 with an E8M0 scale per 32 inputs), "
+    "or mixed4, the preset nearest llama.cpp's Q4_K_M: mxfp4 projections, int8 lm_head and "
+    "embedding. An untied embedding is int8 under mxfp4 and mixed4 (docs/ftw.md)")
 _OVERWRITE = flags.DEFINE_boolean("overwrite", False, "replace --out if it is an FTW model")
 
 
@@ -21,7 +28,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   try:
     print(convert_hf(_HF_DIR.value, _OUT.value, dtype=_DTYPE.value,
-                     expert_dtype=_EXPERT_DTYPE.value, overwrite=_OVERWRITE.value))
+                     expert_dtype=_EXPERT_DTYPE.value, dense_dtype=_DENSE_DTYPE.value,
+                     overwrite=_OVERWRITE.value))
   except (ValueError, FileNotFoundError, FileExistsError) as e:
     raise SystemExit(f"ftjax.convert: error: {e}") from None
 

@@ -55,7 +55,8 @@ def main(argv):
       model = ftjax.load(_MODEL.value, verify=False, populate=True)
       c = model.config
       shape = profile_lib.ExpertShape(c.hidden_size, c.moe_intermediate_size, model.expert_format,
-                                      c.top_k)
+                                      c.top_k, bias=profile_lib.expert_shape_bias(
+                                          c, model.expert_format))
       bank = model.bank
     else:
       model = None

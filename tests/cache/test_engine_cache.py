@@ -17,7 +17,7 @@ from ftjax.runtime.engine import slot_bucket
 from ftjax.runtime.kv import state_bytes
 
 import tolerances
-from conftest import scaled_params
+from conftest import greedy_run, scaled_params
 
 STEPS = 32  # the reference's decode steps (the resize test uses all of them)
 POLICY_STEPS = 16  # each policy and size compares this many (CI time)
@@ -43,20 +43,7 @@ def family_model(request, tiny_config, tiny_hybrid_config):
 def _run(engine, prompts, tokens_per_step=None, steps=STEPS):
   """Prefill, then ``steps`` single-token steps; feeds ``tokens_per_step`` if given (teacher
   forcing), else the engine's own greedy tokens. Returns (logits per step, tokens)."""
-  batch = len(prompts)
-  state = engine.new_state(batch, PROMPT + STEPS + 1)
-  ids = jnp.asarray(np.array(prompts, np.int32))
-  pos = jnp.broadcast_to(jnp.arange(PROMPT, dtype=jnp.int32), (batch, PROMPT))
-  state, logits = engine.step(state, ids, pos, last_only=True)
-  out_logits, out_tokens = [np.asarray(logits[:, -1])], []
-  for i in range(steps):
-    tok = (tokens_per_step[i] if tokens_per_step is not None
-           else np.asarray(out_logits[-1]).argmax(-1).astype(np.int32))
-    out_tokens.append(tok)
-    state, logits = engine.step(state, jnp.asarray(tok)[:, None],
-                                jnp.full((batch, 1), PROMPT + i, jnp.int32), last_only=True)
-    out_logits.append(np.asarray(logits[:, -1]))
-  return np.stack(out_logits), np.stack(out_tokens)
+  return greedy_run(engine, prompts, steps, tokens_per_step)
 
 
 def _assert_same_as_reference(ref, got):

@@ -14,7 +14,7 @@ from ftjax.runtime import model as model_lib
 
 import reference
 import tolerances
-from conftest import scaled_params
+from conftest import greedy_run, scaled_params
 
 STEPS = 8
 PROMPT = 5
@@ -35,19 +35,7 @@ def models(tiny_config):
 
 def _run(engine, prompts):
   """Prefill, then STEPS greedy single-token steps: (logits per step, tokens)."""
-  batch = len(prompts)
-  state = engine.new_state(batch, PROMPT + STEPS + 1)
-  ids = jnp.asarray(np.array(prompts, np.int32))
-  pos = jnp.broadcast_to(jnp.arange(PROMPT, dtype=jnp.int32), (batch, PROMPT))
-  state, logits = engine.step(state, ids, pos, last_only=True)
-  out_logits, out_tokens = [np.asarray(logits[:, -1])], []
-  for i in range(STEPS):
-    tok = out_logits[-1].argmax(-1).astype(np.int32)
-    out_tokens.append(tok)
-    state, logits = engine.step(state, jnp.asarray(tok)[:, None],
-                                jnp.full((batch, 1), PROMPT + i, jnp.int32), last_only=True)
-    out_logits.append(np.asarray(logits[:, -1]))
-  return np.stack(out_logits), np.stack(out_tokens)
+  return greedy_run(engine, prompts, STEPS)
 
 
 @pytest.fixture(scope="module")

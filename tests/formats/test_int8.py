@@ -49,7 +49,7 @@ def converted(hf_checkpoints, tmp_path_factory):
 def test_converted_experts_equal_the_spec_quantisation(converted, family):
   torch_model, int8_path, f32_path = converted[family]
   q8, f32 = ftw.FTWFile.open(int8_path), ftw.FTWFile.open(f32_path)
-  assert q8.expert_format == "int8" and q8.index["format_version"] == 2
+  assert q8.expert_format == "int8" and q8.index["format_version"] == ftw.FORMAT_VERSION
   c = q8.config
   assert q8.expert_bank().dtype == np.int8
   for layer in range(c.num_moe_layers):

@@ -41,7 +41,7 @@ def test_block_layout_is_the_documented_one(converted):
   c = f.config
   F, D = c.moe_intermediate_size, c.hidden_size
   ex = f.index["experts"]
-  assert f.expert_format == "mxfp4" and ex["dtype"] == "uint8" and f.index["format_version"] == 2
+  assert f.expert_format == "mxfp4" and ex["dtype"] == "uint8" and f.index["format_version"] == ftw.FORMAT_VERSION
   S = align64(3 * F * D // 2)
   B = S + align64(3 * F * D // 32)
   assert ex["block_bytes"] == ftw.align(B + 4 * (2 * F + D))
@@ -109,9 +109,11 @@ def test_writer_errors(converted, tmp_path):
     writer.add_expert_part(0, 0, "gate", codes, np.zeros((F, D // 16), np.uint8))
   with pytest.raises(ftw.FTWError, match="E8M0 scale of 255"):
     writer.add_expert_part(0, 0, "gate", codes, np.full((F, D // 32), 255, np.uint8))
-  with pytest.raises(ftw.FTWError, match="mxfp4 expert blocks end with the gpt-oss expert biases"):
-    ftw.FTWWriter(tmp_path / "q", dataclasses.replace(config, expert_bias=False), "float32", {},
-                  expert_format="mxfp4")
+  # a family without expert biases: blocks end after the scales (FTW version 3)
+  plain = ftw.FTWWriter(tmp_path / "q", dataclasses.replace(config, expert_bias=False),
+                        "float32", {}, expert_format="mxfp4")
+  assert plain.block_bytes == ftw.align(quant.mxfp4_block_bytes(F, D, bias=False))
+  assert plain.parts == ftw.EXPERT_PARTS
 
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -7,8 +7,9 @@ up bias ``[F]`` at ``3·F·D + F`` and the down bias ``[D]`` at ``3·F·D + 2·F
 dtype; the tail up to ``P`` is alignment padding. An int8 bank (``ftjax.utils.quant``) holds the
 int8 weights at those offsets (one byte each) and the float32 scales of their rows after them
 (int8 blocks have no biases); the XLA path dequantises its blocks to float32 (``scale · q``).
-An mxfp4 bank (uint8, gpt-oss's MXFP4: ``ftjax.utils.quant``) holds E2M1 codes, E8M0 scales per
-32 inputs and float32 biases; the XLA path dequantises it to float32 too (exact).
+An mxfp4 bank (uint8, MXFP4 as gpt-oss ships it: ``ftjax.utils.quant``) holds E2M1 codes, E8M0
+scales per 32 inputs and, with biases, float32 biases; the XLA path dequantises it to float32
+too (exact).
 The ``ExpertVariant`` also names the activation: ``swiglu`` (``silu(g) · u``) or gpt-oss's
 ``clamped_swiglu`` (``(clip(u, ±limit) + 1) · g' · sigmoid(alpha · g')`` with
 ``g' = min(g, limit)``). ``routed_experts`` computes the weighted sum of
@@ -162,9 +163,6 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   if variant.bias and bank.dtype == jnp.int8:
     raise ValueError("int8 expert blocks carry no biases (their layout ends with the float32 "
                      "row scales): keep a model with expert biases in bf16")
-  if bank.dtype == jnp.uint8 and not variant.bias:
-    raise ValueError("mxfp4 expert blocks (a uint8 bank) carry the gpt-oss biases: run them "
-                     "with an ExpertVariant with bias=True")
   if bank.dtype not in (jnp.int8, jnp.uint8) and \
       bank.shape[-1] < variant.block_elems(ffn_dim, x.shape[-1]):
     raise ValueError(

@@ -35,10 +35,14 @@ import ml_dtypes
 import numpy as np
 
 from ftjax.model.config import ModelConfig
-from ftjax.utils import paths, quant
+from ftjax.model.layers import LINEAR_OUT_AXES
+from ftjax.utils import dense_quant, paths, quant
+from ftjax.utils.dense_quant import QuantizedMatrix
 
-FORMAT_VERSION = 2  # 2: the expert bank's format (``experts.format``) and block parts
-READ_VERSIONS = (1, 2)
+# 2: the expert bank's format (``experts.format``) and block parts; 3: quantised dense tensors
+# (a tensor entry's ``format``), and mxfp4 expert blocks without biases.
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 ALIGNMENT = 4096
 INDEX_NAME = "ftw.json"
 DENSE_FILE = "dense.bin"
@@ -80,6 +84,41 @@ def storage_dtype(name: str) -> np.dtype:
   return DTYPES[name]
 
 
+# --dense_dtype: which format each quantisable dense weight (LINEAR_OUT_AXES) gets. "mixed4"
+# is the preset closest to llama.cpp's Q4_K_M: 4-bit projections and shared experts, an 8-bit
+# lm_head (Q4_K_M keeps its output in Q6_K) and embedding.
+DENSE_DTYPES = ("int8", "mxfp4", "mixed4")
+_HEAD_NAMES = ("w_lm_vd", "embed_vd")
+
+
+def dense_format(dense_dtype: str | None, name: str, shape: tuple[int, ...],
+                 tied_embeddings: bool) -> tuple[str | None, str]:
+  """``(format, why)`` for dense tensor ``name`` under ``--dense_dtype=dense_dtype``: the
+  quantised format it is written in (None: the storage dtype) and, for a quantisable weight
+  that stays float, why (for the converter's summary)."""
+  if dense_dtype is None:
+    return None, ""
+  if dense_dtype not in DENSE_DTYPES:
+    raise ValueError(f"dense_dtype must be one of {', '.join(DENSE_DTYPES)} (or None), got "
+                     f"{dense_dtype!r}")
+  leaf = name.rsplit(".", 1)[-1]
+  if leaf not in LINEAR_OUT_AXES:
+    return None, ""
+  head = leaf in _HEAD_NAMES
+  if leaf == "embed_vd" and not tied_embeddings and dense_dtype != "int8":
+    fmt = "int8"  # an untied embedding is only gathered: 8 bits save half its memory
+  elif dense_dtype == "mixed4":
+    fmt = "int8" if head else "mxfp4"
+  else:
+    fmt = dense_dtype
+  problem = dense_quant.check_format(fmt, shape, LINEAR_OUT_AXES[leaf])
+  if problem and fmt == "mxfp4":
+    fmt, why = "int8", f"int8, not mxfp4: {problem}"
+    problem = dense_quant.check_format(fmt, shape, LINEAR_OUT_AXES[leaf])
+    return (None, problem) if problem else (fmt, why)
+  return (None, problem) if problem else (fmt, "")
+
+
 def expert_storage_dtype(expert_format: str) -> np.dtype:
   """The dtype of the bank array ``[L, E, P]`` of an expert format (int8: P is in bytes)."""
   if expert_format not in quant.EXPERT_FORMATS:
@@ -96,8 +135,32 @@ def expert_content_bytes(config: ModelConfig, expert_format: str) -> int:
   if expert_format == "int8":
     return quant.int8_block_bytes(config.moe_intermediate_size, config.hidden_size)
   if expert_format == "mxfp4":
-    return quant.mxfp4_block_bytes(config.moe_intermediate_size, config.hidden_size)
+    return quant.mxfp4_block_bytes(config.moe_intermediate_size, config.hidden_size,
+                                   config.expert_bias)
   return config.expert_block_elems * expert_storage_dtype(expert_format).itemsize
+
+
+def _quantized_layout(fmt: str, rows: int, cols: int):
+  """``(data dtype, data shape, scales dtype, scales shape)`` of a quantised [rows, cols]."""
+  if fmt == "int8":
+    return np.dtype(np.int8), (rows, cols), np.dtype(np.float32), (rows,)
+  return (np.dtype(np.uint8), (rows, cols // 2), np.dtype(np.uint8),
+          (rows, cols // quant.MXFP4_BLOCK))
+
+
+def _check_quantized(name: str, q: QuantizedMatrix) -> None:
+  problem = dense_quant.check_format(q.format, tuple(q.shape), q.out_axes)
+  if problem:
+    raise FTWError(f"tensor {name}: {problem}")
+  data_dtype, data_shape, scales_dtype, scales_shape = _quantized_layout(q.format, q.rows, q.cols)
+  if np.dtype(q.data.dtype) != data_dtype or tuple(q.data.shape) != data_shape or \
+      np.dtype(q.scales.dtype) != scales_dtype or tuple(q.scales.shape) != scales_shape:
+    raise FTWError(f"tensor {name}: a {q.format} weight of shape {q.shape} needs data "
+                   f"{data_dtype} {data_shape} and scales {scales_dtype} {scales_shape}, got "
+                   f"{q.data.dtype} {tuple(q.data.shape)} and {q.scales.dtype} "
+                   f"{tuple(q.scales.shape)}")
+  if q.format == "mxfp4" and np.any(np.asarray(q.scales) == quant.MXFP4_SCALE_NAN):
+    raise FTWError(f"{name}: an E8M0 scale of 255 (NaN in the OCP MX format)")
 
 
 def _bytes_view(array: np.ndarray) -> memoryview:
@@ -208,12 +271,18 @@ class FTWWriter:
   """
 
   def __init__(self, out_dir: str | os.PathLike, config: ModelConfig, dtype: str,
-               source: dict[str, Any], *, expert_format: str | None = None):
+               source: dict[str, Any], *, expert_format: str | None = None,
+               dense_dtype: str | None = None):
     self.out_dir = os.fspath(out_dir)
     self.config = config
     self.dtype_name = dtype
     self.dtype = storage_dtype(dtype)
     self.source = source
+    dense_format(dense_dtype, "", (), False)  # checks the name
+    self.dense_dtype = dense_dtype
+    # What --dense_dtype did: {tensor name: why it is not in the asked format} (e.g. mxfp4
+    # rows whose length is not a multiple of 32), for the converter to say.
+    self.dense_notes: dict[str, str] = {}
     os.makedirs(self.out_dir, exist_ok=True)
     self.tensors: dict[str, dict[str, Any]] = {}
     self._dense = open(os.path.join(self.out_dir, DENSE_FILE), "wb")
@@ -223,14 +292,11 @@ class FTWWriter:
     if self.expert_format == "int8" and c.expert_bias:
       raise FTWError("int8 experts carry no biases (the block ends with the float32 row "
                      f"scales): keep this {c.model_type} model's experts in bfloat16")
-    if self.expert_format == "mxfp4" and not c.expert_bias:
-      raise FTWError("mxfp4 expert blocks end with the gpt-oss expert biases, which this "
-                     f"{c.model_type} config does not have: use --expert_dtype=int8 or a float")
     self.expert_dtype = expert_storage_dtype(self.expert_format)
     self.part_shapes = expert_part_shapes(c)
     itemsize = self.expert_dtype.itemsize
     self.part_offsets = {k: v * itemsize for k, v in expert_part_starts(c).items()}  # bytes
-    if self.expert_format == "mxfp4":  # codes, then scales, then float32 biases
+    if self.expert_format == "mxfp4":  # codes, then scales, then float32 biases (if any)
       at = quant.mxfp4_offsets(c.moe_intermediate_size, c.hidden_size)
       self.part_offsets = {**at["codes"], **{f"{k}_bias": v for k, v in at["biases"].items()}}
       self.mxfp4_scale_offsets = at["scales"]
@@ -253,17 +319,60 @@ class FTWWriter:
       raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
     return np.ascontiguousarray(array.astype(self.dtype, copy=False))
 
-  def add_tensor(self, name: str, array: np.ndarray, shape: tuple[int, ...] | None = None) -> None:
+  def add_tensor(self, name: str, array: np.ndarray | QuantizedMatrix,
+                 shape: tuple[int, ...] | None = None) -> None:
+    """Appends a dense tensor: a float array (cast to the storage dtype, or quantised when
+    ``dense_dtype`` says so) or a ``QuantizedMatrix`` (written as it is)."""
     if name in self.tensors:
       raise FTWError(f"tensor {name} written twice")
-    data = self._cast(name, array, shape if shape is not None else array.shape)
+    shape = tuple(shape if shape is not None else array.shape)
+    if isinstance(array, QuantizedMatrix):
+      if tuple(array.shape) != shape:
+        raise FTWConfigMismatchError(
+            f"tensor {name} has shape {tuple(array.shape)} but the model config implies {shape}")
+      return self._add_quantized(name, array)
+    fmt, why = dense_format(self.dense_dtype, name, shape, self.config.tie_word_embeddings)
+    if why:
+      self.dense_notes[name] = why
+    if fmt is not None:
+      if tuple(array.shape) != shape:
+        raise FTWConfigMismatchError(
+            f"tensor {name} has shape {tuple(array.shape)} but the model config implies {shape}")
+      leaf = name.rsplit(".", 1)[-1]
+      return self._add_quantized(name, dense_quant.quantize(array, fmt, LINEAR_OUT_AXES[leaf]))
+    data = self._cast(name, array, shape)
+    offset = self._append(data)
+    self.tensors[name] = {"file": DENSE_FILE, "offset": offset, "nbytes": data.nbytes,
+                          "shape": list(data.shape), "dtype": self.dtype_name,
+                          "crc32": _crc32(data)}
+
+  def _append(self, data: np.ndarray) -> int:
+    """Writes ``data`` at the next aligned offset of the dense file; returns the offset."""
     offset = align(self._dense_size)
     self._dense.write(b"\0" * (offset - self._dense_size))
     self._dense.write(_bytes_view(data))
     self._dense_size = offset + data.nbytes
-    self.tensors[name] = {"file": DENSE_FILE, "offset": offset, "nbytes": data.nbytes,
-                          "shape": list(data.shape), "dtype": self.dtype_name,
-                          "crc32": _crc32(data)}
+    return offset
+
+  def _add_quantized(self, name: str, q: QuantizedMatrix) -> None:
+    """A quantised tensor (docs/ftw.md, "Dense formats"): its data, then from the next
+    multiple of 64 bytes its scales, as one entry of the dense file."""
+    data = np.ascontiguousarray(np.asarray(q.data)).reshape(-1).view(np.uint8)
+    scales = np.ascontiguousarray(np.asarray(q.scales)).reshape(-1).view(np.uint8)
+    _check_quantized(name, q)
+    scales_at = -(-data.nbytes // quant.MXFP4_ALIGNMENT) * quant.MXFP4_ALIGNMENT
+    blob = np.zeros(scales_at + scales.nbytes, np.uint8)
+    blob[:data.nbytes] = data
+    blob[scales_at:] = scales
+    offset = self._append(blob)
+    self.tensors[name] = {
+        "file": DENSE_FILE, "offset": offset, "nbytes": blob.nbytes, "shape": list(q.shape),
+        "format": q.format, "out_axes": q.out_axes,
+        "dtype": "int8" if q.format == "int8" else "uint8",
+        "data_shape": list(np.shape(q.data)), "scales_offset": scales_at,
+        "scales_shape": list(np.shape(q.scales)),
+        "scales_dtype": "float32" if q.format == "int8" else "e8m0",
+        "crc32": _crc32(blob)}
 
   def add_expert_part(self, layer: int, expert: int, part: str, array: np.ndarray,
                       scale: np.ndarray | None = None) -> None:
@@ -533,7 +642,21 @@ class FTWFile:
     """Every tensor and the bank lie inside their files and agree with the config."""
     for name, t in self.index["tensors"].items():
       end = t["offset"] + t["nbytes"]
-      expect = int(np.prod(t["shape"])) * storage_dtype(t["dtype"]).itemsize
+      if "format" in t:
+        if t["format"] not in dense_quant.DENSE_FORMATS:
+          raise FTWVersionError(
+              f"tensor {name} of {self.path} is stored in format {t['format']!r}, which this "
+              f"ftjax does not know (it reads {', '.join(dense_quant.DENSE_FORMATS)}): upgrade "
+              "ftjax, or convert the checkpoint again")
+        rows = int(np.prod(t["shape"][:t["out_axes"]]))
+        layout = _quantized_layout(t["format"], rows, int(np.prod(t["shape"])) // max(rows, 1))
+        expect = t["scales_offset"] + layout[2].itemsize * int(np.prod(layout[3]))
+        if list(layout[1]) != t["data_shape"] or list(layout[3]) != t["scales_shape"] or \
+            t["scales_offset"] < layout[0].itemsize * int(np.prod(layout[1])):
+          raise FTWConfigMismatchError(f"tensor {name}'s {t['format']} layout does not match "
+                                       f"its shape {t['shape']} in {self.path}")
+      else:
+        expect = int(np.prod(t["shape"])) * storage_dtype(t["dtype"]).itemsize
       if t["nbytes"] != expect or end > len(self._maps[t["file"]]):
         raise FTWTruncatedError(f"tensor {name} does not fit its file in {self.path}")
     c, ex = self.config, self.index["experts"]
@@ -593,11 +716,28 @@ class FTWFile:
         total += len(m)
     return total
 
-  def tensor(self, name: str) -> np.ndarray:
-    """A read-only view into the mapped file (no copy)."""
+  def tensor(self, name: str) -> np.ndarray | QuantizedMatrix:
+    """A read-only view into the mapped file (no copy); a quantised tensor as a
+    ``QuantizedMatrix`` of views."""
     t = self.index["tensors"][name]
     raw = self._maps[t["file"]][t["offset"]:t["offset"] + t["nbytes"]]
+    if "format" in t:
+      rows = int(np.prod(t["shape"][:t["out_axes"]]))
+      data_dtype, data_shape, scales_dtype, _ = _quantized_layout(
+          t["format"], rows, int(np.prod(t["shape"])) // max(rows, 1))
+      data = raw[:data_dtype.itemsize * int(np.prod(data_shape))].view(data_dtype)
+      scales = raw[t["scales_offset"]:].view(scales_dtype)
+      return QuantizedMatrix(data.reshape(data_shape), scales.reshape(t["scales_shape"]),
+                             t["format"], tuple(t["shape"]), t["out_axes"])
     return raw.view(storage_dtype(t["dtype"])).reshape(t["shape"])
+
+  def dense_formats(self) -> dict[str, int]:
+    """How many dense tensors each format holds: ``{"bfloat16": n, "mxfp4": m, ...}``."""
+    counts: dict[str, int] = {}
+    for t in self.index["tensors"].values():
+      fmt = t.get("format", t["dtype"])
+      counts[fmt] = counts.get(fmt, 0) + 1
+    return counts
 
   def tensor_names(self) -> list[str]:
     return list(self.index["tensors"])

@@ -29,6 +29,10 @@ and ``gate_up_proj_scales`` [E, 2F, D/32] (rows are outputs, [out, in] like ftja
 and up interleaved by row: gate = rows 2f, up = rows 2f + 1), ``down_proj_blocks``
 [E, D, F/32, 16] and ``down_proj_scales`` [E, D, F/32]. They are kept as they are (codes and
 E8M0 scales, never expanded to floats) in an FTW ``mxfp4`` bank (``ftjax.utils.quant``).
+
+Block-scaled FP8 checkpoints (``quant_method == "fp8"``: Qwen, DeepSeek, MiniMax, Kimi) are read
+through ``ftjax.formats.fp8``: each e4m3 weight is dequantised to float32 with its
+``weight_scale_inv`` block scales as it is read, then stored like any float weight.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from ftjax.formats import ftw
+from ftjax.formats import fp8, ftw
 from ftjax.formats.safetensors import SafetensorsFile
 from ftjax.model.config import ModelConfig
 from ftjax.model.transformer import abstract_params
@@ -367,17 +371,20 @@ def _with_mtp_layers(config: ModelConfig, found: int, hf_dir: str) -> ModelConfi
 
 
 def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16",
-               *, expert_dtype: str | None = None, overwrite: bool = False,
-               show_progress: bool = True) -> str:
+               *, expert_dtype: str | None = None, dense_dtype: str | None = None,
+               overwrite: bool = False, show_progress: bool = True) -> str:
   """Converts a Hugging Face MoE checkpoint directory to an FTW directory; returns its path.
 
   ``dtype`` is the storage dtype of the dense tensors, ``expert_dtype`` the routed experts'
   format (default ``dtype``, or ``"mxfp4"`` for a checkpoint with MXFP4 experts): ``"int8"``
   quantises them symmetrically per output channel with float32 scales
   (``ftjax.utils.quant``), from whatever float dtype the checkpoint has; ``"mxfp4"`` keeps
-  gpt-oss's MXFP4 experts as shipped, or quantises float experts of a model with expert
-  biases (gpt-oss) to it: per block of 32 inputs the smallest power-of-two scale that fits
-  E2M1's 6, each weight rounded to the nearest E2M1 value (``quant.quantize_mxfp4``).
+  gpt-oss's MXFP4 experts as shipped, or quantises float experts (any family) to it: per
+  block of 32 inputs the smallest power-of-two scale that fits E2M1's 6, each weight rounded
+  to the nearest E2M1 value (``quant.quantize_mxfp4``). ``dense_dtype`` (``ftw.DENSE_DTYPES``:
+  ``"int8"``, ``"mxfp4"`` or the ``"mixed4"`` preset) quantises the dense matrices outside the
+  experts (``ftw.dense_format`` says which get what; docs/ftw.md, "Dense formats"); a matrix
+  that cannot take the format asked for is named on stderr with the one it got.
 
   Writes into a temporary directory next to ``out_dir`` and renames it at the end, so an
   interrupted conversion never leaves a half-written model and never touches other files.
@@ -388,6 +395,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   ftw.storage_dtype(dtype)  # validates the names
   if expert_dtype is not None:
     ftw.expert_storage_dtype(expert_dtype)
+  ftw.dense_format(dense_dtype, "", (), False)  # validates the name
   config = ModelConfig.from_hf_dir(hf_dir)
   if os.path.exists(out_dir):
     if not (overwrite and ftw.is_ftw_dir(out_dir)):
@@ -403,10 +411,12 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   # MXFP4 experts are their *_blocks tensors (a checkpoint that transformers dequantised may
   # keep quant_method "mxfp4" in its config, with float experts).
   mxfp4 = any(_MXFP4_RE.match(_strip(n)) for st in shards for n in st.keys())
-  if quant not in (None, "mxfp4") or (quant is None and mxfp4):
+  if quant not in (None, "mxfp4", "fp8") or (quant != "mxfp4" and mxfp4):
     raise ConversionError(f"{hf_dir}: quantization_config.quant_method={quant!r} with "
                           f"{'MXFP4 *_blocks' if mxfp4 else 'these'} tensors: ftjax reads float "
-                          "checkpoints and gpt-oss's MXFP4 (quant_method 'mxfp4')")
+                          "checkpoints, block-scaled FP8 (quant_method 'fp8') and gpt-oss's "
+                          "MXFP4 (quant_method 'mxfp4')")
+  shards = fp8.dequantising_shards(hf_dir, hf_config, shards)  # FP8 weights read as float32
   if mxfp4:
     if expert_dtype not in (None, "mxfp4"):
       raise ConversionError(
@@ -423,7 +433,8 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   os.makedirs(parent, exist_ok=True)
   tmp_dir = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".partial-", dir=parent)
   try:
-    writer = ftw.FTWWriter(tmp_dir, config, dtype, source, expert_format=expert_dtype)
+    writer = ftw.FTWWriter(tmp_dir, config, dtype, source, expert_format=expert_dtype,
+                           dense_dtype=dense_dtype)
     total_bytes = sum(st.nbytes(n) for st in shards for n in st.keys())
     shard_of = {n: st for st in shards for n in st.keys()}
 
@@ -459,6 +470,8 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
     if missing:
       raise ConversionError(f"the checkpoint is missing tensors {missing[:5]}"
                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    for name, why in writer.dense_notes.items():
+      print(f"ftjax.convert: {name}: {why}", file=sys.stderr)
     writer.close()
     for name in TOKENIZER_FILES:
       src = os.path.join(hf_dir, name)

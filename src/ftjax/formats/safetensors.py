@@ -1,4 +1,4 @@
-"""A minimal, streaming safetensors reader (numpy memmap; bfloat16 via ml_dtypes).
+"""A minimal, streaming safetensors reader (numpy memmap; bfloat16 and float8 via ml_dtypes).
 
 Format: 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the
@@ -20,6 +20,11 @@ _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_,
+    # float8: block-scaled FP8 checkpoints (ftjax.formats.fp8) ship e4m3 weights; E5M2 and
+    # E8M0 (power-of-two scales) are read so that the converter can name them when it
+    # refuses them.
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
 }
 
 
@@ -58,6 +63,10 @@ class SafetensorsFile:
 
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self.entries[name]["shape"])
+
+  def dtype(self, name: str) -> str:
+    """The tensor's safetensors dtype name (``"BF16"``, ``"F8_E4M3"``, ...)."""
+    return self.entries[name]["dtype"]
 
   def nbytes(self, name: str) -> int:
     begin, end = self.entries[name]["data_offsets"]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.kernels._registration import require, shape_and_dtype
+from ftjax.utils.dense_quant import QuantizedMatrix
 
 _WEIGHT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 
@@ -28,7 +29,11 @@ def dense(x, w, *, bf16_activations=False):
 
   Args:
     x: [..., C] float32; leading dimensions are flattened into T rows.
-    w: [O, C] bfloat16 or float32, [out, in] (may be traced; never closed over).
+    w: [O, C] bfloat16 or float32, [out, in] (may be traced; never closed over); or a
+      ``QuantizedMatrix`` (int8 rows with float32 scales, or mxfp4: ``ftjax.utils.dense_quant``)
+      of C inputs, which the op ``ftjax_dense_quantized`` reads as stored (int8 widened exactly
+      to float32 and each output scaled once; mxfp4 codes decoded times their scale, exact):
+      the result is that of the dequantised weights to float32 rounding.
     bf16_activations: for bf16 w on a CPU with AVX-512-BF16, round x to bf16 and multiply
       with vdpbf16ps (twice the multiply-add rate for many rows; relative error ~1e-2 of
       max|y|). When False (the default) the products are exact, to ~1e-5.
@@ -42,6 +47,8 @@ def dense(x, w, *, bf16_activations=False):
   Under jax.vmap with w unbatched, the batch joins the rows of one call; with w batched the
   calls run one after the other.
   """
+  if isinstance(w, QuantizedMatrix):
+    return _dense_quantized(x, w, bf16_activations)
   x_shape, x_dtype = shape_and_dtype("x", x)
   w_shape, w_dtype = shape_and_dtype("w", w)
   if len(x_shape) < 1:
@@ -65,33 +72,61 @@ def dense(x, w, *, bf16_activations=False):
   return jnp.reshape(y_to, (*x_shape[:-1], w_shape[0]))
 
 
-def _call(x_tc, w_oc, bf16_activations):
-  call = jax.ffi.ffi_call(
-    "ftjax_dense",
-    jax.ShapeDtypeStruct((x_tc.shape[0], w_oc.shape[0]), jnp.float32),
-    vmap_method="sequential",
-  )
-  return call(x_tc, w_oc, bf16_activations=bf16_activations)
+def _dense_quantized(x, w: QuantizedMatrix, bf16_activations):
+  x_shape, x_dtype = shape_and_dtype("x", x)
+  if len(x_shape) < 1 or x_dtype != np.float32:
+    raise ValueError(f"x must be float32 [..., C], got {x_dtype} of shape {x_shape}")
+  if x_shape[-1] != w.cols:
+    raise ValueError(f"x's last dimension {x_shape[-1]} is not the {w.cols} inputs of the "
+                     f"quantised weight of shape {w.shape}")
+  if not isinstance(bf16_activations, (bool, np.bool_)):
+    raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
+  want = ({"data": (np.int8, (w.rows, w.cols)), "scales": (np.float32, (w.rows,))}
+          if w.format == "int8" else
+          {"data": (np.uint8, (w.rows, w.cols // 2)), "scales": (np.uint8, (w.rows, w.cols // 32))})
+  for name, (dtype, shape) in want.items():
+    got_shape, got_dtype = shape_and_dtype(name, getattr(w, name))
+    if got_dtype != np.dtype(dtype) or tuple(got_shape) != shape:
+      raise ValueError(f"a {w.format} weight's {name} must be {np.dtype(dtype)} {shape}, got "
+                       f"{got_dtype} {tuple(got_shape)}")
+  T = math.prod(x_shape[:-1])
+  require("dense")
+  # bf16_activations applies to bf16 weights only: quantised weights always multiply float32
+  # activations (the exact path).
+  y = _batchable_call(False)(jnp.reshape(x, (T, w.cols)), w.data, w.scales)
+  return jnp.reshape(y, (*x_shape[:-1], w.rows))
+
+
+def _call(x_tc, w, bf16_activations):
+  """The op on x [T, C] and the weight's arrays ``w``: (w [O, C],) for ``ftjax_dense``,
+  (data, scales) for ``ftjax_dense_quantized``."""
+  out = jax.ShapeDtypeStruct((x_tc.shape[0], w[0].shape[0]), jnp.float32)
+  if len(w) == 2:
+    return jax.ffi.ffi_call("ftjax_dense_quantized", out, vmap_method="sequential")(x_tc, *w)
+  return jax.ffi.ffi_call("ftjax_dense", out, vmap_method="sequential")(
+      x_tc, *w, bf16_activations=bf16_activations)
 
 
 @functools.cache
 def _batchable_call(bf16_activations):
-  """The op, with a vmap rule: with w unbatched the batch joins the token rows of one call;
-  with w batched the calls run one after the other."""
+  """The op, with a vmap rule: with the weight unbatched the batch joins the token rows of one
+  call; with it batched the calls run one after the other."""
 
   @jax.custom_batching.custom_vmap
-  def dense_2d(x_tc, w_oc):
-    return _call(x_tc, w_oc, bf16_activations)
+  def dense_2d(x_tc, *w):
+    return _call(x_tc, w, bf16_activations)
 
   @dense_2d.def_vmap
-  def dense_2d_vmap(axis_size, in_batched, x_btc, w_oc):
-    x_batched, w_batched = in_batched
+  def dense_2d_vmap(axis_size, in_batched, x_btc, *w):
+    x_batched, w_batched = in_batched[0], any(in_batched[1:])
     if not w_batched:
       B, T, C = x_btc.shape
-      y = dense_2d(jnp.reshape(x_btc, (B * T, C)), w_oc)
-      return jnp.reshape(y, (B, T, w_oc.shape[-2])), True
+      y = dense_2d(jnp.reshape(x_btc, (B * T, C)), *w)
+      return jnp.reshape(y, (B, T, w[0].shape[0])), True
     if not x_batched:
       x_btc = jnp.broadcast_to(x_btc, (axis_size, *x_btc.shape))
-    return jax.lax.map(lambda xw: dense_2d(*xw), (x_btc, w_oc)), True
+    w = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+              for a, b in zip(w, in_batched[1:]))
+    return jax.lax.map(lambda xw: dense_2d(xw[0], *xw[1]), (x_btc, w)), True
 
   return dense_2d

@@ -15,8 +15,8 @@ result is that of the dequantised weights to float32 rounding; a decode call rea
 of the bytes of a float32 bank. int8_activations=True (opt-in, AVX-512-VNNI CPUs) quantises the
 activations to int8 too and multiplies with vpdpbusd. An mxfp4 bank (uint8, the FTW expert
 format "mxfp4", gpt-oss's MXFP4 as shipped: ftjax.utils.quant) holds 4-bit E2M1 codes with an
-E8M0 scale per 32 inputs, then float32 biases; it needs the variant with bias=True, F and D
-multiples of 32 and P a multiple of 64 bytes. The kernel decodes the codes times their scale
+E8M0 scale per 32 inputs, then float32 biases for a variant with bias=True (none without:
+every family but gpt-oss); F and D must be multiples of 32 and P a multiple of 64 bytes. The kernel decodes the codes times their scale
 (exact in float32) and multiplies in float32: the result is that of the dequantised weights,
 and a decode call reads the 4.25-bit bytes. With int8_activations=True (opt-in, any x86 CPU) a
 decode call (T <= 8) quantises the activations per block of 32 inputs instead (llama.cpp's
@@ -194,16 +194,14 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
 
 
 def _check_mxfp4(P, ffn_dim, D, variant):
-  if not variant.bias:
-    raise ValueError("an mxfp4 bank (uint8) carries the gpt-oss expert biases: pass the variant "
-                     "with bias=True (ExpertVariant('clamped_swiglu', bias=True))")
   if ffn_dim % MXFP4_BLOCK or D % MXFP4_BLOCK:
     raise ValueError(f"an mxfp4 bank needs ffn_dim and D to be multiples of {MXFP4_BLOCK}, got "
                      f"ffn_dim = {ffn_dim}, D = {D}")
-  need = mxfp4_block_bytes(ffn_dim, D)
+  need = mxfp4_block_bytes(ffn_dim, D, variant.bias)
   if P < need:
     raise ValueError(f"mxfp4 bank's last dimension P = {P} is smaller than the {need} bytes of "
-                     f"an mxfp4 block (F = {ffn_dim}, D = {D}: codes, scales, float32 biases)")
+                     f"an mxfp4 block (F = {ffn_dim}, D = {D}: codes, scales"
+                     f"{', float32 biases' if variant.bias else ''})")
   if P % MXFP4_ALIGNMENT:
     raise ValueError(f"mxfp4 bank's last dimension P = {P} must be a multiple of "
                      f"{MXFP4_ALIGNMENT} bytes; pad the blocks with zeros")

@@ -20,6 +20,8 @@ from ftjax.kernels import attention, dense
 from ftjax.model.config import Yarn
 from ftjax.model.moe import RoutedExperts
 from ftjax.model.router import route
+from ftjax.utils.arrays import take
+from ftjax.utils.dense_quant import QuantizedMatrix
 
 _INIT_STD = 0.02
 # The kernels switch's values that run ftjax's host kernels (the others: "xla").
@@ -30,8 +32,33 @@ def normal_param(rngs: nnx.Rngs, shape, dtype):
   return nnx.Param((_INIT_STD * jax.random.normal(rngs.params(), shape)).astype(dtype))
 
 
+def embed_rows(table: nnx.Param, tokens: jax.Array) -> jax.Array:
+  """The float32 embedding rows of ``tokens`` from a table ``[V, D]``: gathered (and a
+  quantised table's rows dequantised), never the whole table converted."""
+  value = table.get_value()
+  if isinstance(value, QuantizedMatrix):
+    # As utils.arrays.take: tied to the tokens, the gather is never hoisted out of a loop.
+    value, ids = jax.lax.optimization_barrier((value, tokens))
+    return value.take_rows(ids)
+  return take(table[...], tokens).astype(jnp.float32)
+
+
 def f32(p: nnx.Param) -> jax.Array:
   return p[...].astype(jnp.float32)
+
+
+# The weights ``linear`` multiplies, by parameter name (the last part of its path), with their
+# leading output axes: the matrices a converter may quantise (``--dense_dtype``;
+# ``ftjax.utils.dense_quant``). Routers (``w_router_ed``: routing decisions, 0.1% of a layer's
+# bytes) stay in the storage dtype, as do norms, biases, convolutions and the embedding (its
+# rows are gathered, not multiplied; ``embed_rows``), unless tied to the lm_head.
+LINEAR_OUT_AXES = {
+    "w_q_had": 2, "w_gate_had": 2, "w_k_gad": 2, "w_v_gad": 2, "w_o_dha": 1,  # attention
+    "w_gate_id": 1, "w_up_id": 1, "w_down_di": 1,  # shared experts (dense MLPs)
+    "w_qkv_xd": 1, "w_z_myd": 2, "w_b_md": 1, "w_a_md": 1, "w_out_dmy": 1,  # Gated DeltaNet
+    "w_fc_dx": 1,  # the MTP head's projection
+    "w_lm_vd": 1, "embed_vd": 1,  # lm_head (the embedding when tied)
+}
 
 
 def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Array:
@@ -39,7 +66,23 @@ def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Ar
   output axes, like torch's Linear), as the matrix ``[O, C]`` (O outputs, C contracted
   inputs). ``kernels="ffi"`` runs ftjax's host GEMV/GEMM kernel (bfloat16 weights are read
   as stored and widened exactly), ``"ffi_bf16"`` the same kernel with activations rounded to
-  bfloat16 (``vdpbf16ps``: faster prefill, ~1e-2 relative error), ``"xla"`` a float32 einsum."""
+  bfloat16 (``vdpbf16ps``: faster prefill, ~1e-2 relative error), ``"xla"`` a float32 einsum.
+  A quantised weight (``QuantizedMatrix``: int8 or mxfp4) runs its own host kernel under every
+  ``ffi*`` value (float32 activations, exact to the dequantised weights), and is dequantised
+  to float32 under ``"xla"``."""
+  value = w.get_value()
+  if isinstance(value, QuantizedMatrix):
+    if value.out_axes != out_axes:
+      raise ValueError(f"a quantised weight of shape {value.shape} has {value.out_axes} output "
+                       f"axes, but this layer multiplies it with {out_axes}")
+    x2 = x.reshape(*x.shape[:x.ndim - (len(value.shape) - out_axes)], value.cols)
+    if kernels in FFI_KERNELS:
+      y = dense(x2.astype(jnp.float32), value)
+    elif kernels == "xla":
+      y = jnp.einsum("...C,OC->...O", x2, value.dequantize().reshape(value.rows, value.cols))
+    else:
+      raise ValueError(f"kernels must be 'xla', 'ffi', 'ffi_bf16' or 'ffi_int8', got {kernels!r}")
+    return y.reshape(*x2.shape[:-1], *value.shape[:out_axes])
   w = w[...]
   out_shape, in_shape = w.shape[:out_axes], w.shape[out_axes:]
   n_in = int(np.prod(in_shape))

@@ -18,7 +18,8 @@ from flax import struct
 
 from ftjax.model.config import ModelConfig
 from ftjax.model.deltanet import GatedDeltaNet, LinearState
-from ftjax.model.layers import Attention, KVCache, MoE, RMSNorm, normal_param, linear
+from ftjax.model.layers import (Attention, KVCache, MoE, RMSNorm, embed_rows, linear,
+                                normal_param)
 from ftjax.model.moe import RoutedExperts
 from ftjax.utils.arrays import take
 
@@ -185,7 +186,7 @@ class Transformer(nnx.Module):
                        "ships no mtp.* tensors; speculative decoding with MTP needs a Qwen3-Next "
                        "or Qwen3.5-MoE checkpoint that has them")
     head = self.mtp
-    e = head.embed_norm(take(self.embed_vd[...], tokens).astype(jnp.float32))
+    e = head.embed_norm(embed_rows(self.embed_vd, tokens))
     z = linear(jnp.concatenate([e, head.hidden_norm(hidden)], axis=-1), head.w_fc_dx, 1,
                kernels=kernels)
     j = depth % len(head.layers)
@@ -252,7 +253,7 @@ class Transformer(nnx.Module):
     t = tokens.shape[1]
     if jnp.ndim(state.length) and t != 1:
       raise ValueError(f"a state with one length per sequence steps one token each, got {t}")
-    x = take(self.embed_vd[...], tokens).astype(jnp.float32)  # [B, T, D]
+    x = embed_rows(self.embed_vd, tokens)  # [B, T, D]
     valid = None
     if num_valid is not None:
       valid = jnp.broadcast_to(jnp.arange(t) < num_valid, tokens.shape)  # [B, T]

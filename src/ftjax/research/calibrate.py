@@ -47,12 +47,12 @@ def hardware_profile(measured: dict[str, Any], name: str, *, layer_overhead_s: f
 def calibration_model(shape: ExpertShape, num_layers: int = 2, seed: int = 0):
   """A small random model with ``shape``'s experts, to calibrate overheads without a real
   one: ``num_layers`` layers of max(4·top_k, 16) experts, vocabulary 1024, heads of 64. int8
-  and mxfp4 experts: a bfloat16 model whose experts are then quantised (mxfp4: with gpt-oss's
-  expert biases and clamped SwiGLU, which its blocks always carry)."""
+  and mxfp4 experts: a bfloat16 model whose experts are then quantised (with gpt-oss's expert
+  biases and clamped SwiGLU where ``shape.has_bias``: mxfp4 by default)."""
   quantised = shape.dtype in ("int8", "mxfp4")
   dense = "bfloat16" if quantised else shape.dtype
   gpt_oss_experts = dict(expert_activation="clamped_swiglu", expert_bias=True) if (
-      shape.dtype == "mxfp4") else {}
+      shape.has_bias) else {}
   head_dim = min(64, shape.hidden)
   heads = max(1, shape.hidden // head_dim)
   config = ModelConfig(

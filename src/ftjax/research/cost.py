@@ -234,11 +234,11 @@ class ModelShape:
   def expert_bytes(self) -> int:
     """Bytes of one routed expert: gate [F, D], up [F, D], down [D, F] (and with
     ``expert_bias`` their biases [F], [F], [D]; int8: plus their float32 row scales; mxfp4:
-    4-bit codes, an E8M0 scale per 32 inputs and float32 biases)."""
+    4-bit codes, an E8M0 scale per 32 inputs and with ``expert_bias`` float32 biases)."""
     if self.expert_format == "int8":
       return quant.int8_block_bytes(self.expert_ffn, self.hidden)
     if self.expert_format == "mxfp4":
-      return quant.mxfp4_block_bytes(self.expert_ffn, self.hidden)
+      return quant.mxfp4_block_bytes(self.expert_ffn, self.hidden, self.expert_bias)
     bias = 2 * self.expert_ffn + self.hidden if self.expert_bias else 0
     return (3 * self.hidden * self.expert_ffn + bias) * self.bytes_per_param
 

@@ -37,7 +37,7 @@ from ftjax.runtime.kv import Chunk, KVLayout
 from ftjax.runtime.options import RuntimeOptions
 from ftjax.runtime.model import Model
 from ftjax.runtime.placement import expert_mesh, resolve_pool, shard_params
-from ftjax.runtime.profile import ExpertShape, load_profile
+from ftjax.runtime.profile import ExpertShape, expert_shape_bias, load_profile
 from ftjax.runtime.programs import Programs, Runner, expert_variant, return_free_heap
 from ftjax.runtime.sampling import Sampling
 
@@ -298,7 +298,7 @@ class Engine:
       c = self.model.config
       prof = self._profile = load_profile(
           o.profile, ExpertShape(c.hidden_size, c.moe_intermediate_size, self.model.expert_format,
-                                 c.top_k))
+                                 c.top_k, bias=expert_shape_bias(c, self.model.expert_format)))
       # Measured concurrently: B_P while the host kernel runs, and the host kernel's residual
       # bandwidth B_res while a fill runs, so B_H = B_P + B_res (DESIGN section 2).
       conc = prof["concurrent"]

@@ -1,5 +1,5 @@
 """KV sizing: how large a decode state is, which capacities it can have, and how a context is
-read in fixed-size chunks.
+read in chunks of a few fixed sizes.
 
 Programs are compiled per KV capacity, and a state's KV buffer is addressed with its length, so
 its capacity is not its context's. ``KVLayout`` (frozen, built once per engine by
@@ -8,7 +8,8 @@ its capacity is not its context's. ``KVLayout`` (frozen, built once per engine b
 * ``kv_capacities``: the capacities a state can have. ``kv_growth="max"``: one buffer of the
   whole context limit; ``"grow"``: 4096 rows, grown 4x (a compiled copy) up to the limit;
 * ``chunk_sizes``: the chunk sizes of a prefill (the largest and its quarters down to 16);
-* ``plan_chunks``: how ``n`` tokens after a held prefix are read, chunk by chunk;
+* ``plan_chunks``: how ``n`` tokens after a held prefix are read, chunk by chunk, in the plan
+  of least modelled cost (``plan_sizes``) among those sizes;
 * ``state_bytes``: the bytes of a decode state of ``batch`` rows at a capacity (the memory
   budget's unit).
 
@@ -19,6 +20,7 @@ from these sizes (``ftjax.runtime.executor``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -31,6 +33,18 @@ KV_GROWTHS = ("auto", "max", "grow")
 MIN_KV_ROWS = 4096  # the smallest KV capacity of a state that grows (by 4x)
 MIN_CHUNK = 16  # the smallest prefill chunk size
 KV_MAX_AUTO_BYTES = 64 << 20  # kv_growth="auto": one buffer of the whole context up to this
+# The fixed cost of one prefill chunk, in padded token slots (``plan_sizes``). A chunk of ``size``
+# slots holding ``tokens`` tokens costs about a + b * size + beta * tokens: a, each program's
+# fixed work (the LM head, the weights a chunk reads that its compute does not hide, the
+# dispatch); b, a slot's dense work (projections, attention), which padding pays too (it gets
+# no expert route); beta, a real token's expert work, the same in every plan. Measured, one
+# extend program at each size full and a quarter full (2-core Xeon, bf16, KV capacity 4112):
+# the 4-layer Qwen3-30B-A3B-shaped bench model, a = 46 ms and b = 0.55 ms a slot between the
+# 256- and 1024-chunks (a/b = 83), small chunks dearer (a 16-chunk 98 ms: weight reads); the
+# default model, a = 0-1.8 ms and b = 0.033-0.043 ms (a/b up to 40). Over prompts of 1-4096
+# tokens, costed by those measurements, 64 brings both models' plans within 1.01x (bench) and
+# 1.04x (default) of the least measured cost on average (the old plans, 1.02x and 1.09x).
+CHUNK_OVERHEAD = 64
 
 
 class ContextLengthError(ValueError):
@@ -79,6 +93,51 @@ def split_tokens(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
   return out
 
 
+def plan_sizes(n: int, sizes: Sequence[int],
+               overhead: float = CHUNK_OVERHEAD) -> list[tuple[int, int]]:
+  """``n`` tokens as (tokens, size) chunks of ``sizes`` (largest first) in the plan of least
+  modelled cost: a chunk costs ``overhead + size`` (in padded token slots, ``CHUNK_OVERHEAD``;
+  its real tokens' expert work is the same in every plan). Whole chunks of the largest size
+  while at least twice it remains, then the least-cost plan of the rest (``_first_sizes``);
+  only the last chunk is padded. With sizes that divide each other (``chunk_sizes`` of a
+  power of 4 times 16) no plan of ``n`` tokens costs less, and none costs more than
+  ``split_tokens``'. 697 tokens in (1024, 256, 64, 16): three 256-chunks (71 slots of
+  padding), not one 1024-chunk (327): costed by ``CHUNK_OVERHEAD``'s per-chunk measurements,
+  0.79 s instead of 0.84 s on the bench model; measured end to end (``generate_timed``'s
+  prefill, median of 14) on the default model, 49 ms instead of 55 ms."""
+  out = []
+  while n > 0:
+    out.append(first_chunk(n, sizes, overhead))
+    n -= out[-1][0]
+  return out
+
+
+def first_chunk(n: int, sizes: Sequence[int],
+                overhead: float = CHUNK_OVERHEAD) -> tuple[int, int]:
+  """The first (tokens, size) chunk of ``plan_sizes(n, sizes, overhead)``, in constant time."""
+  first = _first_sizes(tuple(sizes), float(overhead))
+  size = sizes[0] if n >= len(first) else first[n]
+  return min(n, size), size
+
+
+@functools.lru_cache(maxsize=64)
+def _first_sizes(sizes: tuple[int, ...], overhead: float) -> tuple[int, ...]:
+  """For each length r below twice the largest size, the first chunk's size in a least-cost
+  plan of r tokens (``plan_sizes``' cost; index 0 unused): a table of 2 * sizes[0] entries,
+  computed once per sizes and overhead. Ties keep the larger chunk first."""
+  top = 2 * sizes[0]
+  cost = [0.0] * top
+  first = [0] * top
+  for r in range(1, top):
+    best = None
+    for size in sizes:  # largest first
+      c = overhead + size + cost[max(r - size, 0)]
+      if best is None or c < best:
+        best, first[r] = c, size
+    cost[r] = best
+  return tuple(first)
+
+
 def state_bytes(config, batch: int, capacity: int, kv_dtype: str = "float32") -> int:
   """Bytes of a decode state: KV caches of the attention layers (in ``kv_dtype``), conv and
   recurrent state of the Gated DeltaNet layers (float32)."""
@@ -100,13 +159,17 @@ class KVLayout:
   kv_growth: str  # "max" or "grow" (resolved)
   chunk_sizes: tuple[int, ...]  # largest first
   kv_capacities: tuple[int, ...]  # ascending
+  chunk_overhead: float = CHUNK_OVERHEAD  # a chunk's fixed cost in padded slots (plan_sizes)
 
   @classmethod
   def make(cls, config: ModelConfig, *, kv_dtype: str, max_seq_len: int, kv_growth: str,
-           prefill_chunk: int, shares_budget: bool) -> "KVLayout":
+           prefill_chunk: int, shares_budget: bool,
+           chunk_overhead: float | None = None) -> "KVLayout":
     """The layout of ``RuntimeOptions``' KV fields. ``kv_growth="auto"``: "max" when one buffer
     of the whole context (with the recurrent states) takes at most 64 MiB and no device budget
-    is shared with it (``shares_budget``), else "grow"."""
+    is shared with it (``shares_budget``), else "grow". ``chunk_overhead`` (None:
+    ``CHUNK_OVERHEAD``): a prefill chunk's fixed cost in padded slots, which ``plan_chunks``
+    weighs against padding."""
     if kv_growth == "auto":
       small = state_bytes(config, 1, max_seq_len + MIN_CHUNK, kv_dtype) <= KV_MAX_AUTO_BYTES
       kv_growth = "max" if small and not shares_budget else "grow"
@@ -123,8 +186,13 @@ class KVLayout:
     if kv_growth == "grow":  # 4096, 16384, ... while the next still fits, then the limit
       capacities = [MIN_KV_ROWS << 2 * i for i in range(32) if MIN_KV_ROWS << 2 * i + 1 <= top]
       capacities.append(top)
+    if chunk_overhead is None:
+      chunk_overhead = CHUNK_OVERHEAD
+    if not chunk_overhead >= 0:
+      raise ValueError(f"chunk_overhead must be >= 0, got {chunk_overhead}")
     return cls(config=config, kv_dtype=kv_dtype, max_seq_len=max_seq_len, kv_growth=kv_growth,
-               chunk_sizes=sizes, kv_capacities=tuple(capacities))
+               chunk_sizes=sizes, kv_capacities=tuple(capacities),
+               chunk_overhead=float(chunk_overhead))
 
   def capacity(self, rows: int) -> int:
     """The KV capacity of a state that must hold ``rows`` rows: the smallest of
@@ -161,22 +229,23 @@ class KVLayout:
 
   def plan_chunks(self, start: int, n: int, anchors_at: Sequence[int] = (),
                   anchor_slots: int = 0) -> list[Chunk]:
-    """How ``n`` tokens after ``start`` held tokens are read: chunks of ``chunk_sizes``
-    (``split_tokens``), each with the ``anchors_at`` positions (counted in the ``n`` tokens,
-    ascending) that fall in it. A chunk holds at most ``anchor_slots`` of them (0: none are
-    taken): one that would hold more ends before the next. Near the context limit the last
-    chunks take the smallest size, so that no chunk's padding runs past the KV buffer."""
+    """How ``n`` tokens after ``start`` held tokens are read: chunks of ``chunk_sizes`` in the
+    plan of least modelled cost (``plan_sizes`` at ``chunk_overhead``), each with the
+    ``anchors_at`` positions (counted in the ``n`` tokens, ascending) that fall in it. A chunk
+    holds at most ``anchor_slots`` of them (0: none are taken): one that would hold more ends
+    before the next, in the first chunk of the least-cost plan up to it. No chunk's padding
+    runs past the KV buffer: near the context limit a chunk takes only the sizes that fit
+    (the smallest always does)."""
     limit = self.kv_capacities[-1]
     out: list[Chunk] = []
     begin = 0
     while begin < n:
-      tokens, size = split_tokens(n - begin, self.chunk_sizes)[0]
+      room = limit - start - begin
+      sizes = [size for size in self.chunk_sizes if size <= room] or self.chunk_sizes[-1:]
+      tokens, size = first_chunk(n - begin, sizes, self.chunk_overhead)
       inside = [p - begin for p in anchors_at if begin <= p < begin + tokens]
       if anchor_slots and len(inside) > anchor_slots:
-        tokens, size = split_tokens(inside[anchor_slots], self.chunk_sizes)[0]
-      if start + begin + size > limit:
-        size = self.chunk_sizes[-1]
-        tokens = min(tokens, size)
+        tokens, size = first_chunk(inside[anchor_slots], sizes, self.chunk_overhead)
       inside = [p for p in inside if p < tokens]
       out.append(Chunk(begin=begin, tokens=tokens, size=size,
                        anchors=tuple(inside) if anchor_slots else ()))

@@ -16,9 +16,11 @@ from ftjax.assets import EMBEDDED_MODELS
 from ftjax.formats import ftw
 from ftjax.formats.hf import cached_conversion
 from ftjax.model.config import ModelConfig
+from ftjax.model.layers import LINEAR_OUT_AXES
 from ftjax.model.transformer import Transformer, param_name
 from ftjax.runtime.programs import available_host_bytes
-from ftjax.utils import quant
+from ftjax.utils import dense_quant, quant
+from ftjax.utils.dense_quant import QuantizedMatrix
 from ftjax.utils.progress import Progress
 
 
@@ -40,8 +42,17 @@ class Model:
   def dtype(self) -> np.dtype:
     """The storage dtype of the dense weights (and of the experts unless they are quantised)."""
     if self.expert_format in quant.QUANTISED_EXPERT_FORMATS:
-      return np.dtype(jax.tree.leaves(self.params)[0].dtype)
+      return np.dtype(leaf(self, "final_norm.scale").dtype)  # never quantised
     return np.dtype(self.bank.dtype)
+
+  @property
+  def dense_formats(self) -> dict[str, int]:
+    """How many dense parameters each format holds (``{"bfloat16": 50, "mxfp4": 24}``)."""
+    counts: dict[str, int] = {}
+    for value in _values(self).values():
+      fmt = value.format if isinstance(value, QuantizedMatrix) else str(np.dtype(value.dtype))
+      counts[fmt] = counts.get(fmt, 0) + 1
+    return counts
 
   @property
   def expert_format(self) -> str:
@@ -222,6 +233,9 @@ def with_mtp_head(model: Model, mtp_layers: int = 1, *, seed: int = 0) -> Model:
   c = model.config
   if c.mtp_layers:
     raise ValueError(f"this model has {c.mtp_layers} MTP layers already")
+  if set(model.dense_formats) & set(dense_quant.DENSE_FORMATS):
+    raise ValueError("a head is added to a model with float dense weights; this one's are "
+                     f"{model.dense_formats}: add the head first, then quantise")
   if model.expert_format in quant.QUANTISED_EXPERT_FORMATS:
     raise ValueError(f"a head is added to float experts; this model's are {model.expert_format}")
   config = dataclasses.replace(c, mtp_layers=mtp_layers)  # validates the family
@@ -238,7 +252,7 @@ def with_mtp_head(model: Model, mtp_layers: int = 1, *, seed: int = 0) -> Model:
 
 def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
   """The model with its routed experts quantised to ``expert_format`` (``"int8"``, or
-  ``"mxfp4"`` for a model with expert biases; docs/ftw.md, ``ftjax.utils.quant``) in memory,
+  ``"mxfp4"``; docs/ftw.md, ``ftjax.utils.quant``) in memory,
   dense weights unchanged: the bank that ``save(model, ..., expert_format=...)`` then ``load``
   gives."""
   if model.expert_format in quant.QUANTISED_EXPERT_FORMATS:
@@ -246,11 +260,9 @@ def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
   c = model.config
   f, d = c.moe_intermediate_size, c.hidden_size
   if expert_format == "mxfp4":
-    if not c.expert_bias:
-      raise ValueError("mxfp4 expert blocks end with the gpt-oss expert biases, which this model "
-                       "does not have: quantise it to int8")
-    bank = quant.quantize_mxfp4_bank(np.asarray(model.bank), f, d,
-                                     block_bytes=ftw.align(quant.mxfp4_block_bytes(f, d)))
+    bank = quant.quantize_mxfp4_bank(
+        np.asarray(model.bank), f, d, bias=c.expert_bias,
+        block_bytes=ftw.align(quant.mxfp4_block_bytes(f, d, c.expert_bias)))
   elif expert_format == "int8":
     bank = quant.quantize_bank(np.asarray(model.bank), f, d,
                                block_bytes=ftw.align(quant.int8_block_bytes(f, d)))
@@ -260,25 +272,55 @@ def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
                              else bank, path=None, storage=None)
 
 
-def leaf(model: Model, name: str) -> jax.Array:
-  """One parameter array by its FTW name (``layers.0.attn.w_q_had``)."""
+def quantize_dense(model: Model, dense_dtype: str) -> Model:
+  """The model with its dense weights quantised as ``--dense_dtype=dense_dtype`` writes them
+  (``ftw.dense_format``: int8, mxfp4, or the mixed4 preset) in memory, experts unchanged: the
+  parameters that ``save(model, ..., dense_dtype=...)`` then ``load`` gives."""
+  c = model.config
+  arrays = {}
+  for name, value in _values(model).items():
+    if isinstance(value, QuantizedMatrix):
+      raise ValueError(f"the model's dense weights are quantised already ({name} is "
+                       f"{value.format})")
+    fmt, _ = ftw.dense_format(dense_dtype, name, tuple(value.shape), c.tie_word_embeddings)
+    if fmt is None:
+      arrays[name] = value
+      continue
+    q = dense_quant.quantize(np.asarray(value), fmt, LINEAR_OUT_AXES[name.rsplit(".", 1)[-1]])
+    arrays[name] = jax.device_put(q)
+  return _assemble(c, arrays, model.bank, dtype=jnp.dtype(model.dtype), source=model.source)
+
+
+def _values(model: Model) -> dict[str, Any]:
+  return {param_name(p): v.get_value() for p, v in nnx.to_flat_state(model.params)}
+
+
+def leaf(model: Model, name: str) -> jax.Array | QuantizedMatrix:
+  """One parameter by its FTW name (``layers.0.attn.w_q_had``): an array, or a quantised
+  weight's ``QuantizedMatrix``."""
   for p, v in nnx.to_flat_state(model.params):
     if param_name(p) == name:
       return v.get_value()
   raise KeyError(name)
 
 
-def named_params(model: Model) -> dict[str, np.ndarray]:
-  return {param_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(model.params)}
+def named_params(model: Model) -> dict[str, np.ndarray | QuantizedMatrix]:
+  """Every parameter by its FTW name, as numpy arrays (a quantised weight: its
+  ``QuantizedMatrix`` of numpy arrays)."""
+  return {name: (dataclasses.replace(v, data=np.asarray(v.data), scales=np.asarray(v.scales))
+                 if isinstance(v, QuantizedMatrix) else np.asarray(v))
+          for name, v in _values(model).items()}
 
 
 def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
-         source: dict[str, Any] | None = None, expert_format: str | None = None) -> str:
+         source: dict[str, Any] | None = None, expert_format: str | None = None,
+         dense_dtype: str | None = None) -> str:
   """Writes a Model as an FTW directory (used for the default model and round-trip tests).
 
   ``dtype`` is the dense tensors' storage dtype; ``expert_format`` the bank's (default: the
   model's own; ``"int8"`` quantises float experts; int8 and mxfp4 experts are written as they
-  are and cannot be written back as floats)."""
+  are and cannot be written back as floats); ``dense_dtype`` quantises float dense weights
+  (``ftw.dense_format``; quantised ones are written as they are)."""
   dtype = dtype or str(model.dtype)
   quantised = model.expert_format in quant.QUANTISED_EXPERT_FORMATS
   expert_format = expert_format or (model.expert_format if quantised else dtype)
@@ -287,7 +329,7 @@ def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
                      f"{expert_format} (quantisation is one way): save with "
                      f"expert_format={model.expert_format!r}")
   writer = ftw.FTWWriter(out_dir, model.config, dtype, source or model.source or {},
-                         expert_format=expert_format)
+                         expert_format=expert_format, dense_dtype=dense_dtype)
   for name, value in named_params(model).items():
     writer.add_tensor(name, value)
   bank = np.asarray(model.bank)

@@ -60,6 +60,14 @@ class ExpertShape:
   ffn: int  # F
   dtype: str  # the bank's expert format: bfloat16, float32, int8 or mxfp4 (docs/ftw.md)
   top_k: int = 8
+  # Whether the experts carry biases (gpt-oss's, after an mxfp4 block's scales). None: the
+  # format's usual case, biases in mxfp4 blocks (gpt-oss, the family that ships MXFP4), none
+  # elsewhere; left out of the profile's key then, so profiles written before it still match.
+  bias: bool | None = None
+
+  @property
+  def has_bias(self) -> bool:
+    return self.dtype == "mxfp4" if self.bias is None else self.bias
 
   @property
   def block_elems(self) -> int:
@@ -68,12 +76,19 @@ class ExpertShape:
   @property
   def expert_bytes(self) -> int:
     """Bytes one expert's content takes (int8: weights and float32 row scales; mxfp4: codes,
-    E8M0 scales and the float32 biases it always carries)."""
+    E8M0 scales and any float32 biases)."""
     if self.dtype == "int8":
       return quant.int8_block_bytes(self.ffn, self.hidden)
     if self.dtype == "mxfp4":
-      return quant.mxfp4_block_bytes(self.ffn, self.hidden)
+      return quant.mxfp4_block_bytes(self.ffn, self.hidden, self.has_bias)
     return self.block_elems * ftw.storage_dtype(self.dtype).itemsize
+
+
+def expert_shape_bias(config, expert_format: str) -> bool | None:
+  """``ExpertShape.bias`` for a model: None where the format's usual case holds (so the
+  profile key stays the one written before the field existed), else the config's biases."""
+  usual = expert_format == "mxfp4"
+  return None if bool(config.expert_bias) == usual else bool(config.expert_bias)
 
 
 def _cpu_model() -> str:
@@ -90,7 +105,9 @@ def _cpu_model() -> str:
 def _profile_key(shape: ExpertShape) -> dict[str, Any]:
   device = jax.devices()[0]
   return {"host": socket.gethostname(), "cpu": _cpu_model(), "platform": device.platform,
-          "device": device.device_kind, "expert_shape": dataclasses.asdict(shape)}
+          "device": device.device_kind,
+          "expert_shape": {k: v for k, v in dataclasses.asdict(shape).items()
+                           if not (k == "bias" and v is None)}}
 
 
 def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0):
@@ -112,16 +129,16 @@ def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0):
     rows = 2 * shape.ffn + shape.hidden
     bank.view(np.uint8)[..., start:start + 4 * rows] = np.full(
         rows, 0.02 / 127, np.float32).view(np.uint8)
-  if shape.dtype == "mxfp4":  # scales 2^-7 (weights up to ~0.05), zero biases
+  if shape.dtype == "mxfp4":  # scales 2^-7 (weights up to ~0.05), zero biases (and padding)
     at = quant.mxfp4_offsets(shape.ffn, shape.hidden)
     bank[..., at["scales"]["gate"]:at["biases"]["gate"]] = 120
-    bank[..., at["biases"]["gate"]:at["biases"]["down"] + 4 * shape.hidden] = 0
+    bank[..., at["biases"]["gate"]:] = 0
   return jax.device_put(bank) if jax.default_backend() == "cpu" else bank
 
 
 def _variant(shape: ExpertShape) -> ExpertVariant:
-  """The expert function to measure: an mxfp4 block always holds gpt-oss's biases."""
-  return ExpertVariant("clamped_swiglu", bias=True) if shape.dtype == "mxfp4" else SWIGLU
+  """The expert function to measure: gpt-oss's where the blocks hold its biases."""
+  return ExpertVariant("clamped_swiglu", bias=True) if shape.has_bias else SWIGLU
 
 
 def _median_rate(fn: Callable[[], Any], nbytes: int, calls: int) -> float:

@@ -115,8 +115,10 @@ def quantize_bank(bank: np.ndarray, ffn_dim: int, width: int,
 # mxfp4 bank is, with ``S = align64(3·F·D/2)`` and ``B = S + align64(3·F·D/32)``:
 #   codes  gate [F, D/2] at 0, up [F, D/2] at F·D/2, down [D, F/2] at F·D;
 #   scales gate [F, D/32] at S, up [F, D/32] at S + F·D/32, down [D, F/32] at S + F·D/16;
-#   biases (float32) gate [F] at B, up [F] at B + 4·F, down [D] at B + 8·F;
-# then zero padding. F and D must be multiples of 32.
+#   biases (float32; only for experts with biases, gpt-oss's) gate [F] at B, up [F] at B + 4·F,
+#   down [D] at B + 8·F;
+# then zero padding. F and D must be multiples of 32. Experts without biases (every family but
+# gpt-oss) end at B: the same codes and scales, nothing after them.
 
 MXFP4_BLOCK = 32  # inputs per scale
 MXFP4_ALIGNMENT = 64
@@ -148,9 +150,12 @@ def mxfp4_offsets(ffn_dim: int, width: int) -> dict[str, dict[str, int]]:
           "biases": {"gate": biases, "up": biases + 4 * f, "down": biases + 8 * f}}
 
 
-def mxfp4_block_bytes(ffn_dim: int, width: int) -> int:
-  """Bytes of an mxfp4 block's content (codes, scales, float32 biases), before padding."""
+def mxfp4_block_bytes(ffn_dim: int, width: int, bias: bool = True) -> int:
+  """Bytes of an mxfp4 block's content (codes, scales, and with ``bias`` the float32 biases),
+  before padding."""
   check_mxfp4_shape(ffn_dim, width)
+  if not bias:
+    return mxfp4_offsets(ffn_dim, width)["biases"]["gate"]
   return mxfp4_offsets(ffn_dim, width)["biases"]["down"] + 4 * width
 
 
@@ -186,18 +191,19 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def quantize_mxfp4_bank(bank: np.ndarray, ffn_dim: int, width: int,
-                        block_bytes: int | None = None) -> np.ndarray:
-  """A float bank ``[L, E, P]`` with biases (blocks ``gate | up | down | gate_bias | up_bias |
-  down_bias``) as an mxfp4 bank ``[L, E, block_bytes]`` uint8 (default: the content rounded
-  up to 64), weights by ``quantize_mxfp4``, biases in float32."""
+                        block_bytes: int | None = None, bias: bool = True) -> np.ndarray:
+  """A float bank ``[L, E, P]`` (blocks ``gate | up | down``, then with ``bias`` ``gate_bias |
+  up_bias | down_bias``) as an mxfp4 bank ``[L, E, block_bytes]`` uint8 (default: the content
+  rounded up to 64), weights by ``quantize_mxfp4``, biases in float32."""
   bank = np.asarray(bank)
   f, d = ffn_dim, width
   fd = f * d
   at = mxfp4_offsets(f, d)
-  block_bytes = block_bytes or _align(mxfp4_block_bytes(f, d))
+  block_bytes = block_bytes or _align(mxfp4_block_bytes(f, d, bias))
   out = np.zeros((*bank.shape[:2], block_bytes), np.uint8)
   shapes = {"gate": (0, (f, d)), "up": (fd, (f, d)), "down": (2 * fd, (d, f))}
-  biases = {"gate": (3 * fd, f), "up": (3 * fd + f, f), "down": (3 * fd + 2 * f, d)}
+  biases = ({"gate": (3 * fd, f), "up": (3 * fd + f, f), "down": (3 * fd + 2 * f, d)}
+            if bias else {})
   for layer in range(bank.shape[0]):
     for expert in range(bank.shape[1]):
       block, dst = bank[layer, expert], out[layer, expert]
@@ -206,6 +212,6 @@ def quantize_mxfp4_bank(bank: np.ndarray, ffn_dim: int, width: int,
         dst[at["codes"][part]:at["codes"][part] + codes.size] = codes.ravel()
         dst[at["scales"][part]:at["scales"][part] + scales.size] = scales.ravel()
       for part, (start, n) in biases.items():
-        bias = block[start:start + n].astype(np.float32)
-        dst[at["biases"][part]:at["biases"][part] + 4 * n] = bias.view(np.uint8)
+        values = block[start:start + n].astype(np.float32)
+        dst[at["biases"][part]:at["biases"][part] + 4 * n] = values.view(np.uint8)
   return out
