@@ -159,7 +159,8 @@ class Engine:
     self.kv = KVLayout.make(model.config, kv_dtype=kv_dtype,
                             max_seq_len=opts.max_seq_len or model.config.max_position_embeddings,
                             kv_growth=opts.kv_growth, prefill_chunk=opts.prefill_chunk,
-                            shares_budget=opts.device_budget_bytes is not None)
+                            shares_budget=opts.device_budget_bytes is not None,
+                            chunk_overhead=opts.prefill_chunk_overhead)
     kv = self.kv
     self.max_seq_len, self.kv_dtype, self.kv_growth = kv.max_seq_len, kv.kv_dtype, kv.kv_growth
     self.chunk_sizes, self.kv_capacities = kv.chunk_sizes, kv.kv_capacities

@@ -74,8 +74,13 @@ class RuntimeOptions:
     segment) is read in chunks of a few fixed sizes, this one and its quarters down to 16
     (``chunk_sizes``; 1024, 256, 64, 16), each chunk's queries attending the KV cache written
     so far: a prefill's activation memory is bounded by one chunk, and a context of any length
-    runs the same compiled programs (``split_tokens`` says how a length is split). 1024 was
-    the fastest of 256-2048 for suffixes of 60-2000 tokens (``benchmarks/prefill_chunks.py``).
+    runs the same compiled programs. A length is split by ``KVLayout.plan_chunks`` into the
+    plan of least modelled cost, ``prefill_chunk_overhead`` per chunk plus its size (padding
+    included): 697 tokens run as 3 x 256, not 1024. 1024 was the fastest of 256-2048 for
+    suffixes of 60-2000 tokens (``benchmarks/prefill_chunks.py``).
+  prefill_chunk_overhead: a prefill chunk's fixed cost (its weight reads, dispatch) in token
+    slots of compute, which the chunk planner trades against padding; default (None)
+    ``kv.CHUNK_OVERHEAD`` (64, from per-chunk timings of the bench and default models).
   kv_growth: how a decode state's KV buffer is sized. Programs are compiled per KV capacity,
     and the buffer is addressed with the state's length, so its capacity is not the context's.
     "max": one buffer of the whole context limit (``max_seq_len`` plus one small chunk's
@@ -113,6 +118,7 @@ class RuntimeOptions:
   host_gflops: float | None = None
   devices: int | None = None
   prefill_chunk: int = 1024
+  prefill_chunk_overhead: float | None = None
   kv_dtype: str | None = None
   kv_growth: str = "auto"
   kernel_tuning: str = "auto"
