@@ -66,13 +66,15 @@ VARIANTS = {
     "experts mxfp4": (None, "mxfp4"),
     "4-bit preset (dense mixed4 + experts mxfp4)": ("mixed4", "mxfp4"),
     "all int8 (dense int8 + experts int8)": ("int8", "int8"),
+    "MXFP4_MOE-like (dense int8 + experts mxfp4)": ("int8", "mxfp4"),
 }
 PRESET_4BIT = "4-bit preset (dense mixed4 + experts mxfp4)"
 ALL_INT8 = "all int8 (dense int8 + experts int8)"
+MXFP4_MOE_LIKE = "MXFP4_MOE-like (dense int8 + experts mxfp4)"
 LLAMA_TYPES = ("Q8_0", "Q4_K_M", "MXFP4_MOE")  # besides BF16
 # The goal of issue 51: (ftjax variant, llama.cpp type it must be no worse than)
 GOALS = (("dense mixed4", "Q4_K_M"), (PRESET_4BIT, "Q4_K_M"), ("dense int8", "Q8_0"),
-         ("experts int8", "Q8_0"), (ALL_INT8, "Q8_0"))
+         ("experts int8", "Q8_0"), (ALL_INT8, "Q8_0"), (MXFP4_MOE_LIKE, "MXFP4_MOE"))
 
 
 def log(msg: str) -> None:
@@ -256,15 +258,16 @@ def fingerprint(ftw_dir: str, llama_src: str) -> str:
 
 def run_logged(cmd: list[str], log_path: str, **kw) -> str:
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
-  with open(log_path, "w") as f:
-    f.write(proc.stdout)
+  with open(log_path, "w") as f:  # a file, not a pipe: through a pipe llama-perplexity's
+    proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, **kw)  # summary got lost
+  with open(log_path) as f:
+    out = f.read()
   if proc.returncode:
     raise RuntimeError(f"{' '.join(cmd[:2])} ... failed (exit {proc.returncode}; {log_path}):\n"
-                       f"{proc.stdout[-3000:]}")
+                       f"{out[-3000:]}")
   log(f"{os.path.basename(cmd[0]) if 'python' not in cmd[0] else 'convert'} "
       f"-> {os.path.basename(log_path)} ({time.perf_counter() - t0:.0f} s)")
-  return proc.stdout
+  return out
 
 
 def prepare_ggufs(model_name: str, ftw_dir: str, args) -> dict:
@@ -313,24 +316,31 @@ def prepare_ggufs(model_name: str, ftw_dir: str, args) -> dict:
 
 
 def quantize_summary(text: str) -> dict:
-  """llama-quantize's fallbacks and the tensor types it wrote, from its log."""
-  fallbacks = [ln.strip() for ln in text.splitlines()
-               if re.search(r"fall(ing)? ?back|not divisible|incompatible", ln, re.I)]
-  types: dict[str, int] = {}
-  for m in re.finditer(r"converting to (\w+)|type\s*=\s*(\w+)", text):
-    t = m[1] or m[2]
-    types[t] = types.get(t, 0) + 1
+  """llama-quantize's fallbacks (rows that are not multiples of a k-quant's 256) and the
+  type it wrote for each tensor, from its log."""
+  fallbacks = [ln.split(":", 1)[-1].strip() for ln in text.splitlines()
+               if "falling back" in ln or "not divisible" in ln]
+  written: dict[str, list[str]] = {}
+  for m in re.finditer(r"^\[\s*\d+/\s*\d+\]\s+(\S+)\s.*?type =\s+(\w+)"
+                       r"(?:, converting to (\w+))?", text, re.M):
+    written.setdefault(m[3] or m[2], []).append(m[1])
   sizes = re.findall(r"(model size|quant size)\s*=\s*([\d.]+ \w+)", text)
-  return {"fallback_lines": fallbacks, "fallback_count": len(fallbacks),
-          "tensor_types_written": types, "sizes": dict(sizes)}
+  return {"fallbacks": fallbacks, "tensors_by_type": {t: len(v) for t, v in written.items()},
+          "expert_tensors_by_type": {t: [n for n in v if "_exps" in n]
+                                     for t, v in written.items()
+                                     if any("_exps" in n for n in v)},
+          "sizes": dict(sizes)}
 
 
 def read_base_tokens(path: str, n_vocab: int, chunks: int, ctx: int) -> np.ndarray:
+  """The tokens llama-perplexity scored, from its base file: ``_logits_``, n_ctx, n_vocab,
+  n_chunk, then n_chunk·n_ctx tokens (int32), then the log-probabilities."""
   with open(path, "rb") as f:
-    n_vocab_file, n_chunk = np.frombuffer(f.read(8), np.int32)
-    if int(n_vocab_file) != n_vocab or int(n_chunk) != chunks:
-      raise RuntimeError(f"{path}: n_vocab {n_vocab_file}, n_chunk {n_chunk}; expected "
-                         f"{n_vocab}, {chunks}")
+    magic = f.read(8)
+    n_ctx, n_vocab_file, n_chunk = (int(x) for x in np.frombuffer(f.read(12), np.int32))
+    if magic != b"_logits_" or (n_ctx, n_vocab_file, n_chunk) != (ctx, n_vocab, chunks):
+      raise RuntimeError(f"{path}: {magic!r}, n_ctx {n_ctx}, n_vocab {n_vocab_file}, n_chunk "
+                         f"{n_chunk}; expected _logits_, {ctx}, {n_vocab}, {chunks}")
     return np.frombuffer(f.read(4 * chunks * ctx), np.int32).reshape(chunks, ctx)
 
 
@@ -350,27 +360,36 @@ def parse_perplexity(text: str) -> dict:
   return out
 
 
+def perplexity_run(cmd: list[str], log_path: str, key: str) -> dict:
+  """llama-perplexity, run again (once) when its log lacks the summary line ``key``."""
+  for attempt in range(2):
+    row = parse_perplexity(run_logged(cmd, log_path))
+    if row[key] is not None:
+      return dict(row, attempts=attempt + 1)
+    log(f"{log_path}: no summary in llama-perplexity's output; running it again")
+  raise RuntimeError(f"{log_path}: llama-perplexity printed no summary twice")
+
+
 def llama_side(model_name: str, info: dict, text_path: str, args, n_vocab: int) -> dict:
   d = os.path.join(args.work_dir, model_name)
   perplexity = os.path.join(args.llama_build, "bin", "llama-perplexity")
   base = os.path.join(d, "base.kld")
   common = ["-f", text_path, "-c", str(args.ctx), "-b", str(args.ctx), "--chunks",
-            str(args.chunks), "-t", str(args.threads)]
+            str(args.chunks), "-t", str(args.threads)] + ([] if args.llama_repack else ["-nr"])
   bf16 = info["files"]["BF16"]
-  text = run_logged([perplexity, "-m", bf16, "--kl-divergence-base", base] + common,
-                    os.path.join(d, "perplexity-BF16-base.log"))
-  rows = {"BF16": {"ppl": parse_perplexity(text)["final_estimate_ppl"]}}
+  row = perplexity_run([perplexity, "-m", bf16, "--kl-divergence-base", base] + common,
+                       os.path.join(d, "perplexity-BF16-base.log"), "final_estimate_ppl")
+  rows = {"BF16": {"ppl": row["final_estimate_ppl"], "attempts": row["attempts"]}}
   tokens = read_base_tokens(base, n_vocab, args.chunks, args.ctx)
   for name in ("BF16 (self)",) + LLAMA_TYPES:
     path = bf16 if name == "BF16 (self)" else info["files"].get(name)
     if path is None:
       rows[name] = {"error": info["errors"].get(name, "not made")}
       continue
-    text = run_logged([perplexity, "-m", path, "--kl-divergence-base", base,
-                       "--kl-divergence"] + common,
-                      os.path.join(d, f"perplexity-{name.split()[0]}"
-                                   f"{'-self' if 'self' in name else ''}.log"))
-    rows[name] = parse_perplexity(text)
+    rows[name] = perplexity_run([perplexity, "-m", path, "--kl-divergence-base", base,
+                                 "--kl-divergence"] + common,
+                                os.path.join(d, f"perplexity-{name.split()[0]}"
+                                             f"{'-self' if 'self' in name else ''}.log"), "kl")
     rows[name]["file_bytes"] = os.path.getsize(path)
     log(f"{model_name} llama.cpp {name}: KL {rows[name]['kl']}, same top "
         f"{rows[name]['same_top_p_pct']}%, PPL {rows[name]['ppl']}")
@@ -474,6 +493,10 @@ def main() -> None:
   p.add_argument("--llama_build", default=LLAMA_BUILD)
   p.add_argument("--llama_src", default=LLAMA_SRC)
   p.add_argument("--no_llama", action="store_true", help="ftjax only")
+  p.add_argument("--llama_repack", action="store_true",
+                 help="let llama-perplexity repack weights (its default). Off (-nr) by default: "
+                 "on the AMX Xeon VM the repacked Q8_0 path dies with SIGILL and Q4_K_M / "
+                 "MXFP4_MOE with SIGSEGV")
   p.add_argument("--out", default=None)
   args = p.parse_args()
 
@@ -483,6 +506,8 @@ def main() -> None:
   t_start = time.perf_counter()
   results = {"what": __doc__.split("\n\n")[0], "ctx": args.ctx, "chunks": args.chunks,
              "scored_positions_per_window": args.ctx - 1 - args.ctx // 2,
+             "llama_perplexity_flags": "-c CTX -b CTX --chunks N -t THREADS"
+                                       + ("" if args.llama_repack else " -nr (no repack)"),
              "machine": machine_info(), "models": {}}
   report = []
   for model_name in args.models.split(","):

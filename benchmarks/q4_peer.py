@@ -16,7 +16,9 @@ own tools:
              Q8_0). Activations quantised to 8 bits for its dot products.
 
 Rounds alternate the sides (``--rounds``, medians reported), 2 threads, weights in RAM
-(llama-bench ``-lm none``; ftjax faults its mapping in before each round). Each round measures
+(llama-bench ``-lm none``; ftjax faults its mapping in before each round; a llama-bench run that
+crashes with its weight repacking runs again with ``--repack 0``, recorded in ``how``). Each
+round measures
 decode (``--tokens`` new tokens after 8 prompt tokens; llama-bench ``-p 0 -n N``) and the prefill
 of ``--prefill`` tokens (llama-bench ``-p N -n 0``), and the machine's read bandwidth
 (``read_probe`` over one layer's experts): each side's decode is also given as a ratio to its own
@@ -88,6 +90,21 @@ def llama_quantize(build: str, bf16: str, kind: str, work_dir: str) -> str | Non
     return None
   os.replace(out + ".partial", out)
   return out
+
+
+def llama_measure(build: str, gguf: str, *args: str) -> dict:
+  """llama-bench's tok/s for ``args``, with its default weight repacking; where that run
+  crashes, again with ``--repack 0``, and the crash recorded. (On this project's Xeon with
+  AMX, llama.cpp 0.3.36's repacked prefill died with SIGSEGV on Q4_K_M and SIGILL on
+  MXFP4_MOE; decode ran.)"""
+  try:
+    return {"tok_s": llama_bench(build, gguf, *args)["avg_ts"], "repack": True}
+  except subprocess.CalledProcessError as e:
+    if e.returncode >= 0:
+      raise
+    crash = f"signal {-e.returncode} with repacking"
+  return {"tok_s": llama_bench(build, gguf, *args, "--repack", "0")["avg_ts"], "repack": False,
+          "crash": crash}
 
 
 def ftjax_bytes_per_token(model) -> int:
@@ -165,10 +182,12 @@ def main() -> None:
         row["ftjax"] = with_other_load(ftjax_worker.ask, proc.pid)
         continue
       g = ggufs[side]
-      row["llama_cpp"][side] = with_other_load(lambda g=g: {
-          "decode": llama_bench(args.llama_build, g, "-p", "0", "-n", str(args.tokens))["avg_ts"],
-          "prefill": llama_bench(args.llama_build, g, "-p", str(args.prefill), "-n",
-                                 "0")["avg_ts"]}, proc.pid)
+      def llama_side(g=g):
+        decode = llama_measure(args.llama_build, g, "-p", "0", "-n", str(args.tokens))
+        prefill = llama_measure(args.llama_build, g, "-p", str(args.prefill), "-n", "0")
+        return {"decode": decode.pop("tok_s"), "prefill": prefill.pop("tok_s"),
+                "how": {"decode": decode, "prefill": prefill}}
+      row["llama_cpp"][side] = with_other_load(llama_side, proc.pid)
     ours, read = row["ftjax"], row["ftjax"]["read_GBps"]
     row["ratio"] = {f"{m}/{k}": ours[m] / v[m] for k, v in row["llama_cpp"].items()
                     for m in ("decode", "prefill")}

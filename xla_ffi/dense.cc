@@ -199,14 +199,85 @@ void Dense(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const We
 // Quantised weights (ftjax.utils.dense_quant, docs/ftw.md "Dense formats"): int8 rows with one
 // float32 scale per output row, and mxfp4 rows (E2M1 codes with an E8M0 scale per 32 inputs).
 
+// The packed bf16-pair GEMM (KernelTable::packed_dot_bf16: vdpbf16ps, AMX tiles where enabled)
+// on quantised rows decoded to bf16 per task, against x rounded to bf16 once: the
+// bf16_activations form of prefill for quantised weights, as for bf16 weights. decode_rows(n0,
+// rows, out) writes rows [n0, n0 + rows) as bf16 (exactly: mxfp4 values and int8 integers are
+// bf16 values); `scales` (int8: float32 per row, applied after the sums; mxfp4: null).
+template <typename DecodeRows>
+void DenseDecodedBf16(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
+                      DecodeRows decode_rows, const float* scales, const KernelTable& kernels,
+                      const Workers& workers, float* y_tn) {
+  const int64_t row_tile = RowTile(k, sizeof(Bf16Bits));
+  const int64_t groups = CeilDiv(tokens, kPackedGroup);
+  const int64_t group_elements = PackedGroupElements<Bf16Bits>(k);
+  ScratchPlan plan;
+  const int64_t rounded_at = plan.Add<Bf16Bits>(tokens * k);
+  const int64_t rows_at = plan.Add<const Bf16Bits*>(tokens);
+  const int64_t packed_at = plan.Add<Bf16Bits>(groups * group_elements);
+  const int64_t ct_at = plan.Add<float>(workers.num_workers() * row_tile * kTokenTile);
+  const int64_t decoded_at = plan.Add<Bf16Bits>(workers.num_workers() * row_tile * k);
+  const int64_t floats_at = plan.Add<float>(workers.num_workers() * k);
+  unsigned char* scratch = Scratch(plan);
+  Bf16Bits* rounded = At<Bf16Bits>(scratch, rounded_at);
+  kernels.round_to_bf16(x_tk, rounded, tokens * k);
+  const Bf16Bits** x_rows = At<const Bf16Bits*>(scratch, rows_at);
+  for (int64_t t = 0; t < tokens; ++t) x_rows[t] = rounded + t * k;
+  Bf16Bits* packed = At<Bf16Bits>(scratch, packed_at);
+  workers.ParallelFor(groups, [&](int64_t g, int /*worker*/) {
+    PackRows(x_rows + g * kPackedGroup, std::min(kPackedGroup, tokens - g * kPackedGroup), 1, k,
+             packed + g * group_elements);
+  });
+  workers.ParallelFor(CeilDiv(n_out, row_tile), [&](int64_t task, int worker) {
+    const int64_t n0 = task * row_tile;
+    const int64_t rows = std::min(row_tile, n_out - n0);
+    float* ct = At<float>(scratch, ct_at) + worker * row_tile * kTokenTile;
+    Bf16Bits* decoded = At<Bf16Bits>(scratch, decoded_at) + worker * row_tile * k;
+    decode_rows(n0, rows, decoded, At<float>(scratch, floats_at) + worker * k);
+    for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerTile) {
+      const int64_t tile_groups = std::min(kGroupsPerTile, groups - g0);
+      const int64_t t0 = g0 * kPackedGroup;
+      const int64_t tile = std::min(tile_groups * kPackedGroup, tokens - t0);
+      const bool half = tile - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
+      kernels.packed_dot_bf16({decoded, k, rows, packed + g0 * group_elements, tile_groups, half,
+                               k, ct, kTokenTile, groups});
+      for (int64_t t = 0; t < tile; ++t) {
+        float* y = y_tn + (t0 + t) * n_out + n0;
+        for (int64_t r = 0; r < rows; ++r) {
+          y[r] = scales != nullptr ? ct[r * kTokenTile + t] * scales[n0 + r]
+                                   : ct[r * kTokenTile + t];
+        }
+      }
+    }
+  });
+}
+
+// Whether a quantised weight's call takes DenseDecodedBf16: bf16_activations asked, the ISA has
+// the bf16-pair GEMM, and enough tokens for it (PackedMinTokens of bf16 pairs).
+bool UseDecodedBf16(int64_t tokens, int64_t k, bool bf16_activations, const KernelTable& kernels) {
+  return bf16_activations && kernels.packed_dot_bf16 != nullptr &&
+         tokens > PackedMinTokens(kernels, k % 32 == 0, PackedUse::kDense);
+}
+
 // int8: the dot kernels and the packed GEMM of int8 weights widened exactly to float32
 // (DenseWith<int8_t, float>, the same paths as bf16 weights), then each output multiplied by its
 // row's scale once: the result is that of the dequantised weights to float32 rounding.
 void DenseInt8(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const int8_t* w_nk,
-               const float* scales, const KernelTable& kernels, const Workers& workers,
-               float* y_tn) {
+               const float* scales, bool bf16_activations, const KernelTable& kernels,
+               const Workers& workers, float* y_tn) {
   if (k == 0) {
     std::fill_n(y_tn, tokens * n_out, 0.0f);
+    return;
+  }
+  if (UseDecodedBf16(tokens, k, bf16_activations, kernels)) {
+    auto decode = [&](int64_t n0, int64_t rows, Bf16Bits* out, float* row_f32) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* q = w_nk + (n0 + r) * k;
+        for (int64_t i = 0; i < k; ++i) row_f32[i] = static_cast<float>(q[i]);
+        kernels.round_to_bf16(row_f32, out + r * k, k);
+      }
+    };
+    DenseDecodedBf16(tokens, n_out, k, x_tk, decode, scales, kernels, workers, y_tn);
     return;
   }
   DenseWith<int8_t, float>(tokens, n_out, k, x_tk, w_nk, kernels.dot_i8_f32, kernels, workers,
@@ -238,13 +309,24 @@ int64_t Mxfp4RowTile(int64_t tokens, int64_t n_out, int64_t k, int num_workers) 
 // against x packed once per call. Products and sums are those of the dequantised weights in
 // float32, as for float32 weights.
 void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
-                const uint8_t* codes, const uint8_t* scales, const KernelTable& kernels,
-                const Workers& workers, float* y_tn) {
+                const uint8_t* codes, const uint8_t* scales, bool bf16_activations,
+                const KernelTable& kernels, const Workers& workers, float* y_tn) {
   if (k == 0) {
     std::fill_n(y_tn, tokens * n_out, 0.0f);
     return;
   }
   const int64_t code_stride = k / 2, scale_stride = k / kMxfp4Inputs;
+  if (UseDecodedBf16(tokens, k, bf16_activations, kernels)) {
+    auto decode = [&](int64_t n0, int64_t rows, Bf16Bits* out, float* row_f32) {
+      for (int64_t r = 0; r < rows; ++r) {
+        kernels.decode_mxfp4(codes + (n0 + r) * code_stride, scales + (n0 + r) * scale_stride, k,
+                             row_f32);
+        kernels.round_to_bf16(row_f32, out + r * k, k);
+      }
+    };
+    DenseDecodedBf16(tokens, n_out, k, x_tk, decode, nullptr, kernels, workers, y_tn);
+    return;
+  }
   const auto packed_f32 = kernels.packed_dot_f32;
   const auto packed_mxfp4 = kernels.packed_dot_mxfp4_f32;
   const bool use_packed = (packed_f32 != nullptr || packed_mxfp4 != nullptr) &&
@@ -361,7 +443,8 @@ ffi::Error DenseImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
 constexpr std::string_view kQuantizedOp = "ftjax_dense_quantized";
 
 ffi::Error DenseQuantizedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                              ffi::AnyBuffer scales, ffi::ResultBuffer<ffi::F32> y) {
+                              ffi::AnyBuffer scales, bool bf16_activations,
+                              ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) {
     return InvalidArgument(kQuantizedOp, "x must be 2-D [T, C], got shape " + ShapeString(x_dims));
@@ -413,11 +496,12 @@ ffi::Error DenseQuantizedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   if (!setup.error.empty()) return InvalidArgument(kQuantizedOp, setup.error);
   if (mxfp4) {
     DenseMxfp4(T, N, K, x.typed_data(), w.reinterpret_data<uint8_t>(),
-               scales.reinterpret_data<uint8_t>(), *setup.kernels, setup.workers,
-               y->typed_data());
+               scales.reinterpret_data<uint8_t>(), bf16_activations, *setup.kernels,
+               setup.workers, y->typed_data());
   } else {
     DenseInt8(T, N, K, x.typed_data(), w.reinterpret_data<int8_t>(),
-              scales.reinterpret_data<float>(), *setup.kernels, setup.workers, y->typed_data());
+              scales.reinterpret_data<float>(), bf16_activations, *setup.kernels, setup.workers,
+              y->typed_data());
   }
   return ffi::Error::Success();
 }
@@ -432,6 +516,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxDenseQuantized, ftjax::DenseQuantizedImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, C]
                                   .Arg<ffi::AnyBuffer>()         // w: int8 [O, C] or mxfp4 codes
                                   .Arg<ffi::AnyBuffer>()         // scales
+                                  .Attr<bool>("bf16_activations")  // prefill on bf16 pairs
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, O]
 );
 

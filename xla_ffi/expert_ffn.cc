@@ -72,6 +72,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -191,6 +193,11 @@ template <>
 struct DotKernelOf<uint8_t, int8_t> {
   using type = DotMxfp4Q8Fn;
 };
+// mxfp4 with bf16 activations runs every expert on the packed GEMM (RunExperts): no dot kernel.
+template <>
+struct DotKernelOf<uint8_t, Bf16Bits> {
+  using type = std::nullptr_t;
+};
 template <typename WeightT, typename ActivationT>
 using DotKernel = typename DotKernelOf<WeightT, ActivationT>::type;
 
@@ -222,6 +229,8 @@ void PartDot(DotKernel<WeightT, ActivationT> dot, const WeightT* block, const Ex
     const Mxfp4Rows m = Mxfp4PartRows(block, dims, part, row);
     if constexpr (std::is_same_v<ActivationT, int8_t>) {
       dot({m.codes, n / 2, m.scales, n / kMxfp4Block, rows, a, a_scales, tokens, n, c, c_stride});
+    } else if constexpr (std::is_same_v<ActivationT, Bf16Bits>) {
+      std::abort();  // never reached: RunExperts packs every expert of this pairing
     } else {
       dot({m.codes, n / 2, m.scales, n / kMxfp4Block, rows, a, tokens, n, c, c_stride});
     }
@@ -460,8 +469,12 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   constexpr bool kBf16Pairs =
       std::is_same_v<PackedWeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>;
   // (AMX needs whole tiles of 32 inputs; otherwise the pairs run on vdpbf16ps.)
+  // mxfp4 rows decoded to bf16 against bf16 activations have no dot kernel: every expert with
+  // a route takes the packed GEMM.
   const int64_t packed_min_routes =
-      PackedMinTokens(kernels, kBf16Pairs && D % 32 == 0 && F % 32 == 0, PackedUse::kExpert);
+      kMxfp4 && kRound
+          ? 0
+          : PackedMinTokens(kernels, kBf16Pairs && D % 32 == 0 && F % 32 == 0, PackedUse::kExpert);
   auto is_packed = [&](int64_t i) {
     const int64_t routes_of_expert = groups.offsets[i + 1] - groups.offsets[i];
     return packed_dot != nullptr && routes_of_expert > packed_min_routes;
@@ -817,6 +830,13 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
     if (int8_activations && dims.tokens <= kDecodeMaxTokens) {
       RunExperts<WeightT, int8_t>(dims, groups, x_td, bank_ep, kernels, kernels.dot_mxfp4_q8,
                                   workers, act, y_td);
+    } else if (bf16_activations && dims.tokens > kDecodeMaxTokens &&
+               kernels.packed_dot_bf16 != nullptr) {
+      // The grouped form with bf16 activations: rows decoded to bf16 (exact) per task, x and h
+      // rounded to bf16, the bf16-pair GEMM (vdpbf16ps, AMX tiles where enabled), as a bf16
+      // bank's prefill under bf16_activations. The decode form stays exact.
+      RunExperts<WeightT, Bf16Bits>(dims, groups, x_td, bank_ep, kernels, nullptr, workers, act,
+                                    y_td);
     } else {
       RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_mxfp4_f32,
                                  workers, act, y_td);

@@ -54,6 +54,23 @@ def test_matches_float64_reference(case, fmt, isa, assert_close):
   assert_close(y, ref, F32)
 
 
+BF16 = np.dtype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", ["gemv", "tokens_17_half_group", "tokens_300", "wide_rows"])
+def test_bf16_activations(case, fmt, isa, assert_close):
+  """bf16_activations: prefill calls (above the bf16-pair GEMM's threshold) multiply x rounded
+  to bf16 with the rows decoded to bf16, to the bf16-activation tolerance; where the ISA has
+  no bf16 pairs, and for decode calls, the exact path."""
+  x, q = make(case, fmt, "bf16")
+  y = dense(x, q, bf16_activations=True)
+  ref = x.astype(np.float64) @ dense_quant.dequantize_np(q).T
+  assert_close(y, ref, BF16, bf16_activations=True)
+  if isa != "avx512bf16" or CASES[case][0] == 1:
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(dense(x, q)))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_xla_dequantisation_is_exact(fmt):
   _, q = make("tokens_5", fmt)

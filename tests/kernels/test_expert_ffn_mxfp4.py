@@ -124,6 +124,23 @@ def test_mxfp4_without_biases_swiglu(case_name, isa):
   tolerances.assert_close(run(x, ids, weights, jnp.asarray(bank)), ref, tolerances.F32)
 
 
+@pytest.mark.parametrize("case_name", ["grouped_tokens_41", "grouped_tokens_150",
+                                       "decode_tokens_5_skips"])
+def test_mxfp4_bf16_activations(case_name, isa):
+  """bf16_activations (kernels="ffi_bf16", the default for mxfp4 banks): the grouped form
+  multiplies x and h rounded to bf16 with rows decoded to bf16 on the bf16-pair GEMM, to the
+  bf16-activation tolerance; the decode form, and ISAs without bf16 pairs, stay exact."""
+  case = CASES[case_name]
+  x, ids, weights, bank = make_inputs(case, "bf16 activations")
+  y = np.asarray(expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F, variant=GPT_OSS,
+                            bf16_activations=True))
+  tolerances.assert_close(y, gpt_oss_reference(case, x, ids, weights, bank),
+                          tolerances.BF16_ACTIVATIONS)
+  if isa != "avx512bf16" or case.T <= 8:
+    exact = expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F, variant=GPT_OSS)
+    np.testing.assert_array_equal(y, np.asarray(exact))
+
+
 def test_mxfp4_bank_quantised_without_biases_matches_float_bank():
   """quant.quantize_mxfp4_bank(bias=False) of a float bank: the kernel's result is that of the
   dequantised weights."""

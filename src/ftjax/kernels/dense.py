@@ -33,7 +33,10 @@ def dense(x, w, *, bf16_activations=False):
       ``QuantizedMatrix`` (int8 rows with float32 scales, or mxfp4: ``ftjax.utils.dense_quant``)
       of C inputs, which the op ``ftjax_dense_quantized`` reads as stored (int8 widened exactly
       to float32 and each output scaled once; mxfp4 codes decoded times their scale, exact):
-      the result is that of the dequantised weights to float32 rounding.
+      the result is that of the dequantised weights to float32 rounding. With
+      bf16_activations, a call of more tokens than the bf16-pair GEMM's threshold decodes each
+      task's rows to bf16 (exact) and multiplies x rounded to bf16 on vdpbf16ps or AMX tiles,
+      as for bf16 weights; decode calls stay exact.
     bf16_activations: for bf16 w on a CPU with AVX-512-BF16, round x to bf16 and multiply
       with vdpbf16ps (twice the multiply-add rate for many rows; relative error ~1e-2 of
       max|y|). When False (the default) the products are exact, to ~1e-5.
@@ -91,9 +94,7 @@ def _dense_quantized(x, w: QuantizedMatrix, bf16_activations):
                        f"{got_dtype} {tuple(got_shape)}")
   T = math.prod(x_shape[:-1])
   require("dense")
-  # bf16_activations applies to bf16 weights only: quantised weights always multiply float32
-  # activations (the exact path).
-  y = _batchable_call(False)(jnp.reshape(x, (T, w.cols)), w.data, w.scales)
+  y = _batchable_call(bool(bf16_activations))(jnp.reshape(x, (T, w.cols)), w.data, w.scales)
   return jnp.reshape(y, (*x_shape[:-1], w.rows))
 
 
@@ -101,9 +102,8 @@ def _call(x_tc, w, bf16_activations):
   """The op on x [T, C] and the weight's arrays ``w``: (w [O, C],) for ``ftjax_dense``,
   (data, scales) for ``ftjax_dense_quantized``."""
   out = jax.ShapeDtypeStruct((x_tc.shape[0], w[0].shape[0]), jnp.float32)
-  if len(w) == 2:
-    return jax.ffi.ffi_call("ftjax_dense_quantized", out, vmap_method="sequential")(x_tc, *w)
-  return jax.ffi.ffi_call("ftjax_dense", out, vmap_method="sequential")(
+  name = "ftjax_dense_quantized" if len(w) == 2 else "ftjax_dense"
+  return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
       x_tc, *w, bf16_activations=bf16_activations)
 
 

@@ -68,8 +68,9 @@ def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Ar
   as stored and widened exactly), ``"ffi_bf16"`` the same kernel with activations rounded to
   bfloat16 (``vdpbf16ps``: faster prefill, ~1e-2 relative error), ``"xla"`` a float32 einsum.
   A quantised weight (``QuantizedMatrix``: int8 or mxfp4) runs its own host kernel under every
-  ``ffi*`` value (float32 activations, exact to the dequantised weights), and is dequantised
-  to float32 under ``"xla"``."""
+  ``ffi*`` value (exact to the dequantised weights; under ``"ffi_bf16"`` prefill rounds the
+  activations to bfloat16 as for bf16 weights), and is dequantised to float32 under
+  ``"xla"``."""
   value = w.get_value()
   if isinstance(value, QuantizedMatrix):
     if value.out_axes != out_axes:
@@ -77,7 +78,7 @@ def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Ar
                        f"axes, but this layer multiplies it with {out_axes}")
     x2 = x.reshape(*x.shape[:x.ndim - (len(value.shape) - out_axes)], value.cols)
     if kernels in FFI_KERNELS:
-      y = dense(x2.astype(jnp.float32), value)
+      y = dense(x2.astype(jnp.float32), value, bf16_activations=kernels == "ffi_bf16")
     elif kernels == "xla":
       y = jnp.einsum("...C,OC->...O", x2, value.dequantize().reshape(value.rows, value.cols))
     else:

@@ -44,8 +44,8 @@ from ftjax.runtime.sampling import Sampling
 def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
   """The kernels a step runs with and a description of that path for the summary line.
 
-  ``auto`` is ftjax's C++ kernels on the CPU backend (``ffi_bf16`` for bfloat16 banks,
-  ``ffi`` otherwise) and XLA elsewhere. When the compiled module is missing or unusable,
+  ``auto`` is ftjax's C++ kernels on the CPU backend (``ffi_bf16`` for bfloat16 and mxfp4
+  banks, ``ffi`` otherwise) and XLA elsewhere. When the compiled module is missing or unusable,
   ``auto`` and ``ffi*`` raise ``ftjax.kernels.KernelsUnavailable`` with the cause and the
   fix: never a silent fall back to XLA:CPU, which is 10-20x slower there."""
   backend = jax.default_backend()
@@ -55,7 +55,10 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
       return "xla", (f"xla ({backend}: dense work and slot experts; fills and host experts by "
                      "the pool's placement)")
     host_kernels.require("kernels='auto' on the CPU backend")
-    chosen = "ffi_bf16" if np.dtype(bank_dtype) == np.dtype(jnp.bfloat16) else "ffi"
+    # bf16 activations in prefill where the weights are bf16 values: bfloat16 and mxfp4 banks
+    # (E2M1 times a power of two is a bf16 value; the decode forms stay exact either way).
+    chosen = "ffi_bf16" if np.dtype(bank_dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.uint8)) \
+        else "ffi"
   elif requested in ("ffi", "ffi_bf16", "ffi_int8"):
     if backend != "cpu":
       raise ValueError(f"kernels={requested!r} names the CPU backend's kernels; on {backend} use "
