@@ -29,9 +29,12 @@ second half, each with at least ctx/2 tokens of context). The tokens llama.cpp s
 back from its base file and compared with ftjax's (same text, same tokenizer, llama.cpp's
 ``gpt-2`` pre-tokenizer); ftjax also reports every position of each window (``all_positions``).
 llama.cpp keeps the base log-probabilities as 16-bit values, so its KL has a small floor:
-the BF16 file against its own base is reported (``BF16 (self)``).
+the BF16 file against its own base is reported (``BF16 (self)``). llama-perplexity runs with
+``-nr`` (no weight repacking; ``--llama_repack`` turns it back on): on the AMX Xeon VM its
+repacked Q8_0 path died with SIGILL and Q4_K_M / MXFP4_MOE with SIGSEGV. A run whose summary
+its logger lost at exit is repeated (``perplexity_run``; ``attempts`` in the results).
 
-  /work/venv/bin/python benchmarks/dense_quality.py     # ~10 min, most of it conversion
+  /work/venv/bin/python benchmarks/dense_quality.py     # ~4 min on 2 cores
 """
 
 from __future__ import annotations
@@ -360,14 +363,17 @@ def parse_perplexity(text: str) -> dict:
   return out
 
 
-def perplexity_run(cmd: list[str], log_path: str, key: str) -> dict:
-  """llama-perplexity, run again (once) when its log lacks the summary line ``key``."""
-  for attempt in range(2):
+def perplexity_run(cmd: list[str], log_path: str, key: str, tries: int = 5) -> dict:
+  """llama-perplexity, run again when its log lacks the summary line ``key``: its logger is
+  a leaked singleton whose worker thread writes the queued lines, so what it has not written
+  when ``main`` returns is lost (llama.cpp issue 22142, cited in ``common/log.cpp``); on a
+  loaded 2-core VM that is often the last chunk and the summary."""
+  for attempt in range(tries):
     row = parse_perplexity(run_logged(cmd, log_path))
     if row[key] is not None:
       return dict(row, attempts=attempt + 1)
-    log(f"{log_path}: no summary in llama-perplexity's output; running it again")
-  raise RuntimeError(f"{log_path}: llama-perplexity printed no summary twice")
+    log(f"{log_path}: llama-perplexity's summary was lost at exit; running it again")
+  raise RuntimeError(f"{log_path}: llama-perplexity's summary was lost {tries} times")
 
 
 def llama_side(model_name: str, info: dict, text_path: str, args, n_vocab: int) -> dict:

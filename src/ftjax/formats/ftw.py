@@ -85,10 +85,14 @@ def storage_dtype(name: str) -> np.dtype:
 
 
 # --dense_dtype: which format each quantisable dense weight (LINEAR_OUT_AXES) gets. "mixed4"
-# is the preset closest to llama.cpp's Q4_K_M: 4-bit projections and shared experts, an 8-bit
-# lm_head (Q4_K_M keeps its output in Q6_K) and embedding.
+# is the preset closest to llama.cpp's Q4_K_M, which keeps its output in Q6_K and attn_v and
+# ffn_down in Q6_K: 4-bit input projections (q, k, gate; Gated DeltaNet's qkv, z, b, a; the
+# shared experts' gate and up), 8-bit value and output projections (v, o, the Gated DeltaNet
+# output, the shared experts' down), lm_head and embedding. On the embedded models (benchmarks/
+# dense_quality.py) 4-bit value and output projections had cost 1.6x and 3.6x Q4_K_M's KL.
 DENSE_DTYPES = ("int8", "mxfp4", "mixed4")
 _HEAD_NAMES = ("w_lm_vd", "embed_vd")
+_MIXED4_INT8 = (*_HEAD_NAMES, "w_v_gad", "w_o_dha", "w_out_dmy", "w_down_di")
 
 
 def dense_format(dense_dtype: str | None, name: str, shape: tuple[int, ...],
@@ -104,11 +108,10 @@ def dense_format(dense_dtype: str | None, name: str, shape: tuple[int, ...],
   leaf = name.rsplit(".", 1)[-1]
   if leaf not in LINEAR_OUT_AXES:
     return None, ""
-  head = leaf in _HEAD_NAMES
   if leaf == "embed_vd" and not tied_embeddings and dense_dtype != "int8":
     fmt = "int8"  # an untied embedding is only gathered: 8 bits save half its memory
   elif dense_dtype == "mixed4":
-    fmt = "int8" if head else "mxfp4"
+    fmt = "int8" if leaf in _MIXED4_INT8 else "mxfp4"
   else:
     fmt = dense_dtype
   problem = dense_quant.check_format(fmt, shape, LINEAR_OUT_AXES[leaf])
