@@ -50,9 +50,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx, struct
 
 from ftjax.model import KVCache, abstract_params
+from ftjax.model.transformer import param_name
+from ftjax.utils.dense_quant import QuantizedMatrix
 from ftjax.runtime.programs import ProgramKind, Runner
 from ftjax.runtime.sampling import Sampling, distribution, greedy_tokens, sample
 from ftjax.runtime.state import EngineState
@@ -200,6 +202,9 @@ def step_costs(model, k: int) -> np.ndarray:
   config = model.config
   itemsize = model.dtype.itemsize
   sizes = {n: count * itemsize for n, count in _element_counts(config).items()}
+  # Quantised dense weights (--dense_dtype) read their stored bytes, data and scales.
+  sizes.update({param_name(p): v.get_value().nbytes for p, v in nnx.to_flat_state(model.params)
+                if isinstance(v.get_value(), QuantizedMatrix)})
   head = sizes.get("w_lm_vd", sizes["embed_vd"])  # tied embeddings: the table is the head
   mtp = sum(b for n, b in sizes.items() if n.startswith("mtp."))
   decoder = sum(b for n, b in sizes.items()
