@@ -14,7 +14,6 @@ import ftjax
 from ftjax.cache.state import check_invariants
 from ftjax.formats import ftw
 from ftjax.runtime import model as model_lib
-from ftjax.utils import dense_quant
 from ftjax.utils.dense_quant import QuantizedMatrix
 
 import reference
@@ -36,14 +35,6 @@ def _dequantised_bank(model):
   return jnp.asarray(np.stack([np.stack([np.concatenate([p.reshape(-1) for p in reference.split_block(
       block, c.moe_intermediate_size, c.hidden_size)]) for block in layer]) for layer in bank]
   ).astype(np.float32))
-
-
-def _dequantised_dense(model):
-  """The model with every quantised dense weight replaced by its float32 dequantisation."""
-  arrays = {name: (jnp.asarray(dense_quant.dequantize_np(v, np.float32))
-                   if isinstance(v, QuantizedMatrix) else v)
-            for name, v in model_lib.named_params(model).items()}
-  return model_lib._assemble(model.config, arrays, model.bank, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +88,7 @@ def test_quantised_dense_weights_match_their_dequantisation(float_model, dense_d
   assert lm.format == ("int8" if dense_dtype in ("int8", "mixed4") else "mxfp4")
   assert not isinstance(model_lib.leaf(q, next(
       n for n in model_lib.named_params(q) if n.endswith("w_router_ed"))), QuantizedMatrix)
-  deq = _dequantised_dense(q)
+  deq = model_lib.dequantize_dense(q)
   prompts = np.random.default_rng(1).integers(0, q.config.vocab_size, (2, PROMPT))
   c = q.config
   total = c.num_layers * c.num_experts
@@ -155,7 +146,7 @@ def test_tied_embedding_is_quantised_with_the_head(tiny_config):
   table = model_lib.leaf(q, "embed_vd")
   assert isinstance(table, QuantizedMatrix) and table.format == "int8"
   prompts = np.random.default_rng(2).integers(0, config.vocab_size, (1, PROMPT))
-  ref_logits, ref_tokens = _run(ftjax.Engine(_dequantised_dense(q), kernels="ffi"), prompts)
+  ref_logits, ref_tokens = _run(ftjax.Engine(model_lib.dequantize_dense(q), kernels="ffi"), prompts)
   logits, tokens = _run(ftjax.Engine(q, kernels="ffi"), prompts)
   np.testing.assert_array_equal(tokens, ref_tokens)
   tolerances.assert_close(logits[0], ref_logits[0], tolerances.F32, floor=1.0)

@@ -291,6 +291,15 @@ def quantize_dense(model: Model, dense_dtype: str) -> Model:
   return _assemble(c, arrays, model.bank, dtype=jnp.dtype(model.dtype), source=model.source)
 
 
+def dequantize_dense(model: Model) -> Model:
+  """The model with every quantised dense weight replaced by its float32 dequantisation
+  (exact): the reference a quantised model's results are checked against."""
+  arrays = {name: (jnp.asarray(dense_quant.dequantize_np(v, np.float32))
+                   if isinstance(v, QuantizedMatrix) else v)
+            for name, v in _values(model).items()}
+  return _assemble(model.config, arrays, model.bank, dtype=jnp.float32, source=model.source)
+
+
 def _values(model: Model) -> dict[str, Any]:
   return {param_name(p): v.get_value() for p, v in nnx.to_flat_state(model.params)}
 
