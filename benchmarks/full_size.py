@@ -137,19 +137,25 @@ def vm_hwm(pid: int) -> int:
   return 0
 
 
-def first_token(side: str, model: str, llama_build: str) -> dict:
-  """A fresh server of ``side``: seconds from its start to the end of a 1-token completion,
-  and its peak RSS."""
+class ServerExited(RuntimeError):
+  def __init__(self, side: str, returncode: int, stderr: str):
+    super().__init__(f"{side} server exited ({returncode}): {stderr[-2000:]}")
+    self.returncode = returncode
+
+
+def first_token(side: str, model: str, llama_build: str, extra: tuple[str, ...] = ()) -> dict:
+  """A fresh server of ``side`` (``extra``: more flags): seconds from its start to the end of
+  a 1-token completion, and its peak RSS."""
   port = free_port()
   if side == "ftjax":
     cmd = [sys.executable, "-m", "ftjax.serve", f"--model={model}", f"--port={port}",
-           "--max_seq_len=4096"]
+           "--max_seq_len=4096", *extra]
     path = "/v1/completions"
     body = {"model": os.path.basename(model), "prompt": "Hello there", "max_tokens": 1,
             "temperature": 0}
   else:
     cmd = [os.path.join(llama_build, "bin", "llama-server"), "-m", model, "-t", str(THREADS),
-           "-c", "4096", "-np", "1", "--host", "127.0.0.1", "--port", str(port)]
+           "-c", "4096", "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
     path, body = "/completion", {"prompt": "Hello there", "n_predict": 1, "temperature": 0}
   t0 = time.perf_counter()
   proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -157,8 +163,7 @@ def first_token(side: str, model: str, llama_build: str) -> dict:
   try:
     while True:
       if proc.poll() is not None:
-        raise RuntimeError(f"{side} server exited ({proc.returncode}): "
-                           f"{proc.stderr.read()[-2000:]}")
+        raise ServerExited(side, proc.returncode, proc.stderr.read())
       try:
         status, _ = request(port, "GET", "/health", timeout=5)
       except OSError:
