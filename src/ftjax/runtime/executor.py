@@ -186,7 +186,7 @@ KEY_FIELDS: dict[str, tuple[ProgramKind, tuple[str, ...]]] = {
     "leave": (programs.LEAVE, ("batch", "batch_capacity", "capacity")),
     "step": (programs.STEP, ("shape", "capacity", "slots", "last_only", "fresh")),
     "mtp_prefill": (speculative.PREFILL, ("size", "capacity", "slots", "k")),
-    "mtp_decode": (speculative.VERIFY, ("capacity", "slots", "k", "chunk", "stop_width",
+    "mtp_decode": (speculative.VERIFY, ("capacity", "slots", "k", "m", "chunk", "stop_width",
                                         "sampled", "adaptive")),
 }
 
@@ -383,7 +383,7 @@ class Executor:
     state = self.abstract_state(1, capacity, rows=False)
     return (*self._model_args(state), *self._mtp_prefill_specs(size, capacity, k)), {"k": k}
 
-  def _abstract_mtp_decode(self, capacity, slots, k, chunk, stop_width, sampled, adaptive):
+  def _abstract_mtp_decode(self, capacity, slots, k, m, chunk, stop_width, sampled, adaptive):
     args, static = self._abstract_mtp_prefill(1, capacity, slots, k)
     draft = jax.eval_shape(functools.partial(speculative.prefill_program, self.table.runner,
                                              **static), *args)[1]
@@ -391,7 +391,7 @@ class Executor:
     _, tokens, max_new, _, _, sampling = self._mtp_prefill_specs(1, capacity, k)
     return ((*args[:3], draft, max_new, self._spec((stop_width,), jnp.int32), sampling,
              self._spec((k + 1,), jnp.float32)),
-            {"k": k, "chunk": chunk, "sampled": sampled, "adaptive": adaptive})
+            {"k": k, "m": m, "chunk": chunk, "sampled": sampled, "adaptive": adaptive})
 
   # -- State hand-off ----------------------------------------------------------------------------
 
@@ -844,11 +844,15 @@ class Executor:
     if on_token is not None:
       on_token(out[0])
     t0, compiled = time.perf_counter(), self.compile_s
-    key = self.key("mtp_decode", capacity=capacity, k=k, chunk=chunk,
-                   stop_width=stop_ids.shape[0], sampled=sampled, adaptive=adaptive)
+    # One program per draft length m; the adaptive rule's programs return when the rule picks
+    # another length (speculative.decode_program), and the next runs the length it picked.
+    m = k
     while not bool(draft.done):
-      state, draft, chunk_out = self.execute(key, draft, max_new, stops, sampling, cost,
-                                             state=state)
+      key = self.key("mtp_decode", capacity=capacity, k=k, m=m, chunk=chunk,
+                     stop_width=stop_ids.shape[0], sampled=sampled, adaptive=adaptive)
+      state, draft, chunk_out, next_m = self.execute(key, draft, max_new, stops, sampling, cost,
+                                                     state=state)
+      m = int(next_m)
       got = np.asarray(chunk_out)
       for t in got[got >= 0]:
         out.append(int(t))

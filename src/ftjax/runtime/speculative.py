@@ -3,7 +3,8 @@ drafts ``k`` tokens, one batched forward of the model verifies them, and the lon
 model agrees with is kept, plus the model's own next token. Greedy or sampled (rejection
 sampling, below), one sequence; everything between the prefill and the end runs in a compiled
 ``lax.while_loop`` (no host round trip per token: the host reads a chunk of verify steps at a
-time).
+time; with the adaptive draft length, also each time the length changes: one program per
+length, ``decode_program``).
 
 One verify step, with the model at length n (it has read positions < n), its next token t
 (not yet read) and the MTP head's pending inputs:
@@ -254,17 +255,25 @@ def choose_draft_length(draft: Draft, cost: jax.Array) -> jax.Array:
 
 
 def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draft, max_new,
-                   stop_ids, sampling: Sampling, cost, *, k: int, chunk: int, sampled: bool,
-                   adaptive: bool):
-  """Up to ``chunk`` verify steps (the module docstring), stopping on the device; greedy, or
-  with rejection sampling where ``sampled``; ``k`` drafts a step, or where ``adaptive`` the
-  length 0 .. k that ``choose_draft_length`` picks from ``cost`` before each step. Returns
-  (state, draft, tokens [chunk, k + 1] int32: each step's emitted tokens, -1 after them)."""
+                   stop_ids, sampling: Sampling, cost, *, k: int, m: int, chunk: int,
+                   sampled: bool, adaptive: bool):
+  """Up to ``chunk`` verify steps of ``m`` drafts each (m <= k, the module docstring),
+  stopping on the device; greedy, or with rejection sampling where ``sampled``. Where
+  ``adaptive``, the loop also stops before a step for which ``choose_draft_length`` (from
+  ``cost``) picks another length than ``m``: the host then runs the program of that length
+  (``Executor.speculate``). The length is a program, not a ``lax.switch`` over lengths inside
+  the loop: XLA:CPU copies every buffer a conditional in a while loop carries (the KV caches
+  and recurrent states, each step: +3.3 ms a step at 16k tokens of context on the 4-layer
+  bench model, issue 51). Returns (state, draft, tokens [chunk, k + 1] int32: each step's
+  emitted tokens, -1 after them, and int32 []: the length the rule picks next, m where not
+  ``adaptive``)."""
+  if not 0 <= m <= k:
+    raise ValueError(f"a verify step drafts 0 .. k = {k} tokens, got m = {m}")
   out = jnp.full((chunk, k + 1), -1, jnp.int32)
   full_span = jnp.arange(k + 1, dtype=jnp.int32)
 
   def step(m, state, draft):
-    """One verify step with m drafts (m <= k): (state, draft, emitted tokens [k + 1])."""
+    """One verify step with m drafts: (state, draft, emitted tokens [k + 1])."""
     span = jnp.arange(m + 1, dtype=jnp.int32)
     # 1. The head catches up on the pending positions and drafts d_1, then d_2 .. d_m.
     base = draft.length
@@ -331,29 +340,28 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
         chosen=draft.chosen.at[m].add(1), idle=jnp.where(m > 0, 0, draft.idle + 1))
     return state, draft, jnp.pad(jnp.where(emit, target, -1), (0, pad), constant_values=-1)
 
+  def next_length(draft):
+    return choose_draft_length(draft, cost) if adaptive else jnp.int32(m)
+
   def cond(carry):
     i, _, draft, _ = carry
-    return (i < chunk) & ~draft.done
+    return (i < chunk) & ~draft.done & (next_length(draft) == m)
 
   def body(carry):
     i, state, draft, out = carry
-    if adaptive:
-      branches = [functools.partial(step, m) for m in range(k + 1)]
-      state, draft, row = jax.lax.switch(choose_draft_length(draft, cost), branches, state,
-                                         draft)
-    else:
-      state, draft, row = step(k, state, draft)
+    state, draft, row = step(m, state, draft)
     return i + 1, state, draft, out.at[i].set(row)
 
   _, state, draft, out = jax.lax.while_loop(
       cond, body, (jnp.zeros((), jnp.int32), state, draft, out))
-  return state, draft, out
+  return state, draft, out, next_length(draft)
 
 
 # The programs, run by ``ftjax.runtime.executor.Executor.speculate``.
 PREFILL = ProgramKind("mtp_prefill", prefill_program, static=("k",), donate=("state", "caches"),
                       model=True)
-VERIFY = ProgramKind("mtp_decode", decode_program, static=("k", "chunk", "sampled", "adaptive"),
+VERIFY = ProgramKind("mtp_decode", decode_program,
+                     static=("k", "m", "chunk", "sampled", "adaptive"),
                      donate=("state", "draft"), model=True)
 
 
