@@ -15,9 +15,16 @@ drafts stop matching (decode runs at the read bandwidth either way).
 A random head's drafts are almost never the model's tokens, so acceptance is set the way the
 issue asks: the draft proposing emitted token i is forced (``forced_drafts``) to the plain
 greedy token i with probability alpha, else to another token; the head still runs its own
-draft steps, so each step costs what a real one does. Tokens stay the plain greedy tokens
-(checked every run; a run that differs, at a float32 near-tie, is reported with the position
-where it left them, and from there its forced drafts no longer match).
+draft steps, so each step costs what a real one does. The tokens forced are each k's own:
+those its verify emits with every draft kept (``own_tokens``, a fixed point: the plain greedy
+tokens unless a float32 near-tie between the k + 1-token verify and the one-token step parts
+them, recorded in ``parted_from_plain_at``). A run that leaves them anyway (the adaptive rule's
+verify lengths vary) is reported with the position, and from there its forced drafts no
+longer match.
+
+``--ftw DIR`` runs an FTW model with an MTP head instead: ``paper_model.py``'s full-depth
+Qwen3.6-35B-A3B-shaped 4-bit conversion (issue 51, item 6), at acceptance 0, 0.3, 0.5, 0.7, 0.8
+and 0.9, results in ``results/speculative_paper_model.{json,png}``.
 
 Per round (``--rounds``, the configurations in alternating order, medians; one discarded
 round first, which compiles):
@@ -50,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, pyplot, write_results  # noqa: E402
 
 ALPHAS = (0.5, 0.7, 0.9)
+FULL_DEPTH_ALPHAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9)  # --ftw: "at every acceptance", and 0.8
 KS = (1, 2, 3, 4)
 
 
@@ -84,14 +92,22 @@ def main() -> None:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--model_dir", default="/tmp/ftjax-spec-bench")
   p.add_argument("--kernels", default="ffi")
+  p.add_argument("--ftw", default=None,
+                 help="an FTW model with an MTP head to run instead of the generated one: "
+                      "paper_model.py's full-depth Qwen3.6-35B-A3B-shaped conversion (issue "
+                      "51), at acceptance 0, 0.3, 0.5, 0.7, 0.8 and 0.9")
   p.add_argument("--out", default=None)
   args = p.parse_args()
   import numpy as np  # noqa: PLC0415
 
   import ftjax  # noqa: PLC0415
   from ftjax.runtime.speculative import step_costs  # noqa: PLC0415
-  os.makedirs(args.model_dir, exist_ok=True)
-  model = load(args.layers, args.model_dir)
+  alphas = FULL_DEPTH_ALPHAS if args.ftw else ALPHAS
+  if args.ftw:
+    model = ftjax.load(args.ftw, verify=False, populate=True)
+  else:
+    os.makedirs(args.model_dir, exist_ok=True)
+    model = load(args.layers, args.model_dir)
   c = model.config
   engine = ftjax.Engine(model, max_seq_len=512, kernels=args.kernels)
   log(f"kernels: {engine.kernels_path}")
@@ -106,13 +122,34 @@ def main() -> None:
   distinct = {k: distinct_experts(routing, k) for k in (0,) + KS}
   del counter
 
+  def own_tokens(k: int) -> np.ndarray:
+    """The tokens a k-draft verify emits with every draft forced to the tokens it emits: the
+    plain greedy tokens, unless a near-tie between the (k + 1)-token verify's and the
+    one-token step's float32 sums parts them (on a random model at 40 layers, at token 4 of
+    the 4-bit conversion); then the forced drafts follow the verify's own tokens from there,
+    so that forcing sets the acceptance it names. A fixed point, reached in a few runs."""
+    ref = plain
+    for _ in range(n):
+      got = np.asarray(engine.generate_speculative(ids, n, draft_tokens=k,
+                                                   forced_drafts=ref).tokens)
+      if np.array_equal(got, ref):
+        return ref
+      ref = got
+    raise RuntimeError(f"k={k}: the forced tokens did not settle")
+
+  own = {k: own_tokens(k) for k in KS}
+  parted = {k: next((i for i, (a, b) in enumerate(zip(own[k], plain)) if a != b), None)
+            for k in KS}
+  log(f"where each k's verify parts from plain greedy (near-ties): {parted}")
   rng = np.random.default_rng(1)
-  forced = {1.0: plain}
-  for a in ALPHAS:
-    forced[a] = np.where(rng.random(n) < a, plain, (plain + 1) % c.vocab_size)
+  draws = rng.random(n)
+  forced = {(k, 1.0): own[k] for k in KS}
+  for a in alphas:
+    for k in KS:  # the same draws for every k: the same positions kept
+      forced[(k, a)] = np.where(draws < a, own[k], (own[k] + 1) % c.vocab_size)
   configs = [("plain", None, None, False)]
   configs += [(f"k={k} all kept", k, 1.0, False) for k in KS]
-  for a in ALPHAS:
+  for a in alphas:
     configs += [(f"k={k} alpha={a}", k, a, False) for k in KS]
     configs.append((f"adaptive alpha={a}", 4, a, True))
   configs += [("k=2 head", 2, None, False), ("adaptive head", 4, None, True)]
@@ -126,11 +163,11 @@ def main() -> None:
       return {"tok_s": (len(r.tokens) - 1) / r.decode_s, "step_s": r.decode_s / (n - 1)}
     r = engine.generate_speculative(
         ids, n, draft_tokens=k, adaptive=adaptive,
-        forced_drafts=None if alpha is None else forced[alpha])
-    differs = next((i for i, (a, b) in enumerate(zip(r.tokens, plain.tolist())) if a != b),
+        forced_drafts=None if alpha is None else forced[(k, alpha)])
+    differs = next((i for i, (a, b) in enumerate(zip(r.tokens, own[k].tolist())) if a != b),
                    None)
-    if differs is not None:
-      log(f"{name}: the tokens leave plain greedy's at token {differs} (a near-tie)")
+    if differs is not None and alpha is not None:
+      log(f"{name}: the tokens leave the forced reference's at token {differs} (a near-tie)")
     return {"tok_s": r.decode_tok_s, "step_s": r.decode_s / r.steps, "steps": r.steps,
             "tokens_per_step": r.tokens_per_step, "accepted": r.accepted,
             "lengths": r.lengths, "differs_at": differs}
@@ -143,7 +180,7 @@ def main() -> None:
     order = configs if i % 2 == 0 else configs[::-1]
     row = {cfg[0]: run(cfg) for cfg in order}
     log(f"round {i + 1}: plain {row['plain']['tok_s']:.1f} tok/s; "
-        + ", ".join(f"{a}: adaptive {row[f'adaptive alpha={a}']['tok_s']:.1f}" for a in ALPHAS))
+        + ", ".join(f"{a}: adaptive {row[f'adaptive alpha={a}']['tok_s']:.1f}" for a in alphas))
     rounds.append(row)
 
   def med(name: str, key: str) -> float:
@@ -160,7 +197,7 @@ def main() -> None:
                  "modelled_bytes": float(costs[k]),
                  "modelled_of_plain": float(costs[k] / costs[0])}
   at = {}
-  for a in ALPHAS:
+  for a in alphas:
     fixed = {k: med(f"k={k} alpha={a}", "tok_s") for k in KS}
     ad = f"adaptive alpha={a}"
     at[str(a)] = {"fixed_tok_s": fixed, "adaptive_tok_s": med(ad, "tok_s"),
@@ -173,11 +210,14 @@ def main() -> None:
                  "accepted": rounds[-1][name]["accepted"]}
           for name in ("k=2 head", "adaptive head")}
   results = {"benchmark": "speculative", "machine": machine_info(),
+             "model": args.ftw or "generated", "dense": model.dense_formats,
+             "experts_format": model.expert_format,
              "kernels": engine.kernels_path, "layers": c.num_layers, "mtp_layers": c.mtp_layers,
              "experts": c.num_experts, "top_k": c.top_k, "tokens": n,
              "plain_tok_s": med("plain", "tok_s"), "plain_step_s": plain_step,
              "distinct_experts_one_token": distinct[0], "modelled_plain_bytes": float(costs[0]),
-             "verify": verify, "acceptance": at, "head_drafts": head, "rounds": rounds}
+             "verify": verify, "acceptance": at, "head_drafts": head, "rounds": rounds,
+             "parted_from_plain_at": {str(k): v for k, v in parted.items()}}
 
   print(f"\nplain decode {results['plain_tok_s']:.2f} tok/s, {plain_step * 1e3:.1f} ms a step, "
         f"{distinct[0]:.0f} distinct experts a token over {c.num_layers} layers")
@@ -195,7 +235,8 @@ def main() -> None:
           f"{v['adaptive_of_plain']:8.2f}  {v['adaptive_lengths']}")
   for name, v in head.items():
     print(f"{name}: {v['tok_s']:.1f} tok/s, accepted {v['accepted']}, lengths {v['lengths']}")
-  path = write_results("speculative", results, args.out)
+  path = write_results("speculative_paper_model" if args.ftw else "speculative", results,
+                       args.out)
   plt = pyplot()
   fig, ax = plt.subplots(figsize=(7, 4))
   xs = [float(a) for a in at]
@@ -205,7 +246,8 @@ def main() -> None:
   ax.axhline(results["plain_tok_s"], color="gray", lw=1, label="plain decode")
   ax.set_xlabel("acceptance per draft position (forced drafts)")
   ax.set_ylabel("decode tok/s")
-  ax.set_title(f"MTP speculative decoding, {c.num_layers}-layer hybrid bench model")
+  ax.set_title(f"MTP speculative decoding, {c.num_layers}-layer "
+               + ("Qwen3.6-35B-A3B shape, 4-bit" if args.ftw else "hybrid bench model"))
   ax.legend(fontsize=8)
   fig.tight_layout()
   png = path[:-len(".json")] + ".png"
