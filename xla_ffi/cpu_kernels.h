@@ -191,6 +191,33 @@ struct Mxfp4Q8DotProblem {
   int64_t c_stride;
 };
 
+// int4 weights (FTW's int4 dense and expert format, docs/ftw.md) against float32 activations: the
+// DotProblem of the dequantised weights. Row r of the [rows, n] weight matrix: n / 2 bytes of
+// unsigned 4-bit codes q at codes + r * code_stride (input 2j in the low nibble of byte j, as
+// mxfp4); per block of 32 inputs a uint8 scale s at scales + r * scale_stride and an int8 min m
+// at mins + r * min_stride; and the row's two float32 steps (d, dm) at steps + r * step_stride
+// (bytes; no alignment needed). Input i of block b = i / 32 weighs
+//   w = float32(d * s[b] * q + dm * m[b])
+// (ftjax.utils.quant: both products exact in float32 for FTW's int4 rows). One token computes
+// d * (sum_b s[b] * sum_i q_i a_i) + dm * (sum_b m[b] * sum_i a_i): the same sums in another
+// order, as float32 rounds them.
+struct Int4DotProblem {
+  const uint8_t* codes;
+  int64_t code_stride;
+  const uint8_t* scales;
+  int64_t scale_stride;
+  const int8_t* mins;
+  int64_t min_stride;
+  const uint8_t* steps;  // two float32 per row: d, dm
+  int64_t step_stride;
+  int64_t rows;
+  const float* const* a;  // a[t] points at n activations of token t
+  int64_t tokens;
+  int64_t n;
+  float* c;  // c[t * c_stride + r]
+  int64_t c_stride;
+};
+
 using DotBf16F32Fn = void (*)(const DotProblem<Bf16Bits, float>&);
 using DotMxfp4F32Fn = void (*)(const Mxfp4DotProblem&);
 using DotMxfp4Q8Fn = void (*)(const Mxfp4Q8DotProblem&);
@@ -287,6 +314,19 @@ struct KernelTable {
   // kernel's float32 weight panel (AVX2); null elsewhere, where the expert FFN decodes a task's
   // rows to bf16 for packed_dot_bf16_f32 (the same products and sums).
   void (*packed_dot_mxfp4_f32)(const PackedMxfp4Problem&);
+  // int4 weights against float32 activations (Int4DotProblem). One token (AVX-512, AVX2): fused,
+  // the activations permuted once per call (as the mxfp4 one-token kernels), each row's codes
+  // read once as one stream with its scales and mins, the nibbles widened to float32 integers in
+  // registers. Several tokens: 4 rows and up to 1024 inputs decoded (decode_int4) into a buffer
+  // in L1, then dot_f32_f32's code. Never null.
+  void (*dot_int4_f32)(const Int4DotProblem&);
+  // out[i] = d * s[i / 32] * q_i + dm * m[i / 32] for i < n (n a multiple of 32; codes, scales,
+  // mins as one Int4DotProblem row from input 0, d and dm its steps): d * s and dm * m in
+  // float32, then a fused multiply-add (FTW's int4 rows keep d * s * q and dm * m exact, so this
+  // is the one rounding of the format's definition). The dense GEMM decodes rows with it. Never
+  // null.
+  void (*decode_int4)(const uint8_t* codes, const uint8_t* scales, const int8_t* mins, float d,
+                      float dm, int64_t n, float* out);
   // One token of the gated delta rule for one head (DeltaRuleHead): the loops of
   // cpu_kernels_impl.h's DeltaRuleStepLoop, vectorised at the ISA's width. Never null.
   void (*delta_rule_step)(const DeltaRuleHead&);

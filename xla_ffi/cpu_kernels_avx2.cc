@@ -160,27 +160,28 @@ void DecodeMxfp4Avx2(const uint8_t* codes, const uint8_t* scales, int64_t n, flo
 // odd last block takes the low lane, the high one reading codes and inputs of zero. The codes
 // `ahead_bytes` ahead (the tuning's, as the one-token row kernels) are prefetched; inputs past
 // kMxfp4OneTokenChunk are taken in further chunks, each row's partial sums added.
-template <int kLocality>
-void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
-  if (p.rows <= 0) return;
-  // bf16 bits of the E2M1 values: high bytes (sign in bit 7) and low bytes, in both lanes.
-  const __m256i high_bytes = _mm256_setr_epi8(
-      0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -128, -65, -65, -65, -64, -64, -64, -64,
-      0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -128, -65, -65, -65, -64, -64, -64, -64);
-  const __m256i low_bytes = _mm256_setr_epi8(
-      0, 0, -128, -64, 0, 0x40, -128, -64, 0, 0, -128, -64, 0, 0x40, -128, -64,
-      0, 0, -128, -64, 0, 0x40, -128, -64, 0, 0, -128, -64, 0, 0x40, -128, -64);
+// The loop of the 4-bit one-token kernels: codes as mxfp4's (32 bytes per group of 2 blocks),
+// each nibble looked up as the high and low bytes of its value's bfloat16 bits (`high_bytes`,
+// `low_bytes`, both lanes alike). Per chunk of inputs, prepare(i, blocks, x) runs once, then per
+// row scales_of(r, i, blocks, scale_of) fills the 8 lane multipliers of each group and
+// finish(r, i, sum) takes the row's sum of the scaled group sums.
+template <int kLocality, typename Prepare, typename ScalesOf, typename Finish>
+void OneToken4BitAvx2(const uint8_t* codes_base, int64_t code_stride, int64_t rows_total,
+                      const float* x_all, int64_t n_total, __m256i high_bytes, __m256i low_bytes,
+                      int64_t ahead_bytes, Prepare prepare, ScalesOf scales_of, Finish finish) {
+  if (rows_total <= 0) return;
   const __m256i nibble = _mm256_set1_epi8(0x0f);
   const __m256i top_half = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
   const uintptr_t prefetch_end =
-      reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
+      reinterpret_cast<uintptr_t>(codes_base + (rows_total - 1) * code_stride + n_total / 2);
   constexpr int64_t kChunk = cpu_kernels_impl::kMxfp4OneTokenChunk;
   alignas(32) float x_p[kChunk];  // an odd last block's group ends at kChunk at most
   alignas(32) float scale_of[kChunk / 8];  // 8 per group of 2 blocks
-  for (int64_t i = 0; i < p.n; i += kChunk) {
-    const int64_t blocks = (p.n - i < kChunk ? p.n - i : kChunk) / 32;
+  for (int64_t i = 0; i < n_total; i += kChunk) {
+    const int64_t blocks = (n_total - i < kChunk ? n_total - i : kChunk) / 32;
     const int64_t groups = blocks / 2, last = blocks & 1;
-    const float* x = p.a[0] + i;
+    const float* x = x_all + i;
+    prepare(i, blocks, x);
     // The activations in the order of the products below: the 8 floats at
     // x_p + 64 g + 8 (2 m + par) are, in lane l (block 2 g + l), the inputs 32 l + 16 (m & 1) +
     // (m >> 1) + 2 par + 4 d of the group, d = 0..3: per lane and half of a block (16 inputs as
@@ -209,10 +210,8 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
         }
       }
     }
-    for (int64_t r = 0; r < p.rows; ++r) {
-      const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
-      const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows_total; ++r) {
+      const uint8_t* codes = codes_base + r * code_stride + i / 2;
       // The unscaled sum of a group's products, its two blocks in the two lane halves.
       auto group = [&](int64_t g, __m256i bytes) -> __m256 {
         const float* xg = x_p + 64 * g;
@@ -236,14 +235,147 @@ void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
         }
         return _mm256_add_ps(half[0], half[1]);
       };
-      mxfp4_avx2::GroupScales(scales, blocks, nullptr, scale_of);
+      scales_of(r, i, blocks, scale_of);
       auto add = [&](int64_t g, __m256i bytes, __m256& acc) {
         acc = _mm256_fmadd_ps(group(g, bytes), _mm256_load_ps(scale_of + 8 * g), acc);
       };
       const float sum = mxfp4_avx2::SumGroups<kLocality>(codes, groups, last, ahead_bytes,
                                                          prefetch_end, add);
-      p.c[r] = i == 0 ? sum : p.c[r] + sum;
+      finish(r, i, sum);
     }
+  }
+}
+
+template <int kLocality>
+void OneTokenMxfp4Avx2(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
+  // bf16 bits of the E2M1 values: high bytes (sign in bit 7) and low bytes, in both lanes.
+  const __m256i high_bytes = _mm256_setr_epi8(
+      0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -128, -65, -65, -65, -64, -64, -64, -64,
+      0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, -128, -65, -65, -65, -64, -64, -64, -64);
+  const __m256i low_bytes = _mm256_setr_epi8(
+      0, 0, -128, -64, 0, 0x40, -128, -64, 0, 0, -128, -64, 0, 0x40, -128, -64,
+      0, 0, -128, -64, 0, 0x40, -128, -64, 0, 0, -128, -64, 0, 0x40, -128, -64);
+  OneToken4BitAvx2<kLocality>(
+      p.codes, p.code_stride, p.rows, p.a[0], p.n, high_bytes, low_bytes, ahead_bytes,
+      [](int64_t, int64_t, const float*) {},
+      [&p](int64_t r, int64_t i, int64_t blocks, float* scale_of) {
+        mxfp4_avx2::GroupScales(p.scales + r * p.scale_stride + i / 32, blocks, nullptr,
+                                scale_of);
+      },
+      [&p](int64_t r, int64_t i, float sum) { p.c[r] = i == 0 ? sum : p.c[r] + sum; });
+}
+
+// int4 decode (cpu_kernels_impl::DecodeInt4Loop's result, the same fused multiply-add per
+// weight): per block the 16 values d * s * q + dm * m in two registers, each code picking from
+// both with vpermps on its low 3 bits and vblendvps on bit 3; then interleaved as mxfp4's.
+void DecodeInt4Avx2(const uint8_t* codes, const uint8_t* scales, const int8_t* mins, float d,
+                    float dm, int64_t n, float* out) {
+  const __m256 low8 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 high8 = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+  auto lookup = [](__m256 lo, __m256 hi, __m256i index) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, index),
+                            _mm256_permutevar8x32_ps(hi, index),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+  };
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const __m256 scale = _mm256_set1_ps(d * static_cast<float>(scales[b]));
+    const __m256 offset = _mm256_set1_ps(dm * static_cast<float>(mins[b]));
+    const __m256 lo = _mm256_fmadd_ps(scale, low8, offset);
+    const __m256 hi = _mm256_fmadd_ps(scale, high8, offset);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * b + 8 * half)));
+      const __m256 even = lookup(lo, hi, bytes);
+      const __m256 odd = lookup(lo, hi, _mm256_srli_epi32(bytes, 4));
+      const __m256 u0 = _mm256_unpacklo_ps(even, odd), u1 = _mm256_unpackhi_ps(even, odd);
+      float* o = out + 32 * b + 16 * half;
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u1, 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u0, u1, 0x31));
+    }
+  }
+}
+
+// int4, one token, fused: OneToken4BitAvx2 with the bfloat16 bits of the integers 0..15 (exact)
+// and the blocks' uint8 scales as float32 lane multipliers; per chunk the activations' sum per
+// block, which each row's int8 mins multiply (8 blocks a vector):
+// c = d * sum_b s[b] * (q . x)_b + dm * sum_b m[b] * (sum x)_b.
+template <int kLocality>
+void OneTokenInt4Avx2(const Int4DotProblem& p, int64_t ahead_bytes) {
+  const __m256i high_bytes = _mm256_setr_epi8(
+      0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+      0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41);
+  const __m256i low_bytes = _mm256_setr_epi8(
+      0, -128, 0, 0x40, -128, -96, -64, -32, 0, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70,
+      0, -128, 0, 0x40, -128, -96, -64, -32, 0, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70);
+  constexpr int64_t kChunk = cpu_kernels_impl::kMxfp4OneTokenChunk;
+  alignas(32) float block_sums[kChunk / 32 + 8];
+  int64_t chunk_blocks = 0;
+  OneToken4BitAvx2<kLocality>(
+      p.codes, p.code_stride, p.rows, p.a[0], p.n, high_bytes, low_bytes, ahead_bytes,
+      [&](int64_t, int64_t blocks, const float* x) {
+        chunk_blocks = blocks;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const __m256 v = _mm256_add_ps(
+              _mm256_add_ps(_mm256_loadu_ps(x + 32 * b), _mm256_loadu_ps(x + 32 * b + 8)),
+              _mm256_add_ps(_mm256_loadu_ps(x + 32 * b + 16), _mm256_loadu_ps(x + 32 * b + 24)));
+          const __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+          const __m128 d2 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
+          block_sums[b] = _mm_cvtss_f32(_mm_add_ss(d2, _mm_movehdup_ps(d2)));
+        }
+        for (int64_t b = blocks; b < blocks + 8; ++b) block_sums[b] = 0.0f;
+      },
+      [&p](int64_t r, int64_t i, int64_t blocks, float* scale_of) {
+        const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
+        const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        for (int64_t q = 0; q < (blocks + 7) / 8; ++q) {
+          alignas(8) uint8_t s8[8] = {};
+          const uint8_t* from = scales + 8 * q;
+          if (8 * q + 8 > blocks) {
+            for (int64_t k = 0; 8 * q + k < blocks; ++k) s8[k] = scales[8 * q + k];
+            from = s8;
+          }
+          const __m256 f = _mm256_cvtepi32_ps(
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(from))));
+          for (int k = 0; k < 4; ++k) {
+            const __m256i pick = _mm256_add_epi32(spread, _mm256_set1_epi32(2 * k));
+            _mm256_store_ps(scale_of + 32 * q + 8 * k, _mm256_permutevar8x32_ps(f, pick));
+          }
+        }
+      },
+      [&](int64_t r, int64_t i, float sum) {
+        const int8_t* mins = p.mins + r * p.min_stride + i / 32;
+        __m256 off = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= chunk_blocks; b += 8) {
+          off = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + b)))),
+              _mm256_load_ps(block_sums + b), off);
+        }
+        float offsets = 0.0f;
+        for (; b < chunk_blocks; ++b) offsets += static_cast<float>(mins[b]) * block_sums[b];
+        const __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(off), _mm256_extractf128_ps(off, 1));
+        const __m128 d2 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
+        offsets += _mm_cvtss_f32(_mm_add_ss(d2, _mm_movehdup_ps(d2)));
+        float d, dm;
+        cpu_kernels_impl::Int4Steps(p.steps + r * p.step_stride, &d, &dm);
+        const float value = d * sum + dm * offsets;
+        p.c[r] = i == 0 ? value : p.c[r] + value;
+      });
+}
+
+void DotInt4F32Avx2(const Int4DotProblem& p) {
+  if (p.tokens == 1) {
+    const KernelTuning tuning = CurrentKernelTuning();
+    const int64_t ahead =
+        tuning.prefetch_bytes < 0 ? cpu_kernels_impl::kPrefetchBytes : tuning.prefetch_bytes;
+    if (TunedPrefetchNonTemporal(tuning)) {
+      OneTokenInt4Avx2<0>(p, ahead);
+    } else {
+      OneTokenInt4Avx2<2>(p, ahead);
+    }
+  } else {
+    cpu_kernels_impl::DotInt4<F32F32Ops256, DecodeInt4Avx2>(p);
   }
 }
 
@@ -709,6 +841,8 @@ const KernelTable kAvx2Table = {
     /*decode_mxfp4=*/DecodeMxfp4Avx2,
     /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
     /*packed_dot_mxfp4_f32=*/PackedDotMxfp4F32Avx2,
+    /*dot_int4_f32=*/DotInt4F32Avx2,
+    /*decode_int4=*/DecodeInt4Avx2,
     /*delta_rule_step=*/cpu_kernels_impl::DeltaRuleStepLoop,
     /*argmax_f32=*/cpu_kernels_impl::ArgmaxLoop,
 };

@@ -43,6 +43,8 @@ const KernelTable kAvx512Table = {
     /*decode_mxfp4=*/DecodeMxfp4Avx512,
     /*dot_mxfp4_q8=*/mxfp4_avx2::DotQ8,
     /*packed_dot_mxfp4_f32=*/nullptr,
+    /*dot_int4_f32=*/DotInt4F32Avx512,
+    /*decode_int4=*/DecodeInt4Avx512,
     /*delta_rule_step=*/cpu_kernels_impl::DeltaRuleStepLoop,
     /*argmax_f32=*/cpu_kernels_impl::ArgmaxLoop,
 };

@@ -272,6 +272,137 @@ inline void DotMxfp4F32Avx512(const Mxfp4DotProblem& p) {
   }
 }
 
+// int4 decode (cpu_kernels_impl::DecodeInt4Loop's result, the same fused multiply-add per
+// weight): per block of 32 inputs the 16 values d * s * q + dm * m of the codes q in one register,
+// looked up as the mxfp4 decode looks up its E2M1 values.
+static constexpr float kInt4Codes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+inline void DecodeInt4Avx512(const uint8_t* codes, const uint8_t* scales, const int8_t* mins,
+                             float d, float dm, int64_t n, float* out) {
+  const __m512 iota = _mm512_loadu_ps(kInt4Codes);
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const __m512 table =
+        _mm512_fmadd_ps(_mm512_set1_ps(d * static_cast<float>(scales[b])), iota,
+                        _mm512_set1_ps(dm * static_cast<float>(mins[b])));
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
+    const __m512 low = _mm512_permutexvar_ps(bytes, table);
+    const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    _mm512_storeu_ps(out + 32 * b, _mm512_permutex2var_ps(low, first, high));
+    _mm512_storeu_ps(out + 32 * b + 16, _mm512_permutex2var_ps(low, second, high));
+  }
+}
+
+// int4, one token (the decode GEMV), fused: the mxfp4 one-token kernel's loop (the activations
+// transposed once per chunk, 4 blocks of codes per 64-byte load, 8 shifts and 8 vpermps to the
+// codes as float32 integers) with the blocks' uint8 scales spread over the lanes as integers,
+// and, per chunk, the activations' sum per block, which the rows' int8 mins multiply (16 blocks
+// a vector): c = d * sum_b s[b] * (q . x)_b + dm * sum_b m[b] * (sum x)_b.
+inline __m512 Int4GroupScales(const uint8_t* scales) {
+  int32_t four;
+  __builtin_memcpy(&four, scales, sizeof(four));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(
+      _mm_cvtsi32_si128(four), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3))));
+}
+
+template <int kLocality>
+inline void OneTokenInt4Avx512(const Int4DotProblem& p, int64_t ahead_bytes) {
+  if (p.rows <= 0) return;
+  const __m512 values = _mm512_loadu_ps(kInt4Codes);
+  const __m512i even =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd =
+      _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const uintptr_t prefetch_end =
+      reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
+  alignas(64) float x_t[kMxfp4OneTokenChunk];
+  alignas(64) float block_sums[kMxfp4OneTokenChunk / 32];
+  for (int64_t i = 0; i < p.n; i += kMxfp4OneTokenChunk) {
+    const int64_t blocks =
+        (p.n - i < kMxfp4OneTokenChunk ? p.n - i : kMxfp4OneTokenChunk) / 32;
+    const int64_t groups = blocks / 4;
+    const float* x = p.a[0] + i;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int k = 0; k < 16; ++k) {
+        for (int j = 0; j < 8; ++j) x_t[128 * g + 16 * j + k] = x[128 * g + 8 * k + j];
+      }
+    }
+    for (int64_t b = 4 * groups; b < blocks; ++b) {
+      const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+      _mm512_store_ps(x_t + 32 * b, _mm512_permutex2var_ps(x0, even, x1));
+      _mm512_store_ps(x_t + 32 * b + 16, _mm512_permutex2var_ps(x0, odd, x1));
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      block_sums[b] = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_loadu_ps(x + 32 * b), _mm512_loadu_ps(x + 32 * b + 16)));
+    }
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
+      const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
+      const int8_t* mins = p.mins + r * p.min_stride + i / 32;
+      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t g = 0; g < groups; ++g) {
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(codes + 64 * g) + ahead_bytes;
+        if (ahead_bytes > 0 && ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
+          __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
+        }
+        const __m512i dwords = _mm512_loadu_si512(codes + 64 * g);
+        const float* xg = x_t + 128 * g;
+        __m512 half[2] = {
+            _mm512_mul_ps(_mm512_permutexvar_ps(dwords, values), _mm512_load_ps(xg)),
+            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(dwords, 4), values),
+                          _mm512_load_ps(xg + 16))};
+        for (int j = 2; j < 8; ++j) {
+          half[j & 1] = _mm512_fmadd_ps(
+              _mm512_permutexvar_ps(_mm512_srl_epi32(dwords, _mm_cvtsi32_si128(4 * j)), values),
+              _mm512_load_ps(xg + 16 * j), half[j & 1]);
+        }
+        acc[g & 1] = _mm512_fmadd_ps(_mm512_add_ps(half[0], half[1]),
+                                     Int4GroupScales(scales + 4 * g), acc[g & 1]);
+      }
+      for (int64_t b = 4 * groups; b < blocks; ++b) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
+        const __m512 sum = _mm512_fmadd_ps(
+            _mm512_permutexvar_ps(bytes, values), _mm512_load_ps(x_t + 32 * b),
+            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values),
+                          _mm512_load_ps(x_t + 32 * b + 16)));
+        acc[b & 1] = _mm512_fmadd_ps(sum, _mm512_set1_ps(static_cast<float>(scales[b])),
+                                     acc[b & 1]);
+      }
+      __m512 off = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; b += 16) {
+        const __mmask16 mask = blocks - b >= 16 ? 0xFFFF : (1u << (blocks - b)) - 1;
+        const __m512 m = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, mins + b)));
+        off = _mm512_fmadd_ps(m, _mm512_maskz_load_ps(mask, block_sums + b), off);
+      }
+      float d, dm;
+      cpu_kernels_impl::Int4Steps(p.steps + r * p.step_stride, &d, &dm);
+      const float sum = d * _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) +
+                        dm * _mm512_reduce_add_ps(off);
+      p.c[r] = i == 0 ? sum : p.c[r] + sum;
+    }
+  }
+}
+
+inline void DotInt4F32Avx512(const Int4DotProblem& p) {
+  if (p.tokens == 1) {
+    const KernelTuning tuning = CurrentKernelTuning();
+    const int64_t ahead =
+        tuning.prefetch_bytes < 0 ? cpu_kernels_impl::kPrefetchBytes : tuning.prefetch_bytes;
+    if (TunedPrefetchNonTemporal(tuning)) {
+      OneTokenInt4Avx512<0>(p, ahead);
+    } else {
+      OneTokenInt4Avx512<2>(p, ahead);
+    }
+  } else {
+    cpu_kernels_impl::DotInt4<F32F32Ops512, DecodeInt4Avx512>(p);
+  }
+}
+
 // Runs a packed-activation GEMM (cpu_kernels.h) with the micro-kernels of `Kernels`
 // (Kernels::Run<kRows, kGroups, kHalf>): weight rows in blocks of 8, groups of 16 tokens in
 // passes of up to 3 over the same rows (in L1 after the first pass); the half group joins the

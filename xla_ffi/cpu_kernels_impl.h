@@ -328,40 +328,108 @@ static inline void DotMxfp4Q8Loop(const Mxfp4Q8DotProblem& p) {
   }
 }
 
-// KernelTable::dot_mxfp4_f32 on top of an ISA's float32 Ops and its decode
-// (Decode(codes, scales, n, out), as DecodeMxfp4Loop): kMxfp4Rows rows and kMxfp4Chunk inputs
-// are decoded into a stack buffer (16 KiB, in L1), which Dot<F32Ops> multiplies with the
-// tokens (64 at a time); the partial sums of later chunks are added to the first's.
-constexpr int64_t kMxfp4Rows = 4;
-constexpr int64_t kMxfp4Chunk = 1024;
-constexpr int64_t kMxfp4Tokens = 64;
-template <typename F32Ops, void (*Decode)(const uint8_t*, const uint8_t*, int64_t, float*)>
-void DotMxfp4(const Mxfp4DotProblem& p) {
-  alignas(64) float w[kMxfp4Rows * kMxfp4Chunk];
-  float partial[kMxfp4Tokens * kMxfp4Rows];
-  const float* a[kMxfp4Tokens];
-  for (int64_t row = 0; row < p.rows; row += kMxfp4Rows) {
-    const int64_t rows = p.rows - row < kMxfp4Rows ? p.rows - row : kMxfp4Rows;
-    for (int64_t i = 0; i < p.n; i += kMxfp4Chunk) {
-      const int64_t n = p.n - i < kMxfp4Chunk ? p.n - i : kMxfp4Chunk;
-      for (int64_t r = 0; r < rows; ++r) {
-        Decode(p.codes + (row + r) * p.code_stride + i / 2,
-               p.scales + (row + r) * p.scale_stride + i / 32, n, w + r * kMxfp4Chunk);
-      }
-      for (int64_t t0 = 0; t0 < p.tokens; t0 += kMxfp4Tokens) {
-        const int64_t tokens = p.tokens - t0 < kMxfp4Tokens ? p.tokens - t0 : kMxfp4Tokens;
-        for (int64_t t = 0; t < tokens; ++t) a[t] = p.a[t0 + t] + i;
-        float* c = p.c + t0 * p.c_stride + row;
+// The several-token form of the 4-bit dot kernels, on top of an ISA's float32 Ops: kDecodeRows
+// rows and kDecodeChunk inputs at a time are decoded (decode(row, i, n, out): n weights of row
+// `row` from input i, exact as the format defines them) into a stack buffer (16 KiB, in L1),
+// which Dot<F32Ops> multiplies with the tokens (64 at a time); the partial sums of later chunks
+// are added to the first's.
+constexpr int64_t kDecodeRows = 4;
+constexpr int64_t kDecodeChunk = 1024;
+constexpr int64_t kDecodeTokens = 64;
+template <typename F32Ops, typename DecodeRow>
+void DotDecoded(int64_t rows_total, int64_t n_total, const float* const* acts, int64_t tokens_total,
+                float* c_out, int64_t c_stride, DecodeRow decode) {
+  alignas(64) float w[kDecodeRows * kDecodeChunk];
+  float partial[kDecodeTokens * kDecodeRows];
+  const float* a[kDecodeTokens];
+  for (int64_t row = 0; row < rows_total; row += kDecodeRows) {
+    const int64_t rows = rows_total - row < kDecodeRows ? rows_total - row : kDecodeRows;
+    for (int64_t i = 0; i < n_total; i += kDecodeChunk) {
+      const int64_t n = n_total - i < kDecodeChunk ? n_total - i : kDecodeChunk;
+      for (int64_t r = 0; r < rows; ++r) decode(row + r, i, n, w + r * kDecodeChunk);
+      for (int64_t t0 = 0; t0 < tokens_total; t0 += kDecodeTokens) {
+        const int64_t tokens = tokens_total - t0 < kDecodeTokens ? tokens_total - t0 : kDecodeTokens;
+        for (int64_t t = 0; t < tokens; ++t) a[t] = acts[t0 + t] + i;
+        float* c = c_out + t0 * c_stride + row;
         if (i == 0) {
-          Dot<F32Ops>({w, kMxfp4Chunk, rows, a, tokens, n, c, p.c_stride});
+          Dot<F32Ops>({w, kDecodeChunk, rows, a, tokens, n, c, c_stride});
           continue;
         }
-        Dot<F32Ops>({w, kMxfp4Chunk, rows, a, tokens, n, partial, kMxfp4Rows});
+        Dot<F32Ops>({w, kDecodeChunk, rows, a, tokens, n, partial, kDecodeRows});
         for (int64_t t = 0; t < tokens; ++t) {
-          for (int64_t r = 0; r < rows; ++r) c[t * p.c_stride + r] += partial[t * kMxfp4Rows + r];
+          for (int64_t r = 0; r < rows; ++r) c[t * c_stride + r] += partial[t * kDecodeRows + r];
         }
       }
     }
+  }
+}
+
+// KernelTable::dot_mxfp4_f32's several-token form, with the ISA's decode (Decode(codes, scales,
+// n, out), as DecodeMxfp4Loop).
+template <typename F32Ops, void (*Decode)(const uint8_t*, const uint8_t*, int64_t, float*)>
+void DotMxfp4(const Mxfp4DotProblem& p) {
+  DotDecoded<F32Ops>(p.rows, p.n, p.a, p.tokens, p.c, p.c_stride,
+                     [&p](int64_t row, int64_t i, int64_t n, float* out) {
+                       Decode(p.codes + row * p.code_stride + i / 2,
+                              p.scales + row * p.scale_stride + i / 32, n, out);
+                     });
+}
+
+// int4 (KernelTable::dot_int4_f32, decode_int4): a row's two float32 steps (d, dm).
+static inline void Int4Steps(const uint8_t* steps, float* d, float* dm) {
+  __builtin_memcpy(d, steps, sizeof(float));
+  __builtin_memcpy(dm, steps + sizeof(float), sizeof(float));
+}
+
+// out[i] = d * s[i / 32] * q_i + dm * m[i / 32]: the portable decode.
+static inline void DecodeInt4Loop(const uint8_t* codes, const uint8_t* scales, const int8_t* mins,
+                                  float d, float dm, int64_t n, float* out) {
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const float scale = d * static_cast<float>(scales[b]);
+    const float offset = dm * static_cast<float>(mins[b]);
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t byte = codes[16 * b + j];
+      out[32 * b + 2 * j] = __builtin_fmaf(scale, static_cast<float>(byte & 15), offset);
+      out[32 * b + 2 * j + 1] = __builtin_fmaf(scale, static_cast<float>(byte >> 4), offset);
+    }
+  }
+}
+
+// KernelTable::dot_int4_f32's several-token form, with the ISA's decode.
+template <typename F32Ops, void (*Decode)(const uint8_t*, const uint8_t*, const int8_t*, float,
+                                          float, int64_t, float*)>
+void DotInt4(const Int4DotProblem& p) {
+  DotDecoded<F32Ops>(p.rows, p.n, p.a, p.tokens, p.c, p.c_stride,
+                     [&p](int64_t row, int64_t i, int64_t n, float* out) {
+                       float d, dm;
+                       Int4Steps(p.steps + row * p.step_stride, &d, &dm);
+                       Decode(p.codes + row * p.code_stride + i / 2,
+                              p.scales + row * p.scale_stride + i / 32,
+                              p.mins + row * p.min_stride + i / 32, d, dm, n, out);
+                     });
+}
+
+// KernelTable::dot_int4_f32 for one token, portable: per row and block the sums of q_i * a_i and
+// of a_i, then d * sum_b s[b] * qa_b + dm * sum_b m[b] * a_b (the SIMD one-token kernels' order).
+static inline void OneTokenInt4Loop(const Int4DotProblem& p) {
+  const float* x = p.a[0];
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const uint8_t* codes = p.codes + r * p.code_stride;
+    float d, dm;
+    Int4Steps(p.steps + r * p.step_stride, &d, &dm);
+    float scaled = 0.0f, offsets = 0.0f;
+    for (int64_t b = 0; b < p.n / 32; ++b) {
+      float qa = 0.0f, sa = 0.0f;
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t byte = codes[16 * b + j];
+        qa += static_cast<float>(byte & 15) * x[32 * b + 2 * j] +
+              static_cast<float>(byte >> 4) * x[32 * b + 2 * j + 1];
+        sa += x[32 * b + 2 * j] + x[32 * b + 2 * j + 1];
+      }
+      scaled += static_cast<float>(p.scales[r * p.scale_stride + b]) * qa;
+      offsets += static_cast<float>(p.mins[r * p.min_stride + b]) * sa;
+    }
+    p.c[r] = d * scaled + dm * offsets;
   }
 }
 

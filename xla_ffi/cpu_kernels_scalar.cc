@@ -61,6 +61,13 @@ void DotI8F32(const DotProblem<int8_t, float>& p) {
 void DotMxfp4F32(const Mxfp4DotProblem& p) {
   cpu_kernels_impl::DotMxfp4<ScalarOps<float, float>, cpu_kernels_impl::DecodeMxfp4Loop>(p);
 }
+void DotInt4F32(const Int4DotProblem& p) {
+  if (p.tokens == 1) {
+    cpu_kernels_impl::OneTokenInt4Loop(p);
+  } else {
+    cpu_kernels_impl::DotInt4<ScalarOps<float, float>, cpu_kernels_impl::DecodeInt4Loop>(p);
+  }
+}
 
 void RoundToBf16(const float* in, Bf16Bits* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
@@ -177,6 +184,8 @@ const KernelTable kScalarTable = {
     /*decode_mxfp4=*/cpu_kernels_impl::DecodeMxfp4Loop,
     /*dot_mxfp4_q8=*/cpu_kernels_impl::DotMxfp4Q8Loop,
     /*packed_dot_mxfp4_f32=*/nullptr,
+    /*dot_int4_f32=*/DotInt4F32,
+    /*decode_int4=*/cpu_kernels_impl::DecodeInt4Loop,
     /*delta_rule_step=*/cpu_kernels_impl::DeltaRuleStepLoop,
     /*argmax_f32=*/cpu_kernels_impl::ArgmaxLoop,
 };

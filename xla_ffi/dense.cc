@@ -27,6 +27,7 @@
 // GEMM, relative error ~1e-2 of max|y|.
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -291,9 +292,9 @@ void DenseInt8(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, cons
 // mxfp4 rows of k inputs: k / 2 code bytes and k / 32 scale bytes each.
 constexpr int64_t kMxfp4Inputs = 32;
 
-// Rows of an mxfp4 weight per task: as RowTile and GemvRowTile, by the bytes of a row.
-int64_t Mxfp4RowTile(int64_t tokens, int64_t n_out, int64_t k, int num_workers) {
-  const int64_t row_bytes = std::max<int64_t>(k / 2 + k / kMxfp4Inputs, 1);
+// Rows of a 4-bit weight per task: as RowTile and GemvRowTile, by the bytes of a row.
+int64_t FourBitRowTile(int64_t tokens, int64_t n_out, int64_t row_bytes_in, int num_workers) {
+  const int64_t row_bytes = std::max<int64_t>(row_bytes_in, 1);
   const int64_t l2_rows = std::max<int64_t>(8, (int64_t{256} << 10) / row_bytes / 8 * 8);
   if (tokens != 1) return l2_rows;
   const int32_t tuned_kib = CurrentKernelTuning().gemv_task_kib;
@@ -302,25 +303,29 @@ int64_t Mxfp4RowTile(int64_t tokens, int64_t n_out, int64_t k, int num_workers) 
   return std::max(l2_rows, std::min(task_bytes / row_bytes, by_tasks) / 8 * 8);
 }
 
-// mxfp4: up to PackedMinTokens tokens the fused dot kernel (KernelTable::dot_mxfp4_f32: the
-// 4.25-bit rows read once as one stream per task); above it the packed GEMM, straight from the
-// codes where the ISA has packed_dot_mxfp4_f32 (AVX2), else on each task's rows decoded to
-// float32 once (KernelTable::decode_mxfp4, exact) into a per-worker buffer that stays in L2,
-// against x packed once per call. Products and sums are those of the dequantised weights in
-// float32, as for float32 weights.
-void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
-                const uint8_t* codes, const uint8_t* scales, bool bf16_activations,
-                const KernelTable& kernels, const Workers& workers, float* y_tn) {
+// The 4-bit formats (mxfp4, int4): up to PackedMinTokens tokens the fused dot kernel
+// (dot(n0, rows, x_rows, tile, y, y_stride): KernelTable::dot_mxfp4_f32 or dot_int4_f32, the
+// rows read once as one stream per task); above it the packed GEMM, straight from the codes where
+// `packed_direct` is given (mxfp4 on AVX2: KernelTable::packed_dot_mxfp4_f32), else on each
+// task's rows decoded to float32 once (decode_row(row, out): KernelTable::decode_mxfp4 or
+// decode_int4, exact as the format defines the weights) into a per-worker buffer that stays in
+// L2, against x packed once per call. With bf16_activations (DenseDecodedBf16) the rows are
+// decoded to float32 and rounded to bf16: exact for mxfp4, whose values are bf16 values; int4
+// weights round as the activations do. `row_bytes`: a row's bytes (codes and scales), for the
+// row tiles.
+template <typename DecodeRow, typename DotRows, typename PackedDirect>
+void Dense4Bit(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, int64_t row_bytes,
+               DecodeRow decode_row, DotRows dot, PackedDirect packed_direct, bool has_direct,
+               bool bf16_activations, const KernelTable& kernels, const Workers& workers,
+               float* y_tn) {
   if (k == 0) {
     std::fill_n(y_tn, tokens * n_out, 0.0f);
     return;
   }
-  const int64_t code_stride = k / 2, scale_stride = k / kMxfp4Inputs;
   if (UseDecodedBf16(tokens, k, bf16_activations, kernels)) {
     auto decode = [&](int64_t n0, int64_t rows, Bf16Bits* out, float* row_f32) {
       for (int64_t r = 0; r < rows; ++r) {
-        kernels.decode_mxfp4(codes + (n0 + r) * code_stride, scales + (n0 + r) * scale_stride, k,
-                             row_f32);
+        decode_row(n0 + r, row_f32);
         kernels.round_to_bf16(row_f32, out + r * k, k);
       }
     };
@@ -328,10 +333,9 @@ void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
     return;
   }
   const auto packed_f32 = kernels.packed_dot_f32;
-  const auto packed_mxfp4 = kernels.packed_dot_mxfp4_f32;
-  const bool use_packed = (packed_f32 != nullptr || packed_mxfp4 != nullptr) &&
+  const bool use_packed = (packed_f32 != nullptr || has_direct) &&
                           tokens > PackedMinTokens(kernels, false, PackedUse::kDense);
-  const int64_t row_tile = Mxfp4RowTile(tokens, n_out, k, workers.num_workers());
+  const int64_t row_tile = FourBitRowTile(tokens, n_out, row_bytes, workers.num_workers());
   const int64_t groups = CeilDiv(tokens, kPackedGroup);
   const int64_t group_elements = PackedGroupElements<float>(k);
   ScratchPlan plan;
@@ -340,7 +344,7 @@ void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
   if (use_packed) {
     packed_at = plan.Add<float>(groups * group_elements);
     ct_at = plan.Add<float>(workers.num_workers() * row_tile * kTokenTile);
-    if (packed_mxfp4 == nullptr) decoded_at = plan.Add<float>(workers.num_workers() * row_tile * k);
+    if (!has_direct) decoded_at = plan.Add<float>(workers.num_workers() * row_tile * k);
   }
   unsigned char* scratch = Scratch(plan);
   const float** x_rows = At<const float*>(scratch, rows_at);
@@ -351,9 +355,7 @@ void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
       const int64_t rows = std::min(row_tile, n_out - n0);
       for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
         const int64_t tile = std::min(kTokenTile, tokens - t0);
-        kernels.dot_mxfp4_f32({codes + n0 * code_stride, code_stride, scales + n0 * scale_stride,
-                               scale_stride, rows, x_rows + t0, tile, k, y_tn + t0 * n_out + n0,
-                               n_out});
+        dot(n0, rows, x_rows + t0, tile, y_tn + t0 * n_out + n0, n_out);
       }
     });
     return;
@@ -368,22 +370,17 @@ void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
     const int64_t rows = std::min(row_tile, n_out - n0);
     float* ct = At<float>(scratch, ct_at) + worker * row_tile * kTokenTile;
     float* decoded = nullptr;
-    if (packed_mxfp4 == nullptr) {
+    if (!has_direct) {
       decoded = At<float>(scratch, decoded_at) + worker * row_tile * k;
-      for (int64_t r = 0; r < rows; ++r) {
-        kernels.decode_mxfp4(codes + (n0 + r) * code_stride, scales + (n0 + r) * scale_stride, k,
-                             decoded + r * k);
-      }
+      for (int64_t r = 0; r < rows; ++r) decode_row(n0 + r, decoded + r * k);
     }
     for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerTile) {
       const int64_t tile_groups = std::min(kGroupsPerTile, groups - g0);
       const int64_t t0 = g0 * kPackedGroup;
       const int64_t tile = std::min(tile_groups * kPackedGroup, tokens - t0);
       const bool half = tile - (tile_groups - 1) * kPackedGroup <= kPackedGroup / 2;
-      if (packed_mxfp4 != nullptr) {
-        packed_mxfp4({codes + n0 * code_stride, code_stride, scales + n0 * scale_stride,
-                      scale_stride, rows, packed + g0 * group_elements, tile_groups, half, k, ct,
-                      kTokenTile});
+      if (has_direct) {
+        packed_direct(n0, rows, packed + g0 * group_elements, tile_groups, half, ct);
       } else {
         packed_f32({decoded, k, rows, packed + g0 * group_elements, tile_groups, half, k, ct,
                     kTokenTile, groups});
@@ -394,6 +391,60 @@ void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
       }
     }
   });
+}
+
+// mxfp4 rows: Dense4Bit on the E2M1 codes and E8M0 scales.
+void DenseMxfp4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk,
+                const uint8_t* codes, const uint8_t* scales, bool bf16_activations,
+                const KernelTable& kernels, const Workers& workers, float* y_tn) {
+  const int64_t code_stride = k / 2, scale_stride = k / kMxfp4Inputs;
+  const auto packed_mxfp4 = kernels.packed_dot_mxfp4_f32;
+  Dense4Bit(
+      tokens, n_out, k, x_tk, k / 2 + k / kMxfp4Inputs,
+      [&](int64_t row, float* out) {
+        kernels.decode_mxfp4(codes + row * code_stride, scales + row * scale_stride, k, out);
+      },
+      [&](int64_t n0, int64_t rows, const float* const* x_rows, int64_t tile, float* y,
+          int64_t y_stride) {
+        kernels.dot_mxfp4_f32({codes + n0 * code_stride, code_stride, scales + n0 * scale_stride,
+                               scale_stride, rows, x_rows, tile, k, y, y_stride});
+      },
+      [&](int64_t n0, int64_t rows, const float* packed, int64_t tile_groups, bool half,
+          float* ct) {
+        packed_mxfp4({codes + n0 * code_stride, code_stride, scales + n0 * scale_stride,
+                      scale_stride, rows, packed, tile_groups, half, k, ct, kTokenTile});
+      },
+      packed_mxfp4 != nullptr, bf16_activations, kernels, workers, y_tn);
+}
+
+// int4 rows (ftjax.utils.dense_quant): codes [O, C / 2] and per row the parameters
+// Int4ParamBytes(C) = 8 + 2 * C / 32 bytes: the float32 steps d, dm, the uint8 scales [C / 32],
+// the int8 mins [C / 32] (Int4DotProblem).
+int64_t Int4ParamBytes(int64_t k) { return 8 + 2 * (k / kMxfp4Inputs); }
+
+void DenseInt4(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const uint8_t* codes,
+               const uint8_t* params, bool bf16_activations, const KernelTable& kernels,
+               const Workers& workers, float* y_tn) {
+  const int64_t code_stride = k / 2, param_stride = Int4ParamBytes(k), blocks = k / kMxfp4Inputs;
+  Dense4Bit(
+      tokens, n_out, k, x_tk, code_stride + param_stride,
+      [&](int64_t row, float* out) {
+        const uint8_t* p = params + row * param_stride;
+        float d, dm;
+        std::memcpy(&d, p, sizeof(float));
+        std::memcpy(&dm, p + sizeof(float), sizeof(float));
+        kernels.decode_int4(codes + row * code_stride, p + 8,
+                            reinterpret_cast<const int8_t*>(p + 8 + blocks), d, dm, k, out);
+      },
+      [&](int64_t n0, int64_t rows, const float* const* x_rows, int64_t tile, float* y,
+          int64_t y_stride) {
+        const uint8_t* p = params + n0 * param_stride;
+        kernels.dot_int4_f32({codes + n0 * code_stride, code_stride, p + 8, param_stride,
+                              reinterpret_cast<const int8_t*>(p + 8 + blocks), param_stride, p,
+                              param_stride, rows, x_rows, tile, k, y, y_stride});
+      },
+      [](int64_t, int64_t, const float*, int64_t, bool, float*) {}, false, bf16_activations,
+      kernels, workers, y_tn);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -438,8 +489,9 @@ ffi::Error DenseImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::Any
   return ffi::Error::Success();
 }
 
-// The quantised weights: w is int8 [O, C] with float32 scales [O], or uint8 mxfp4 codes
-// [O, C / 2] with uint8 E8M0 scales [O, C / 32] (C a multiple of 32).
+// The quantised weights: w is int8 [O, C] with float32 scales [O], uint8 mxfp4 codes
+// [O, C / 2] with uint8 E8M0 scales [O, C / 32], or uint8 int4 codes [O, C / 2] with uint8
+// parameters [O, 8 + C / 16] (DenseInt4; C a multiple of 32).
 constexpr std::string_view kQuantizedOp = "ftjax_dense_quantized";
 
 ffi::Error DenseQuantizedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -453,15 +505,28 @@ ffi::Error DenseQuantizedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   const auto w_dims = w.dimensions();
   const auto s_dims = scales.dimensions();
   const ffi::DataType w_dtype = w.element_type();
-  const bool mxfp4 = w_dtype == ffi::DataType::U8;
-  if (w_dtype != ffi::DataType::S8 && !mxfp4) {
-    return InvalidArgument(kQuantizedOp, "w must be int8 (int8 rows) or uint8 (mxfp4 codes)");
+  const bool four_bit = w_dtype == ffi::DataType::U8;
+  if (w_dtype != ffi::DataType::S8 && !four_bit) {
+    return InvalidArgument(kQuantizedOp,
+                           "w must be int8 (int8 rows) or uint8 (mxfp4 or int4 codes)");
   }
+  // uint8 codes: int4 when the scales are its per-row parameters, else mxfp4.
+  const bool int4 = four_bit && s_dims.size() == 2 && K % kMxfp4Inputs == 0 &&
+                    s_dims[1] == Int4ParamBytes(K);
+  const bool mxfp4 = four_bit && !int4;
   if (w_dims.size() != 2) {
     return InvalidArgument(kQuantizedOp, "w must be 2-D, got shape " + ShapeString(w_dims));
   }
   const int64_t N = w_dims[0];
-  if (mxfp4) {
+  if (int4) {
+    if (w_dims[1] != K / 2 || scales.element_type() != ffi::DataType::U8 || s_dims[0] != N) {
+      return InvalidArgument(kQuantizedOp, "int4 codes must be [O, C / 2] with C = " +
+                                               std::to_string(K) + " from x and uint8 "
+                                               "parameters [O, 8 + C / 16], got codes " +
+                                               ShapeString(w_dims) + " and parameters " +
+                                               ShapeString(s_dims));
+    }
+  } else if (mxfp4) {
     if (K % kMxfp4Inputs != 0 || w_dims[1] != K / 2) {
       return InvalidArgument(kQuantizedOp, "mxfp4 codes must be [O, C / 2] with C = " +
                                                std::to_string(K) +
@@ -472,7 +537,8 @@ ffi::Error DenseQuantizedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
         s_dims[1] != K / kMxfp4Inputs) {
       return InvalidArgument(kQuantizedOp, "mxfp4 scales must be uint8 [O, C / 32] = [" +
                                                std::to_string(N) + ", " +
-                                               std::to_string(K / kMxfp4Inputs) + "], got " +
+                                               std::to_string(K / kMxfp4Inputs) +
+                                               "] (int4 parameters: [O, 8 + C / 16]), got " +
                                                ShapeString(s_dims));
     }
   } else {
@@ -494,7 +560,11 @@ ffi::Error DenseQuantizedImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   }
   const HostSetup setup = ChooseHostSetup(&xla_pool);
   if (!setup.error.empty()) return InvalidArgument(kQuantizedOp, setup.error);
-  if (mxfp4) {
+  if (int4) {
+    DenseInt4(T, N, K, x.typed_data(), w.reinterpret_data<uint8_t>(),
+              scales.reinterpret_data<uint8_t>(), bf16_activations, *setup.kernels,
+              setup.workers, y->typed_data());
+  } else if (mxfp4) {
     DenseMxfp4(T, N, K, x.typed_data(), w.reinterpret_data<uint8_t>(),
                scales.reinterpret_data<uint8_t>(), bf16_activations, *setup.kernels,
                setup.workers, y->typed_data());

@@ -1,5 +1,5 @@
 """``python -m ftjax.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16|float32]
-[--expert_dtype=bfloat16|float32|int8|mxfp4] [--dense_dtype=int8|mxfp4|mixed4]``."""
+[--expert_dtype=bfloat16|float32|int8|mxfp4] [--dense_dtype=int8|int4|mxfp4|mixed4|mixed_int4]``."""
 
 from absl import app, flags
 
@@ -14,12 +14,14 @@ _EXPERT_DTYPE = flags.DEFINE_enum(
     "int8 is symmetric per output channel with float32 scales; mxfp4 keeps gpt-oss's MXFP4 "
     "experts as shipped, or quantises float experts to it (docs/ftw.md)")
 _DENSE_DTYPE = flags.DEFINE_enum(
-    "dense_dtype", None, ["int8", "mxfp4", "mixed4"],
+    "dense_dtype", None, ["int8", "int4", "mxfp4", "mixed4", "mixed_int4"],
     "quantise the dense matrices outside the experts (attention and Gated DeltaNet projections, "
     "shared experts, MTP projection, lm_head; routers, norms and convolutions stay --dtype): "
-    "int8 (per row, float32 scales), mxfp4 (4.25 bits: E2M1 with an E8M0 scale per 32 inputs), "
-    "or mixed4, the preset nearest llama.cpp's Q4_K_M: mxfp4 projections, int8 lm_head and "
-    "embedding. An untied embedding is int8 under mxfp4 and mixed4 (docs/ftw.md)")
+    "int8 (per row, float32 scales), int4 (4.5 bits: unsigned codes with a scale and a min per "
+    "32 inputs, as llama.cpp's Q4_K), mxfp4 (4.25 bits: E2M1 with an E8M0 scale per 32 inputs), "
+    "or the presets nearest llama.cpp's Q4_K_M: mixed_int4 (int4 input projections; int8 value "
+    "and output projections, lm_head and embedding) and mixed4 (the same with mxfp4). An untied "
+    "embedding is int8 under the 4-bit ones (docs/ftw.md)")
 _OVERWRITE = flags.DEFINE_boolean("overwrite", False, "replace --out if it is an FTW model")
 
 

@@ -80,12 +80,14 @@ def test_quantised_dense_weights_match_their_dequantisation(float_model, dense_d
   the dequantised float32 weights, with host kernels and XLA, cached and not."""
   q = model_lib.quantize_dense(float_model, dense_dtype)
   formats = q.dense_formats
-  assert formats.get("int8", 0) + formats.get("mxfp4", 0) > 0, formats
+  four_bit = {"mxfp4": "mxfp4", "mixed4": "mxfp4", "int4": "int4", "mixed_int4": "int4"}
+  assert sum(formats.get(f, 0) for f in ("int8", "int4", "mxfp4")) > 0, formats
   if dense_dtype != "int8":
-    assert formats.get("mxfp4", 0) > 0, formats
+    assert formats.get(four_bit[dense_dtype], 0) > 0, formats
   lm = model_lib.leaf(q, "w_lm_vd")
   assert isinstance(lm, QuantizedMatrix)
-  assert lm.format == ("int8" if dense_dtype in ("int8", "mixed4") else "mxfp4")
+  assert lm.format == ("int8" if dense_dtype in ("int8", "mixed4", "mixed_int4")
+                       else four_bit[dense_dtype])
   assert not isinstance(model_lib.leaf(q, next(
       n for n in model_lib.named_params(q) if n.endswith("w_router_ed"))), QuantizedMatrix)
   deq = model_lib.dequantize_dense(q)
@@ -115,13 +117,14 @@ def test_quantised_dense_weights_match_their_dequantisation(float_model, dense_d
   assert error > 1e-4, error
 
 
-def test_dense_formats_save_and_load_exactly(float_model, tmp_path):
+@pytest.mark.parametrize("preset", ["mixed4", "mixed_int4"])
+def test_dense_formats_save_and_load_exactly(float_model, tmp_path, preset):
   """save(dense_dtype=...) writes what quantize_dense computes; load gives it back bit for bit
   (FTW version 3 tensor entries with their format); a second save writes it as it is."""
   bf16 = dataclasses.replace(float_model)  # float32 weights; written in bfloat16 below
-  path = model_lib.save(bf16, tmp_path / "m", dtype="float32", dense_dtype="mixed4")
+  path = model_lib.save(bf16, tmp_path / "m", dtype="float32", dense_dtype=preset)
   loaded = ftjax.load(path, verify=True)
-  want = model_lib.named_params(model_lib.quantize_dense(float_model, "mixed4"))
+  want = model_lib.named_params(model_lib.quantize_dense(float_model, preset))
   got = model_lib.named_params(loaded)
   assert set(got) == set(want)
   for name, value in want.items():
@@ -132,7 +135,8 @@ def test_dense_formats_save_and_load_exactly(float_model, tmp_path):
     else:
       np.testing.assert_array_equal(got[name], value)
   f = ftw.FTWFile.open(path)
-  assert f.index["format_version"] == 3 and f.dense_formats().get("mxfp4", 0) > 0
+  four_bit = "mxfp4" if preset == "mixed4" else "int4"
+  assert f.index["format_version"] == 3 and f.dense_formats().get(four_bit, 0) > 0
   again = model_lib.save(loaded, tmp_path / "again")
   assert ftw.FTWFile.open(again).dense_formats() == f.dense_formats()
 
@@ -155,7 +159,7 @@ def test_tied_embedding_is_quantised_with_the_head(tiny_config):
 
 def test_quantised_dense_refusals(float_model):
   with pytest.raises(ValueError, match="dense_dtype must be one of"):
-    model_lib.quantize_dense(float_model, "int4")
+    model_lib.quantize_dense(float_model, "int3")
   q = model_lib.quantize_dense(float_model, "int8")
   with pytest.raises(ValueError, match="quantised already"):
     model_lib.quantize_dense(q, "int8")

@@ -84,22 +84,25 @@ def storage_dtype(name: str) -> np.dtype:
   return DTYPES[name]
 
 
-# --dense_dtype: which format each quantisable dense weight (LINEAR_OUT_AXES) gets. "mixed4"
-# is the preset closest to llama.cpp's Q4_K_M, which keeps its output in Q6_K and attn_v and
-# ffn_down in Q6_K: 4-bit input projections (q, k, gate; Gated DeltaNet's qkv, z, b, a; the
-# shared experts' gate and up), 8-bit value and output projections (v, o, the Gated DeltaNet
-# output, the shared experts' down), lm_head and embedding. On the embedded models (benchmarks/
-# dense_quality.py) 4-bit value and output projections had cost 1.6x and 3.6x Q4_K_M's KL.
-DENSE_DTYPES = ("int8", "mxfp4", "mixed4")
+# --dense_dtype: which format each quantisable dense weight (LINEAR_OUT_AXES) gets. The presets
+# follow llama.cpp's Q4_K_M, which keeps its output in Q6_K and attn_v and ffn_down in Q6_K:
+# 4-bit input projections (q, k, gate; Gated DeltaNet's qkv, z, b, a; the shared experts' gate
+# and up), 8-bit value and output projections (v, o, the Gated DeltaNet output, the shared
+# experts' down), lm_head and embedding. "mixed_int4" takes int4 for the 4-bit ones (the
+# quality preset: on the embedded models its KL to bfloat16 was 0.4x mixed4's,
+# benchmarks/dense_quality.py), "mixed4" mxfp4 (4.25 bits, power-of-two block scales). With
+# mxfp4, 4-bit value and output projections had cost 1.6x and 3.6x Q4_K_M's KL.
+DENSE_DTYPES = ("int8", "int4", "mxfp4", "mixed4", "mixed_int4")
 _HEAD_NAMES = ("w_lm_vd", "embed_vd")
 _MIXED4_INT8 = (*_HEAD_NAMES, "w_v_gad", "w_o_dha", "w_out_dmy", "w_down_di")
+_MIXED_4BIT = {"mixed4": "mxfp4", "mixed_int4": "int4"}
 
 
 def dense_format(dense_dtype: str | None, name: str, shape: tuple[int, ...],
                  tied_embeddings: bool) -> tuple[str | None, str]:
   """``(format, why)`` for dense tensor ``name`` under ``--dense_dtype=dense_dtype``: the
   quantised format it is written in (None: the storage dtype) and, for a quantisable weight
-  that stays float, why (for the converter's summary)."""
+  that stays float or is not in the asked format, why (for the converter's summary)."""
   if dense_dtype is None:
     return None, ""
   if dense_dtype not in DENSE_DTYPES:
@@ -110,13 +113,13 @@ def dense_format(dense_dtype: str | None, name: str, shape: tuple[int, ...],
     return None, ""
   if leaf == "embed_vd" and not tied_embeddings and dense_dtype != "int8":
     fmt = "int8"  # an untied embedding is only gathered: 8 bits save half its memory
-  elif dense_dtype == "mixed4":
-    fmt = "int8" if leaf in _MIXED4_INT8 else "mxfp4"
+  elif dense_dtype in _MIXED_4BIT:
+    fmt = "int8" if leaf in _MIXED4_INT8 else _MIXED_4BIT[dense_dtype]
   else:
     fmt = dense_dtype
   problem = dense_quant.check_format(fmt, shape, LINEAR_OUT_AXES[leaf])
-  if problem and fmt == "mxfp4":
-    fmt, why = "int8", f"int8, not mxfp4: {problem}"
+  if problem and fmt in ("mxfp4", "int4"):
+    fmt, why = "int8", f"int8, not {fmt}: {problem}"
     problem = dense_quant.check_format(fmt, shape, LINEAR_OUT_AXES[leaf])
     return (None, problem) if problem else (fmt, why)
   return (None, problem) if problem else (fmt, "")
@@ -147,6 +150,9 @@ def _quantized_layout(fmt: str, rows: int, cols: int):
   """``(data dtype, data shape, scales dtype, scales shape)`` of a quantised [rows, cols]."""
   if fmt == "int8":
     return np.dtype(np.int8), (rows, cols), np.dtype(np.float32), (rows,)
+  if fmt == "int4":
+    return (np.dtype(np.uint8), (rows, cols // 2), np.dtype(np.uint8),
+            (rows, quant.int4_param_bytes(cols)))
   return (np.dtype(np.uint8), (rows, cols // 2), np.dtype(np.uint8),
           (rows, cols // quant.MXFP4_BLOCK))
 
@@ -164,6 +170,10 @@ def _check_quantized(name: str, q: QuantizedMatrix) -> None:
                    f"{tuple(q.scales.shape)}")
   if q.format == "mxfp4" and np.any(np.asarray(q.scales) == quant.MXFP4_SCALE_NAN):
     raise FTWError(f"{name}: an E8M0 scale of 255 (NaN in the OCP MX format)")
+  if q.format == "int4":
+    d, dm, _, _ = quant.int4_parts(np.asarray(q.scales))
+    if not (np.all(np.isfinite(d)) and np.all(np.isfinite(dm))):
+      raise FTWError(f"{name}: an int4 row's steps (d, dm) are not finite")
 
 
 def _bytes_view(array: np.ndarray) -> memoryview:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.kernels._registration import require, shape_and_dtype
+from ftjax.utils import quant
 from ftjax.utils.dense_quant import QuantizedMatrix
 
 _WEIGHT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
@@ -30,13 +31,14 @@ def dense(x, w, *, bf16_activations=False):
   Args:
     x: [..., C] float32; leading dimensions are flattened into T rows.
     w: [O, C] bfloat16 or float32, [out, in] (may be traced; never closed over); or a
-      ``QuantizedMatrix`` (int8 rows with float32 scales, or mxfp4: ``ftjax.utils.dense_quant``)
-      of C inputs, which the op ``ftjax_dense_quantized`` reads as stored (int8 widened exactly
-      to float32 and each output scaled once; mxfp4 codes decoded times their scale, exact):
-      the result is that of the dequantised weights to float32 rounding. With
-      bf16_activations, a call of more tokens than the bf16-pair GEMM's threshold decodes each
-      task's rows to bf16 (exact) and multiplies x rounded to bf16 on vdpbf16ps or AMX tiles,
-      as for bf16 weights; decode calls stay exact.
+      ``QuantizedMatrix`` (int8 rows with float32 scales, mxfp4 or int4:
+      ``ftjax.utils.dense_quant``) of C inputs, which the op ``ftjax_dense_quantized`` reads as
+      stored (int8 widened exactly to float32 and each output scaled once; mxfp4 codes decoded
+      times their scale, exact; int4 codes times their block's scale plus its min): the result
+      is that of the dequantised weights to float32 rounding. With bf16_activations, a call of
+      more tokens than the bf16-pair GEMM's threshold decodes each task's rows to bf16 (exact
+      for int8 and mxfp4; int4 weights rounded to bf16 as x is) and multiplies x rounded to
+      bf16 on vdpbf16ps or AMX tiles, as for bf16 weights; decode calls stay exact.
     bf16_activations: for bf16 w on a CPU with AVX-512-BF16, round x to bf16 and multiply
       with vdpbf16ps (twice the multiply-add rate for many rows; relative error ~1e-2 of
       max|y|). When False (the default) the products are exact, to ~1e-5.
@@ -84,9 +86,13 @@ def _dense_quantized(x, w: QuantizedMatrix, bf16_activations):
                      f"quantised weight of shape {w.shape}")
   if not isinstance(bf16_activations, (bool, np.bool_)):
     raise ValueError(f"bf16_activations must be a bool, got {bf16_activations!r}")
-  want = ({"data": (np.int8, (w.rows, w.cols)), "scales": (np.float32, (w.rows,))}
-          if w.format == "int8" else
-          {"data": (np.uint8, (w.rows, w.cols // 2)), "scales": (np.uint8, (w.rows, w.cols // 32))})
+  want = {
+      "int8": {"data": (np.int8, (w.rows, w.cols)), "scales": (np.float32, (w.rows,))},
+      "mxfp4": {"data": (np.uint8, (w.rows, w.cols // 2)),
+                "scales": (np.uint8, (w.rows, w.cols // 32))},
+      "int4": {"data": (np.uint8, (w.rows, w.cols // 2)),
+               "scales": (np.uint8, (w.rows, quant.int4_param_bytes(w.cols)))},
+  }[w.format]
   for name, (dtype, shape) in want.items():
     got_shape, got_dtype = shape_and_dtype(name, getattr(w, name))
     if got_dtype != np.dtype(dtype) or tuple(got_shape) != shape:

@@ -274,7 +274,7 @@ def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
 
 def quantize_dense(model: Model, dense_dtype: str) -> Model:
   """The model with its dense weights quantised as ``--dense_dtype=dense_dtype`` writes them
-  (``ftw.dense_format``: int8, mxfp4, or the mixed4 preset) in memory, experts unchanged: the
+  (``ftw.dense_format``: int8, int4, mxfp4, or the mixed4 / mixed_int4 presets) in memory, experts unchanged: the
   parameters that ``save(model, ..., dense_dtype=...)`` then ``load`` gives."""
   c = model.config
   arrays = {}

@@ -13,11 +13,16 @@ C = prod(in)), row by row:
   E8M0 exponents, one per 32 inputs (``ftjax.utils.quant.quantize_mxfp4``, the mxfp4 experts'
   layout): ``w[r, i] = E2M1[code] · 2**(e - 127)``. 4.25 bits a weight; C must be a multiple
   of 32.
+* ``int4``: ``data`` uint8 ``[O, C/2]`` of unsigned 4-bit codes q and ``scales`` uint8
+  ``[O, 8 + C/16]`` of each row's parameters: float32 steps d and dm, then a uint8 scale s and an
+  int8 min m per 32 inputs (``ftjax.utils.quant.quantize_int4``): ``w[r, i] = d·s·q + dm·m``.
+  4.5 bits a weight plus 64 per row, as llama.cpp's Q4_K; C must be a multiple of 32.
 
 ``QuantizedMatrix`` is the pytree that stands for such a weight in a model's parameters (an
 ``nnx.Param``'s value): its arrays are the leaves, its format and shapes static. The host kernel
-(``ftjax.kernels.dense``) reads it as stored; the XLA path dequantises it (``dequantize``),
-exactly: every dequantised weight is a float32 value.
+(``ftjax.kernels.dense``) reads it as stored; the XLA path dequantises it (``dequantize``):
+exactly: every dequantised weight is a float32 value (int4's by its definition,
+``ftjax.utils.quant``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 
 from ftjax.utils import quant
 
-DENSE_FORMATS = ("int8", "mxfp4")
+DENSE_FORMATS = ("int8", "int4", "mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,18 @@ class QuantizedMatrix:
     if self.format == "int8":
       w = (self.data.reshape(self.rows, self.cols).astype(jnp.float32) *
            self.scales.reshape(self.rows, 1))
+    elif self.format == "int4":
+      blocks = self.cols // quant.INT4_BLOCK
+      params = self.scales.reshape(self.rows, quant.int4_param_bytes(self.cols))
+      steps = jax.lax.bitcast_convert_type(params[:, :8].reshape(self.rows, 2, 4), jnp.float32)
+      s = params[:, 8:8 + blocks].astype(jnp.float32)
+      m = jax.lax.bitcast_convert_type(params[:, 8 + blocks:], jnp.int8).astype(jnp.float32)
+      scale = steps[:, 0:1] * s  # [rows, blocks], exact (quant: d has 12 significant bits)
+      offset = steps[:, 1:2] * m  # exact: dm has 16
+      codes = self.data.reshape(self.rows, blocks, quant.INT4_BLOCK // 2)
+      q = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(
+          self.rows, blocks, quant.INT4_BLOCK).astype(jnp.float32)
+      w = scale[..., None] * q + offset[..., None]
     else:
       lut = jnp.asarray(quant.E2M1_VALUES)
       codes = self.data.reshape(self.rows, self.cols // quant.MXFP4_BLOCK, quant.MXFP4_BLOCK // 2)
@@ -98,8 +115,8 @@ def check_format(fmt: str, shape: tuple[int, ...], out_axes: int) -> str | None:
   if not 1 <= out_axes < len(shape):
     return f"a weight of shape {shape} with {out_axes} output axes is not a matrix"
   cols = math.prod(shape[out_axes:])
-  if fmt == "mxfp4" and cols % quant.MXFP4_BLOCK:
-    return (f"mxfp4 needs the inputs of each row (here {cols}) to be a multiple of "
+  if fmt in ("mxfp4", "int4") and cols % quant.MXFP4_BLOCK:
+    return (f"{fmt} needs the inputs of each row (here {cols}) to be a multiple of "
             f"{quant.MXFP4_BLOCK}")
   return None
 
@@ -115,6 +132,8 @@ def quantize(w: np.ndarray, fmt: str, out_axes: int) -> QuantizedMatrix:
   matrix = w.reshape(rows, -1)
   if fmt == "int8":
     data, scales = quant.quantize_rows(matrix)
+  elif fmt == "int4":
+    data, scales = quant.quantize_int4(matrix)
   else:
     data, scales = quant.quantize_mxfp4(matrix)
   return QuantizedMatrix(data, scales, fmt, tuple(int(n) for n in w.shape), out_axes)
@@ -127,6 +146,8 @@ def dequantize_np(q: QuantizedMatrix, dtype=np.float64) -> np.ndarray:
   scales = np.asarray(q.scales)
   if q.format == "int8":
     w = data.astype(dtype) * scales.astype(dtype)[:, None]
+  elif q.format == "int4":
+    w = quant.dequantize_int4(data.reshape(q.rows, -1), scales.reshape(q.rows, -1), dtype)
   else:
     codes = np.stack([data & 15, data >> 4], axis=-1).reshape(q.rows, q.cols)
     values = quant.E2M1_VALUES[codes].astype(dtype)

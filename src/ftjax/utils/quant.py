@@ -215,3 +215,151 @@ def quantize_mxfp4_bank(bank: np.ndarray, ffn_dim: int, width: int,
         values = block[start:start + n].astype(np.float32)
         dst[at["biases"][part]:at["biases"][part] + 4 * n] = values.view(np.uint8)
   return out
+
+
+# -- int4: unsigned 4-bit codes with a scale and a min per block of 32 inputs ---------------------
+#
+# Row r of a weight [R, C] (C a multiple of 32) is C / 2 code bytes (input 2j in the low nibble
+# of byte j, as mxfp4) and int4_param_bytes(C) = 8 + 2·C/32 parameter bytes: the row's float32
+# steps d and dm (little-endian), then a uint8 scale s[b] per block b of 32 inputs, then an int8
+# min m[b] per block. Input i of block b = i // 32 stands for
+#     w = float32(d·s[b]·q + dm·m[b]),  q in [0, 15],
+# one rounding: d has at most 12 significant bits and dm at most 16, so d·s·q (24 bits) and dm·m
+# (23 bits) are exact in float32, and every evaluation (float32 products then one addition, a
+# fused multiply-add, float64) gives the same float32 weight.
+# 4.5 bits a weight plus 64 a row: llama.cpp's Q4_K has the same shape (an unsigned 4-bit code,
+# a scale and a min per 32 weights), with 6-bit scales under a per-256 step.
+
+INT4_BLOCK = 32
+_INT4_SHRINK = (0.0, 0.05, 0.1)  # the search's cuts off each end of a block's range
+_INT4_REFITS = 4
+_INT4_ROWS_AT_ONCE = 2048
+
+
+_INT4_D_BITS = 12   # significant bits of a row's d: d·s·q exact in float32 (12 + 8 + 4)
+_INT4_DM_BITS = 16  # and of dm: dm·m exact (16 + 7)
+
+
+def _round_up_bits(x: np.ndarray, bits: int) -> np.ndarray:
+  """Positive ``x`` (float64) rounded up to ``bits`` significant bits, as float32 (exact); 1
+  where x is 0. Clipped to float32's normal range."""
+  x = np.clip(x, np.finfo(np.float32).tiny * 2 ** bits, np.finfo(np.float32).max / 2)
+  mantissa, exponent = np.frexp(x)  # x = mantissa · 2**exponent, mantissa in [0.5, 1)
+  up = np.ldexp(np.ceil(np.ldexp(mantissa, bits)), exponent - bits)
+  return np.where(x > np.finfo(np.float32).tiny * 2 ** bits, up, 1.0).astype(np.float32)
+
+
+def int4_param_bytes(cols: int) -> int:
+  """Parameter bytes of one int4 row of ``cols`` inputs: float32 d, dm, then ``cols / 32``
+  uint8 scales and as many int8 mins."""
+  return 8 + 2 * (cols // INT4_BLOCK)
+
+
+def _int4_fit(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per block ``x [..., 32]`` (float64) the scale d > 0 and min m of the fit x ≈ d·q + m,
+  q = clip(rint((x - m) / d), 0, 15), that has the least weighted squared error among the
+  searched ones. Weights: rms(block) + |x| (larger weights count more, as llama.cpp's Q4_K
+  quantiser weighs them without an importance matrix). Search: the block's range [min(x, 0),
+  max(x, 0)] with 0, 5% or 10% cut off either end, each refitted 4 times by weighted least
+  squares of x on the codes it gives."""
+  weight = np.sqrt(np.mean(x * x, axis=-1, keepdims=True)) + np.abs(x)
+  lo = np.minimum(x.min(-1), 0.0)
+  hi = np.maximum(x.max(-1), 0.0)
+  best_d = best_m = best_err = None
+  for cut_lo in _INT4_SHRINK:
+    for cut_hi in _INT4_SHRINK:
+      span = hi - lo
+      m = lo + cut_lo * span
+      d = (hi - cut_hi * span - m) / 15.0
+      d = np.where(d > 0, d, 1.0)
+      for _ in range(_INT4_REFITS):
+        q = np.clip(np.rint((x - m[..., None]) / d[..., None]), 0, 15)
+        sw = weight.sum(-1)
+        sq = (weight * q).sum(-1)
+        sqq = (weight * q * q).sum(-1)
+        sx = (weight * x).sum(-1)
+        sqx = (weight * q * x).sum(-1)
+        det = sw * sqq - sq * sq
+        ok = det > 1e-12 * np.maximum(sw * sqq, 1e-300)
+        new_d = np.where(ok, (sw * sqx - sq * sx) / np.where(ok, det, 1.0), d)
+        new_m = np.where(ok, (sx - new_d * sq) / sw, m)
+        good = ok & (new_d > 0)
+        d = np.where(good, new_d, d)
+        m = np.where(good, new_m, m)
+      q = np.clip(np.rint((x - m[..., None]) / d[..., None]), 0, 15)
+      err = (weight * (d[..., None] * q + m[..., None] - x) ** 2).sum(-1)
+      if best_err is None:
+        best_d, best_m, best_err = d, m, err
+      else:
+        better = err < best_err
+        best_d = np.where(better, d, best_d)
+        best_m = np.where(better, m, best_m)
+        best_err = np.where(better, err, best_err)
+  return best_d, best_m
+
+
+def _int4_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  rows, cols = w.shape
+  blocks = cols // INT4_BLOCK
+  x = w.reshape(rows, blocks, INT4_BLOCK)
+  d, m = _int4_fit(x)
+  # The row's steps: the largest scale is 255 steps of d_row, the largest |min| 127 of dm_row.
+  d_row = _round_up_bits(d.max(-1) / 255.0, _INT4_D_BITS)
+  dm_row = _round_up_bits(np.abs(m).max(-1) / 127.0, _INT4_DM_BITS)
+  s = np.clip(np.rint(d / d_row[:, None].astype(np.float64)), 1, 255)
+  mi = np.clip(np.rint(m / dm_row[:, None].astype(np.float64)), -127, 127)
+  # The codes against the stored block scale and min (as the kernels compute them).
+  scale = (d_row[:, None] * s.astype(np.float32)).astype(np.float64)
+  offset = (dm_row[:, None] * mi.astype(np.float32)).astype(np.float64)
+  q = np.clip(np.rint((x - offset[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+  q = q.reshape(rows, cols)
+  codes = q[:, 0::2] | (q[:, 1::2] << 4)
+  params = np.empty((rows, int4_param_bytes(cols)), np.uint8)
+  params[:, 0:4] = d_row.astype("<f4").view(np.uint8).reshape(rows, 4)
+  params[:, 4:8] = dm_row.astype("<f4").view(np.uint8).reshape(rows, 4)
+  params[:, 8:8 + blocks] = s.astype(np.uint8)
+  params[:, 8 + blocks:] = mi.astype(np.int8).view(np.uint8)
+  return codes, params
+
+
+def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``w [R, C]`` float (C a multiple of 32) -> ``(codes [R, C/2], params [R, 8 + C/16])``
+  uint8 (the int4 layout above). Per block of 32 the scale and min of the best weighted fit
+  (``_int4_fit``); per row the steps d = max scale / 255 and dm = max |min| / 127 (float32),
+  each block's scale and min rounded to those steps (uint8 s >= 1, int8 m), then each input's
+  code rounded against the stored scale and min."""
+  w = np.asarray(w)
+  if w.ndim != 2 or w.shape[1] % INT4_BLOCK:
+    raise ValueError(f"quantize_int4 takes [R, C] with C a multiple of {INT4_BLOCK}, got "
+                     f"shape {w.shape}")
+  if not np.all(np.isfinite(w)):
+    raise ValueError("cannot quantise weights that are not finite (NaN or inf in the rows)")
+  rows, cols = w.shape
+  codes = np.empty((rows, cols // 2), np.uint8)
+  params = np.empty((rows, int4_param_bytes(cols)), np.uint8)
+  for r0 in range(0, rows, _INT4_ROWS_AT_ONCE):
+    part = w[r0:r0 + _INT4_ROWS_AT_ONCE].astype(np.float64)
+    codes[r0:r0 + len(part)], params[r0:r0 + len(part)] = _int4_rows(part)
+  return codes, params
+
+
+def int4_parts(params: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """The parameters ``[..., 8 + 2·B]`` of int4 rows as (d, dm float32 [...], s uint8 [..., B],
+  m int8 [..., B])."""
+  params = np.ascontiguousarray(params)
+  blocks = (params.shape[-1] - 8) // 2
+  steps = params[..., :8].copy().view("<f4")
+  return (steps[..., 0], steps[..., 1], params[..., 8:8 + blocks],
+          params[..., 8 + blocks:].view(np.int8))
+
+
+def dequantize_int4(codes: np.ndarray, params: np.ndarray, dtype=np.float64) -> np.ndarray:
+  """The weights ``[R, C]`` of int4 rows: float32(d·s·q + dm·m) (the layout above; exact
+  float32 values), as ``dtype``."""
+  codes = np.asarray(codes)
+  rows, half = codes.shape
+  q = np.stack([codes & 15, codes >> 4], axis=-1).reshape(rows, 2 * half).astype(np.float64)
+  d, dm, s, m = int4_parts(np.asarray(params))
+  scale = np.repeat(d.astype(np.float64)[:, None] * s.astype(np.float64), INT4_BLOCK, axis=1)
+  offset = np.repeat(dm.astype(np.float64)[:, None] * m.astype(np.float64), INT4_BLOCK, axis=1)
+  return (scale * q + offset).astype(np.float32).astype(dtype)
