@@ -72,10 +72,13 @@ def split_block(block, ffn_dim: int, width: int):
 
   An int8 block (docs/ftw.md, expert format int8) is dequantised: its int8 weights times the
   float32 scale of their row, read from byte 3·F·D rounded up to 64 (gate [F], up [F], down
-  [D]). An mxfp4 block (uint8) is dequantised by ``mxfp4_parts``."""
+  [D]). An mxfp4 block (uint8) is dequantised by ``mxfp4_parts``, an int4 block (uint16
+  words) by ``int4_parts``."""
   fd = ffn_dim * width
   if np.asarray(block).dtype == np.uint8:  # mxfp4
     return tuple(mxfp4_parts(block, ffn_dim, width)[0])
+  if np.asarray(block).dtype == np.uint16:  # int4
+    return int4_parts(block, ffn_dim, width)
   if np.asarray(block).dtype == np.int8:
     raw = np.asarray(block)
     start = -(-3 * fd // 64) * 64
@@ -87,6 +90,31 @@ def split_block(block, ffn_dim: int, width: int):
     block = np.asarray(block).astype(np.float64)
   return (block[:fd].reshape(ffn_dim, width), block[fd:2 * fd].reshape(ffn_dim, width),
           block[2 * fd:3 * fd].reshape(width, ffn_dim))
+
+
+def int4_parts(block, ffn_dim: int, width: int):
+  """gate [F, D], up [F, D], down [D, F] (float64) of an int4 block (docs/ftw.md, written out
+  here from the spec): codes from byte 0 (low nibble first), then from 3·F·D/2 rounded up to
+  64 bytes each row's parameters: float32 d, dm, uint8 scales and int8 mins per 32 inputs;
+  w = float32(d·s·q + dm·m)."""
+  raw = np.ascontiguousarray(block).view(np.uint8).reshape(-1)
+  f, d = ffn_dim, width
+  at_params = -(-3 * f * d // 2 // 64) * 64
+  out, code_at, param_at = [], 0, at_params
+  for rows, n in ((f, d), (f, d), (d, f)):
+    codes = raw[code_at:code_at + rows * n // 2].reshape(rows, n // 2)
+    code_at += rows * n // 2
+    g = n // 32
+    params = raw[param_at:param_at + rows * (8 + 2 * g)].reshape(rows, 8 + 2 * g)
+    param_at += rows * (8 + 2 * g)
+    steps = params[:, :8].copy().view("<f4").astype(np.float64)
+    s = np.repeat(params[:, 8:8 + g].astype(np.float64), 32, axis=1)
+    m = np.repeat(params[:, 8 + g:].view(np.int8).astype(np.float64), 32, axis=1)
+    q = np.empty((rows, n))
+    q[:, 0::2] = codes & 15
+    q[:, 1::2] = codes >> 4
+    out.append((steps[:, :1] * s * q + steps[:, 1:] * m).astype(np.float32).astype(np.float64))
+  return tuple(out)
 
 
 def split_biases(block, ffn_dim: int, width: int):

@@ -129,6 +129,23 @@ int64_t Mxfp4BlockBytes(int64_t F, int64_t D, bool biases) {
   return Mxfp4BiasesOffset(F, D) + (biases ? static_cast<int64_t>(sizeof(float)) * (2 * F + D) : 0);
 }
 
+// int4 banks (uint16 words, so that the dtype names the format; docs/ftw.md, expert format
+// "int4"): each block holds the 4-bit codes of gate [F, D/2], up [F, D/2] and down [D, F/2]
+// bytes from byte 0 (as mxfp4), then from Int4ParamsOffset(F, D) the parameters of every row,
+// Int4RowParamBytes(n) = 8 + 2 * n / 32 bytes for a row of n inputs (gate and up rows D, down
+// rows F): float32 d, dm, then n / 32 uint8 scales and n / 32 int8 mins (Int4DotProblem). No
+// biases.
+int64_t Int4RowParamBytes(int64_t n) { return 8 + 2 * (n / kMxfp4Block); }
+// The element type of an int4 bank in the templates below: a uint16 word of block bytes (its own
+// type, as Bf16Bits is a uint16_t too).
+struct Int4Word {
+  uint16_t bytes;
+};
+int64_t Int4ParamsOffset(int64_t F, int64_t D) { return Mxfp4ScalesOffset(F, D); }
+int64_t Int4BlockBytes(int64_t F, int64_t D) {
+  return Int4ParamsOffset(F, D) + 2 * F * Int4RowParamBytes(D) + D * Int4RowParamBytes(F);
+}
+
 // The per-output-row scales of int8 weights, applied after the dot products (a no-op for
 // float weights): c[t * c_stride + r] *= scale[r] (the dot kernels' layout) or, transposed (the
 // packed GEMMs'), c[r * c_stride + t] *= scale[r], for r < rows, t < tokens.
@@ -198,6 +215,11 @@ template <>
 struct DotKernelOf<uint8_t, Bf16Bits> {
   using type = std::nullptr_t;
 };
+// int4 (Int4Word): float32 activations only.
+template <>
+struct DotKernelOf<Int4Word, float> {
+  using type = void (*)(const Int4DotProblem&);
+};
 template <typename WeightT, typename ActivationT>
 using DotKernel = typename DotKernelOf<WeightT, ActivationT>::type;
 
@@ -216,6 +238,25 @@ Mxfp4Rows Mxfp4PartRows(const uint8_t* block, const ExpertFfnDims& dims, int par
           n};
 }
 
+// Rows [row, ...) of part `part` (0 gate, 1 up, 2 down) of an int4 expert block: their codes
+// and parameters, for n inputs (D, or F for down).
+struct Int4Rows {
+  const uint8_t* codes;
+  const uint8_t* params;  // steps d, dm, then scales, then mins, Int4RowParamBytes(n) a row
+  int64_t n;
+  int64_t param_stride;
+};
+Int4Rows Int4PartRows(const Int4Word* block_words, const ExpertFfnDims& dims, int part,
+                      int64_t row) {
+  const uint8_t* block = reinterpret_cast<const uint8_t*>(block_words);
+  const int64_t F = dims.ffn_dim, D = dims.model_dim;
+  const int64_t n = part == 2 ? F : D;
+  const int64_t stride = Int4RowParamBytes(n);
+  return {block + part * (F * D / 2) + row * (n / 2),
+          block + Int4ParamsOffset(F, D) + part * F * Int4RowParamBytes(D) + row * stride, n,
+          stride};
+}
+
 // c[t * c_stride + r] = row (row + r) of part `part` (0 gate, 1 up, 2 down) of an expert block
 // . a[t], for r < rows, t < tokens: the dot kernel on the part's rows, then the int8 row scales.
 // a_scales: the block scales of int8 activations against an mxfp4 bank (unused otherwise).
@@ -225,7 +266,13 @@ void PartDot(DotKernel<WeightT, ActivationT> dot, const WeightT* block, const Ex
              const float* const* a_scales, int64_t tokens, float* c, int64_t c_stride) {
   const int64_t F = dims.ffn_dim, D = dims.model_dim;
   const int64_t n = part == 2 ? F : D;  // inputs of the part's rows
-  if constexpr (std::is_same_v<WeightT, uint8_t>) {
+  if constexpr (std::is_same_v<WeightT, Int4Word>) {
+    const Int4Rows q = Int4PartRows(block, dims, part, row);
+    const int64_t blocks = n / kMxfp4Block;
+    dot({q.codes, n / 2, q.params + 8, q.param_stride,
+         reinterpret_cast<const int8_t*>(q.params + 8 + blocks), q.param_stride, q.params,
+         q.param_stride, rows, a, tokens, n, c, c_stride});
+  } else if constexpr (std::is_same_v<WeightT, uint8_t>) {
     const Mxfp4Rows m = Mxfp4PartRows(block, dims, part, row);
     if constexpr (std::is_same_v<ActivationT, int8_t>) {
       dot({m.codes, n / 2, m.scales, n / kMxfp4Block, rows, a, a_scales, tokens, n, c, c_stride});
@@ -247,6 +294,8 @@ auto BiasesOf(const WeightT* block, const ExpertFfnDims& dims) {
   const int64_t F = dims.ffn_dim, D = dims.model_dim;
   if constexpr (std::is_same_v<WeightT, uint8_t>) {
     return reinterpret_cast<const float*>(block + Mxfp4BiasesOffset(F, D));
+  } else if constexpr (std::is_same_v<WeightT, Int4Word>) {
+    return static_cast<const float*>(nullptr);  // int4 blocks have none (the op refuses biases)
   } else {
     return block + 3 * F * D;
   }
@@ -416,6 +465,8 @@ struct WorkerScratch {
   // [2, kFfnChunk, D] or down [kModelChunk, F], and one row in float32 on the way.
   Bf16Bits* decoded;
   float* decoded_row;  // [max(D, F)]
+  // Packed int4 experts only: the same rows decoded to float32 (DecodeInt4Rows).
+  float* decoded_f32;
 };
 
 // mxfp4 rows for the packed GEMMs: rows [row, row + rows) of part `part` (0 gate, 1 up, 2 down)
@@ -430,6 +481,23 @@ void DecodeMxfp4Rows(const KernelTable& kernels, const uint8_t* block, const Exp
     kernels.decode_mxfp4(m.codes + r * (m.n / 2), m.scales + r * (m.n / kMxfp4Block), m.n,
                          row_f32);
     kernels.round_to_bf16(row_f32, out + r * m.n, m.n);
+  }
+}
+
+// int4 rows for the packed GEMMs: rows [row, row + rows) of part `part` of an int4 block,
+// decoded (KernelTable::decode_int4: the format's float32 weights, exact) to float32 at out
+// [rows, n], multiplied with all the task's routes by packed_dot_f32.
+void DecodeInt4Rows(const KernelTable& kernels, const Int4Word* block, const ExpertFfnDims& dims,
+                    int part, int64_t row, int64_t rows, float* out) {
+  const Int4Rows q = Int4PartRows(block, dims, part, row);
+  const int64_t blocks = q.n / kMxfp4Block;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* p = q.params + r * q.param_stride;
+    float d, dm;
+    std::memcpy(&d, p, sizeof(float));
+    std::memcpy(&dm, p + sizeof(float), sizeof(float));
+    kernels.decode_int4(q.codes + r * (q.n / 2), p + 8, reinterpret_cast<const int8_t*>(p + 8 + blocks),
+                        d, dm, q.n, out + r * q.n);
   }
 }
 
@@ -459,8 +527,11 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   constexpr bool kRound = std::is_same_v<ActivationT, Bf16Bits>;
   constexpr bool kQuantise = std::is_same_v<ActivationT, int8_t>;  // int8_activations
   constexpr bool kMxfp4 = std::is_same_v<WeightT, uint8_t>;
-  // The packed GEMM's weights: the bank's, or mxfp4 rows decoded to bf16 (DecodeMxfp4Rows).
-  using PackedWeightT = std::conditional_t<kMxfp4, Bf16Bits, WeightT>;
+  constexpr bool kInt4 = std::is_same_v<WeightT, Int4Word>;
+  // The packed GEMM's weights: the bank's, mxfp4 rows decoded to bf16 (DecodeMxfp4Rows), or
+  // int4 rows decoded to float32 (DecodeInt4Rows).
+  using PackedWeightT =
+      std::conditional_t<kMxfp4, Bf16Bits, std::conditional_t<kInt4, float, WeightT>>;
   const auto packed_dot = PackedDotFor<PackedWeightT, ActivationT>(kernels);
   const int num_workers = workers.num_workers();
 
@@ -525,6 +596,9 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       plan.Add<Bf16Bits>(decode_rows ? num_workers * decoded_elements : 0);
   const int64_t at_worker_decoded_row =
       plan.Add<float>(decode_rows ? num_workers * std::max(D, F) : 0);
+  const bool decode_int4 = kInt4 && packed_x_size > 0;
+  const int64_t at_worker_decoded_f32 =
+      plan.Add<float>(decode_int4 ? num_workers * decoded_elements : 0);
   unsigned char* buffer = Scratch(plan);
 
   const ActivationT* x_td;
@@ -592,6 +666,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
         decode_rows ? At<Bf16Bits>(buffer, at_worker_decoded) + w * decoded_elements : nullptr;
     scratch[w].decoded_row =
         decode_rows ? At<float>(buffer, at_worker_decoded_row) + w * std::max(D, F) : nullptr;
+    scratch[w].decoded_f32 =
+        decode_int4 ? At<float>(buffer, at_worker_decoded_f32) + w * decoded_elements : nullptr;
   }
 
   // The packed GEMM of rows [row, row + rows) of part `part` of an expert block against
@@ -648,6 +724,11 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           gate_fd = s.decoded;
           up_fd = s.decoded + rows * D;
         }
+      } else if constexpr (kInt4) {
+        DecodeInt4Rows(kernels, block, dims, 0, f0, rows, s.decoded_f32);
+        DecodeInt4Rows(kernels, block, dims, 1, f0, rows, s.decoded_f32 + rows * D);
+        gate_fd = s.decoded_f32;
+        up_fd = s.decoded_f32 + rows * D;
       } else {
         gate_fd = block + f0 * D;
         up_fd = block + F * D + f0 * D;
@@ -743,6 +824,9 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
                             scratch[worker].decoded);
             down_df = scratch[worker].decoded;
           }
+        } else if constexpr (kInt4) {
+          DecodeInt4Rows(kernels, block, dims, 2, d0, rows, scratch[worker].decoded_f32);
+          down_df = scratch[worker].decoded_f32;
         } else {
           down_df = block + 2 * F * D + d0 * F;
         }
@@ -824,6 +908,9 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
       RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_f32,
                                  workers, act, y_td);
     }
+  } else if constexpr (std::is_same_v<WeightT, Int4Word>) {  // int4: exact, float32
+    RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_int4_f32,
+                               workers, act, y_td);
   } else if constexpr (std::is_same_v<WeightT, uint8_t>) {  // mxfp4
     // int8_activations: the decode form only, where the exact form is bound by its operations
     // (cpu_kernels.h); the grouped form (prefill) stays exact, on the packed GEMM.
@@ -884,8 +971,10 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   }
   const ffi::DataType bank_dtype = bank.element_type();
   if (bank_dtype != ffi::DataType::BF16 && bank_dtype != ffi::DataType::F32 &&
-      bank_dtype != ffi::DataType::S8 && bank_dtype != ffi::DataType::U8) {
-    return InvalidArgument(kOp, "bank must be bfloat16, float32, int8 or uint8 (mxfp4)");
+      bank_dtype != ffi::DataType::S8 && bank_dtype != ffi::DataType::U8 &&
+      bank_dtype != ffi::DataType::U16) {
+    return InvalidArgument(kOp,
+                           "bank must be bfloat16, float32, int8, uint8 (mxfp4) or uint16 (int4)");
   }
   const int64_t L = bank_dims[0], E = bank_dims[1], P = bank_dims[2];
 
@@ -893,8 +982,9 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
     return InvalidArgument(kOp, "ffn_dim must be positive, got " + std::to_string(ffn_dim));
   }
   const bool mxfp4 = bank_dtype == ffi::DataType::U8;
-  // P >= 3 * F * D, written so that a huge ffn_dim cannot overflow (mxfp4: checked below).
-  if (!mxfp4 && D > 0 && ffn_dim > P / (3 * D)) {
+  const bool int4 = bank_dtype == ffi::DataType::U16;
+  // P >= 3 * F * D, written so that a huge ffn_dim cannot overflow (mxfp4, int4: checked below).
+  if (!mxfp4 && !int4 && D > 0 && ffn_dim > P / (3 * D)) {
     return InvalidArgument(kOp, "bank's last dimension P = " + std::to_string(P) +
                                 " is smaller than 3 * ffn_dim * D = 3 * " +
                                 std::to_string(ffn_dim) + " * " + std::to_string(D));
@@ -911,7 +1001,27 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   act.alpha = alpha;
   act.limit = limit;
   act.biases = biases;
-  if (mxfp4) {
+  if (int4) {
+    if (ffn_dim % kMxfp4Block != 0 || D % kMxfp4Block != 0) {
+      return InvalidArgument(kOp, "int4 needs F and D to be multiples of 32, got F = " +
+                                  std::to_string(ffn_dim) + ", D = " + std::to_string(D));
+    }
+    if (biases) {
+      return InvalidArgument(kOp, "int4 expert blocks carry no biases: keep gpt-oss's experts "
+                                  "in mxfp4 (as shipped) or bf16");
+    }
+    if (D > 0 && (ffn_dim > 2 * P / D || 2 * P < Int4BlockBytes(ffn_dim, D))) {
+      return InvalidArgument(kOp, "int4 bank's last dimension P = " + std::to_string(P) +
+                                  " (uint16 words) is smaller than the " +
+                                  std::to_string(Int4BlockBytes(ffn_dim, D)) +
+                                  " bytes of an int4 block of F = " + std::to_string(ffn_dim) +
+                                  ", D = " + std::to_string(D) + " (codes, row parameters)");
+    }
+    if ((2 * P) % kInt8ScalesAlignment != 0) {
+      return InvalidArgument(kOp, "int4 bank's last dimension P = " + std::to_string(P) +
+                                  " words must be a multiple of 64 bytes");
+    }
+  } else if (mxfp4) {
     if (ffn_dim % kMxfp4Block != 0 || D % kMxfp4Block != 0) {
       return InvalidArgument(kOp, "mxfp4 needs F and D to be multiples of 32, got F = " +
                                   std::to_string(ffn_dim) + ", D = " + std::to_string(D));
@@ -999,6 +1109,10 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
   } else if (mxfp4) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
               bank.reinterpret_data<uint8_t>() + layer_offset, false, int8_activations, act,
+              *setup.kernels, setup.workers, y->typed_data());
+  } else if (int4) {
+    ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
+              bank.reinterpret_data<Int4Word>() + layer_offset, false, false, act,
               *setup.kernels, setup.workers, y->typed_data());
   } else if (bank_dtype == ffi::DataType::S8) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),

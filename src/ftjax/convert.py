@@ -1,5 +1,5 @@
 """``python -m ftjax.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16|float32]
-[--expert_dtype=bfloat16|float32|int8|mxfp4] [--dense_dtype=int8|int4|mxfp4|mixed4|mixed_int4]``."""
+[--expert_dtype=bfloat16|float32|int8|int4|mxfp4] [--dense_dtype=int8|int4|mxfp4|mixed4|mixed_int4]``."""
 
 from absl import app, flags
 
@@ -9,10 +9,11 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory
 _OUT = flags.DEFINE_string("out", None, "output FTW directory (must not exist)", required=True)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "storage dtype")
 _EXPERT_DTYPE = flags.DEFINE_enum(
-    "expert_dtype", None, ["bfloat16", "float32", "int8", "mxfp4"],
+    "expert_dtype", None, ["bfloat16", "float32", "int8", "int4", "mxfp4"],
     "routed experts' format (default: --dtype, or mxfp4 for a checkpoint with MXFP4 experts); "
-    "int8 is symmetric per output channel with float32 scales; mxfp4 keeps gpt-oss's MXFP4 "
-    "experts as shipped, or quantises float experts to it (docs/ftw.md)")
+    "int8 is symmetric per output channel with float32 scales; int4 has a scale and a min per "
+    "32 inputs (4.5 bits, as llama.cpp's Q4_K); mxfp4 keeps gpt-oss's MXFP4 experts as shipped, "
+    "or quantises float experts to it (docs/ftw.md)")
 _DENSE_DTYPE = flags.DEFINE_enum(
     "dense_dtype", None, ["int8", "int4", "mxfp4", "mixed4", "mixed_int4"],
     "quantise the dense matrices outside the experts (attention and Gated DeltaNet projections, "

@@ -1,5 +1,5 @@
-"""4-bit experts for families without expert biases, and quantised dense weights (int8, mxfp4,
-the mixed4 preset), through the engine and the expert cache: every cache size and policy, host
+"""4-bit experts (mxfp4, int4) for families without expert biases, and quantised dense weights
+(int8, int4, mxfp4, the mixed4 and mixed_int4 presets), through the engine and the expert cache: every cache size and policy, host
 kernels and XLA, give the logits and greedy tokens of the same model with its quantised
 weights dequantised to float32 (the dense, uncached reference)."""
 
@@ -47,9 +47,20 @@ def mxfp4_models(tiny_config):
   return q, dataclasses.replace(q, bank=_dequantised_bank(q))
 
 
+@pytest.fixture(scope="module")
+def int4_models(tiny_config):
+  """(qwen3_moe with int4 experts; the same with the experts dequantised)."""
+  config = dataclasses.replace(tiny_config, moe_intermediate_size=32)
+  model = scaled_params(model_lib.random_model(config, seed=6), 8.0)
+  q = model_lib.quantize_experts(model, "int4")
+  assert q.expert_format == "int4" and q.bank.dtype == np.uint16
+  return q, dataclasses.replace(q, bank=_dequantised_bank(q))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
 @pytest.mark.parametrize("kernels", ["ffi", "xla"])
-def test_mxfp4_experts_without_biases_through_the_cache(mxfp4_models, kernels):
-  q, deq = mxfp4_models
+def test_4bit_experts_without_biases_through_the_cache(request, fmt, kernels):
+  q, deq = request.getfixturevalue(f"{fmt}_models")
   prompts = np.random.default_rng(0).integers(0, q.config.vocab_size, (2, PROMPT))
   ref_logits, ref_tokens = _run(ftjax.Engine(deq, kernels=kernels), prompts)
   c = q.config
@@ -63,8 +74,8 @@ def test_mxfp4_experts_without_biases_through_the_cache(mxfp4_models, kernels):
       tolerances.assert_close(logits, ref_logits, tolerances.F32, floor=1.0,
                               what=f"{policy} {kernels} {slots} slots")
       check_invariants(engine.cache)
-      assert engine.cache.slots.dtype == np.uint8
-      assert engine.stats()["slot_bytes"] == q.bank.shape[2]
+      assert engine.cache.slots.dtype == q.bank.dtype
+      assert engine.stats()["slot_bytes"] == q.bank.shape[2] * q.bank.dtype.itemsize
 
 
 @pytest.fixture(scope="module", params=["attention", "hybrid"])

@@ -9,7 +9,8 @@ int8 weights at those offsets (one byte each) and the float32 scales of their ro
 (int8 blocks have no biases); the XLA path dequantises its blocks to float32 (``scale · q``).
 An mxfp4 bank (uint8, MXFP4 as gpt-oss ships it: ``ftjax.utils.quant``) holds E2M1 codes, E8M0
 scales per 32 inputs and, with biases, float32 biases; the XLA path dequantises it to float32
-too (exact).
+too (exact). An int4 bank (uint16 words) holds 4-bit codes and each row's parameters (a scale
+and a min per 32 inputs); the XLA path dequantises it to its float32 weights (exact).
 The ``ExpertVariant`` also names the activation: ``swiglu`` (``silu(g) · u``) or gpt-oss's
 ``clamped_swiglu`` (``(clip(u, ±limit) + 1) · g' · sigmoid(alpha · g')`` with
 ``g' = min(g, limit)``). ``routed_experts`` computes the weighted sum of
@@ -35,16 +36,20 @@ from flax import struct
 
 from ftjax.kernels import SWIGLU, ExpertVariant, expert_ffn
 from ftjax.utils.arrays import take
-from ftjax.utils.quant import E2M1_VALUES, MXFP4_BLOCK, int8_scales_offset, mxfp4_offsets
+from ftjax.utils.dense_quant import QuantizedMatrix
+from ftjax.utils.quant import (E2M1_VALUES, MXFP4_BLOCK, int4_offsets, int4_param_bytes,
+                               int8_scales_offset, mxfp4_offsets)
 
 KERNELS = ("xla", "ffi", "ffi_bf16", "ffi_int8")  # the host-work implementations a step can run with
 
 
 def split_block(block: jax.Array, ffn_dim: int, width: int):
   """[..., P] -> gate [..., F, D], up [..., F, D], down [..., D, F]: views in the bank's dtype,
-  or for an int8 bank the dequantised float32 weights ``scale · q``."""
+  or for an int8 bank the dequantised float32 weights ``scale · q`` (int4, mxfp4: theirs)."""
   if block.dtype == jnp.uint8:
     return _split_mxfp4(block, ffn_dim, width)
+  if block.dtype == jnp.uint16:
+    return _split_int4(block, ffn_dim, width)
   fd = ffn_dim * width
   lead = block.shape[:-1]
   gate = block[..., :fd].reshape(*lead, ffn_dim, width)
@@ -77,6 +82,23 @@ def _split_mxfp4(block: jax.Array, ffn_dim: int, width: int):
         *lead, rows, cols // MXFP4_BLOCK).astype(jnp.int32) - 127
     scale = jnp.ldexp(jnp.float32(1), exponent)  # [..., R, G]
     out.append((values * scale[..., None, None]).reshape(*lead, rows, cols))
+  return tuple(out)
+
+
+def _split_int4(block: jax.Array, ffn_dim: int, width: int):
+  """The float32 weights ``d·s·q + dm·m`` of an int4 block [..., P] (uint16 words; exact, as
+  ``QuantizedMatrix.dequantize``)."""
+  lead = block.shape[:-1]
+  raw = jax.lax.bitcast_convert_type(block, jnp.uint8).reshape(*lead, 2 * block.shape[-1])
+  at = int4_offsets(ffn_dim, width)
+  out = []
+  for part, (rows, cols) in (("gate", (ffn_dim, width)), ("up", (ffn_dim, width)),
+                             ("down", (width, ffn_dim))):
+    c0, p0, pb = at["codes"][part], at["params"][part], int4_param_bytes(cols)
+    codes = raw[..., c0:c0 + rows * cols // 2].reshape(*lead, rows, cols // 2)
+    params = raw[..., p0:p0 + rows * pb].reshape(*lead, rows, pb)
+    out.append(QuantizedMatrix(codes, params, "int4", (*lead, rows, cols), len(lead) + 1)
+               .dequantize())
   return tuple(out)
 
 
@@ -151,8 +173,8 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   """``sum_k weights[t,k] · expert_{ids[t,k]}(x[t])`` over layer ``layer`` of ``bank``.
 
   x [T, D] float32, ids [T, K] int32 (-1 = no route), weights [T, K] float32,
-  bank [L, E, P] (bfloat16, float32, int8 or uint8 for mxfp4); ``variant`` (static) the experts' activation
-  and biases. Returns [T, D] float32.
+  bank [L, E, P] (bfloat16, float32, int8, uint8 for mxfp4 or uint16 for int4); ``variant``
+  (static) the experts' activation and biases. Returns [T, D] float32.
   """
   if kernels in ("ffi", "ffi_bf16", "ffi_int8"):
     return expert_ffn(x, ids, weights, bank, layer, ffn_dim=ffn_dim,
@@ -163,7 +185,10 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, bank: jax.A
   if variant.bias and bank.dtype == jnp.int8:
     raise ValueError("int8 expert blocks carry no biases (their layout ends with the float32 "
                      "row scales): keep a model with expert biases in bf16")
-  if bank.dtype not in (jnp.int8, jnp.uint8) and \
+  if bank.dtype == jnp.uint16 and variant.bias:
+    raise ValueError("int4 expert blocks carry no biases: keep gpt-oss's experts in mxfp4 (as "
+                     "shipped) or bf16")
+  if bank.dtype not in (jnp.int8, jnp.uint8, jnp.uint16) and \
       bank.shape[-1] < variant.block_elems(ffn_dim, x.shape[-1]):
     raise ValueError(
         f"bank blocks of {bank.shape[-1]} elements are too small for experts of ffn_dim="

@@ -132,6 +132,8 @@ def expert_storage_dtype(expert_format: str) -> np.dtype:
                      f"{', '.join(quant.EXPERT_FORMATS)}")
   if expert_format == "mxfp4":
     return np.dtype(np.uint8)
+  if expert_format == "int4":  # uint16 words: the dtype names the format (quant, int4 blocks)
+    return np.dtype(np.uint16)
   return np.dtype(np.int8) if expert_format == "int8" else DTYPES[expert_format]
 
 
@@ -143,6 +145,8 @@ def expert_content_bytes(config: ModelConfig, expert_format: str) -> int:
   if expert_format == "mxfp4":
     return quant.mxfp4_block_bytes(config.moe_intermediate_size, config.hidden_size,
                                    config.expert_bias)
+  if expert_format == "int4":
+    return quant.int4_block_bytes(config.moe_intermediate_size, config.hidden_size)
   return config.expert_block_elems * expert_storage_dtype(expert_format).itemsize
 
 
@@ -302,9 +306,12 @@ class FTWWriter:
     self._dense_size = 0
     c = config
     self.expert_format = expert_format or dtype
-    if self.expert_format == "int8" and c.expert_bias:
-      raise FTWError("int8 experts carry no biases (the block ends with the float32 row "
-                     f"scales): keep this {c.model_type} model's experts in bfloat16")
+    if self.expert_format in ("int8", "int4") and c.expert_bias:
+      raise FTWError(f"{self.expert_format} experts carry no biases (the block ends with the "
+                     f"row scales): keep this {c.model_type} model's experts in bfloat16"
+                     + (" or mxfp4" if c.model_type == "gpt_oss" else ""))
+    if self.expert_format == "int4":
+      quant.check_int4_shape(c.moe_intermediate_size, c.hidden_size)
     self.expert_dtype = expert_storage_dtype(self.expert_format)
     self.part_shapes = expert_part_shapes(c)
     itemsize = self.expert_dtype.itemsize
@@ -313,6 +320,10 @@ class FTWWriter:
       at = quant.mxfp4_offsets(c.moe_intermediate_size, c.hidden_size)
       self.part_offsets = {**at["codes"], **{f"{k}_bias": v for k, v in at["biases"].items()}}
       self.mxfp4_scale_offsets = at["scales"]
+    if self.expert_format == "int4":  # codes, then each row's parameters
+      at = quant.int4_offsets(c.moe_intermediate_size, c.hidden_size)
+      self.part_offsets = dict(at["codes"])
+      self.int4_param_offsets = at["params"]
     self.block_bytes = align(expert_content_bytes(c, self.expert_format))
     # int8: byte offset of each part's float32 row scales in a block
     scales = quant.int8_scales_offset(c.moe_intermediate_size, c.hidden_size)
@@ -390,7 +401,9 @@ class FTWWriter:
   def add_expert_part(self, layer: int, expert: int, part: str, array: np.ndarray,
                       scale: np.ndarray | None = None) -> None:
     """Writes one part. For an int8 bank, ``array`` is float (quantised here) or int8 with
-    its float32 row ``scale`` (already quantised, e.g. read from another int8 FTW)."""
+    its float32 row ``scale`` (already quantised, e.g. read from another int8 FTW); for an
+    int4 bank float, or uint8 codes with their row parameters as ``scale``; for mxfp4 float,
+    or uint8 codes with their E8M0 scales."""
     c = self.config
     if not (0 <= layer < c.num_moe_layers and 0 <= expert < c.num_experts):
       raise FTWConfigMismatchError(
@@ -407,6 +420,10 @@ class FTWWriter:
     if self.expert_format == "int8":
       data, scale = self._quantised(name, array, scale)
       os.pwrite(self._experts.fileno(), _bytes_view(scale), start + self.scale_offsets[part])
+    elif self.expert_format == "int4":
+      data, params = self._int4(name, part, array, scale)
+      os.pwrite(self._experts.fileno(), _bytes_view(params),
+                start + self.int4_param_offsets[part])
     elif self.expert_format == "mxfp4":
       data, scale = self._mxfp4(name, part, array, scale)
       if scale is not None:
@@ -434,6 +451,28 @@ class FTWWriter:
     if not (np.issubdtype(array.dtype, np.floating) or array.dtype == DTYPES["bfloat16"]):
       raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
     return quant.quantize_rows(array)
+
+  def _int4(self, name: str, part: str, array: np.ndarray, params: np.ndarray | None):
+    """An int4 part: float weights (quantised here: ``quant.quantize_int4``), or, as an int4
+    model stores them, uint8 codes [out, in/2] with their uint8 row parameters
+    [out, 8 + in/16] (written as they are)."""
+    rows, cols = self.part_shapes[part]
+    if params is None:
+      if tuple(array.shape) != (rows, cols):
+        raise FTWConfigMismatchError(f"tensor {name} has shape {tuple(array.shape)} but the "
+                                     f"model config implies {(rows, cols)}")
+      if not (np.issubdtype(array.dtype, np.floating) or array.dtype == DTYPES["bfloat16"]):
+        raise FTWError(f"tensor {name} has non-float dtype {array.dtype}")
+      return quant.quantize_int4(array)
+    want = ((rows, cols // 2), (rows, quant.int4_param_bytes(cols)))
+    params = np.asarray(params)
+    if array.dtype != np.uint8 or params.dtype != np.uint8 or \
+        (tuple(array.shape), tuple(params.shape)) != want:
+      raise FTWError(f"{name}: an int4 bank takes float weights {(rows, cols)} (quantised here) "
+                     f"or uint8 codes {want[0]} with uint8 row parameters {want[1]}, got "
+                     f"{array.dtype} {tuple(array.shape)} with {params.dtype} "
+                     f"{tuple(params.shape)}")
+    return np.ascontiguousarray(array), np.ascontiguousarray(params)
 
   def _mxfp4(self, name: str, part: str, array: np.ndarray, scale: np.ndarray | None):
     """An mxfp4 part: a weight as its uint8 codes [out, in/2] with E8M0 scales [out, in/32]
@@ -511,6 +550,11 @@ class FTWWriter:
                             "dtype": "e8m0", "offset": self.mxfp4_scale_offsets[n]}
                            for n in EXPERT_PARTS]}
                if self.expert_format == "mxfp4" else {}),
+            **({"params": [{"name": n, "shape": [self.part_shapes[n][0],
+                                                 quant.int4_param_bytes(self.part_shapes[n][1])],
+                            "dtype": "int4_row_params", "offset": self.int4_param_offsets[n]}
+                           for n in EXPERT_PARTS]}
+               if self.expert_format == "int4" else {}),
             "layer_crc32": layer_crc,
         },
         **(extra_index or {}),
@@ -781,13 +825,22 @@ class FTWFile:
         return block[meta["offset"]:meta["offset"] + 4 * n].view(np.float32)
       rows, cols = meta["shape"]
       return block[meta["offset"]:meta["offset"] + n // 2].reshape(rows, cols // 2)
+    if ex["format"] == "int4":  # its codes [out, in/2]; expert_scale: its row parameters
+      rows, cols = meta["shape"]
+      return block.view(np.uint8)[meta["offset"]:meta["offset"] + n // 2].reshape(rows, cols // 2)
     start = meta["offset"] // block.dtype.itemsize
     return block[start:start + n].reshape(meta["shape"])
 
   def expert_scale(self, layer: int, expert: int, part: str) -> np.ndarray:
-    """The float32 row scales of one part of an int8 bank, or the uint8 E8M0 block scales
-    [out, in/32] of an mxfp4 bank."""
+    """The float32 row scales of one part of an int8 bank, the uint8 E8M0 block scales
+    [out, in/32] of an mxfp4 bank, or the uint8 row parameters [out, 8 + in/16] of an int4
+    bank (``quant.int4_parts``)."""
     ex = self.index["experts"]
+    if ex["format"] == "int4":
+      meta = next(p for p in ex["params"] if p["name"] == part)
+      rows, width = meta["shape"]
+      block = self.expert_bank()[layer, expert].view(np.uint8)
+      return block[meta["offset"]:meta["offset"] + rows * width].reshape(rows, width)
     if ex["format"] not in ("int8", "mxfp4"):
       raise FTWError(f"{self.path} stores {ex['format']} experts, which have no scales")
     meta = next(p for p in ex["scales"] if p["name"] == part)

@@ -21,7 +21,12 @@ every family but gpt-oss); F and D must be multiples of 32 and P a multiple of 6
 and a decode call reads the 4.25-bit bytes. With int8_activations=True (opt-in, any x86 CPU) a
 decode call (T <= 8) quantises the activations per block of 32 inputs instead (llama.cpp's
 Q8_0) and multiplies integers: on AVX2 the exact form is bound by its instructions at about half
-the read bandwidth, this one is not; a prefill call (T > 8) stays exact.
+the read bandwidth, this one is not; a prefill call (T > 8) stays exact. An int4 bank (uint16
+words: the FTW expert format "int4", ftjax.utils.quant) holds unsigned 4-bit codes with a scale
+and a min per 32 inputs under per-row float32 steps (4.5 bits a weight, as llama.cpp's Q4_K), no
+biases; the kernel multiplies the format's float32 weights in float32 (decode: fused, 4.5-bit
+bytes read once; prefill: rows decoded to float32 per task, the packed GEMM). Float32
+activations only.
 
 Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
 once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
@@ -54,11 +59,12 @@ import numpy as np
 
 from ftjax.kernels._registration import require
 from ftjax.kernels._registration import shape_and_dtype as _shape_and_dtype
-from ftjax.utils.quant import (INT8_SCALES_ALIGNMENT, MXFP4_ALIGNMENT, MXFP4_BLOCK,
-                               int8_block_bytes, int8_scales_offset, mxfp4_block_bytes)
+from ftjax.utils.quant import (INT4_BLOCK, INT8_SCALES_ALIGNMENT, MXFP4_ALIGNMENT, MXFP4_BLOCK,
+                               int4_block_bytes, int8_block_bytes, int8_scales_offset,
+                               mxfp4_block_bytes)
 
 _BANK_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.int8),
-                np.dtype(np.uint8))
+                np.dtype(np.uint8), np.dtype(np.uint16))
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -147,8 +153,8 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
   if len(bank_shape) != 3:
     raise ValueError(f"bank must be 3-D [L, E, P], got shape {bank_shape}")
   if bank_dtype not in _BANK_DTYPES:
-    raise ValueError(f"bank must be bfloat16, float32, int8 (an int8 expert bank) or uint8 (an "
-                     f"mxfp4 expert bank), got {bank_dtype}")
+    raise ValueError(f"bank must be bfloat16, float32, int8 (an int8 expert bank), uint8 (an "
+                     f"mxfp4 expert bank) or uint16 (an int4 expert bank), got {bank_dtype}")
   L, _, P = bank_shape
 
   if isinstance(ffn_dim, (bool, np.bool_)) or not isinstance(ffn_dim, (int, np.integer)):
@@ -159,6 +165,8 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
     raise ValueError(f"variant must be an ExpertVariant, got {variant!r}")
   if bank_dtype == np.uint8:
     _check_mxfp4(P, ffn_dim, D, variant)
+  elif bank_dtype == np.uint16:
+    _check_int4(P, ffn_dim, D, variant)
   elif P < variant.block_elems(ffn_dim, D):
     raise ValueError(
       f"bank's last dimension P = {P} is smaller than 3 * ffn_dim * D = 3 * {ffn_dim} * {D}"
@@ -204,6 +212,23 @@ def _check_mxfp4(P, ffn_dim, D, variant):
                      f"{', float32 biases' if variant.bias else ''})")
   if P % MXFP4_ALIGNMENT:
     raise ValueError(f"mxfp4 bank's last dimension P = {P} must be a multiple of "
+                     f"{MXFP4_ALIGNMENT} bytes; pad the blocks with zeros")
+
+
+def _check_int4(P, ffn_dim, D, variant):
+  if ffn_dim % INT4_BLOCK or D % INT4_BLOCK:
+    raise ValueError(f"an int4 bank needs ffn_dim and D to be multiples of {INT4_BLOCK}, got "
+                     f"ffn_dim = {ffn_dim}, D = {D}")
+  if variant.bias:
+    raise ValueError("int4 expert blocks carry no biases: keep gpt-oss's experts in mxfp4 (as "
+                     "shipped) or bf16")
+  need = int4_block_bytes(ffn_dim, D)
+  if 2 * P < need:
+    raise ValueError(f"int4 bank's last dimension P = {P} (uint16 words) is smaller than the "
+                     f"{need} bytes of an int4 block (F = {ffn_dim}, D = {D}: codes, row "
+                     "parameters); quantise with ftjax.utils.quant.quantize_int4_bank")
+  if (2 * P) % MXFP4_ALIGNMENT:
+    raise ValueError(f"int4 bank's last dimension P = {P} words must be a multiple of "
                      f"{MXFP4_ALIGNMENT} bytes; pad the blocks with zeros")
 
 

@@ -239,6 +239,8 @@ class ModelShape:
       return quant.int8_block_bytes(self.expert_ffn, self.hidden)
     if self.expert_format == "mxfp4":
       return quant.mxfp4_block_bytes(self.expert_ffn, self.hidden, self.expert_bias)
+    if self.expert_format == "int4":
+      return quant.int4_block_bytes(self.expert_ffn, self.hidden)
     bias = 2 * self.expert_ffn + self.hidden if self.expert_bias else 0
     return (3 * self.hidden * self.expert_ffn + bias) * self.bytes_per_param
 

@@ -56,9 +56,11 @@ class Model:
 
   @property
   def expert_format(self) -> str:
-    """The bank's expert format: ``"bfloat16"``, ``"float32"``, ``"int8"`` or ``"mxfp4"``."""
+    """The bank's expert format: ``"bfloat16"``, ``"float32"``, ``"int8"``, ``"mxfp4"`` or
+    ``"int4"`` (uint16 words)."""
     dtype = np.dtype(self.bank.dtype)
-    return {np.dtype(np.int8): "int8", np.dtype(np.uint8): "mxfp4"}.get(dtype, str(dtype))
+    return {np.dtype(np.int8): "int8", np.dtype(np.uint8): "mxfp4",
+            np.dtype(np.uint16): "int4"}.get(dtype, str(dtype))
 
   @property
   def expert_bytes(self) -> int:
@@ -251,8 +253,8 @@ def with_mtp_head(model: Model, mtp_layers: int = 1, *, seed: int = 0) -> Model:
 
 
 def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
-  """The model with its routed experts quantised to ``expert_format`` (``"int8"``, or
-  ``"mxfp4"``; docs/ftw.md, ``ftjax.utils.quant``) in memory,
+  """The model with its routed experts quantised to ``expert_format`` (``"int8"``, ``"int4"``
+  or ``"mxfp4"``; docs/ftw.md, ``ftjax.utils.quant``) in memory,
   dense weights unchanged: the bank that ``save(model, ..., expert_format=...)`` then ``load``
   gives."""
   if model.expert_format in quant.QUANTISED_EXPERT_FORMATS:
@@ -266,8 +268,14 @@ def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
   elif expert_format == "int8":
     bank = quant.quantize_bank(np.asarray(model.bank), f, d,
                                block_bytes=ftw.align(quant.int8_block_bytes(f, d)))
+  elif expert_format == "int4":
+    if c.expert_bias:
+      raise ValueError("int4 experts carry no biases: keep this model's experts in mxfp4 or "
+                       "bfloat16")
+    bank = quant.quantize_int4_bank(np.asarray(model.bank), f, d,
+                                    block_bytes=ftw.align(quant.int4_block_bytes(f, d)))
   else:
-    raise ValueError(f"expert_format must be 'int8' or 'mxfp4', got {expert_format!r}")
+    raise ValueError(f"expert_format must be 'int8', 'int4' or 'mxfp4', got {expert_format!r}")
   return dataclasses.replace(model, bank=jax.device_put(bank) if jax.default_backend() == "cpu"
                              else bank, path=None, storage=None)
 
@@ -351,6 +359,11 @@ def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
   for layer in range(bank.shape[0]):
     for expert in range(bank.shape[1]):
       block = bank[layer, expert]
+      if model.expert_format == "int4":  # codes with their row parameters, as stored
+        for part in ftw.expert_part_shapes(c):
+          writer.add_expert_part(layer, expert, part, *quant.int4_part(
+              block, c.moe_intermediate_size, c.hidden_size, part))
+        continue
       if mxfp4 is not None:  # codes with their scales, float32 biases, as stored
         for part, shape in ftw.expert_part_shapes(c).items():
           if part.endswith("_bias"):
