@@ -8,6 +8,9 @@ Each round, formats in an order that alternates from round to round:
            past the caches: 0.15 GB in int4, 0.54 GB in bf16): the decode GEMV, one stream of the
            weight's bytes. GB/s = the weight's bytes (data and scales) / seconds; its ratio to
            the read probe of the same round
+  batch4   the same with x [4, 2048]: 4 requests decoding together (int8: rows dequantised to
+           float32 per task, then the float32 dot kernel; 4-bit: the same, or the fused kernel
+           per token where the decoded form is not taken)
   prefill  x [T, 2048] @ w.T with w [4096, 2048] (T = --prefill_tokens, 512), float32
            activations (exact) and bf16 activations (``bf16_activations=True``: vdpbf16ps / AMX
            where the CPU has them; the weights decoded to bf16 per task), GFLOP/s = 2 T O C / s
@@ -74,6 +77,7 @@ def main() -> None:
   square = weights(PREFILL_ROWS)
   T = args.prefill_tokens
   x1 = jnp.asarray(rng.standard_normal((1, WIDTH), dtype=np.float32))
+  x4 = jnp.asarray(rng.standard_normal((4, WIDTH), dtype=np.float32))
   xt = jnp.asarray(rng.standard_normal((T, WIDTH), dtype=np.float32))
   gemv = jax.jit(dense)
   prefill = jax.jit(dense, static_argnames=("bf16_activations",))
@@ -82,6 +86,7 @@ def main() -> None:
   jax.block_until_ready(probe(largest))
   for fmt in FORMATS:
     jax.block_until_ready(gemv(x1, head[fmt]))
+    jax.block_until_ready(gemv(x4, head[fmt]))
     for fast in (False, True):
       jax.block_until_ready(prefill(xt, square[fmt], bf16_activations=fast))
 
@@ -104,6 +109,9 @@ def main() -> None:
       row[f"{fmt}_gemv_ms"] = s * 1e3
       row[f"{fmt}_gemv_GBps"] = nbytes(head[fmt]) / s / 1e9
       row[f"{fmt}_gemv_over_read"] = row[f"{fmt}_gemv_GBps"] / read
+      s = timed(lambda fmt=fmt: gemv(x4, head[fmt]), max(args.calls // 2, 1))
+      row[f"{fmt}_batch4_ms"] = s * 1e3
+      row[f"{fmt}_batch4_GBps"] = nbytes(head[fmt]) / s / 1e9
     for fmt in order:
       for fast in (False, True):
         s = timed(lambda fmt=fmt, fast=fast: prefill(xt, square[fmt], bf16_activations=fast), 2)
@@ -125,7 +133,8 @@ def main() -> None:
   for fmt in FORMATS:
     print(f"{fmt:6} gemv {medians[f'{fmt}_gemv_ms']:7.2f} ms {medians[f'{fmt}_gemv_GBps']:5.1f} "
           f"GB/s = {medians[f'{fmt}_gemv_over_read']:.2f} of the read probe "
-          f"({medians['read_GBps']:.1f} GB/s); prefill T={T}: "
+          f"({medians['read_GBps']:.1f} GB/s); 4 tokens {medians[f'{fmt}_batch4_ms']:.2f} ms "
+          f"({medians[f'{fmt}_batch4_GBps']:.1f} GB/s); prefill T={T}: "
           f"{medians[f'{fmt}_prefill_GFLOPps']:.0f} GFLOP/s exact, "
           f"{medians[f'{fmt}_prefill_bf16_GFLOPps']:.0f} with bf16 activations")
   name = "dense_formats" + (f"_{args.isa}" if args.isa else "")

@@ -11,8 +11,9 @@ ftjax (``ftjax.Engine(model, kernels="ffi")``, one teacher-forced forward per wi
 bfloat16 model as written, and the model quantised in memory by
 ``ftjax.runtime.model.quantize_dense`` (``int8``, ``mxfp4``, ``int4``, and the presets
 ``mixed4`` / ``mixed_int4``: lm_head, embedding, value and output projections int8, the other
-linears mxfp4 / int4) and ``quantize_experts`` (``int8``, ``mxfp4``), and whole presets: 4-bit
-(dense mixed4 or mixed_int4, experts mxfp4) and all int8 (dense int8 + experts int8).
+linears mxfp4 / int4) and ``quantize_experts`` (``int8``, ``mxfp4``, ``int4``), and whole
+presets: 4-bit (dense mixed4 + experts mxfp4; dense mixed_int4 + experts int4) and all int8
+(dense int8 + experts int8).
 For every variant: mean KL(bf16 || variant) of the next-token distributions, top-1
 agreement with bf16, and perplexity of the text.
 
@@ -70,13 +71,14 @@ VARIANTS = {
     "dense mixed_int4": ("mixed_int4", None),
     "experts int8": (None, "int8"),
     "experts mxfp4": (None, "mxfp4"),
+    "experts int4": (None, "int4"),
     "4-bit preset (dense mixed4 + experts mxfp4)": ("mixed4", "mxfp4"),
-    "4-bit int4 preset (dense mixed_int4 + experts mxfp4)": ("mixed_int4", "mxfp4"),
+    "4-bit int4 preset (dense mixed_int4 + experts int4)": ("mixed_int4", "int4"),
     "all int8 (dense int8 + experts int8)": ("int8", "int8"),
     "MXFP4_MOE-like (dense int8 + experts mxfp4)": ("int8", "mxfp4"),
 }
 PRESET_4BIT = "4-bit preset (dense mixed4 + experts mxfp4)"
-PRESET_INT4 = "4-bit int4 preset (dense mixed_int4 + experts mxfp4)"
+PRESET_INT4 = "4-bit int4 preset (dense mixed_int4 + experts int4)"
 ALL_INT8 = "all int8 (dense int8 + experts int8)"
 MXFP4_MOE_LIKE = "MXFP4_MOE-like (dense int8 + experts mxfp4)"
 LLAMA_TYPES = ("Q8_0", "Q4_K_M", "MXFP4_MOE")  # besides BF16

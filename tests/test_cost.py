@@ -403,7 +403,18 @@ def test_int8_expert_bytes_count_weights_and_scales():
   assert odd.expert_bytes == 64 + 4 * (2 * 7 + 3)  # 63 weight bytes, padded to 64
   assert int8.dense_bytes_per_layer == SHAPE.dense_bytes_per_layer  # dense weights unchanged
   with pytest.raises(ValueError, match="expert_format must be one of"):
-    dataclasses.replace(SHAPE, expert_format="int4")
+    dataclasses.replace(SHAPE, expert_format="int3")
+
+
+def test_int4_expert_bytes_count_codes_and_row_parameters():
+  """int4 experts (docs/ftw.md): half a byte a weight from byte 0, then from 3·F·D/2 rounded
+  up to 64 each row's 8 bytes of steps and 2 bytes per 32 inputs. Qwen3-30B-A3B's expert (F =
+  768, D = 2048): 2,359,296 code bytes, (2·768 + 2048)·8 + 6·768·2048/32 = 323,584 parameter
+  bytes: 0.291 of its bf16 bytes."""
+  s = dataclasses.replace(SHAPE, hidden=2048, expert_ffn=768, expert_format="int4")
+  assert s.expert_bytes == 2_359_296 + (2 * 768 + 2048) * 8 + 6 * 768 * 2048 // 32 == 2_682_880
+  with pytest.raises(ValueError, match="multiples of 32"):
+    _ = dataclasses.replace(SHAPE, expert_format="int4").expert_bytes  # F = 500
 
 
 def test_mxfp4_expert_bytes_count_codes_scales_and_biases():

@@ -260,9 +260,11 @@ bool UseDecodedBf16(int64_t tokens, int64_t k, bool bf16_activations, const Kern
          tokens > PackedMinTokens(kernels, k % 32 == 0, PackedUse::kDense);
 }
 
-// int8: the dot kernels and the packed GEMM of int8 weights widened exactly to float32
-// (DenseWith<int8_t, float>, the same paths as bf16 weights), then each output multiplied by its
-// row's scale once: the result is that of the dequantised weights to float32 rounding.
+// int8: one token, the dot kernel of int8 weights widened exactly to float32, and above the
+// packed GEMM's threshold the packed GEMM (DenseWith<int8_t, float>, the same paths as bf16
+// weights), then each output multiplied by its row's scale once; between the two, rows
+// dequantised to float32 per task and the float32 dot kernel. The result is that of the
+// dequantised weights to float32 rounding.
 void DenseInt8(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const int8_t* w_nk,
                const float* scales, bool bf16_activations, const KernelTable& kernels,
                const Workers& workers, float* y_tn) {
@@ -279,6 +281,36 @@ void DenseInt8(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, cons
       }
     };
     DenseDecodedBf16(tokens, n_out, k, x_tk, decode, scales, kernels, workers, y_tn);
+    return;
+  }
+  if (tokens > 1 && !(kernels.packed_dot_i8_f32 != nullptr &&
+                      tokens > PackedMinTokens(kernels, false, PackedUse::kDense))) {
+    // A few tokens (prefill tails, the last positions' lm_head, small batches): each task's
+    // rows dequantised to float32 once (scale * q, the dequantised weights exactly), then the
+    // float32 dot kernel: the products and sums of the float32 weights, where scaling after
+    // the sum would round differently (one GEMV, below, reads the int8 bytes once instead).
+    const int64_t row_tile = RowTile(k, sizeof(float));
+    ScratchPlan plan;
+    const int64_t rows_at = plan.Add<const float*>(tokens);
+    const int64_t decoded_at = plan.Add<float>(workers.num_workers() * row_tile * k);
+    unsigned char* scratch = Scratch(plan);
+    const float** x_rows = At<const float*>(scratch, rows_at);
+    for (int64_t t = 0; t < tokens; ++t) x_rows[t] = x_tk + t * k;
+    workers.ParallelFor(CeilDiv(n_out, row_tile), [&](int64_t task, int worker) {
+      const int64_t n0 = task * row_tile;
+      const int64_t rows = std::min(row_tile, n_out - n0);
+      float* decoded = At<float>(scratch, decoded_at) + worker * row_tile * k;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* q = w_nk + (n0 + r) * k;
+        const float scale = scales[n0 + r];
+        for (int64_t i = 0; i < k; ++i) decoded[r * k + i] = static_cast<float>(q[i]) * scale;
+      }
+      for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
+        const int64_t tile = std::min(kTokenTile, tokens - t0);
+        kernels.dot_f32_f32({decoded, k, rows, x_rows + t0, tile, k, y_tn + t0 * n_out + n0,
+                             n_out});
+      }
+    });
     return;
   }
   DenseWith<int8_t, float>(tokens, n_out, k, x_tk, w_nk, kernels.dot_i8_f32, kernels, workers,
