@@ -19,7 +19,8 @@ to ``benchmarks/results/gpu/gpu_check.json`` after every stage (``--dry_run``: u
 2. machine: GPU, driver, jax, CPU ISA, whether ``ftjax._ffi_cuda`` loaded;
 3. correctness: ``pytest tests/gpu`` where pytest is installed; where it is not, or fails, a
    built-in check of the same engine cases (both GPU placements, every policy at sizes 0, 1,
-   L·E/3, L·E, against the dense path with the whole pool in device memory);
+   L·E/3, L·E, against the dense path with the whole pool in device memory); then quantised
+   dense weights (every ``--dense_dtype``) against their float32 dequantisation;
 4. model: a ``--layers``-layer Qwen3-30B-A3B-shaped model (random bf16) written straight to
    FTW with numpy, then loaded and pre-faulted;
 5. profile: B_P (CUDA copy kernel from the mapped pool, and XLA slices of a pinned_host pool),
@@ -294,6 +295,43 @@ def builtin_check(dry_run: bool) -> dict:
   if cuda.cuda_available() and not dry_run:
     out["cuda_stats"] = cuda.pool_stats()
   out["passed"] = not out["mismatches"]
+  return out
+
+
+def quantised_dense_check(dry_run: bool) -> dict:
+  """Quantised dense weights (--dense_dtype: int8, int4, mxfp4 and the presets) on the device:
+  the engine's logits and greedy tokens against the same model with those weights dequantised
+  to float32 (XLA dequantises them inside the step programs on a GPU)."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  import ftjax  # noqa: PLC0415
+  from ftjax.formats import ftw  # noqa: PLC0415
+  from ftjax.model.config import ModelConfig  # noqa: PLC0415
+  from ftjax.runtime import model as model_lib  # noqa: PLC0415
+  config = ModelConfig(
+      model_type="qwen3_moe", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+      num_kv_heads=2, head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=32,
+      rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
+      layer_types=("full_attention",) * 2, qk_norm="per_head", norm_topk_prob=True)
+  model = model_lib.random_model(config, seed=4)
+  model = dataclasses.replace(model, params=jax.tree.map(lambda x: x * 4.0, model.params))
+  prompt = [3, 14, 15, 9, 2]
+  kernels = "ffi" if dry_run else "xla"
+  out = {"device": str(jax.devices()[0]), "cases": {}}
+  for dense_dtype in ftw.DENSE_DTYPES:
+    q = model_lib.quantize_dense(model, dense_dtype)
+    deq = model_lib.dequantize_dense(q)
+    tokens = ftjax.Engine(q, kernels=kernels).generate(prompt, 8)
+    ref = ftjax.Engine(deq, kernels=kernels).generate(prompt, 8)
+    got_logits = _logits(ftjax.Engine(q, kernels=kernels), prompt)
+    ref_logits = _logits(ftjax.Engine(deq, kernels=kernels), prompt)
+    err = float(np.max(np.abs(got_logits - ref_logits)) /
+                max(1.0, float(np.abs(ref_logits).max())))
+    out["cases"][dense_dtype] = {"formats": q.dense_formats, "tokens_equal": tokens == ref,
+                                 "max_logit_error": err}
+  out["passed"] = all(c["tokens_equal"] and c["max_logit_error"] <= 1e-5
+                      for c in out["cases"].values())
   return out
 
 
@@ -666,6 +704,7 @@ def main() -> None:
     tested = run.stage("pytest_gpu", pytest_gpu, min_left_s=300)
   if not (tested and tested.get("rc") == 0):  # the same check, without pytest
     run.stage("builtin_check", lambda: builtin_check(args.dry_run), min_left_s=250)
+  run.stage("quantised_dense", lambda: quantised_dense_check(args.dry_run), min_left_s=230)
   made = run.stage("model", lambda: make_model(args), min_left_s=200)
   if made is None:
     return
