@@ -7,8 +7,10 @@
 #include <type_traits>
 
 #include "cpu_kernels.h"
+#include "quantize_int4.h"
 
 #include "nanobind/nanobind.h"
+#include "nanobind/ndarray.h"
 #include "nanobind/stl/string.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -73,6 +75,30 @@ NB_MODULE(_ffi, m) {
       nb::kw_only(), nb::arg("prefetch_bytes") = -1, nb::arg("prefetch_hint") = 0,
       nb::arg("row_accumulators") = 0, nb::arg("block_rows") = 0, nb::arg("gemv_task_kib") = 0,
       nb::arg("packed_min_tokens") = -1);
+  // ftjax.utils.quant.quantize_int4's algorithm (quantize_int4.cc) into preallocated arrays;
+  // the GIL is released while it runs.
+  m.def(
+      "quantize_int4",
+      [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
+         nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
+         nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> params, int threads) {
+        const int64_t rows = static_cast<int64_t>(w.shape(0));
+        const int64_t cols = static_cast<int64_t>(w.shape(1));
+        if (cols % 32 != 0) throw std::invalid_argument("quantize_int4: cols must be a multiple of 32");
+        if (static_cast<int64_t>(codes.shape(0)) != rows ||
+            static_cast<int64_t>(codes.shape(1)) != cols / 2 ||
+            static_cast<int64_t>(params.shape(0)) != rows ||
+            static_cast<int64_t>(params.shape(1)) != 8 + cols / 16) {
+          throw std::invalid_argument("quantize_int4: codes must be [rows, cols / 2] and params "
+                                      "[rows, 8 + cols / 16]");
+        }
+        const float* w_data = w.data();
+        uint8_t* codes_data = codes.data();
+        uint8_t* params_data = params.data();
+        nb::gil_scoped_release release;
+        ftjax::QuantizeInt4Rows(w_data, rows, cols, codes_data, params_data, threads);
+      },
+      nb::arg("w"), nb::arg("codes"), nb::arg("params"), nb::arg("threads"));
   m.def("kernel_tuning", []() {
     const ftjax::KernelTuning t = ftjax::CurrentKernelTuning();
     nb::dict d;
