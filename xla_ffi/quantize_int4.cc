@@ -8,7 +8,7 @@
 //
 // Per block of 32 inputs x, with weights v = rms(x) + |x|: for each of the 9 cuts (0, 5% or
 // 10% off either end of [min(x, 0), max(x, 0)]) the codes of d = span / 15 and m = the low end,
-// refitted twice by weighted least squares of x on those codes; the fit of least weighted
+// refitted 4 times by weighted least squares of x on those codes; the fit of least weighted
 // squared error wins (ties: the earlier cut). Per row: d_row = max d / 255 rounded up to 12
 // significant bits, dm_row = max |m| / 127 rounded up to 16 (both at least float32's smallest
 // normal times 2^bits; 1 for a zero row), s = clip(rint(d / d_row), 1, 255), mi =
@@ -30,7 +30,7 @@ namespace {
 
 constexpr int kBlock = 32;
 constexpr float kCuts[3] = {0.0f, 0.05f, 0.1f};
-constexpr int kRefits = 2;
+constexpr int kRefits = 4;
 
 // numpy's np.rint, round half to even, for the values clipped to [0, 15] or [-127, 255] after:
 // adding and taking away 1.5 * 2^23 (2^52 for double) rounds to an integer in the default

@@ -241,7 +241,7 @@ def quantize_mxfp4_bank(bank: np.ndarray, ffn_dim: int, width: int,
 
 INT4_BLOCK = 32
 _INT4_SHRINK = (0.0, 0.05, 0.1)  # the search's cuts off each end of a block's range
-_INT4_REFITS = 2
+_INT4_REFITS = 4
 _INT4_ROWS_AT_ONCE = 2048
 
 
@@ -269,8 +269,10 @@ def _int4_fit(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   q = clip(rint((x - m) / d), 0, 15), that has the least weighted squared error among the
   searched ones. Weights: rms(block) + |x| (larger weights count more, as llama.cpp's Q4_K
   quantiser weighs them without an importance matrix). Search: the block's range [min(x, 0),
-  max(x, 0)] with 0, 5% or 10% cut off either end, each refitted twice by weighted least
-  squares of x on the codes it gives (4 refits lowered the error 1.5% at 1.6x the time).
+  max(x, 0)] with 0, 5% or 10% cut off either end, each refitted 4 times by weighted least
+  squares of x on the codes it gives (2 refits: 1.5% more squared error on Gaussian rows, and
+  on the embedded hybrid model the 4-bit preset's KL to bf16 0.00125 against 0.00118; a finer
+  grid of cuts, 0.00118 too).
   In float32: the fit only chooses parameters, which are rounded and checked after."""
   weight = np.sqrt(np.mean(x * x, axis=-1, keepdims=True)) + np.abs(x)
   lo = np.minimum(x.min(-1), 0.0)
