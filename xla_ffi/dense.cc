@@ -260,11 +260,14 @@ bool UseDecodedBf16(int64_t tokens, int64_t k, bool bf16_activations, const Kern
          tokens > PackedMinTokens(kernels, k % 32 == 0, PackedUse::kDense);
 }
 
+// Weights of an int8 matrix at or under which a few tokens take the dequantised rows (1 MiB).
+constexpr int64_t kInt8DecodedMaxWeights = int64_t{1} << 20;
+
 // int8: one token, the dot kernel of int8 weights widened exactly to float32, and above the
 // packed GEMM's threshold the packed GEMM (DenseWith<int8_t, float>, the same paths as bf16
-// weights), then each output multiplied by its row's scale once; between the two, rows
-// dequantised to float32 per task and the float32 dot kernel. The result is that of the
-// dequantised weights to float32 rounding.
+// weights), then each output multiplied by its row's scale once; between the two, for a small
+// weight, rows dequantised to float32 per task and the float32 dot kernel. The result is that
+// of the dequantised weights to float32 rounding.
 void DenseInt8(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, const int8_t* w_nk,
                const float* scales, bool bf16_activations, const KernelTable& kernels,
                const Workers& workers, float* y_tn) {
@@ -283,12 +286,15 @@ void DenseInt8(int64_t tokens, int64_t n_out, int64_t k, const float* x_tk, cons
     DenseDecodedBf16(tokens, n_out, k, x_tk, decode, scales, kernels, workers, y_tn);
     return;
   }
-  if (tokens > 1 && !(kernels.packed_dot_i8_f32 != nullptr &&
-                      tokens > PackedMinTokens(kernels, false, PackedUse::kDense))) {
-    // A few tokens (prefill tails, the last positions' lm_head, small batches): each task's
-    // rows dequantised to float32 once (scale * q, the dequantised weights exactly), then the
-    // float32 dot kernel: the products and sums of the float32 weights, where scaling after
-    // the sum would round differently (one GEMV, below, reads the int8 bytes once instead).
+  if (tokens > 1 && n_out * k <= kInt8DecodedMaxWeights &&
+      !(kernels.packed_dot_i8_f32 != nullptr &&
+        tokens > PackedMinTokens(kernels, false, PackedUse::kDense))) {
+    // A few tokens against a small weight (one that stays in the caches, where the work is
+    // the multiply-adds, not the reads): each task's rows dequantised to float32 once (scale *
+    // q, the dequantised weights exactly), then the float32 dot kernel, so that the products
+    // and sums are those of the float32 weights (scaling after the sum rounds differently).
+    // A large weight keeps the int8 dot kernel, which reads its bytes once: dequantising the
+    // [131072, 2048] rows per task made 4 tokens 3.7x slower (benchmarks/dense_formats.py).
     const int64_t row_tile = RowTile(k, sizeof(float));
     ScratchPlan plan;
     const int64_t rows_at = plan.Add<const float*>(tokens);

@@ -28,6 +28,9 @@ CASES = {
     "tokens_65_second_tile": (65, 128, 11),
     "tokens_300": (300, 96, 200),
     "wide_rows": (70, 2048, 3),
+    # int8 beyond 2^20 weights: a few tokens take the int8 dot kernel and the scales after
+    # the sums (smaller ones, the rows dequantised to float32 first)
+    "tokens_5_large": (5, 1024, 1100),
 }
 
 
