@@ -51,27 +51,40 @@ from quant_peer import gguf_bytes_per_token  # noqa: E402
 THREADS = 2
 GOAL = 1.0  # issue 51: decode >= 1.0x llama.cpp on the format of equal or more bits
 PREFILL_GOAL = 1.2
-FTJAX_FORMAT = {"expert_dtype": "mxfp4", "dense_dtype": "mixed4"}
+# --ftjax_format: ftjax's 4-bit presets (docs/ftw.md): "mxfp4" (experts mxfp4, dense mixed4:
+# 4.25-bit E2M1 with power-of-two scales) and "int4" (experts int4, dense mixed_int4: 4.5 bits,
+# a scale and a min per 32 weights, the quality preset of benchmarks/dense_quality.py).
+FTJAX_FORMATS = {
+    "mxfp4": {"expert_dtype": "mxfp4", "dense_dtype": "mixed4"},
+    "int4": {"expert_dtype": "int4", "dense_dtype": "mixed_int4"},
+}
+FTJAX_DESCRIPTIONS = {
+    "mxfp4": "experts mxfp4; --dense_dtype=mixed4 (mxfp4 input projections; int8 value and "
+             "output projections, lm_head and embedding); routers and norms bfloat16",
+    "int4": "experts int4; --dense_dtype=mixed_int4 (int4 input projections; int8 value and "
+            "output projections, lm_head and embedding); routers and norms bfloat16",
+}
 
 
 def log(msg: str) -> None:
   print(f"[q4_peer] {msg}", file=sys.stderr, flush=True)
 
 
-def convert_ftjax(hf_dir: str, work_dir: str) -> str:
-  """The checkpoint in ftjax's 4-bit preset, converted once per checkpoint."""
+def convert_ftjax(hf_dir: str, work_dir: str, fmt: str = "mxfp4") -> str:
+  """The checkpoint in ftjax's 4-bit preset ``fmt``, converted once per checkpoint."""
   import ftjax  # noqa: PLC0415
   from ftjax.formats import ftw, hf  # noqa: PLC0415
-  out = os.path.join(work_dir, "ftw-q4")
+  out = os.path.join(work_dir, "ftw-q4" if fmt == "mxfp4" else f"ftw-q4-{fmt}")
+  spec = FTJAX_FORMATS[fmt]
   if ftw.is_ftw_dir(out):
     f = ftw.FTWFile.open(out, verify=False)
-    if f.fingerprint == hf.fingerprint(hf_dir) and f.expert_format == "mxfp4" and \
-        "mxfp4" in f.dense_formats():
+    if f.fingerprint == hf.fingerprint(hf_dir) and f.expert_format == fmt and \
+        fmt in f.dense_formats():
       return out
-  log(f"converting to FTW ({FTJAX_FORMAT}) -> {out}")
+  log(f"converting to FTW ({spec}) -> {out}")
   t0 = time.perf_counter()
   path = ftjax.convert_hf(hf_dir, out, dtype="bfloat16", overwrite=True, show_progress=False,
-                          **FTJAX_FORMAT)
+                          **spec)
   log(f"converted in {time.perf_counter() - t0:.0f} s")
   return path
 
@@ -147,6 +160,9 @@ def main() -> None:
       smoke_help="1 round, 16 tokens, 128-token prefill; results to WORK_DIR",
       results="q4_peer")
   p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measure")
+  p.add_argument("--ftjax_format", choices=sorted(FTJAX_FORMATS), default="mxfp4",
+                 help="ftjax's 4-bit preset (results: q4_peer.json for mxfp4, "
+                 "q4_peer_int4.json for int4)")
   args = p.parse_args()
   if args.worker:
     worker(args.ftw_dir, args.tokens, args.prefill)
@@ -162,7 +178,7 @@ def main() -> None:
   bf16 = convert_gguf(hf_dir, args.llama_src, os.path.dirname(os.path.abspath(hf_dir)))
   ggufs = {k: g for k in ("Q4_K_M", "MXFP4_MOE")
            if (g := llama_quantize(args.llama_build, bf16, k, args.work_dir)) is not None}
-  ftw_dir = convert_ftjax(hf_dir, args.work_dir)
+  ftw_dir = convert_ftjax(hf_dir, args.work_dir, args.ftjax_format)
   with open(os.path.join(hf_dir, "config.json")) as f:
     top_k = json.load(f)["num_experts_per_tok"]
   llama_bytes = {k: gguf_bytes_per_token(g, args.llama_src, top_k) for k, g in ggufs.items()}
@@ -210,9 +226,8 @@ def main() -> None:
       "benchmark": "q4_peer", "command": " ".join(sys.argv), "smoke": args.smoke,
       "machine": machine,
       "model": {"shape": "Qwen3-30B-A3B", "layers": args.layers, "source_dtype": "bfloat16"},
-      "ftjax": {"format": "experts mxfp4; --dense_dtype=mixed4 (mxfp4 projections, int8 "
-                          "lm_head and embedding); routers and norms bfloat16",
-                "convert": FTJAX_FORMAT, "kernels": ready["kernels"],
+      "ftjax": {"format": FTJAX_DESCRIPTIONS[args.ftjax_format],
+                "convert": FTJAX_FORMATS[args.ftjax_format], "kernels": ready["kernels"],
                 "bytes_per_token": ready["bytes_per_token"]},
       "llama_cpp": {"build": args.llama_build, "flags": f"-t {THREADS} -r 1 -lm none",
                     "formats": {k: {"gguf": f"llama-quantize BF16 -> {k}",
@@ -238,7 +253,8 @@ def main() -> None:
       f"{k} {v:.2f}" for k, v in results["ratio_medians"].items()))
   print(f"of the roofline (read {results['read_GBps_median']:.1f} GB/s): " + ", ".join(
       f"{k} {v:.2f}" for k, v in results["roofline_ratio_medians"].items()))
-  print(f"results: {write_results('q4_peer', results, out)}")
+  name = "q4_peer" if args.ftjax_format == "mxfp4" else f"q4_peer_{args.ftjax_format}"
+  print(f"results: {write_results(name, results, out)}")
 
 
 if __name__ == "__main__":

@@ -67,8 +67,8 @@ def linear(x: jax.Array, w: nnx.Param, out_axes: int, *, kernels: str) -> jax.Ar
   inputs). ``kernels="ffi"`` runs ftjax's host GEMV/GEMM kernel (bfloat16 weights are read
   as stored and widened exactly), ``"ffi_bf16"`` the same kernel with activations rounded to
   bfloat16 (``vdpbf16ps``: faster prefill, ~1e-2 relative error), ``"xla"`` a float32 einsum.
-  A quantised weight (``QuantizedMatrix``: int8 or mxfp4) runs its own host kernel under every
-  ``ffi*`` value (exact to the dequantised weights; under ``"ffi_bf16"`` prefill rounds the
+  A quantised weight (``QuantizedMatrix``: int8, int4 or mxfp4) runs its own host kernel under
+  every ``ffi*`` value (exact to the dequantised weights; under ``"ffi_bf16"`` prefill rounds the
   activations to bfloat16 as for bf16 weights), and is dequantised to float32 under
   ``"xla"``."""
   value = w.get_value()

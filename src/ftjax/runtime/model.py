@@ -282,7 +282,8 @@ def quantize_experts(model: Model, expert_format: str = "int8") -> Model:
 
 def quantize_dense(model: Model, dense_dtype: str) -> Model:
   """The model with its dense weights quantised as ``--dense_dtype=dense_dtype`` writes them
-  (``ftw.dense_format``: int8, int4, mxfp4, or the mixed4 / mixed_int4 presets) in memory, experts unchanged: the
+  (``ftw.dense_format``: int8, int4, mxfp4, or the mixed4 / mixed_int4 presets) in memory,
+  experts unchanged: the
   parameters that ``save(model, ..., dense_dtype=...)`` then ``load`` gives."""
   c = model.config
   arrays = {}
@@ -335,8 +336,8 @@ def save(model: Model, out_dir: str | os.PathLike, *, dtype: str | None = None,
   """Writes a Model as an FTW directory (used for the default model and round-trip tests).
 
   ``dtype`` is the dense tensors' storage dtype; ``expert_format`` the bank's (default: the
-  model's own; ``"int8"`` quantises float experts; int8 and mxfp4 experts are written as they
-  are and cannot be written back as floats); ``dense_dtype`` quantises float dense weights
+  model's own; ``"int8"`` quantises float experts; int8, int4 and mxfp4 experts are written as
+  they are and cannot be written back as floats); ``dense_dtype`` quantises float dense weights
   (``ftw.dense_format``; quantised ones are written as they are)."""
   dtype = dtype or str(model.dtype)
   quantised = model.expert_format in quant.QUANTISED_EXPERT_FORMATS

@@ -1,6 +1,6 @@
-"""The quantised expert formats, ``int8``, ``mxfp4`` and ``int4``: block layouts and (de)quantisation
-(numpy), shared by the FTW writer, the kernels' input checks and the XLA dequantisation
-(specified in ``docs/ftw.md``).
+"""The quantised expert formats, ``int8``, ``mxfp4`` and ``int4``: block layouts and
+(de)quantisation (numpy; int4's quantiser also in C++), shared by the FTW writer, the kernels'
+input checks and the XLA dequantisation (specified in ``docs/ftw.md``).
 
 An int8 expert block is P bytes: the int8 weights ``gate [F, D] | up [F, D] | down [D, F]``
 from byte 0 (the float layout's element offsets, one byte per weight), then from byte
