@@ -348,7 +348,8 @@ void DotDecoded(int64_t rows_total, int64_t n_total, const float* const* acts, i
       const int64_t n = n_total - i < kDecodeChunk ? n_total - i : kDecodeChunk;
       for (int64_t r = 0; r < rows; ++r) decode(row + r, i, n, w + r * kDecodeChunk);
       for (int64_t t0 = 0; t0 < tokens_total; t0 += kDecodeTokens) {
-        const int64_t tokens = tokens_total - t0 < kDecodeTokens ? tokens_total - t0 : kDecodeTokens;
+        const int64_t tokens =
+            tokens_total - t0 < kDecodeTokens ? tokens_total - t0 : kDecodeTokens;
         for (int64_t t = 0; t < tokens; ++t) a[t] = acts[t0 + t] + i;
         float* c = c_out + t0 * c_stride + row;
         if (i == 0) {

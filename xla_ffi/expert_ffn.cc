@@ -30,6 +30,13 @@
 // take the packed GEMM (below) have each task's rows decoded to bf16 once (exact), then
 // multiplied with all their routes by the bf16 packed GEMM.
 //
+// int4 banks (uint16 words; docs/ftw.md, expert format "int4"): the codes of gate, up and down
+// as mxfp4's, then each row's parameters (float32 steps, a uint8 scale and an int8 min per 32
+// inputs; Int4ParamsOffset below). KernelTable::dot_int4_f32 multiplies the format's float32
+// weights in float32 (one token: fused, the 4.5-bit bytes read once); experts that take the
+// packed GEMM have each task's rows decoded to float32 (exact) first. No biases; float32
+// activations only.
+//
 // Three layers, as STYLE.md section 6 asks:
 //   ExpertFfn        the kernel, no XLA types: plans the work and runs it on the workers with
 //                    the SIMD primitives of one ISA (cpu_kernels.h);
@@ -496,8 +503,9 @@ void DecodeInt4Rows(const KernelTable& kernels, const Int4Word* block, const Exp
     float d, dm;
     std::memcpy(&d, p, sizeof(float));
     std::memcpy(&dm, p + sizeof(float), sizeof(float));
-    kernels.decode_int4(q.codes + r * (q.n / 2), p + 8, reinterpret_cast<const int8_t*>(p + 8 + blocks),
-                        d, dm, q.n, out + r * q.n);
+    kernels.decode_int4(q.codes + r * (q.n / 2), p + 8,
+                        reinterpret_cast<const int8_t*>(p + 8 + blocks), d, dm, q.n,
+                        out + r * q.n);
   }
 }
 

@@ -84,7 +84,9 @@ NB_MODULE(_ffi, m) {
          nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> params, int threads) {
         const int64_t rows = static_cast<int64_t>(w.shape(0));
         const int64_t cols = static_cast<int64_t>(w.shape(1));
-        if (cols % 32 != 0) throw std::invalid_argument("quantize_int4: cols must be a multiple of 32");
+        if (cols % 32 != 0) {
+          throw std::invalid_argument("quantize_int4: cols must be a multiple of 32");
+        }
         if (static_cast<int64_t>(codes.shape(0)) != rows ||
             static_cast<int64_t>(codes.shape(1)) != cols / 2 ||
             static_cast<int64_t>(params.shape(0)) != rows ||

@@ -109,7 +109,8 @@ Fit FitBlock(const float* x) {
 
 // Positive x rounded up to `bits` significant bits, as float32 (quant._round_up_bits).
 float RoundUpBits(double x, int bits) {
-  const double tiny = static_cast<double>(std::numeric_limits<float>::min()) * std::ldexp(1.0, bits);
+  const double tiny =
+      static_cast<double>(std::numeric_limits<float>::min()) * std::ldexp(1.0, bits);
   const double top = static_cast<double>(std::numeric_limits<float>::max()) / 2;
   x = std::clamp(x, tiny, top);
   if (!(x > tiny)) return 1.0f;

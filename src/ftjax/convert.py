@@ -1,5 +1,6 @@
 """``python -m ftjax.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16|float32]
-[--expert_dtype=bfloat16|float32|int8|int4|mxfp4] [--dense_dtype=int8|int4|mxfp4|mixed4|mixed_int4]``."""
+[--expert_dtype=bfloat16|float32|int8|int4|mxfp4]
+[--dense_dtype=int8|int4|mxfp4|mixed4|mixed_int4]``."""
 
 from absl import app, flags
 

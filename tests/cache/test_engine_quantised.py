@@ -1,5 +1,6 @@
 """4-bit experts (mxfp4, int4) for families without expert biases, and quantised dense weights
-(int8, int4, mxfp4, the mixed4 and mixed_int4 presets), through the engine and the expert cache: every cache size and policy, host
+(int8, int4, mxfp4, the mixed4 and mixed_int4 presets), through the engine and the expert cache:
+every cache size and policy, host
 kernels and XLA, give the logits and greedy tokens of the same model with its quantised
 weights dequantised to float32 (the dense, uncached reference)."""
 

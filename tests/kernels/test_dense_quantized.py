@@ -15,7 +15,8 @@ from ftjax.utils.dense_quant import QuantizedMatrix
 F32 = np.dtype(np.float32)
 FORMATS = ("int8", "int4", "mxfp4")
 
-# (tokens, C, O): C a multiple of 32 (mxfp4, int4); the dot kernels up to the packed GEMM's threshold
+# (tokens, C, O): C a multiple of 32 (mxfp4, int4); the dot kernels up to the packed GEMM's
+# threshold
 # (8 to 16 tokens by ISA), the packed GEMM above it (groups of 16, tiles of 64, a half group);
 # O not a multiple of the row tiles; one GEMV long enough for several tasks per worker.
 CASES = {

@@ -96,7 +96,8 @@ def test_quantised_bank_is_close_to_the_floats():
   F, D = 32, 64
   floats = rng.standard_normal((1, 2, 3 * F * D)).astype(np.float32)
   bank = quant.quantize_int4_bank(floats, F, D)
-  assert bank.dtype == np.uint16 and bank.shape[-1] * 2 == -(-quant.int4_block_bytes(F, D) // 64) * 64
+  assert bank.dtype == np.uint16
+  assert bank.shape[-1] * 2 == -(-quant.int4_block_bytes(F, D) // 64) * 64
   gate, up, down = reference.int4_parts(bank[0, 1], F, D)
   for got, want in ((gate, floats[0, 1, :F * D].reshape(F, D)),
                     (down, floats[0, 1, 2 * F * D:].reshape(D, F))):

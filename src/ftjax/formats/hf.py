@@ -382,11 +382,11 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
   gpt-oss's MXFP4 experts as shipped, or quantises float experts (any family) to it: per
   block of 32 inputs the smallest power-of-two scale that fits E2M1's 6, each weight rounded
   to the nearest E2M1 value (``quant.quantize_mxfp4``); ``"int4"`` quantises float experts to
-  unsigned 4-bit codes with a scale and a min per 32 inputs (``quant.quantize_int4``). ``dense_dtype`` (``ftw.DENSE_DTYPES``:
-  ``"int8"``, ``"int4"``, ``"mxfp4"`` or the ``"mixed4"`` / ``"mixed_int4"``
-  presets) quantises the dense matrices outside the
-  experts (``ftw.dense_format`` says which get what; docs/ftw.md, "Dense formats"); a matrix
-  that cannot take the format asked for is named on stderr with the one it got.
+  unsigned 4-bit codes with a scale and a min per 32 inputs (``quant.quantize_int4``).
+  ``dense_dtype`` (``ftw.DENSE_DTYPES``: ``"int8"``, ``"int4"``, ``"mxfp4"`` or the
+  ``"mixed4"`` / ``"mixed_int4"`` presets) quantises the dense matrices outside the experts
+  (``ftw.dense_format`` says which get what; docs/ftw.md, "Dense formats"); a matrix that
+  cannot take the format asked for is named on stderr with the one it got.
 
   Writes into a temporary directory next to ``out_dir`` and renames it at the end, so an
   interrupted conversion never leaves a half-written model and never touches other files.

@@ -98,7 +98,8 @@ def register_pool(bank) -> PoolSpec:
   if len(shape) != 3:
     raise ValueError(f"the pool must be [L, E, P], got shape {shape}")
   if dtype in (np.int8, np.uint8, np.uint16):
-    raise ValueError("int8, int4 and mxfp4 expert pools are not supported by the CUDA host path yet (its host "
+    raise ValueError("int8, int4 and mxfp4 expert pools are not supported by the CUDA host path "
+                     "yet (its host "
                      "worker reads bfloat16 or float32 blocks): on a GPU serve a bfloat16 or "
                      "float32 conversion of the model, or run it on the CPU backend")
   if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
