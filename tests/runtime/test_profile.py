@@ -148,6 +148,20 @@ def test_mxfp4_expert_shape_and_synthetic_bank():
   assert np.all(np.isfinite(np.asarray(y))) and np.any(np.asarray(y) != 0)
 
 
+def test_int4_expert_shape_and_synthetic_bank():
+  """The profiler knows int4 experts' bytes (codes, then each row's parameters) and builds an
+  int4 bank (uint16 words) the host kernel reads: every row's steps finite."""
+  from ftjax.kernels import expert_ffn  # noqa: PLC0415
+  shape = profile_lib.ExpertShape(hidden=64, ffn=32, dtype="int4", top_k=2)
+  assert shape.expert_bytes == 3 * 64 * 32 // 2 + (2 * 32 + 64) * 8 + 6 * 64 * 32 // 32
+  bank = np.asarray(profile_lib.synthetic_bank(shape, min_bytes=1 << 20))
+  assert bank.dtype == np.uint16 and (2 * bank.shape[2]) % 4096 == 0 and bank.nbytes >= 1 << 20
+  x = np.ones((1, 64), np.float32)
+  y = expert_ffn(x, np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32), bank, 0,
+                 ffn_dim=32)
+  assert np.all(np.isfinite(np.asarray(y))) and np.any(np.asarray(y) != 0)
+
+
 def test_mxfp4_calibration_model_decodes():
   """The profile CLI's calibration model for --dtype=mxfp4: gpt-oss experts (biases, clamped
   SwiGLU) quantised to mxfp4 in memory, each part the quantiser's, decoding on the host kernel."""

@@ -58,7 +58,7 @@ PROFILE_VERSION = 1
 class ExpertShape:
   hidden: int  # D
   ffn: int  # F
-  dtype: str  # the bank's expert format: bfloat16, float32, int8 or mxfp4 (docs/ftw.md)
+  dtype: str  # the bank's expert format: bfloat16, float32, int8, int4 or mxfp4 (docs/ftw.md)
   top_k: int = 8
   # Whether the experts carry biases (gpt-oss's, after an mxfp4 block's scales). None: the
   # format's usual case, biases in mxfp4 blocks (gpt-oss, the family that ships MXFP4), none
@@ -81,6 +81,8 @@ class ExpertShape:
       return quant.int8_block_bytes(self.ffn, self.hidden)
     if self.dtype == "mxfp4":
       return quant.mxfp4_block_bytes(self.ffn, self.hidden, self.has_bias)
+    if self.dtype == "int4":
+      return quant.int4_block_bytes(self.ffn, self.hidden)
     return self.block_elems * ftw.storage_dtype(self.dtype).itemsize
 
 
@@ -121,6 +123,8 @@ def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0):
     pool = rng.integers(-127, 128, 1 << 22).astype(np.int8)
   elif shape.dtype == "mxfp4":  # random codes; scales and biases set below
     pool = rng.integers(0, 256, 1 << 22).astype(np.uint8)
+  elif shape.dtype == "int4":  # random codes and parameters; each row's steps set below
+    pool = rng.integers(0, 1 << 16, 1 << 22).astype(np.uint16)
   else:
     pool = (0.02 * rng.standard_normal(1 << 22, np.float32)).astype(dtype)
   bank = np.resize(pool, experts * block).reshape(1, experts, block)  # writes every page
@@ -133,6 +137,15 @@ def synthetic_bank(shape: ExpertShape, min_bytes: int = 1 << 30, seed: int = 0):
     at = quant.mxfp4_offsets(shape.ffn, shape.hidden)
     bank[..., at["scales"]["gate"]:at["biases"]["gate"]] = 120
     bank[..., at["biases"]["gate"]:] = 0
+  if shape.dtype == "int4":  # every row's steps d = dm = 2^-10 (weights up to ~0.1)
+    raw = bank.view(np.uint8)
+    at = quant.int4_offsets(shape.ffn, shape.hidden)["params"]
+    steps = np.array([2.0 ** -10, 2.0 ** -10], "<f4").view(np.uint8)
+    for part, (rows, n) in (("gate", (shape.ffn, shape.hidden)), ("up", (shape.ffn, shape.hidden)),
+                            ("down", (shape.hidden, shape.ffn))):
+      width = quant.int4_param_bytes(n)
+      params = raw[..., at[part]:at[part] + rows * width].reshape(*raw.shape[:2], rows, width)
+      params[..., :8] = steps
   return jax.device_put(bank) if jax.default_backend() == "cpu" else bank
 
 
