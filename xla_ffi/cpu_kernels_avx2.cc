@@ -295,20 +295,20 @@ void DecodeInt4Avx2(const uint8_t* codes, const uint8_t* scales, const int8_t* m
   }
 }
 
-// int4, one token, fused: OneToken4BitAvx2 with the bfloat16 bits of the integers 0..15 (exact)
+// int4, one token, fused: OneToken4BitAvx2 with the bfloat16 bits of the codes less 8 (exact)
 // and the blocks' uint8 scales as float32 lane multipliers; per chunk the activations' sum per
-// block, which each row's int8 mins multiply (8 blocks a vector):
-// c = d * sum_b s[b] * (q . x)_b + dm * sum_b m[b] * (sum x)_b.
+// block, which each row's block offsets multiply (8 blocks a vector):
+// c = d * sum_b s[b] * ((q - 8) . x)_b + sum_b (dm * m[b] + 8 * d * s[b]) * (sum x)_b
+// (centred codes, as the AVX-512 kernel's: the two sums do not cancel).
 template <int kLocality>
 void OneTokenInt4Avx2(const Int4DotProblem& p, int64_t ahead_bytes) {
-  // bf16 bits of the integers 0..15: high bytes and low bytes, in both lanes.
+  // bf16 bits of the codes less 8 (-8..7, centred: see below): high and low bytes, both lanes.
   const __m256i high_bytes = _mm256_setr_epi8(
-      0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
-      0x41, 0x41, 0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41,
-      0x41, 0x41, 0x41, 0x41);
+      -63, -64, -64, -64, -64, -64, -64, -65, 0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+      -63, -64, -64, -64, -64, -64, -64, -65, 0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40);
   const __m256i low_bytes = _mm256_setr_epi8(
-      0, -128, 0, 0x40, -128, -96, -64, -32, 0, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70,
-      0, -128, 0, 0x40, -128, -96, -64, -32, 0, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70);
+      0, -32, -64, -96, -128, 0x40, 0, -128, 0, -128, 0, 0x40, -128, -96, -64, -32,
+      0, -32, -64, -96, -128, 0x40, 0, -128, 0, -128, 0, 0x40, -128, -96, -64, -32);
   constexpr int64_t kChunk = cpu_kernels_impl::kMxfp4OneTokenChunk;
   alignas(32) float block_sums[kChunk / 32 + 8];
   int64_t chunk_blocks = 0;
@@ -346,22 +346,29 @@ void OneTokenInt4Avx2(const Int4DotProblem& p, int64_t ahead_bytes) {
       },
       [&](int64_t r, int64_t i, float sum) {
         const int8_t* mins = p.mins + r * p.min_stride + i / 32;
+        const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
+        float d, dm;
+        cpu_kernels_impl::Int4Steps(p.steps + r * p.step_stride, &d, &dm);
+        const __m256 dm_v = _mm256_set1_ps(dm), d8 = _mm256_set1_ps(8.0f * d);
         __m256 off = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 8 <= chunk_blocks; b += 8) {
-          off = _mm256_fmadd_ps(
-              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + b)))),
-              _mm256_load_ps(block_sums + b), off);
+          const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins + b))));
+          const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + b))));
+          off = _mm256_fmadd_ps(_mm256_fmadd_ps(dm_v, m, _mm256_mul_ps(d8, sc)),
+                                _mm256_load_ps(block_sums + b), off);
         }
         float offsets = 0.0f;
-        for (; b < chunk_blocks; ++b) offsets += static_cast<float>(mins[b]) * block_sums[b];
+        for (; b < chunk_blocks; ++b) {
+          offsets += (dm * static_cast<float>(mins[b]) + 8.0f * d * static_cast<float>(scales[b])) *
+                     block_sums[b];
+        }
         const __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(off), _mm256_extractf128_ps(off, 1));
         const __m128 d2 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
         offsets += _mm_cvtss_f32(_mm_add_ss(d2, _mm_movehdup_ps(d2)));
-        float d, dm;
-        cpu_kernels_impl::Int4Steps(p.steps + r * p.step_stride, &d, &dm);
-        const float value = d * sum + dm * offsets;
+        const float value = d * sum + offsets;
         p.c[r] = i == 0 ? value : p.c[r] + value;
       });
 }

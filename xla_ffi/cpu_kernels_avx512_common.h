@@ -276,6 +276,9 @@ inline void DotMxfp4F32Avx512(const Mxfp4DotProblem& p) {
 // weight): per block of 32 inputs the 16 values d * s * q + dm * m of the codes q in one register,
 // looked up as the mxfp4 decode looks up its E2M1 values.
 static constexpr float kInt4Codes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+// The codes less 8 (one-token kernels: centred, so that the scaled sums and the offsets' sum do
+// not cancel each other).
+static constexpr float kInt4Centred[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 inline void DecodeInt4Avx512(const uint8_t* codes, const uint8_t* scales, const int8_t* mins,
                              float d, float dm, int64_t n, float* out) {
   const __m512 iota = _mm512_loadu_ps(kInt4Codes);
@@ -298,8 +301,11 @@ inline void DecodeInt4Avx512(const uint8_t* codes, const uint8_t* scales, const 
 // int4, one token (the decode GEMV), fused: the mxfp4 one-token kernel's loop (the activations
 // transposed once per chunk, 4 blocks of codes per 64-byte load, 8 shifts and 8 vpermps to the
 // codes as float32 integers) with the blocks' uint8 scales spread over the lanes as integers,
-// and, per chunk, the activations' sum per block, which the rows' int8 mins multiply (16 blocks
-// a vector): c = d * sum_b s[b] * (q . x)_b + dm * sum_b m[b] * (sum x)_b.
+// and, per chunk, the activations' sum per block (16 blocks a vector). The codes are taken less
+// 8, and the blocks' offsets are dm * m[b] + 8 * d * s[b]:
+//   c = d * sum_b s[b] * ((q - 8) . x)_b + sum_b (dm * m[b] + 8 * d * s[b]) * (sum x)_b,
+// the same sum as the dequantised weights', whose two parts stay small where a block's codes
+// are centred (with q itself, both would be ~8x the result and cancel, at 8x the rounding).
 inline __m512 Int4GroupScales(const uint8_t* scales) {
   int32_t four;
   __builtin_memcpy(&four, scales, sizeof(four));
@@ -310,7 +316,7 @@ inline __m512 Int4GroupScales(const uint8_t* scales) {
 template <int kLocality>
 inline void OneTokenInt4Avx512(const Int4DotProblem& p, int64_t ahead_bytes) {
   if (p.rows <= 0) return;
-  const __m512 values = _mm512_loadu_ps(kInt4Codes);
+  const __m512 values = _mm512_loadu_ps(kInt4Centred);
   const __m512i even =
       _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd =
@@ -372,17 +378,21 @@ inline void OneTokenInt4Avx512(const Int4DotProblem& p, int64_t ahead_bytes) {
         acc[b & 1] = _mm512_fmadd_ps(sum, _mm512_set1_ps(static_cast<float>(scales[b])),
                                      acc[b & 1]);
       }
+      float d, dm;
+      cpu_kernels_impl::Int4Steps(p.steps + r * p.step_stride, &d, &dm);
+      const __m512 dm_v = _mm512_set1_ps(dm), d8 = _mm512_set1_ps(8.0f * d);
       __m512 off = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; b += 16) {
         const __mmask16 mask = blocks - b >= 16 ? 0xFFFF : (1u << (blocks - b)) - 1;
         const __m512 m = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, mins + b)));
-        off = _mm512_fmadd_ps(m, _mm512_maskz_load_ps(mask, block_sums + b), off);
+        const __m512 sc = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, scales + b)));
+        const __m512 offset = _mm512_fmadd_ps(dm_v, m, _mm512_mul_ps(d8, sc));
+        off = _mm512_fmadd_ps(offset, _mm512_maskz_load_ps(mask, block_sums + b), off);
       }
-      float d, dm;
-      cpu_kernels_impl::Int4Steps(p.steps + r * p.step_stride, &d, &dm);
       const float sum = d * _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) +
-                        dm * _mm512_reduce_add_ps(off);
+                        _mm512_reduce_add_ps(off);
       p.c[r] = i == 0 ? sum : p.c[r] + sum;
     }
   }

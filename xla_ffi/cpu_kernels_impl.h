@@ -410,8 +410,9 @@ void DotInt4(const Int4DotProblem& p) {
                      });
 }
 
-// KernelTable::dot_int4_f32 for one token, portable: per row and block the sums of q_i * a_i and
-// of a_i, then d * sum_b s[b] * qa_b + dm * sum_b m[b] * a_b (the SIMD one-token kernels' order).
+// KernelTable::dot_int4_f32 for one token, portable: per row and block the sums of (q_i - 8) * a_i
+// and of a_i, then d * sum_b s[b] * qa_b + sum_b (dm * m[b] + 8 * d * s[b]) * a_b (the SIMD
+// one-token kernels' order: codes centred, so that the two sums do not cancel).
 static inline void OneTokenInt4Loop(const Int4DotProblem& p) {
   const float* x = p.a[0];
   for (int64_t r = 0; r < p.rows; ++r) {
@@ -423,14 +424,15 @@ static inline void OneTokenInt4Loop(const Int4DotProblem& p) {
       float qa = 0.0f, sa = 0.0f;
       for (int j = 0; j < 16; ++j) {
         const uint8_t byte = codes[16 * b + j];
-        qa += static_cast<float>(byte & 15) * x[32 * b + 2 * j] +
-              static_cast<float>(byte >> 4) * x[32 * b + 2 * j + 1];
+        qa += static_cast<float>((byte & 15) - 8) * x[32 * b + 2 * j] +
+              static_cast<float>((byte >> 4) - 8) * x[32 * b + 2 * j + 1];
         sa += x[32 * b + 2 * j] + x[32 * b + 2 * j + 1];
       }
-      scaled += static_cast<float>(p.scales[r * p.scale_stride + b]) * qa;
-      offsets += static_cast<float>(p.mins[r * p.min_stride + b]) * sa;
+      const float s = static_cast<float>(p.scales[r * p.scale_stride + b]);
+      scaled += s * qa;
+      offsets += (dm * static_cast<float>(p.mins[r * p.min_stride + b]) + 8.0f * d * s) * sa;
     }
-    p.c[r] = d * scaled + dm * offsets;
+    p.c[r] = d * scaled + offsets;
   }
 }
 

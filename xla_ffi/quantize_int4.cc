@@ -11,7 +11,8 @@
 // refitted 4 times by weighted least squares of x on those codes; the fit of least weighted
 // squared error wins (ties: the earlier cut). Per row: d_row = max d / 255 rounded up to 12
 // significant bits, dm_row = max |m| / 127 rounded up to 16 (both at least float32's smallest
-// normal times 2^bits; 1 for a zero row), s = clip(rint(d / d_row), 1, 255), mi =
+// normal times 2^bits; 1 for a zero row), s = clip(rint(d / d_row), 1, 255) (0, with m = 0
+// and codes 0, for an all-zero block), mi =
 // clip(rint(m / dm_row), -127, 127), q = clip(rint((x - dm_row * mi) / (d_row * s)), 0, 15)
 // in float64, rint half to even throughout.
 
@@ -59,6 +60,8 @@ Fit FitBlock(const float* x) {
     lo = std::min(lo, x[i]);
     hi = std::max(hi, x[i]);
   }
+  // An all-zero block: scale and min 0 (s = 0, codes 0), exact zeros however the sums group.
+  if (hi - lo == 0.0f) return Fit{0.0f, 0.0f};
   const float rms = std::sqrt(sum_sq / kBlock);
   float v[kBlock];
   for (int i = 0; i < kBlock; ++i) v[i] = rms + std::fabs(x[i]);
@@ -135,7 +138,9 @@ void QuantizeRow(const float* w, int64_t cols, uint8_t* codes, uint8_t* params,
   uint8_t* s_out = params + 8;
   int8_t* m_out = reinterpret_cast<int8_t*>(params + 8 + blocks);
   for (int64_t b = 0; b < blocks; ++b) {
-    const double s = std::clamp(RintD(static_cast<double>(fits[b].d) / d_row), 1.0, 255.0);
+    const double s =
+        fits[b].d > 0.0f ? std::clamp(RintD(static_cast<double>(fits[b].d) / d_row), 1.0, 255.0)
+                         : 0.0;
     const double mi = std::clamp(RintD(static_cast<double>(fits[b].m) / dm_row), -127.0, 127.0);
     s_out[b] = static_cast<uint8_t>(s);
     m_out[b] = static_cast<int8_t>(mi);
@@ -143,8 +148,10 @@ void QuantizeRow(const float* w, int64_t cols, uint8_t* codes, uint8_t* params,
     const double offset = static_cast<double>(dm_row * static_cast<float>(mi));
     const float* x = w + b * kBlock;
     for (int j = 0; j < kBlock / 2; ++j) {
-      const double q0 = std::clamp(RintD((x[2 * j] - offset) / scale), 0.0, 15.0);
-      const double q1 = std::clamp(RintD((x[2 * j + 1] - offset) / scale), 0.0, 15.0);
+      const double q0 =
+          scale > 0.0 ? std::clamp(RintD((x[2 * j] - offset) / scale), 0.0, 15.0) : 0.0;
+      const double q1 =
+          scale > 0.0 ? std::clamp(RintD((x[2 * j + 1] - offset) / scale), 0.0, 15.0) : 0.0;
       codes[b * kBlock / 2 + j] =
           static_cast<uint8_t>(static_cast<int>(q0) | (static_cast<int>(q1) << 4));
     }

@@ -12,6 +12,8 @@ import pytest
 
 import ftjax
 from ftjax.formats import ftw
+from ftjax.kernels import dense
+from ftjax.kernels._registration import ffi_module
 from ftjax.runtime import model as model_lib
 from ftjax.utils import quant
 from ftjax.utils.dense_quant import QuantizedMatrix
@@ -135,11 +137,12 @@ def test_int4_refusals(tiny_config):
 
 
 def test_native_quantiser_agrees_with_the_numpy_reference():
-  """quantize_int4 runs in C++ (xla_ffi/quantize_int4.cc); the numpy form is the reference.
+  """quantize_int4 runs in C++ (xla_ffi/quantize_int4.cc, installed by the kernels layer); the
+  numpy form is the reference.
   Their float32 sums differ in order, so a near-tie between two cuts may go the other way: on
   512 x 2048 weights of varied scale, measured 99.997% of the codes and 99.95% of the parameter
   bytes equal, the squared error the same to 1e-5. The result does not depend on the threads."""
-  from ftjax import _ffi  # noqa: PLC0415
+  _ffi = ffi_module()
   rng = np.random.default_rng(11)
   w = (rng.standard_normal((256, 1024)) * np.exp(rng.standard_normal((256, 1)))).astype(
       np.float32)
@@ -154,3 +157,24 @@ def test_native_quantiser_agrees_with_the_numpy_reference():
   _ffi.quantize_int4(w, *one, 1)
   np.testing.assert_array_equal(one[0], codes)
   np.testing.assert_array_equal(one[1], params)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["native", "numpy"])
+def test_all_zero_blocks_store_zero_scales(reference):
+  """An all-zero block stores s = m = 0 and codes 0 (C++ and numpy alike), so that it decodes
+  to exact zeros and the one-token kernels, which centre the codes (q - 8) and add 8·d·s to a
+  block's offset, add exactly nothing for it: an all-zero row gives exact zeros on every input
+  (with s = 255 its two sums were ~8·d·255·Σx each and left 5e-5 behind)."""
+  rng = np.random.default_rng(5)
+  w = rng.standard_normal((6, 256)).astype(np.float32)
+  w[0] = 0.0
+  w[1, 64:96] = 0.0
+  codes, params = quant.quantize_int4(w, reference=reference)
+  _, _, s, m = quant.int4_parts(params)
+  assert np.all(s[0] == 0) and np.all(m[0] == 0) and np.all(codes[0] == 0)
+  assert s[1, 2] == 0 and m[1, 2] == 0 and np.all(codes[1, 32:48] == 0)
+  assert np.all(s[1:, [0, 1, 3]] >= 1)
+  assert np.all(quant.dequantize_int4(codes, params)[[0], :] == 0)
+  q = QuantizedMatrix(codes, params, "int4", w.shape, 1)
+  x = rng.standard_normal((1, 256)).astype(np.float32) * 100
+  assert np.all(np.asarray(dense(x, q))[0, 0] == 0)

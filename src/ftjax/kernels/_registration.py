@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ftjax.utils import quant
+
 _FIX = ("Install ftjax with README's first command (`pip install --no-build-isolation .` "
         "after installing jax, scikit-build-core and nanobind), which builds the C++ kernels "
         "of xla_ffi/ into ftjax._ffi, and run from anywhere: the checkout keeps the package in "
@@ -32,6 +34,8 @@ else:
   for _name, _capsule in _ffi.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
   del _name, _capsule
+  # The converter's int4 quantiser in C++ (ftjax.utils.quant.quantize_int4 runs it from now on).
+  quant.set_native_int4(_ffi.quantize_int4)
 
 
 def ffi_module():

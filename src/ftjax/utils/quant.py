@@ -21,12 +21,6 @@ import sys
 import ml_dtypes
 import numpy as np
 
-try:  # the compiled extension (no Python imports of its own): the int4 quantiser in C++
-  from ftjax import _ffi
-  _FFI_ERROR = None
-except ImportError as _error:  # a source tree without the build: numpy, said when used
-  _ffi, _FFI_ERROR = None, _error
-
 INT8_SCALES_ALIGNMENT = 64
 QMAX = 127
 EXPERT_FORMATS = ("bfloat16", "float32", "int8", "int4", "mxfp4")  # the bank formats ftjax reads
@@ -307,7 +301,10 @@ def _int4_fit(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         best_d = np.where(better, d, best_d)
         best_m = np.where(better, m, best_m)
         best_err = np.where(better, err, best_err)
-  return best_d, best_m
+  # An all-zero block: scale 0 and min 0 (stored as s = 0), so that it decodes to exact zeros
+  # and adds nothing to a row's sums however the kernels group them.
+  zero = hi - lo == 0
+  return np.where(zero, np.float32(0), best_d), np.where(zero, np.float32(0), best_m)
 
 
 def _int4_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -319,12 +316,14 @@ def _int4_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   # The row's steps: the largest scale is 255 steps of d_row, the largest |min| 127 of dm_row.
   d_row = _round_up_bits(d.max(-1) / 255.0, _INT4_D_BITS)
   dm_row = _round_up_bits(np.abs(m).max(-1) / 127.0, _INT4_DM_BITS)
-  s = np.clip(np.rint(d / d_row[:, None].astype(np.float64)), 1, 255)
+  s = np.where(d > 0, np.clip(np.rint(d / d_row[:, None].astype(np.float64)), 1, 255), 0)
   mi = np.clip(np.rint(m / dm_row[:, None].astype(np.float64)), -127, 127)
   # The codes against the stored block scale and min (as the kernels compute them).
   scale = (d_row[:, None] * s.astype(np.float32)).astype(np.float64)
   offset = (dm_row[:, None] * mi.astype(np.float32)).astype(np.float64)
-  q = np.clip(np.rint((x - offset[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+  safe = np.where(scale > 0, scale, 1.0)[..., None]
+  q = np.where(scale[..., None] > 0, np.clip(np.rint((x - offset[..., None]) / safe), 0, 15), 0)
+  q = q.astype(np.uint8)
   q = q.reshape(rows, cols)
   codes = q[:, 0::2] | (q[:, 1::2] << 4)
   params = np.empty((rows, int4_param_bytes(cols)), np.uint8)
@@ -339,13 +338,14 @@ def quantize_int4(w: np.ndarray, *, reference: bool = False) -> tuple[np.ndarray
   """``w [R, C]`` float (C a multiple of 32) -> ``(codes [R, C/2], params [R, 8 + C/16])``
   uint8 (the int4 layout above). Per block of 32 the scale and min of the best weighted fit
   (``_int4_fit``); per row the steps d = max scale / 255 and dm = max |min| / 127 (float32),
-  each block's scale and min rounded to those steps (uint8 s >= 1, int8 m), then each input's
-  code rounded against the stored scale and min.
+  each block's scale and min rounded to those steps (uint8 s >= 1, int8 m; s = m = 0 and codes 0
+  for an all-zero block), then each input's code rounded against the stored scale and min.
 
-  Runs in C++ on every core (``ftjax._ffi.quantize_int4``, xla_ffi/quantize_int4.cc: the same
-  algorithm, ~10x the numpy form's speed a core); ``reference=True``, or a build without the
-  extension (said on stderr once), runs the numpy form here, whose float32 sums are pairwise:
-  the two agree on all but a few near-ties (tests/formats/test_int4.py)."""
+  Runs in C++ on every core where the kernels layer installed it (``set_native_int4``:
+  xla_ffi/quantize_int4.cc, the same algorithm, ~5x the numpy form's speed a core);
+  ``reference=True``, or no compiled module (said on stderr once), runs the numpy form here,
+  whose float32 sums are pairwise: the two agree on all but a few near-ties
+  (tests/formats/test_int4.py)."""
   w = np.asarray(w)
   if w.ndim != 2 or w.shape[1] % INT4_BLOCK:
     raise ValueError(f"quantize_int4 takes [R, C] with C a multiple of {INT4_BLOCK}, got "
@@ -365,19 +365,28 @@ def quantize_int4(w: np.ndarray, *, reference: bool = False) -> tuple[np.ndarray
   return codes, params
 
 
+# The C++ form of quantize_int4's search (ftjax._ffi.quantize_int4(w, codes, params, threads)),
+# which the kernels layer installs when it loads the compiled module (ftjax.kernels.quantize;
+# utils imports nothing of ftjax). Until then, and where the module is not built, the numpy
+# form runs, said once on stderr.
+_NATIVE_INT4: list = []
 _SAID_NUMPY: list = []
 
 
+def set_native_int4(fn) -> None:
+  """Installs the C++ int4 quantiser (``fn(w, codes, params, threads)``, filling codes and
+  params in place); None removes it."""
+  _NATIVE_INT4[:] = [fn]
+
+
 def _native_int4():
-  """``ftjax._ffi.quantize_int4``, or None (said once on stderr) where the extension is not
-  built."""
-  if _ffi is None:
-    if not _SAID_NUMPY:
-      print(f"ftjax: the C++ extension is not importable ({_FFI_ERROR}): int4 quantisation runs "
-            "in numpy, about 10x slower a core", file=sys.stderr)
-      _SAID_NUMPY.append(True)
-    return None
-  return _ffi.quantize_int4
+  fn = _NATIVE_INT4[0] if _NATIVE_INT4 else None
+  if fn is None and not _SAID_NUMPY:
+    print("ftjax: the compiled module's int4 quantiser is not loaded (import ftjax.kernels; "
+          "or the build is missing): int4 quantisation runs in numpy, about 5x slower a core",
+          file=sys.stderr)
+    _SAID_NUMPY.append(True)
+  return fn
 
 
 def _threads() -> int:
