@@ -198,9 +198,10 @@ struct Mxfp4Q8DotProblem {
 // at mins + r * min_stride; and the row's two float32 steps (d, dm) at steps + r * step_stride
 // (bytes; no alignment needed). Input i of block b = i / 32 weighs
 //   w = float32(d * s[b] * q + dm * m[b])
-// (ftjax.utils.quant: both products exact in float32 for FTW's int4 rows). One token computes
-// d * (sum_b s[b] * sum_i q_i a_i) + dm * (sum_b m[b] * sum_i a_i): the same sums in another
-// order, as float32 rounds them.
+// (ftjax.utils.quant: both products exact in float32 for FTW's int4 rows). The fused kernels
+// compute d * (sum_b s[b] * sum_i (q_i - 8) a_i) + sum_b (dm * m[b] + 8 * d * s[b]) * sum_i a_i:
+// the same sums in another order, as float32 rounds them, with the codes centred so that the
+// two parts do not cancel (an all-zero block stores s = m = 0).
 struct Int4DotProblem {
   const uint8_t* codes;
   int64_t code_stride;
@@ -289,14 +290,15 @@ struct KernelTable {
   // [-127, 127] (an FTW int8 bank's do). Null unless the ISA has AVX-512-VNNI
   // (the avx512bf16 table).
   DotI8I8Fn dot_i8_i8;
-  // mxfp4 weights against float32 activations (Mxfp4DotProblem). Several tokens: the codes are
-  // decoded with a 16-entry table (the E2M1 values times the block's scale: an exact float32
-  // product) 4 rows and up to 1024 inputs at a time into a buffer that stays in L1, then
-  // multiplied by dot_f32_f32's code (AVX-512: vpermps on the nibbles; AVX2: two vpermps and a
-  // blend; scalar: a table lookup). One token (AVX-512, AVX2): fused, the activations
-  // permuted once and each row's codes looked up in registers (AVX-512: vpermps on the
-  // nibbles; AVX2: vpshufb to the bytes of the values' bfloat16 bits), block sums scaled, the
-  // 4.25-bit weights read once as one stream. Never null.
+  // mxfp4 weights against float32 activations (Mxfp4DotProblem). One token (AVX-512, AVX2), and
+  // up to 8 tokens on AVX-512 (passes of up to 4): fused, the activations permuted once and each
+  // row's codes looked up in registers (AVX-512: vpermps on the nibbles, each lookup serving
+  // every token of the pass; AVX2: vpshufb to the bytes of the values' bfloat16 bits), block
+  // sums scaled, the 4.25-bit weights read once a pass as one stream. More tokens (AVX2: more
+  // than one): the codes are decoded with a 16-entry table (the E2M1 values times the block's
+  // scale: an exact float32 product) 4 rows and up to 1024 inputs at a time into a buffer that
+  // stays in L1, then multiplied by dot_f32_f32's code (AVX-512: vpermps on the nibbles; AVX2:
+  // two vpermps and a blend; scalar: a table lookup). Never null.
   DotMxfp4F32Fn dot_mxfp4_f32;
   // out[i] = E2M1[code i] * scale[i / 32] for i < n (n a multiple of 32; codes and scales as a
   // Mxfp4DotProblem's row): the dequantised weights, exact in float32; dot_mxfp4_f32's decode.
@@ -314,11 +316,12 @@ struct KernelTable {
   // kernel's float32 weight panel (AVX2); null elsewhere, where the expert FFN decodes a task's
   // rows to bf16 for packed_dot_bf16_f32 (the same products and sums).
   void (*packed_dot_mxfp4_f32)(const PackedMxfp4Problem&);
-  // int4 weights against float32 activations (Int4DotProblem). One token (AVX-512, AVX2): fused,
-  // the activations permuted once per call (as the mxfp4 one-token kernels), each row's codes
-  // read once as one stream with its scales and mins, the nibbles widened to float32 integers in
-  // registers. Several tokens: 4 rows and up to 1024 inputs decoded (decode_int4) into a buffer
-  // in L1, then dot_f32_f32's code. Never null.
+  // int4 weights against float32 activations (Int4DotProblem). One token (AVX-512, AVX2), and up
+  // to 8 tokens on AVX-512 (passes of up to 4, as mxfp4's): fused, the activations permuted once
+  // per chunk (as the mxfp4 kernels), each row's codes read once a pass as one stream with its
+  // scales and mins, the nibbles widened to float32 integers in registers. More tokens: 4 rows
+  // and up to 1024 inputs decoded (decode_int4) into a buffer in L1, then dot_f32_f32's code.
+  // Never null.
   void (*dot_int4_f32)(const Int4DotProblem&);
   // out[i] = d * s[i / 32] * q_i + dm * m[i / 32] for i < n (n a multiple of 32; codes, scales,
   // mins as one Int4DotProblem row from input 0, d and dm its steps): d * s and dm * m in

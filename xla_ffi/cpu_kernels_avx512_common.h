@@ -160,14 +160,15 @@ inline void DecodeMxfp4Avx512(const uint8_t* codes, const uint8_t* scales, int64
     _mm512_storeu_ps(out + 32 * b + 16, _mm512_permutex2var_ps(low, second, high));
   }
 }
-// One token (the decode GEMV), fused, with as few shuffles as the lookups need (the shuffle
+// The 4-bit formats (mxfp4, int4; FewTokens4BitAvx512 below) for one token (the decode GEMV) and
+// for up to 4 at a time, fused, with as few shuffles as the lookups need (the shuffle
 // port bounds this loop on Zen 5: widening each block's 16 code bytes to 32-bit lanes, two
 // vpermps and a scale broadcast per 32 weights ran ~8 weights a cycle, under the read
 // bandwidth). Per group of 4 blocks (128 inputs, 64 code bytes): the 64 bytes are loaded as 16
 // dwords, and dword k holds the nibbles of inputs 8k .. 8k + 7 (low nibble first); shifted
 // right by 4j, its low 4 bits are input 8k + j's code, which vpermps (reading only those 4
 // bits) maps to its E2M1 value: 8 shifts and 8 vpermps give all 128 values, each lane k
-// multiplied with x[8k + j] from a copy of the activations transposed that way once per call
+// multiplied with x[8k + j] from a copy of the activations transposed that way once per chunk
 // (the two halves of j summed apart, so the multiply-adds do not wait on each other). Lane k
 // belongs to block k / 4, so the group's sum is multiplied by the 4 block scales spread over
 // the lanes (powers of two: exact) into one of 2 running sums. Same products as the
@@ -175,8 +176,8 @@ inline void DecodeMxfp4Avx512(const uint8_t* codes, const uint8_t* scales, int64
 // a multiple of 4) take the per-block form: each block's 16 bytes widened to lanes, the low
 // and high nibbles looked up against the even and odd inputs. The rows are read one after the
 // other (one sequential stream of codes, one of scales), the codes `ahead_bytes` ahead
-// prefetched (the tuning's, as the one-token row kernels). Inputs past kMxfp4OneTokenChunk are
-// taken in further chunks, each row's partial sums added.
+// prefetched (the tuning's, as the one-token row kernels). Inputs past the chunk (one token:
+// kMxfp4OneTokenChunk) are taken in further chunks, each row's partial sums added.
 using cpu_kernels_impl::kMxfp4OneTokenChunk;
 
 // The 4 E8M0 scales at `scales` as float32 (Mxfp4Scale), each in 4 consecutive lanes.
@@ -188,88 +189,6 @@ inline __m512 Mxfp4GroupScales(const uint8_t* scales) {
   const __mmask16 zero = _mm512_testn_epi32_mask(e, e);
   return _mm512_castsi512_ps(
       _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000)));
-}
-
-template <int kLocality>
-inline void OneTokenMxfp4Avx512(const Mxfp4DotProblem& p, int64_t ahead_bytes) {
-  if (p.rows <= 0) return;
-  const __m512 values = _mm512_loadu_ps(cpu_kernels_impl::kE2M1Values);
-  const __m512i even =
-      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd =
-      _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  const uintptr_t prefetch_end =
-      reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
-  // Groups: x[128 g + 8 k + j] at 128 g + 16 j + k; then the blocks past them, even/odd split.
-  alignas(64) float x_t[kMxfp4OneTokenChunk];
-  for (int64_t i = 0; i < p.n; i += kMxfp4OneTokenChunk) {
-    const int64_t blocks =
-        (p.n - i < kMxfp4OneTokenChunk ? p.n - i : kMxfp4OneTokenChunk) / 32;
-    const int64_t groups = blocks / 4;
-    const float* x = p.a[0] + i;
-    for (int64_t g = 0; g < groups; ++g) {
-      for (int k = 0; k < 16; ++k) {
-        for (int j = 0; j < 8; ++j) x_t[128 * g + 16 * j + k] = x[128 * g + 8 * k + j];
-      }
-    }
-    for (int64_t b = 4 * groups; b < blocks; ++b) {
-      const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-      _mm512_store_ps(x_t + 32 * b, _mm512_permutex2var_ps(x0, even, x1));
-      _mm512_store_ps(x_t + 32 * b + 16, _mm512_permutex2var_ps(x0, odd, x1));
-    }
-    for (int64_t r = 0; r < p.rows; ++r) {
-      const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
-      const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t g = 0; g < groups; ++g) {
-        const uintptr_t ahead =
-            reinterpret_cast<uintptr_t>(codes + 64 * g) + ahead_bytes;
-        if (ahead_bytes > 0 && ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
-          __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
-        }
-        const __m512i dwords = _mm512_loadu_si512(codes + 64 * g);
-        const float* xg = x_t + 128 * g;
-        __m512 half[2] = {
-            _mm512_mul_ps(_mm512_permutexvar_ps(dwords, values), _mm512_load_ps(xg)),
-            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(dwords, 4), values),
-                          _mm512_load_ps(xg + 16))};
-        for (int j = 2; j < 8; ++j) {
-          half[j & 1] = _mm512_fmadd_ps(
-              _mm512_permutexvar_ps(_mm512_srl_epi32(dwords, _mm_cvtsi32_si128(4 * j)), values),
-              _mm512_load_ps(xg + 16 * j), half[j & 1]);
-        }
-        acc[g & 1] = _mm512_fmadd_ps(_mm512_add_ps(half[0], half[1]),
-                                     Mxfp4GroupScales(scales + 4 * g), acc[g & 1]);
-      }
-      for (int64_t b = 4 * groups; b < blocks; ++b) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
-        const __m512 sum = _mm512_fmadd_ps(
-            _mm512_permutexvar_ps(bytes, values), _mm512_load_ps(x_t + 32 * b),
-            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values),
-                          _mm512_load_ps(x_t + 32 * b + 16)));
-        acc[b & 1] = _mm512_fmadd_ps(
-            sum, _mm512_set1_ps(cpu_kernels_impl::Mxfp4Scale(scales[b])), acc[b & 1]);
-      }
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-      p.c[r] = i == 0 ? sum : p.c[r] + sum;
-    }
-  }
-}
-
-inline void DotMxfp4F32Avx512(const Mxfp4DotProblem& p) {
-  if (p.tokens == 1) {
-    const KernelTuning tuning = CurrentKernelTuning();
-    const int64_t ahead =
-        tuning.prefetch_bytes < 0 ? cpu_kernels_impl::kPrefetchBytes : tuning.prefetch_bytes;
-    if (TunedPrefetchNonTemporal(tuning)) {
-      OneTokenMxfp4Avx512<0>(p, ahead);
-    } else {
-      OneTokenMxfp4Avx512<2>(p, ahead);
-    }
-  } else {
-    cpu_kernels_impl::DotMxfp4<F32F32Ops512, DecodeMxfp4Avx512>(p);
-  }
 }
 
 // int4 decode (cpu_kernels_impl::DecodeInt4Loop's result, the same fused multiply-add per
@@ -313,101 +232,196 @@ inline __m512 Int4GroupScales(const uint8_t* scales) {
       _mm_cvtsi32_si128(four), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3))));
 }
 
-template <int kLocality>
-inline void OneTokenInt4Avx512(const Int4DotProblem& p, int64_t ahead_bytes) {
+// Up to 4 tokens (kTokens; batched decode, speculative verify) run the same loop on each group of
+// codes once: the 8 shifts and vpermps of a 64-byte load serve every token's multiply-adds, so
+// that a few tokens cost little more than one (decoding rows to float32 and streaming them per
+// token, DotDecoded, took ~3.3x one token's time at 4 tokens). The activations' chunk shrinks
+// with the tokens (4096, 2048, 1024 inputs), so that their transposed copies stay in L1 (16 KiB
+// each way). The two formats differ in their values (E2M1; int4's codes less 8), their block
+// scales (E8M0 powers of two; uint8 integers, times the row's step d after the sums) and int4's
+// block offsets against the activations' block sums.
+struct Mxfp4Avx512Format {
+  static constexpr bool kOffsets = false;
+  static const float* Values() { return cpu_kernels_impl::kE2M1Values; }
+  static __m512 GroupScales(const uint8_t* scales) { return Mxfp4GroupScales(scales); }
+  static float BlockScale(uint8_t scale) { return cpu_kernels_impl::Mxfp4Scale(scale); }
+};
+struct Int4Avx512Format {
+  static constexpr bool kOffsets = true;
+  static const float* Values() { return kInt4Centred; }
+  static __m512 GroupScales(const uint8_t* scales) { return Int4GroupScales(scales); }
+  static float BlockScale(uint8_t scale) { return static_cast<float>(scale); }
+};
+
+template <typename Format, int kTokens, int kLocality, typename Problem>
+inline void FewTokens4BitAvx512(const Problem& p, const float* const* a, float* c,
+                                int64_t ahead_bytes) {
   if (p.rows <= 0) return;
-  const __m512 values = _mm512_loadu_ps(kInt4Centred);
+  constexpr int64_t kChunk = kTokens == 1 ? kMxfp4OneTokenChunk
+                             : kTokens == 2 ? kMxfp4OneTokenChunk / 2 : kMxfp4OneTokenChunk / 4;
+  const __m512 values = _mm512_loadu_ps(Format::Values());
   const __m512i even =
       _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd =
       _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   const uintptr_t prefetch_end =
       reinterpret_cast<uintptr_t>(p.codes + (p.rows - 1) * p.code_stride + p.n / 2);
-  alignas(64) float x_t[kMxfp4OneTokenChunk];
-  alignas(64) float block_sums[kMxfp4OneTokenChunk / 32];
-  for (int64_t i = 0; i < p.n; i += kMxfp4OneTokenChunk) {
-    const int64_t blocks =
-        (p.n - i < kMxfp4OneTokenChunk ? p.n - i : kMxfp4OneTokenChunk) / 32;
+  // Groups: x[128 g + 8 k + j] at 128 g + 16 j + k; then the blocks past them, even/odd split.
+  alignas(64) float x_t[kTokens][kChunk];
+  alignas(64) float block_sums[kTokens][Format::kOffsets ? kChunk / 32 : 1];
+  for (int64_t i = 0; i < p.n; i += kChunk) {
+    const int64_t blocks = (p.n - i < kChunk ? p.n - i : kChunk) / 32;
     const int64_t groups = blocks / 4;
-    const float* x = p.a[0] + i;
-    for (int64_t g = 0; g < groups; ++g) {
-      for (int k = 0; k < 16; ++k) {
-        for (int j = 0; j < 8; ++j) x_t[128 * g + 16 * j + k] = x[128 * g + 8 * k + j];
+    for (int t = 0; t < kTokens; ++t) {
+      const float* x = a[t] + i;
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int k = 0; k < 16; ++k) {
+          for (int j = 0; j < 8; ++j) x_t[t][128 * g + 16 * j + k] = x[128 * g + 8 * k + j];
+        }
       }
-    }
-    for (int64_t b = 4 * groups; b < blocks; ++b) {
-      const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-      _mm512_store_ps(x_t + 32 * b, _mm512_permutex2var_ps(x0, even, x1));
-      _mm512_store_ps(x_t + 32 * b + 16, _mm512_permutex2var_ps(x0, odd, x1));
-    }
-    for (int64_t b = 0; b < blocks; ++b) {
-      block_sums[b] = _mm512_reduce_add_ps(
-          _mm512_add_ps(_mm512_loadu_ps(x + 32 * b), _mm512_loadu_ps(x + 32 * b + 16)));
+      for (int64_t b = 4 * groups; b < blocks; ++b) {
+        const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+        _mm512_store_ps(x_t[t] + 32 * b, _mm512_permutex2var_ps(x0, even, x1));
+        _mm512_store_ps(x_t[t] + 32 * b + 16, _mm512_permutex2var_ps(x0, odd, x1));
+      }
+      if constexpr (Format::kOffsets) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          block_sums[t][b] = _mm512_reduce_add_ps(
+              _mm512_add_ps(_mm512_loadu_ps(x + 32 * b), _mm512_loadu_ps(x + 32 * b + 16)));
+        }
+      }
     }
     for (int64_t r = 0; r < p.rows; ++r) {
       const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
       const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      const int8_t* mins = p.mins + r * p.min_stride + i / 32;
-      __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      // One token: two running sums (alternate groups, so that they do not wait on each
+      // other); several: one a token.
+      constexpr int kAcc = kTokens == 1 ? 2 : kTokens;
+      __m512 acc[kAcc];
+      for (int t = 0; t < kAcc; ++t) acc[t] = _mm512_setzero_ps();
       for (int64_t g = 0; g < groups; ++g) {
         const uintptr_t ahead = reinterpret_cast<uintptr_t>(codes + 64 * g) + ahead_bytes;
         if (ahead_bytes > 0 && ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
           __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
         }
         const __m512i dwords = _mm512_loadu_si512(codes + 64 * g);
-        const float* xg = x_t + 128 * g;
-        __m512 half[2] = {
-            _mm512_mul_ps(_mm512_permutexvar_ps(dwords, values), _mm512_load_ps(xg)),
-            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(dwords, 4), values),
-                          _mm512_load_ps(xg + 16))};
-        for (int j = 2; j < 8; ++j) {
-          half[j & 1] = _mm512_fmadd_ps(
-              _mm512_permutexvar_ps(_mm512_srl_epi32(dwords, _mm_cvtsi32_si128(4 * j)), values),
-              _mm512_load_ps(xg + 16 * j), half[j & 1]);
+        __m512 half[kTokens][2];
+        {
+          const __m512 v0 = _mm512_permutexvar_ps(dwords, values);
+          const __m512 v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(dwords, 4), values);
+          for (int t = 0; t < kTokens; ++t) {
+            half[t][0] = _mm512_mul_ps(v0, _mm512_load_ps(x_t[t] + 128 * g));
+            half[t][1] = _mm512_mul_ps(v1, _mm512_load_ps(x_t[t] + 128 * g + 16));
+          }
         }
-        acc[g & 1] = _mm512_fmadd_ps(_mm512_add_ps(half[0], half[1]),
-                                     Int4GroupScales(scales + 4 * g), acc[g & 1]);
+        for (int j = 2; j < 8; ++j) {
+          const __m512 v =
+              _mm512_permutexvar_ps(_mm512_srl_epi32(dwords, _mm_cvtsi32_si128(4 * j)), values);
+          for (int t = 0; t < kTokens; ++t) {
+            half[t][j & 1] =
+                _mm512_fmadd_ps(v, _mm512_load_ps(x_t[t] + 128 * g + 16 * j), half[t][j & 1]);
+          }
+        }
+        const __m512 group_scales = Format::GroupScales(scales + 4 * g);
+        for (int t = 0; t < kTokens; ++t) {
+          __m512& into = acc[kTokens == 1 ? (g & 1) : t];
+          into = _mm512_fmadd_ps(_mm512_add_ps(half[t][0], half[t][1]), group_scales, into);
+        }
       }
       for (int64_t b = 4 * groups; b < blocks; ++b) {
         const __m512i bytes = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
-        const __m512 sum = _mm512_fmadd_ps(
-            _mm512_permutexvar_ps(bytes, values), _mm512_load_ps(x_t + 32 * b),
-            _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values),
-                          _mm512_load_ps(x_t + 32 * b + 16)));
-        acc[b & 1] = _mm512_fmadd_ps(sum, _mm512_set1_ps(static_cast<float>(scales[b])),
-                                     acc[b & 1]);
+        const __m512 low = _mm512_permutexvar_ps(bytes, values);
+        const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
+        const __m512 scale = _mm512_set1_ps(Format::BlockScale(scales[b]));
+        for (int t = 0; t < kTokens; ++t) {
+          const __m512 sum =
+              _mm512_fmadd_ps(low, _mm512_load_ps(x_t[t] + 32 * b),
+                              _mm512_mul_ps(high, _mm512_load_ps(x_t[t] + 32 * b + 16)));
+          __m512& into = acc[kTokens == 1 ? (b & 1) : t];
+          into = _mm512_fmadd_ps(sum, scale, into);
+        }
       }
-      float d, dm;
-      cpu_kernels_impl::Int4Steps(p.steps + r * p.step_stride, &d, &dm);
-      const __m512 dm_v = _mm512_set1_ps(dm), d8 = _mm512_set1_ps(8.0f * d);
-      __m512 off = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; b += 16) {
-        const __mmask16 mask = blocks - b >= 16 ? 0xFFFF : (1u << (blocks - b)) - 1;
-        const __m512 m = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, mins + b)));
-        const __m512 sc = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, scales + b)));
-        const __m512 offset = _mm512_fmadd_ps(dm_v, m, _mm512_mul_ps(d8, sc));
-        off = _mm512_fmadd_ps(offset, _mm512_maskz_load_ps(mask, block_sums + b), off);
+      float sums[kTokens];
+      for (int t = 0; t < kTokens; ++t) {
+        sums[t] = _mm512_reduce_add_ps(kTokens == 1 ? _mm512_add_ps(acc[0], acc[kAcc - 1])
+                                                    : acc[t]);
       }
-      const float sum = d * _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) +
-                        _mm512_reduce_add_ps(off);
-      p.c[r] = i == 0 ? sum : p.c[r] + sum;
+      if constexpr (Format::kOffsets) {
+        const int8_t* mins = p.mins + r * p.min_stride + i / 32;
+        float d, dm;
+        cpu_kernels_impl::Int4Steps(p.steps + r * p.step_stride, &d, &dm);
+        const __m512 dm_v = _mm512_set1_ps(dm), d8 = _mm512_set1_ps(8.0f * d);
+        __m512 off[kTokens];
+        for (int t = 0; t < kTokens; ++t) off[t] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b += 16) {
+          const __mmask16 mask = blocks - b >= 16 ? 0xFFFF : (1u << (blocks - b)) - 1;
+          const __m512 m = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, mins + b)));
+          const __m512 sc = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, scales + b)));
+          const __m512 offset = _mm512_fmadd_ps(dm_v, m, _mm512_mul_ps(d8, sc));
+          for (int t = 0; t < kTokens; ++t) {
+            off[t] =
+                _mm512_fmadd_ps(offset, _mm512_maskz_load_ps(mask, block_sums[t] + b), off[t]);
+          }
+        }
+        for (int t = 0; t < kTokens; ++t) sums[t] = d * sums[t] + _mm512_reduce_add_ps(off[t]);
+      }
+      for (int t = 0; t < kTokens; ++t) {
+        float& out = c[t * p.c_stride + r];
+        out = i == 0 ? sums[t] : out + sums[t];
+      }
     }
   }
 }
 
-inline void DotInt4F32Avx512(const Int4DotProblem& p) {
-  if (p.tokens == 1) {
-    const KernelTuning tuning = CurrentKernelTuning();
-    const int64_t ahead =
-        tuning.prefetch_bytes < 0 ? cpu_kernels_impl::kPrefetchBytes : tuning.prefetch_bytes;
-    if (TunedPrefetchNonTemporal(tuning)) {
-      OneTokenInt4Avx512<0>(p, ahead);
+// KernelTable::dot_mxfp4_f32 and dot_int4_f32: up to kFusedTokens tokens the fused kernel above
+// in passes of up to 4 tokens over the rows, balanced (5 = 2 + 3, 7 = 3 + 4); more: rows
+// decoded to float32 (DotDecoded).
+constexpr int64_t kFusedTokens = 8;
+
+template <typename Format, int kLocality, typename Problem>
+inline void FewTokens4BitPass(const Problem& p, int64_t t0, int tokens, int64_t ahead) {
+  const float* const* a = p.a + t0;
+  float* c = p.c + t0 * p.c_stride;
+  switch (tokens) {
+    case 1: FewTokens4BitAvx512<Format, 1, kLocality>(p, a, c, ahead); break;
+    case 2: FewTokens4BitAvx512<Format, 2, kLocality>(p, a, c, ahead); break;
+    case 3: FewTokens4BitAvx512<Format, 3, kLocality>(p, a, c, ahead); break;
+    default: FewTokens4BitAvx512<Format, 4, kLocality>(p, a, c, ahead); break;
+  }
+}
+
+template <typename Format, typename Problem>
+inline void FewTokens4Bit(const Problem& p) {
+  const KernelTuning tuning = CurrentKernelTuning();
+  const int64_t ahead =
+      tuning.prefetch_bytes < 0 ? cpu_kernels_impl::kPrefetchBytes : tuning.prefetch_bytes;
+  const bool non_temporal = TunedPrefetchNonTemporal(tuning);
+  const int64_t passes = (p.tokens + 3) / 4;
+  for (int64_t pass = 0, t0 = 0; pass < passes; ++pass) {
+    const int tokens = static_cast<int>((p.tokens - t0) / (passes - pass));
+    if (non_temporal) {
+      FewTokens4BitPass<Format, 0>(p, t0, tokens, ahead);
     } else {
-      OneTokenInt4Avx512<2>(p, ahead);
+      FewTokens4BitPass<Format, 2>(p, t0, tokens, ahead);
     }
+    t0 += tokens;
+  }
+}
+
+inline void DotMxfp4F32Avx512(const Mxfp4DotProblem& p) {
+  if (p.tokens <= kFusedTokens) {
+    FewTokens4Bit<Mxfp4Avx512Format>(p);
+  } else {
+    cpu_kernels_impl::DotMxfp4<F32F32Ops512, DecodeMxfp4Avx512>(p);
+  }
+}
+
+inline void DotInt4F32Avx512(const Int4DotProblem& p) {
+  if (p.tokens <= kFusedTokens) {
+    FewTokens4Bit<Int4Avx512Format>(p);
   } else {
     cpu_kernels_impl::DotInt4<F32F32Ops512, DecodeInt4Avx512>(p);
   }

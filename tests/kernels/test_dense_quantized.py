@@ -24,6 +24,11 @@ CASES = {
     "gemv_rows_odd": (1, 2048, 1003),
     "gemv_many_tasks": (1, 512, 9000),
     "tokens_5": (5, 96, 70),
+    # int4's fused kernel for up to 8 tokens: passes of up to 4 tokens, chunks of 4096 / 2048 /
+    # 1024 inputs by the tokens in a pass, each with a tail of blocks short of a group of 4
+    "tokens_2_chunks": (2, 4160, 19),
+    "tokens_4_chunks": (4, 2080, 37),
+    "tokens_7": (7, 1056, 21),
     "tokens_8": (8, 160, 33),
     "tokens_17_half_group": (17, 64, 23),
     "tokens_65_second_tile": (65, 128, 11),
