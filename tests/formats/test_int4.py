@@ -13,7 +13,6 @@ import pytest
 import ftjax
 from ftjax.formats import ftw
 from ftjax.kernels import dense
-from ftjax.kernels._registration import ffi_module
 from ftjax.runtime import model as model_lib
 from ftjax.utils import quant
 from ftjax.utils.dense_quant import QuantizedMatrix
@@ -142,7 +141,8 @@ def test_native_quantiser_agrees_with_the_numpy_reference():
   Their float32 sums differ in order, so a near-tie between two cuts may go the other way: on
   512 x 2048 weights of varied scale, measured 99.997% of the codes and 99.95% of the parameter
   bytes equal, the squared error the same to 1e-5. The result does not depend on the threads."""
-  _ffi = ffi_module()
+  native = quant.native_int4_quantiser()
+  assert native is not None, "import ftjax installs the C++ quantiser"
   rng = np.random.default_rng(11)
   w = (rng.standard_normal((256, 1024)) * np.exp(rng.standard_normal((256, 1)))).astype(
       np.float32)
@@ -154,7 +154,7 @@ def test_native_quantiser_agrees_with_the_numpy_reference():
   ref_err = np.mean((quant.dequantize_int4(ref_codes, ref_params) - w) ** 2)
   assert abs(err / ref_err - 1) < 1e-3, (err, ref_err)
   one = (np.empty_like(codes), np.empty_like(params))
-  _ffi.quantize_int4(w, *one, 1)
+  native(w, *one, 1)
   np.testing.assert_array_equal(one[0], codes)
   np.testing.assert_array_equal(one[1], params)
 

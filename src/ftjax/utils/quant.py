@@ -379,8 +379,13 @@ def set_native_int4(fn) -> None:
   _NATIVE_INT4[:] = [fn]
 
 
+def native_int4_quantiser():
+  """The installed C++ int4 quantiser (``fn(w, codes, params, threads)``), or None."""
+  return _NATIVE_INT4[0] if _NATIVE_INT4 else None
+
+
 def _native_int4():
-  fn = _NATIVE_INT4[0] if _NATIVE_INT4 else None
+  fn = native_int4_quantiser()
   if fn is None and not _SAID_NUMPY:
     print("ftjax: the compiled module's int4 quantiser is not loaded (import ftjax.kernels; "
           "or the build is missing): int4 quantisation runs in numpy, about 5x slower a core",
