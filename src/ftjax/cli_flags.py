@@ -135,7 +135,8 @@ def start_compilation_cache(holders: dict[str, flags.FlagHolder]) -> str:
   """Turns on the persistent compilation cache unless --nocompilation_cache; says which."""
   if not holders["compilation_cache"].value:
     return "off (--nocompilation_cache)"
-  return compile_cache.enable()
+  where = compile_cache.enable()
+  return f"{where}, executables: {compile_cache.executables_dir()}"
 
 
 def define_precompile_flag(default: bool) -> flags.FlagHolder:

@@ -37,12 +37,19 @@ class DecodeResult:
   tokenizer: str
   kernels: str = ""  # the host-work path that ran, e.g. "ffi_bf16 (avx2, 2 threads)"
   stats: dict | None = None
+  programs: tuple[int, int] = (0, 0)  # (programs made for this run, of them loaded untraced)
 
   def summary(self) -> str:
     g = self.generation
     return (f"prompt tokens: {g.prompt_tokens}, new tokens: {len(g.tokens)}, "
             f"prefill: {g.prefill_tok_s:.1f} tok/s, decode: {g.decode_tok_s:.1f} tok/s "
-            f"(compile {g.compile_s:.1f} s, not included), kernels: {self.kernels}")
+            f"(compile {g.compile_s:.1f} s, not included{self._programs()}), "
+            f"kernels: {self.kernels}")
+
+  def _programs(self) -> str:
+    made, loaded = self.programs
+    return f"; {loaded} of {made} programs loaded untraced from the executable store" if (
+        loaded) else ""
 
 
 def _placement_note(engine) -> str:
@@ -120,7 +127,8 @@ def run_decode(model: str | None = None, prompt: str = DEFAULT_PROMPT, *, max_ne
   decoded = DecodeResult(prompt=prompt, text=tokenizer.decode(result.tokens),
                          generation=result, model_path=loaded.path or model,
                          tokenizer=tokenizer.name,
-                         kernels=engine.kernels_path + _placement_note(engine))
+                         kernels=engine.kernels_path + _placement_note(engine),
+                         programs=(engine.compile_count, engine.loaded_count))
   log.write(decoded.summary() + "\n")
   if speculative == "mtp":
     log.write(f"speculative: mtp, {result.draft_tokens} draft tokens, {result.steps} verify "

@@ -2,12 +2,16 @@
 compiles nothing new; ``--nocompilation_cache`` writes nothing; the cache is kept per ftjax
 build, beside the converted weights in ``FTJAX_CACHE_DIR``."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
+import jax
+
 import ftjax
-from ftjax.runtime import compile_cache
+from ftjax.runtime import compile_cache, programs
 
 
 def _decode(cache_root, *flags):
@@ -47,3 +51,105 @@ def test_the_key_follows_the_build():
   assert compile_cache.build_key() == key  # stable for one build and machine
   identity = compile_cache.cpu_identity()
   assert "flags" in identity and "model name" in identity  # keyed by the CPU's ISA too
+
+
+# -- Whole executables: a warm start loads its programs without tracing them ---------------------
+
+def test_a_warm_run_loads_its_programs_untraced(tmp_path):
+  first = _decode(tmp_path)
+  assert first.returncode == 0, first.stderr
+  store = tmp_path / "executables" / compile_cache.build_key()
+  assert f"executables: {store}" in first.stderr
+  assert "loaded untraced" not in first.stderr  # nothing stored yet: every program compiled
+  files = sorted(p.name for p in store.rglob("*.exe"))
+  assert len(files) >= 2
+  second = _decode(tmp_path)
+  assert second.returncode == 0, second.stderr
+  assert second.stdout == first.stdout  # the same tokens
+  made = re.search(r"(\d+) of (\d+) programs loaded untraced", second.stderr)
+  assert made is not None and made.group(1) == made.group(2), second.stderr
+  assert sorted(p.name for p in store.rglob("*.exe")) == files
+
+
+def test_a_damaged_executable_is_removed_and_compiled_again(tmp_path):
+  first = _decode(tmp_path)
+  assert first.returncode == 0, first.stderr
+  store = tmp_path / "executables" / compile_cache.build_key()
+  damaged = sorted(store.rglob("*.exe"))
+  for i, path in enumerate(damaged):  # one truncated, the others garbage
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if i == 0 else b"not an executable")
+  second = _decode(tmp_path)
+  assert second.returncode == 0, second.stderr
+  assert second.stdout == first.stdout
+  assert "did not load" in second.stderr and "removed, compiling instead" in second.stderr
+  assert "loaded untraced" not in second.stderr
+  assert not list(store.rglob("*.exe"))  # none is used again
+  # JAX's own cache served the compiles: those executables are not stored (they would not
+  # serialize whole), and that is said; the next run traces them again, and is right.
+  assert "cannot be stored again whole" in second.stderr
+  third = _decode(tmp_path)
+  assert third.returncode == 0 and third.stdout == first.stdout
+  assert "did not load" not in third.stderr and "loaded untraced" not in third.stderr
+
+
+_KEYED = """
+import json, sys
+import ftjax
+from ftjax.runtime import compile_cache
+compile_cache.enable_executables(sys.argv[1])
+model = ftjax.load("default")
+out = {}
+for name, options in [("a", {}), ("xla", {"kernels": "xla"}), ("long", {"max_seq_len": 256})]:
+  engine = ftjax.Engine(model, **{"max_seq_len": 64, **options})
+  tokens = engine.generate([5, 17, 3, 99], 6, greedy=True)
+  out[name] = [tokens, engine.compile_count, engine.loaded_count]
+print(json.dumps(out))
+"""
+
+
+def test_stored_programs_are_keyed_by_what_they_depend_on(tmp_path):
+  """Without JAX's persistent cache (none in the environment), in fresh processes: a second
+  process loads every program it stored; another runner (kernels) or another argument shape
+  (a KV capacity) is another program, compiled; the tokens are the same either way."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+
+  def run(*args):
+    done = subprocess.run([sys.executable, "-c", _KEYED, *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+  first = run(tmp_path / "one")
+  assert first["a"][2] == first["xla"][2] == 0 and first["xla"][1] >= 2, first
+  # The longer KV's runner is the first engine's: its first-token program (no KV in its
+  # arguments) comes from the store, its prefill and decode programs are compiled.
+  assert 0 < first["long"][1] - first["long"][2] < first["long"][1], first
+  second = run(tmp_path / "one")
+  assert all(loaded == made for _, made, loaded in second.values()), second
+  assert {k: v[0] for k, v in second.items()} == {k: v[0] for k, v in first.items()}
+  assert first["a"][0] == first["long"][0]  # the capacity changes the programs, not tokens
+  store = tmp_path / "one"
+  assert len(list(store.rglob("*.exe"))) == sum(v[1] - v[2] for v in first.values())
+
+
+def test_a_program_without_a_stable_description_is_not_stored(tmp_path, capsys):
+  model = ftjax.load("default")
+  engine = ftjax.Engine(model, max_seq_len=64)
+  runner = engine.executor.table.runner
+  compile_cache.enable_executables(str(tmp_path))
+  try:
+    kind = programs.ProgramKind("odd", lambda runner: runner)
+    assert compile_cache.fingerprint(kind, runner, (), {}) is None
+    assert "compiled, not stored" in capsys.readouterr().err
+    extend = programs.EXTEND
+    one = (jax.ShapeDtypeStruct((1, 16), "int32"),)
+    a = compile_cache.fingerprint(extend, runner, one, {})
+    b = compile_cache.fingerprint(extend, runner, one, {})
+    c = compile_cache.fingerprint(extend, runner, (jax.ShapeDtypeStruct((1, 32), "int32"),), {})
+    d = compile_cache.fingerprint(extend, runner, one, {"capacity": 64})
+    e = compile_cache.fingerprint(programs.DECODE, runner, one, {})
+    assert a == b and len({a, c, d, e}) == 4
+  finally:
+    compile_cache.disable_executables()
+  assert compile_cache.fingerprint(programs.EXTEND, runner, one, {}) is None  # store off

@@ -226,6 +226,12 @@ class Engine:
     return self.executor.compile_s
 
   @property
+  def loaded_count(self) -> int:
+    """Of ``compile_count``, the programs loaded untraced from the executable store
+    (``ftjax.runtime.compile_cache``) instead of compiled."""
+    return self.executor.loaded_count
+
+  @property
   def compile_listener(self) -> Callable[[tuple, float], None] | None:
     """Told of each program this engine compiles: (key: the program's name and bucketed
     sizes, seconds). The server logs the compiles that happen while it serves."""

@@ -209,8 +209,9 @@ class Executor:
     self.steps: list[dict[str, Any]] = []  # per step: cache counts and seconds
     self.routing: list[tuple[np.ndarray, np.ndarray, str]] = []  # ids, weights [L, t, K]
     self.totals = {"hits": 0, "fills": 0, "host": 0}  # over the engine's life
-    self.compile_count = 0
+    self.compile_count = 0  # programs added to the table: compiled, or loaded from the store
     self.compile_s = 0.0
+    self.loaded_count = 0  # of compile_count, those loaded untraced (``compile_cache``)
     # Told of each program compiled: (key: the program's name and bucketed sizes, seconds).
     self.compile_listener: Callable[[tuple, float], None] | None = None
 
@@ -260,6 +261,7 @@ class Executor:
 
   def _counted(self, key: tuple, seconds: float) -> None:
     self.compile_count += 1
+    self.loaded_count += key in self.table.loaded
     self.compile_s += seconds
     if self.compile_listener is not None:
       self.compile_listener(key, seconds)

@@ -47,6 +47,7 @@ from ftjax.cache.moe import DEFAULT_OFFLOAD, Offload
 from ftjax.experts import SWIGLU, BankExperts, ExpertVariant
 from ftjax.model import DecodeState, KVCache, ModelConfig
 from ftjax.model.layers import write_rows
+from ftjax.runtime import compile_cache
 from ftjax.runtime.sampling import Sampling, sample, sample_rows
 from ftjax.runtime.state import EngineState, RecordingExperts, RoutingRecord
 
@@ -234,6 +235,7 @@ class Programs:
   def __init__(self, runner: Runner):
     self.runner = runner
     self._table: dict[tuple, Callable] = {}
+    self.loaded: set[tuple] = set()  # keys whose executable came from the store, not a compile
     self._jitted: dict[str, Callable] = {}  # kind name -> this table's jax.jit of its body
     self._lock = threading.Lock()
 
@@ -272,12 +274,19 @@ class Programs:
               on_compile: Callable[[tuple, float], None] | None = None) -> Callable:
     """The executable of ``key``: ``kind``'s body compiled ahead of time for ``args`` (arrays or
     ``jax.ShapeDtypeStruct``s) and its ``static`` options, unless another thread compiled it
-    first. ``on_compile(key, seconds)`` is told of a compile."""
+    first; loaded instead, untraced, where ``compile_cache``'s store holds it (the key goes in
+    ``loaded``), and stored after a compile. ``on_compile(key, seconds)`` is told of either."""
     with self._lock:
       fn = self._table.get(key)
       if fn is None:
         t0 = time.perf_counter()
-        fn = self._jit(kind).lower(self.runner, *args, **static).compile()
+        digest = compile_cache.fingerprint(kind, self.runner, args, static)
+        fn = compile_cache.load_executable(digest)
+        if fn is None:
+          fn = compile_cache.compile_program(
+              self._jit(kind).lower(self.runner, *args, **static), digest)
+        else:
+          self.loaded.add(key)
         check_host_memory(key, fn, self.runner)
         self._table[key] = fn
         seconds = time.perf_counter() - t0
