@@ -176,9 +176,11 @@ inline void DecodeMxfp4Avx512(const uint8_t* codes, const uint8_t* scales, int64
 // a multiple of 4) take the per-block form: each block's 16 bytes widened to lanes, the low
 // and high nibbles looked up against the even and odd inputs. The rows are read one after the
 // other (one sequential stream of codes, one of scales), the codes `ahead_bytes` ahead
-// prefetched (the tuning's, as the one-token row kernels). Inputs past the chunk (one token:
-// kMxfp4OneTokenChunk) are taken in further chunks, each row's partial sums added.
-using cpu_kernels_impl::kMxfp4OneTokenChunk;
+// prefetched (the tuning's, as the one-token row kernels). Inputs past the chunk
+// (kFewTokensChunk) are taken in further chunks, each row's partial sums added.
+// The fused 4-bit kernels' chunk of inputs, for every token count (below): 4 tokens' transposed
+// copies take 32 KiB, in L1 on Zen 5 and Sapphire Rapids (48 KiB), in L2 on Zen 4 (32 KiB).
+constexpr int64_t kFewTokensChunk = 2048;
 
 // The 4 E8M0 scales at `scales` as float32 (Mxfp4Scale), each in 4 consecutive lanes.
 inline __m512 Mxfp4GroupScales(const uint8_t* scales) {
@@ -235,9 +237,11 @@ inline __m512 Int4GroupScales(const uint8_t* scales) {
 // Up to 4 tokens (kTokens; batched decode, speculative verify) run the same loop on each group of
 // codes once: the 8 shifts and vpermps of a 64-byte load serve every token's multiply-adds, so
 // that a few tokens cost little more than one (decoding rows to float32 and streaming them per
-// token, DotDecoded, took ~3.3x one token's time at 4 tokens). The activations' chunk shrinks
-// with the tokens (4096, 2048, 1024 inputs), so that their transposed copies stay in L1 (16 KiB
-// each way). The two formats differ in their values (E2M1; int4's codes less 8), their block
+// token, DotDecoded, took ~3.3x one token's time at 4 tokens). Each token's arithmetic is the
+// same whatever kTokens is: the same chunk of inputs (kFewTokensChunk) and two running sums a
+// token (alternate groups, so that they do not wait on each other), so a token's result does not
+// depend on the tokens beside it in a pass (a speculative verify of k + 1 tokens, or a batch,
+// gives each token the one-token GEMV's sums). The two formats differ in their values (E2M1; int4's codes less 8), their block
 // scales (E8M0 powers of two; uint8 integers, times the row's step d after the sums) and int4's
 // block offsets against the activations' block sums.
 struct Mxfp4Avx512Format {
@@ -257,8 +261,7 @@ template <typename Format, int kTokens, int kLocality, typename Problem>
 inline void FewTokens4BitAvx512(const Problem& p, const float* const* a, float* c,
                                 int64_t ahead_bytes) {
   if (p.rows <= 0) return;
-  constexpr int64_t kChunk = kTokens == 1 ? kMxfp4OneTokenChunk
-                             : kTokens == 2 ? kMxfp4OneTokenChunk / 2 : kMxfp4OneTokenChunk / 4;
+  constexpr int64_t kChunk = kFewTokensChunk;
   const __m512 values = _mm512_loadu_ps(Format::Values());
   const __m512i even =
       _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -294,12 +297,13 @@ inline void FewTokens4BitAvx512(const Problem& p, const float* const* a, float* 
     for (int64_t r = 0; r < p.rows; ++r) {
       const uint8_t* codes = p.codes + r * p.code_stride + i / 2;
       const uint8_t* scales = p.scales + r * p.scale_stride + i / 32;
-      // One token: two running sums (alternate groups, so that they do not wait on each
-      // other); several: one a token.
-      constexpr int kAcc = kTokens == 1 ? 2 : kTokens;
-      __m512 acc[kAcc];
-      for (int t = 0; t < kAcc; ++t) acc[t] = _mm512_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
+      // Two running sums a token (alternate groups), for any kTokens: the same sums.
+      // Two running sums a token (even groups into acc0, odd into acc1; the tail blocks by
+      // their parity), for any kTokens: the same sums. The pairs are unrolled so that both
+      // sums stay in registers.
+      __m512 acc0[kTokens], acc1[kTokens];
+      for (int t = 0; t < kTokens; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+      const auto group = [&](int64_t g, __m512* acc) __attribute__((always_inline)) {
         const uintptr_t ahead = reinterpret_cast<uintptr_t>(codes + 64 * g) + ahead_bytes;
         if (ahead_bytes > 0 && ahead + cpu_kernels_impl::kCacheLine <= prefetch_end) {
           __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, kLocality);
@@ -324,11 +328,16 @@ inline void FewTokens4BitAvx512(const Problem& p, const float* const* a, float* 
         }
         const __m512 group_scales = Format::GroupScales(scales + 4 * g);
         for (int t = 0; t < kTokens; ++t) {
-          __m512& into = acc[kTokens == 1 ? (g & 1) : t];
-          into = _mm512_fmadd_ps(_mm512_add_ps(half[t][0], half[t][1]), group_scales, into);
+          acc[t] = _mm512_fmadd_ps(_mm512_add_ps(half[t][0], half[t][1]), group_scales, acc[t]);
         }
+      };
+      int64_t g = 0;
+      for (; g + 1 < groups; g += 2) {
+        group(g, acc0);
+        group(g + 1, acc1);
       }
-      for (int64_t b = 4 * groups; b < blocks; ++b) {
+      if (g < groups) group(g, acc0);
+      const auto block = [&](int64_t b, __m512* acc) __attribute__((always_inline)) {
         const __m512i bytes = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
         const __m512 low = _mm512_permutexvar_ps(bytes, values);
@@ -338,14 +347,13 @@ inline void FewTokens4BitAvx512(const Problem& p, const float* const* a, float* 
           const __m512 sum =
               _mm512_fmadd_ps(low, _mm512_load_ps(x_t[t] + 32 * b),
                               _mm512_mul_ps(high, _mm512_load_ps(x_t[t] + 32 * b + 16)));
-          __m512& into = acc[kTokens == 1 ? (b & 1) : t];
-          into = _mm512_fmadd_ps(sum, scale, into);
+          acc[t] = _mm512_fmadd_ps(sum, scale, acc[t]);
         }
-      }
+      };
+      for (int64_t b = 4 * groups; b < blocks; ++b) block(b, (b & 1) ? acc1 : acc0);
       float sums[kTokens];
       for (int t = 0; t < kTokens; ++t) {
-        sums[t] = _mm512_reduce_add_ps(kTokens == 1 ? _mm512_add_ps(acc[0], acc[kAcc - 1])
-                                                    : acc[t]);
+        sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
       }
       if constexpr (Format::kOffsets) {
         const int8_t* mins = p.mins + r * p.min_stride + i / 32;

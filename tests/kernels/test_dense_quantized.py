@@ -24,8 +24,8 @@ CASES = {
     "gemv_rows_odd": (1, 2048, 1003),
     "gemv_many_tasks": (1, 512, 9000),
     "tokens_5": (5, 96, 70),
-    # int4's fused kernel for up to 8 tokens: passes of up to 4 tokens, chunks of 4096 / 2048 /
-    # 1024 inputs by the tokens in a pass, each with a tail of blocks short of a group of 4
+    # the 4-bit fused kernels for up to 8 tokens (AVX-512): passes of up to 4 tokens, chunks of
+    # 2048 inputs, each with a tail of blocks short of a group of 4
     "tokens_2_chunks": (2, 4160, 19),
     "tokens_4_chunks": (4, 2080, 37),
     "tokens_7": (7, 1056, 21),
@@ -61,6 +61,22 @@ def test_matches_float64_reference(case, fmt, isa, assert_close):
   ref = x.astype(np.float64) @ dense_quant.dequantize_np(q).T
   assert y.shape == ref.shape
   assert_close(y, ref, F32)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("isa", ["avx512"], indirect=True)
+def test_a_token_gets_the_same_sums_beside_up_to_7_others(fmt, isa):
+  """AVX-512's fused 4-bit kernels give each token the sums it gets alone, bit for bit,
+  whatever pass it falls in (1 to 8 tokens: passes of 1-4): a speculative verify of k + 1
+  tokens and a batch of up to 8 decode the same token as one-token steps."""
+  del isa
+  x, q = make("tokens_4_chunks", fmt)
+  rng = rng_for("invariance", fmt)
+  xs = rng.standard_normal((8, x.shape[1])).astype(np.float32)
+  alone = np.stack([np.asarray(dense(xs[i:i + 1], q))[0] for i in range(8)])
+  for tokens in range(2, 9):
+    together = np.asarray(dense(xs[:tokens], q))
+    np.testing.assert_array_equal(together, alone[:tokens], err_msg=f"{tokens} tokens")
 
 
 BF16 = np.dtype(jnp.bfloat16)
