@@ -251,23 +251,32 @@ def test_speculative_with_forced_drafts_equals_plain_greedy(checkpoints, name):
 def test_adaptive_draft_length_equals_plain_greedy(checkpoints, name):
   """Each verify step drafts 0 .. 3 tokens, the rule's choice: still the plain greedy tokens;
   with every draft forced right it drafts the most, with every draft forced wrong it mostly
-  drafts none (probing with one draft now and then)."""
+  drafts none (probing with one draft now and then); the engine measures the lengths' seconds."""
   _, _, model = checkpoints[name]
   engine = ftjax.Engine(model, max_seq_len=128, **ENGINES["cache"])
   v = model.config.vocab_size
   ids = np.random.default_rng(13).integers(0, v, 11).tolist()
   plain = np.asarray(engine.generate(ids, 40, greedy=True))
   rng = np.random.default_rng(0)
-  for p in (1.0, 0.4, 0.0):
+  # Measured costs: the same tokens, and the lengths are the engine's choice from its own
+  # timings (on this tiny model a step's fixed overhead makes them near-equal, so the choices
+  # below are checked with the modelled bytes, which are deterministic).
+  for p, costs in [(1.0, "measured"), (0.4, "measured"), (0.0, "measured"), (1.0, "modelled"),
+                   (0.4, "modelled"), (0.0, "modelled")]:
     forced = np.where(rng.random(plain.size) < p, plain, (plain + 1) % v)
     got = engine.generate_speculative(ids, 40, draft_tokens=3, forced_drafts=forced,
-                                      adaptive=True)
+                                      adaptive=True, draft_costs=costs)
     assert got.tokens == plain.tolist(), (name, p)
     assert sum(got.lengths) == got.steps and len(got.lengths) == 4
-    if p == 1.0:
+    assert len(got.costs) == 4 and all(c > 0 for c in got.costs)
+    if p == 1.0 and costs == "modelled":
       assert got.lengths[3] >= got.steps // 2, got.lengths
-    if p == 0.0:
+    if p == 0.0 and costs == "modelled":
       assert got.lengths[0] >= got.steps // 2 and got.accepted == [0, 0, 0], got.lengths
+  # The engine measured the lengths it ran more than once (a program's first run is not a
+  # sample), and ranks with those seconds from then on.
+  seconds = engine.executor.verify_seconds[(3, False)]
+  assert np.isfinite(seconds).sum() >= 2 and np.all(seconds[np.isfinite(seconds)] > 0), seconds
 
 
 def test_the_adaptive_rule_maximises_expected_tokens_per_byte(checkpoints):
@@ -288,7 +297,8 @@ def test_the_adaptive_rule_maximises_expected_tokens_per_byte(checkpoints):
     draft = speculative.Draft(
         caches=(), length=0, hidden=0, tokens=0, valid=0, count=0, done=False, steps=0,
         accepted=0, forced=0, tried=jnp.asarray(tried), kept=jnp.asarray(alpha * tried),
-        chosen=0, idle=jnp.zeros((), jnp.int32))
+        chosen=0, idle=jnp.zeros((), jnp.int32),
+        probe=jnp.asarray(speculative.PROBE_EVERY, jnp.int32))
     expected = 1 + np.concatenate([[0], np.cumsum(np.cumprod(np.full(4, alpha)))])
     assert int(speculative.choose_draft_length(draft, jnp.asarray(cost))) == int(
         np.argmax(expected / cost)), alpha
@@ -296,6 +306,37 @@ def test_the_adaptive_rule_maximises_expected_tokens_per_byte(checkpoints):
   assert int(speculative.choose_draft_length(never, jnp.asarray(cost))) == 0
   probe = never.replace(idle=jnp.asarray(speculative.PROBE_EVERY, jnp.int32))
   assert int(speculative.choose_draft_length(probe, jnp.asarray(cost))) == 1
+  # The wait before a probe doubles after each probe that keeps nothing, up to a bound, and
+  # resets after one that keeps; a step that drafted on its own (not idle) leaves it.
+  after = speculative._after_probe  # noqa: SLF001
+  for wait, idle, kept, want in [(16, 16, 0, 32), (32, 40, 0, 64), (16, 16, 1, 16),
+                                 (128, 128, 2, 16), (256, 300, 0, 256), (64, 0, 0, 64)]:
+    before = never.replace(idle=jnp.asarray(idle, jnp.int32),
+                           probe=jnp.asarray(wait, jnp.int32))
+    assert int(after(before, before, 1, jnp.asarray(kept)).probe) == want, (wait, idle, kept)
+  assert after(before, before, 0, 0) is before  # no draft: nothing changes
+  longer = probe.replace(probe=jnp.asarray(32, jnp.int32))
+  assert int(speculative.choose_draft_length(longer, jnp.asarray(cost))) == 0
+
+
+def test_measured_costs_replace_the_modelled_ones():
+  """``calibrated_costs``: the modelled bytes until a length is measured; then that length's
+  seconds, and the others' bytes scaled by the measured lengths' median seconds per byte."""
+  modelled = np.asarray([100.0, 150.0, 200.0], np.float32)
+  np.testing.assert_array_equal(speculative.calibrated_costs(modelled, np.full(3, np.nan)),
+                                modelled)
+  got = speculative.calibrated_costs(modelled, np.asarray([0.05, np.nan, 0.2]))
+  # 0.05 / 100 and 0.2 / 200: a median of 7.5e-4 s per byte for the unmeasured length
+  np.testing.assert_allclose(got, [0.05, 150 * 7.5e-4, 0.2], rtol=1e-6)
+  # Compute-bound drafting: measured seconds can reverse what bytes would pick
+  tried = jnp.full(2, 1e4, jnp.float32)
+  draft = speculative.Draft(
+      caches=(), length=0, hidden=0, tokens=0, valid=0, count=0, done=False, steps=0,
+      accepted=0, forced=0, tried=tried, kept=0.8 * tried, chosen=0,
+      idle=jnp.zeros((), jnp.int32), probe=jnp.asarray(speculative.PROBE_EVERY, jnp.int32))
+  assert int(speculative.choose_draft_length(draft, jnp.asarray(modelled))) > 0
+  slow = speculative.calibrated_costs(modelled, np.asarray([0.06, 0.2, 0.3]))
+  assert int(speculative.choose_draft_length(draft, jnp.asarray(slow))) == 0
 
 
 def test_speculative_stops_where_plain_decoding_stops(checkpoints):

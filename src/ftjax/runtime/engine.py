@@ -583,19 +583,25 @@ class Engine:
                            stop_tokens: Sequence[int] = (),
                            forced_drafts: Sequence[int] | None = None,
                            on_token: Callable[[int], None] | None = None,
-                           adaptive: bool = False) -> speculative.SpeculativeResult:
+                           adaptive: bool = False, draft_costs: str = "measured"
+                           ) -> speculative.SpeculativeResult:
     """Decoding with the model's multi-token-prediction head drafting ``draft_tokens`` (1 .. 4)
     tokens per verify step (``ftjax.runtime.speculative``; ``Executor.speculate`` runs it),
     with each draft position's acceptance. Greedy: the same tokens as ``generate(...,
     greedy=True)``; sampled (``greedy=False``, the options of ``generate``): rejection
     sampling, tokens that follow the distribution ``generate`` samples from (not its draws).
     ``adaptive``: each step drafts 0 .. ``draft_tokens`` tokens, the length with the most
-    expected tokens per byte read (``speculative.choose_draft_length``, ``step_costs``) from
-    the acceptance measured so far. ``forced_drafts`` (research: a verify step's cost at a
+    expected tokens per second (``speculative.choose_draft_length``) from the acceptance
+    measured so far and each length's seconds a step, measured by this engine as it runs them
+    (``Executor.verify_seconds``; bytes read, ``step_costs``, scaled to seconds before), or
+    with ``draft_costs="modelled"`` the bytes alone (the rule before measurement, for
+    ablations: deterministic, where measured seconds are not). ``forced_drafts`` (research: a verify step's cost at a
     chosen acceptance): per emitted token i, a token >= 0 that the draft proposing it is
     forced to (the head still runs), or -1 for the head's own draft. ``on_token`` hears each
     new token as its chunk of verify steps comes back."""
     speculative.check_request(self.model.config, draft_tokens, max_new_tokens)
+    if draft_costs not in ("measured", "modelled"):
+      raise ValueError(f"draft_costs must be 'measured' or 'modelled', got {draft_costs!r}")
     sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
                              top_k=top_k)
     ids = np.asarray(token_ids, np.int32).reshape(1, -1)
@@ -604,7 +610,8 @@ class Engine:
     return self.executor.speculate(ids, max_new_tokens, k=draft_tokens, sampling=sampling,
                                    stop_tokens=stop_tokens, forced_drafts=forced_drafts,
                                    cost=speculative.step_costs(self.model, draft_tokens),
-                                   on_token=on_token, adaptive=adaptive)
+                                   on_token=on_token, adaptive=adaptive,
+                                   measured_costs=draft_costs == "measured")
 
   def generate(self, token_ids: Sequence[int], max_new_tokens: int, greedy: bool = True, *,
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,

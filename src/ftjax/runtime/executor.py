@@ -34,6 +34,7 @@ applied once the chunks in flight are read.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -55,6 +56,7 @@ from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.state import EngineState
 
 STOP_BUCKET = 32  # stop-token lists are padded to a multiple of this (one size in practice)
+COST_SAMPLES = 8  # a draft length's measured cost: the median of its last programs' seconds
 
 
 @dataclasses.dataclass
@@ -212,6 +214,12 @@ class Executor:
     self.compile_count = 0  # programs added to the table: compiled, or loaded from the store
     self.compile_s = 0.0
     self.loaded_count = 0  # of compile_count, those loaded untraced (``compile_cache``)
+    # (draft tokens k, sampled) -> float [k + 1]: seconds a verify step with 0 .. k drafts has
+    # taken on this engine (the median of its last COST_SAMPLES whole programs' seconds a
+    # step; NaN: not measured yet), from those samples
+    self.verify_seconds: dict[tuple[int, bool], np.ndarray] = {}
+    self._verify_samples: dict[tuple[int, bool, int], collections.deque] = {}
+    self._ran: set[tuple] = set()  # program keys run at least once
     # Told of each program compiled: (key: the program's name and bucketed sizes, seconds).
     self.compile_listener: Callable[[tuple, float], None] | None = None
 
@@ -811,11 +819,15 @@ class Executor:
   def speculate(self, ids: np.ndarray, max_new_tokens: int, *, k: int, sampling: Sampling,
                 stop_tokens: Sequence[int] = (), forced_drafts: Sequence[int] | None = None,
                 cost: np.ndarray, on_token: Callable[[int], None] | None = None,
-                adaptive: bool = False, chunk: int = 8) -> speculative.SpeculativeResult:
+                adaptive: bool = False, chunk: int = 8,
+                measured_costs: bool = True) -> speculative.SpeculativeResult:
     """Speculative decoding of one prompt ``ids`` [1, n] (``ftjax.runtime.speculative``): the
     ``mtp_prefill`` program, then ``mtp_decode`` programs of up to ``chunk`` verify steps each
     (a different program body from the decode loop's, run by the same protocol), until the
-    device says done. ``cost``: the verify step's cost per draft length (``adaptive``)."""
+    device says done. ``cost``: the verify step's modelled cost per draft length (bytes,
+    ``speculative.step_costs``), which the adaptive rule (``adaptive``) ranks with until this
+    engine has measured the lengths' seconds (``verify_seconds``, ``calibrated_costs``), unless
+    not ``measured_costs`` (the modelled costs throughout; the seconds are still recorded)."""
     config = self.spec.config
     sampled = not bool(sampling.greedy)
     rows = ids.shape[1] + max_new_tokens + k + 1  # the verify reads k + 1 past the last token
@@ -834,9 +846,9 @@ class Executor:
         raise ValueError(f"forced_drafts must be token ids below {config.vocab_size} or -1")
       forced[:given.size] = given
     compile_start = self.compile_s
-    tokens, max_new, stops, forced, sampling, cost = self.put((
+    tokens, max_new, stops, forced, sampling = self.put((
         jnp.asarray(ids), jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop_ids),
-        jnp.asarray(forced), sampling, jnp.asarray(cost, jnp.float32)))
+        jnp.asarray(forced), sampling))
     t0, compiled = time.perf_counter(), self.compile_s
     key = self.key("mtp_prefill", size=ids.shape[1], capacity=capacity, k=k)
     state, draft, first = self.execute(key, caches, tokens, max_new, stops, forced, sampling,
@@ -848,12 +860,31 @@ class Executor:
     t0, compiled = time.perf_counter(), self.compile_s
     # One program per draft length m; the adaptive rule's programs return when the rule picks
     # another length (speculative.decode_program), and the next runs the length it picked.
-    m = k
+    # Each program's seconds per verify step (compiles left out) are this engine's measured
+    # cost of its length, which the rule ranks with from the next program on.
+    measured = self.verify_seconds.setdefault((k, sampled), np.full(k + 1, np.nan))
+    modelled = np.asarray(cost, np.float32)
+    costs = speculative.calibrated_costs(modelled, measured if measured_costs else
+                                         np.full(k + 1, np.nan))
+    m, steps = k, 0
     while not bool(draft.done):
       key = self.key("mtp_decode", capacity=capacity, k=k, m=m, chunk=chunk,
                      stop_width=stop_ids.shape[0], sampled=sampled, adaptive=adaptive)
-      state, draft, chunk_out, next_m = self.execute(key, draft, max_new, stops, sampling, cost,
-                                                     state=state)
+      began, compile_before = time.perf_counter(), self.compile_s
+      state, draft, chunk_out, next_m = self.execute(
+          key, draft, max_new, stops, sampling, self.put(jnp.asarray(costs)), state=state)
+      ran, steps = int(draft.steps) - steps, int(draft.steps)
+      # A sample: a program that ran its whole chunk (a short one's call overhead, split over
+      # fewer steps, would rank its length as dearer), not an executable's first run (which
+      # pays its set-up).
+      if ran == chunk and key in self._ran:
+        recent = self._verify_samples.setdefault((k, sampled, m),
+                                                 collections.deque(maxlen=COST_SAMPLES))
+        recent.append((time.perf_counter() - began - (self.compile_s - compile_before)) / ran)
+        measured[m] = float(np.median(recent))
+        if measured_costs:
+          costs = speculative.calibrated_costs(modelled, measured)
+      self._ran.add(key)
       m = int(next_m)
       got = np.asarray(chunk_out)
       for t in got[got >= 0]:
@@ -865,4 +896,4 @@ class Executor:
         tokens=out, draft_tokens=k, steps=int(draft.steps),
         accepted=[int(a) for a in np.asarray(draft.accepted)], prompt_tokens=ids.shape[1],
         prefill_s=prefill_s, decode_s=decode_s, compile_s=self.compile_s - compile_start,
-        lengths=[int(x) for x in np.asarray(draft.chosen)])
+        lengths=[int(x) for x in np.asarray(draft.chosen)], costs=[float(c) for c in costs])

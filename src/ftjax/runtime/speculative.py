@@ -84,6 +84,9 @@ class Draft:
   kept: jax.Array  # float32 [k]
   chosen: jax.Array  # int32 [k + 1]: verify steps run with each draft length 0 .. k
   idle: jax.Array  # int32 []: steps since one last drafted
+  # int32 []: the idle steps after which the rule drafts one token anyway (a probe): doubled
+  # by each probe that keeps nothing (up to MAX_PROBE_EVERY), PROBE_EVERY after one that keeps
+  probe: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,9 @@ class SpeculativeResult:
   prefill_s: float = 0.0  # the prompt and the head's reading of it, to the first token
   decode_s: float = 0.0  # the verify steps
   compile_s: float = 0.0
+  # The cost per draft length 0 .. k the adaptive rule ranked with at the end: seconds a verify
+  # step (measured by the engine, or modelled bytes scaled to seconds, ``calibrated_costs``).
+  costs: list[float] = dataclasses.field(default_factory=list)
 
   @property
   def prefill_tok_s(self) -> float:
@@ -169,15 +175,18 @@ def prefill_program(runner: Runner, params, bank, state: EngineState, caches, to
       done=_stopped(first, stop_ids) | (max_new <= 1), steps=jnp.zeros((), jnp.int32),
       accepted=jnp.zeros((k,), jnp.int32), forced=forced, tried=jnp.zeros((k,), jnp.float32),
       kept=jnp.zeros((k,), jnp.float32), chosen=jnp.zeros((k + 1,), jnp.int32),
-      idle=jnp.zeros((), jnp.int32))
+      idle=jnp.zeros((), jnp.int32), probe=jnp.asarray(PROBE_EVERY, jnp.int32))
   return state, draft, first
 
 
 # The adaptive rule's acceptance estimate forgets at this rate per verify step (a window of
-# about 20 steps), and a step drafts at least one token after this many without drafting, so
-# the estimate follows the text.
+# about 20 steps), and a step drafts at least one token after PROBE_EVERY without drafting, so
+# the estimate follows the text; each probe that keeps nothing doubles that wait, up to
+# MAX_PROBE_EVERY (at acceptance 0 a probe costs a verify step of 2 tokens: at full depth
+# ~1.5 plain steps, 3% of the time at a fixed 16 steps).
 DECAY = 0.95
 PROBE_EVERY = 16
+MAX_PROBE_EVERY = 256
 
 
 @functools.lru_cache(maxsize=8)
@@ -246,12 +255,38 @@ def acceptance_estimate(tried: jax.Array, kept: jax.Array) -> jax.Array:
 
 def choose_draft_length(draft: Draft, cost: jax.Array) -> jax.Array:
   """The draft length 0 .. k of the next verify step: the most expected tokens per unit of
-  cost (``cost`` float32 [k + 1]: a step's modelled cost with each length, ``step_costs``)
-  at the acceptance measured so far (``acceptance_estimate``); at least 1 after
-  ``PROBE_EVERY`` steps without drafting."""
+  cost (``cost`` float32 [k + 1]: a step's cost with each length, measured seconds where
+  the engine has run it, else modelled, ``calibrated_costs``) at the acceptance measured so
+  far (``acceptance_estimate``); at least 1 after ``draft.probe`` steps without drafting."""
   rate = expected_tokens(acceptance_estimate(draft.tried, draft.kept)) / cost
   k = jnp.argmax(rate).astype(jnp.int32)
-  return jnp.where((k == 0) & (draft.idle >= PROBE_EVERY), 1, k)
+  return jnp.where((k == 0) & (draft.idle >= draft.probe), 1, k)
+
+
+def calibrated_costs(modelled: np.ndarray, measured: np.ndarray) -> np.ndarray:
+  """float32 [k + 1]: a verify step's seconds with each draft length where ``measured`` has
+  them (NaN where not), else the ``modelled`` cost (``step_costs``: bytes) scaled to seconds by
+  the median ratio of the measured lengths; the modelled costs alone before any is measured.
+  Bytes alone misrank the lengths where a verify step is compute-bound (at full depth a
+  4-bit dense matrix costs 1.6-2.7x its one-token time at 2-5 tokens, issue 51)."""
+  modelled = np.asarray(modelled, np.float64)
+  measured = np.asarray(measured, np.float64)
+  known = np.isfinite(measured) & (measured > 0)
+  if not known.any():
+    return modelled.astype(np.float32)
+  scale = float(np.median(measured[known] / modelled[known]))
+  return np.where(known, measured, modelled * scale).astype(np.float32)
+
+
+def _after_probe(draft, before, m, a):
+  """``draft.probe`` after a verify step that drafted ``m`` with ``a`` kept, from the
+  carry ``before`` it: a probe (it drafted after ``probe`` idle steps) that kept nothing
+  doubles the wait, one that kept resets it."""
+  if not m:
+    return draft
+  probed = before.idle >= before.probe
+  probe = jnp.where(a > 0, PROBE_EVERY, jnp.minimum(2 * before.probe, MAX_PROBE_EVERY))
+  return draft.replace(probe=jnp.where(probed, probe, before.probe).astype(jnp.int32))
 
 
 def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draft, max_new,
@@ -275,6 +310,7 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
   def step(m, state, draft):
     """One verify step with m drafts: (state, draft, emitted tokens [k + 1])."""
     span = jnp.arange(m + 1, dtype=jnp.int32)
+    before = draft
     # 1. The head catches up on the pending positions and drafts d_1, then d_2 .. d_m.
     base = draft.length
     # Padded pending entries read no experts; with no draft, no logits (the lm_head) either:
@@ -337,7 +373,9 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
         done=jnp.any(stop) | (count >= max_new), steps=draft.steps + 1,
         accepted=draft.accepted + kept.astype(jnp.int32), forced=draft.forced,
         tried=DECAY * draft.tried + checked, kept=DECAY * draft.kept + kept,
-        chosen=draft.chosen.at[m].add(1), idle=jnp.where(m > 0, 0, draft.idle + 1))
+        chosen=draft.chosen.at[m].add(1), idle=jnp.where(m > 0, 0, draft.idle + 1),
+        probe=draft.probe)
+    draft = _after_probe(draft, before, m, a)
     return state, draft, jnp.pad(jnp.where(emit, target, -1), (0, pad), constant_values=-1)
 
   def next_length(draft):
