@@ -16,9 +16,11 @@ at once.
 Each side converts the FP8 checkpoint with its own tools, timed with its peak RSS
 (``/usr/bin/time``), the checkpoint read into the page cache first:
 
-  ftjax      ``python -m ftjax.convert --expert_dtype=mxfp4 --dense_dtype=mixed4``: the 4-bit
-             preset (MXFP4 experts and projections; v, o, the DeltaNet out, the shared down,
-             lm_head and embedding int8), read from FP8 streaming.
+  ftjax      ``python -m ftjax.convert --expert_dtype=int4 --dense_dtype=mixed_int4``
+             (``--preset int4``, the default: int4 experts and input projections with group
+             scales; v, o, the DeltaNet out, the shared down, lm_head and embedding int8), or
+             ``--expert_dtype=mxfp4 --dense_dtype=mixed4`` (``--preset mxfp4``: the same with
+             MXFP4), read from FP8 streaming.
   llama.cpp  ``convert_hf_to_gguf.py --outtype bf16 --fp8-as-q8 --no-mtp`` (``cpu_peer.py``'s
              patched copy for the stand-in tokenizer), then ``llama-quantize --allow-requantize``
              to Q4_K_M (what CPU users run, about 4.9 bits a weight) and to MXFP4_MOE.
@@ -70,7 +72,10 @@ DECODE_TOKENS = 64
 PREFILLS = (512, 4096)
 GOALS = {"decode": 1.0, "prefill_512": 1.2, "prefill_4096": 1.2}  # x llama.cpp
 ROOFLINE_GOAL = 0.9  # "15 tok/s on a 30 GB/s machine, about 0.9 of the roofline of a 4-bit model"
-FTJAX_FORMAT = ["--expert_dtype=mxfp4", "--dense_dtype=mixed4"]
+# ftjax's 4-bit presets (--preset): the FTW directory and the converter's flags. int4 (int4
+# experts, mixed_int4 dense) is the one whose quality matches Q4_K_M's (dense_quality.py).
+PRESETS = {"int4": ("ftw-int4", ["--expert_dtype=int4", "--dense_dtype=mixed_int4"]),
+           "mxfp4": ("ftw-q4", ["--expert_dtype=mxfp4", "--dense_dtype=mixed4"])}
 LLAMA_FORMATS = ("Q4_K_M", "MXFP4_MOE")
 FP8_BLOCK = [128, 128]
 # Kept in bfloat16 by the FP8 release (its modules_to_not_convert): name fragments.
@@ -211,16 +216,17 @@ def convert_all(hf_dir: str, work_dir: str, args) -> tuple[str, dict[str, str], 
     with open(record_path, "w") as f:
       json.dump(record, f, indent=1)
 
-  ftw = os.path.join(work_dir, "ftw-q4")
+  name, flags = PRESETS[args.preset]
+  ftw = os.path.join(work_dir, name)
   if not fresh(ftw):
     evict_others(hf_dir, work_dir)
     read_into_page_cache(hf_dir)
-    log(f"ftjax.convert {' '.join(FTJAX_FORMAT)} -> {ftw}")
-    record["ftw-q4"] = timed([sys.executable, "-m", "ftjax.convert", f"--hf_dir={hf_dir}",
-                              f"--out={ftw}", "--overwrite", *FTJAX_FORMAT], cwd="/tmp")
-    record["ftw-q4"]["command"] = f"python -m ftjax.convert {' '.join(FTJAX_FORMAT)}"
+    log(f"ftjax.convert {' '.join(flags)} -> {ftw}")
+    record[name] = timed([sys.executable, "-m", "ftjax.convert", f"--hf_dir={hf_dir}",
+                          f"--out={ftw}", "--overwrite", *flags], cwd="/tmp")
+    record[name]["command"] = f"python -m ftjax.convert {' '.join(flags)}"
     save()
-    log(f"  {record['ftw-q4']}")
+    log(f"  {record[name]}")
   ggufs = {}
   if not args.ftjax_only:
     base = os.path.join(work_dir, "model-fp8-q8.gguf")
@@ -358,6 +364,8 @@ def main() -> None:
   p.add_argument("--ftjax_only", action="store_true",
                  help="no llama.cpp side (the 256-expert run, whose conversions do not fit)")
   p.add_argument("--prefills", default=",".join(map(str, PREFILLS)))
+  p.add_argument("--preset", choices=sorted(PRESETS), default="int4",
+                 help="ftjax's 4-bit conversion (int4: int4 experts, mixed_int4 dense)")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--skip_loads", action="store_true", help="no load-to-first-token timing")
   p.add_argument("--out", default=None)
@@ -458,7 +466,7 @@ def main() -> None:
                 "source": "FP8 e4m3, 128x128 block scales (as Qwen ships it)",
                 "checkpoint_bytes": dir_bytes(hf_dir)},
       "conversion": conversions, "load_to_first_token": loads,
-      "ftjax": {"convert": FTJAX_FORMAT, "kernels": ready["kernels"], "dense": ready["dense"],
+      "ftjax": {"preset": args.preset, "convert": PRESETS[args.preset][1], "kernels": ready["kernels"], "dense": ready["dense"],
                 "experts": ready["experts"], "bytes_per_token": ready["bytes_per_token"]},
       "llama_cpp": {"build": args.llama_build, "flags": f"-t {THREADS} -r 1 -lm none",
                     "formats": {k: {"gguf": f"convert --fp8-as-q8, llama-quantize "

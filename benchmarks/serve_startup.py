@@ -6,7 +6,11 @@ default): cold and warm from the persistent compilation cache.
 For each model, a fresh server process three ways, alternating within each round:
 
 * cold: an empty ``FTJAX_CACHE_DIR`` (every program compiled, then stored);
-* warm: the same directory again (every program loaded from the cache);
+* warm: the same directory again (every program loaded whole from the executable store,
+  untraced: ``ftjax.runtime.compile_cache``);
+* traced: the same with ``--noexecutable_store`` (JAX's cache alone: each program traced and
+  lowered before the cache answers, as before the store); warm and traced alternate their
+  order from round to round;
 * lazy: ``--noprecompile`` with the warm cache (ready at once; requests compile as they come).
 
 Reported per way: seconds from the process's start to ``GET /health`` answering 200 (the
@@ -101,12 +105,14 @@ def main() -> None:
   results = {"machine": machine_info(), "command": "python -m ftjax.serve --port=0",
              "models": {}}
   for model in args.models.split(","):
-    rows = {"cold": [], "warm": [], "lazy": []}
+    rows = {"cold": [], "warm": [], "traced": [], "lazy": []}
     for r in range(args.rounds):
       root = tempfile.mkdtemp(prefix="ftjax-serve-startup-")
       try:
         rows["cold"].append(run(model, root, "--served_model_name=m"))
-        rows["warm"].append(run(model, root, "--served_model_name=m"))
+        ways = [("warm", ()), ("traced", ("--noexecutable_store",))]
+        for way, flags in (ways if r % 2 == 0 else ways[::-1]):
+          rows[way].append(run(model, root, "--served_model_name=m", *flags))
         rows["lazy"].append(run(model, root, "--served_model_name=m", "--noprecompile"))
       finally:
         shutil.rmtree(root, ignore_errors=True)

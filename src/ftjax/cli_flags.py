@@ -26,7 +26,7 @@ MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted onc
 
 def define_engine_flags() -> dict[str, flags.FlagHolder]:
   """--model, --max_seq_len, --kernels, --kernel_tuning, --load_mode, --prefault,
-  --decode_chunk, the expert-cache flags, --pool, --prefill_chunk, --kv_dtype, --devices and --compilation_cache."""
+  --decode_chunk, the expert-cache flags, --pool, --prefill_chunk, --kv_dtype, --devices, --compilation_cache and --executable_store."""
   return {
       "model": flags.DEFINE_string("model", None, MODEL_HELP),
       "max_seq_len": flags.DEFINE_integer("max_seq_len", None,
@@ -80,6 +80,10 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
       "compilation_cache": flags.DEFINE_boolean(
           "compilation_cache", True, "keep compiled programs in $FTJAX_CACHE_DIR/xla (default "
           "~/.cache/ftjax/xla), so that a restart compiles nothing it compiled before"),
+      "executable_store": flags.DEFINE_boolean(
+          "executable_store", True, "with --compilation_cache, also keep the engine's programs "
+          "whole in $FTJAX_CACHE_DIR/executables, so that a restart loads them without tracing "
+          "them (--noexecutable_store: JAX's cache alone, each program traced at start-up)"),
       "kv_dtype": flags.DEFINE_enum(
           "kv_dtype", None, ["float32", "bfloat16"],
           "KV cache dtype; default bfloat16 for bfloat16 models, float32 otherwise"),
@@ -134,9 +138,11 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
 def start_compilation_cache(holders: dict[str, flags.FlagHolder]) -> str:
   """Turns on the persistent compilation cache unless --nocompilation_cache; says which."""
   if not holders["compilation_cache"].value:
+    compile_cache.disable_executables()
     return "off (--nocompilation_cache)"
-  where = compile_cache.enable()
-  return f"{where}, executables: {compile_cache.executables_dir()}"
+  where = compile_cache.enable(executables=holders["executable_store"].value)
+  store = compile_cache.executables_dir() or "off (--noexecutable_store)"
+  return f"{where}, executables: {store}"
 
 
 def define_precompile_flag(default: bool) -> flags.FlagHolder:
