@@ -157,11 +157,14 @@ def test_tied_embedding_is_quantised_with_the_head(tiny_config):
   """With tied embeddings the table is the lm_head: it takes the head's format, and the
   embedding's rows are gathered from it and dequantised.
   The prompt's logits agree with the dequantised model's to float32 rounding as this model
-  amplifies it: the mxfp4 projections' fused kernel (up to 8 tokens) sums in another order
-  than the float32 GEMV of the dequantised weights (each to 1e-7 of float64,
-  tests/kernels/test_dense_quantized.py), and this seed's prompt turns that into 2.8e-5 of the
-  logits, where the dequantised model's own ffi and xla paths differ by 3.2e-5 (measured). So
-  the bound is F32 plus that spread, measured here."""
+  amplifies it: the mxfp4 projections' kernels sum in another order than the float32 kernels
+  of the dequantised weights (each to 1e-7 of float64, tests/kernels/test_dense_quantized.py),
+  and this seed's scaled model turns such orders into differences of 1e-5 to 1e-3 of its
+  logits. The dequantised model's own ffi and xla paths measure that spread here; the bound is
+  F32 plus twice it (two float32 orders each differ from the exact sums by about the spread).
+  Measured: 2.8e-5 against a spread of 3.2e-5 on a Xeon (f6m167), 7.9e-4 against 5.7e-4 on a
+  Zen 5 (f26m2), where the bound of F32 plus one spread failed; the same with the fused
+  kernels of before and after they gave each token its one-token sums."""
   config = dataclasses.replace(tiny_config, tie_word_embeddings=True)
   model = scaled_params(model_lib.random_model(config, seed=4), 8.0)
   q = model_lib.quantize_dense(model, "mixed4")
@@ -176,7 +179,7 @@ def test_tied_embedding_is_quantised_with_the_head(tiny_config):
   scale = max(1.0, float(np.max(np.abs(ref_logits[0]))))
   spread = float(np.max(np.abs(xla_logits[0] - ref_logits[0])))
   error = float(np.max(np.abs(logits[0] - ref_logits[0])))
-  assert error <= tolerances.F32 * scale + spread, (error, spread, scale)
+  assert error <= tolerances.F32 * scale + 2 * spread, (error, spread, scale)
   tolerances.assert_close(logits, ref_logits, tolerances.HF_PARITY, floor=1.0)  # as above
 
 
