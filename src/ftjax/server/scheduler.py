@@ -273,9 +273,10 @@ class Worker(Feed):
     def progress(done: int, total: int, key: tuple) -> None:
       self.startup.update(programs=total, compiled=done, seconds=time.perf_counter() - t0)
       if done == 0:
-        _LOG.warning("ftjax.serve: compiling the %d programs a request can run before serving "
-                     "(a later start reads them from the compilation cache)", total)
-      _LOG.warning("ftjax.serve: compiling %d/%d: the %s program for %s", done + 1, total,
+        _LOG.warning("ftjax.serve: preparing the %d programs a request can run before serving "
+                     "(each loaded whole from the executable store where it holds it, else "
+                     "compiled; a later start loads them)", total)
+      _LOG.warning("ftjax.serve: preparing %d/%d: the %s program for %s", done + 1, total,
                    key[0], key[1:])
 
     try:
@@ -286,8 +287,9 @@ class Worker(Feed):
                  "come", self.startup["error"])
     else:
       self.startup.update(programs=len(keys), compiled=len(keys))
-      _LOG.warning("ftjax.serve: compiled %d programs in %.1f s; ready (%d held in all)",
-                   len(keys), time.perf_counter() - t0,
+      _LOG.warning("ftjax.serve: prepared %d programs in %.1f s (%d loaded untraced from the "
+                   "executable store, the others compiled); ready (%d held in all)",
+                   len(keys), time.perf_counter() - t0, self.engine.loaded_count,
                    len(self.engine.programs_needed(anchor_slots, self.max_running)))
     self.startup.update(seconds=time.perf_counter() - t0, done=True)
 
