@@ -162,12 +162,11 @@ def source_digest() -> str:
   return digest.hexdigest()
 
 
-@functools.lru_cache(maxsize=1)
 def _environment() -> str:
   """What every program of this process depends on besides its own arguments: versions, the
-  backend and its devices, JAX's options and the environment's FTJAX_/JAX_/XLA_ variables.
-  Read once per process (a program compiled before an option changed is keyed by it too:
-  changing JAX's options while engines run is not supported)."""
+  backend and its devices, JAX's options and the environment's FTJAX_/JAX_/XLA_ variables,
+  read at each compile (a variable such as FTJAX_ISA set between two compiles keys the
+  second by its new value)."""
   backend = jax.devices()[0].client
   options = sorted((k, repr(v)) for k, v in jax.config.values.items()
                    if not any(word in k for word in _IGNORED_CONFIG))
