@@ -183,7 +183,7 @@ def prefill_program(runner: Runner, params, bank, state: EngineState, caches, to
 # about 20 steps), and a step drafts at least one token after PROBE_EVERY without drafting, so
 # the estimate follows the text; each probe that keeps nothing doubles that wait, up to
 # MAX_PROBE_EVERY (at acceptance 0 a probe costs a verify step of 2 tokens: at full depth
-# ~1.5 plain steps, 3% of the time at a fixed 16 steps).
+# ~2 plain steps, measured in issue 51, so 6% of the time at a fixed 16 steps).
 DECAY = 0.95
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
@@ -267,8 +267,8 @@ def calibrated_costs(modelled: np.ndarray, measured: np.ndarray) -> np.ndarray:
   """float32 [k + 1]: a verify step's seconds with each draft length where ``measured`` has
   them (NaN where not), else the ``modelled`` cost (``step_costs``: bytes) scaled to seconds by
   the median ratio of the measured lengths; the modelled costs alone before any is measured.
-  Bytes alone misrank the lengths where a verify step is compute-bound (at full depth a
-  4-bit dense matrix costs 1.6-2.7x its one-token time at 2-5 tokens, issue 51)."""
+  Bytes alone misrank the lengths where a verify step is compute-bound (on 2 Zen 5 cores a
+  4-bit dense matrix costs 1.7x its one-token time at 2 tokens and 2.7x at 4, issue 51)."""
   modelled = np.asarray(modelled, np.float64)
   measured = np.asarray(measured, np.float64)
   known = np.isfinite(measured) & (measured > 0)
