@@ -308,7 +308,7 @@ def test_the_adaptive_rule_maximises_expected_tokens_per_byte(checkpoints):
   assert int(speculative.choose_draft_length(probe, jnp.asarray(cost))) == 1
   # The wait before a probe doubles after each probe that keeps nothing, up to a bound, and
   # resets after one that keeps; a step that drafted on its own (not idle) leaves it.
-  after = speculative._after_probe  # noqa: SLF001
+  after = speculative.after_probe
   for wait, idle, kept, want in [(16, 16, 0, 32), (32, 40, 0, 64), (16, 16, 1, 16),
                                  (128, 128, 2, 16), (256, 300, 0, 256), (64, 0, 0, 64)]:
     before = never.replace(idle=jnp.asarray(idle, jnp.int32),

@@ -206,8 +206,8 @@ def fingerprint(kind, runner, args: tuple, static: dict) -> str | None:
   text = repr((kind.name, f"{body.__module__}.{body.__qualname__}", kind.static, kind.donate,
                sorted((k, repr(v)) for k, v in static.items()), _describe_runner(runner),
                repr(tree), [_describe_leaf(x) for x in leaves]))
-  if _UNSTABLE.search(text):
-    found = _UNSTABLE.search(text)
+  found = _UNSTABLE.search(text)
+  if found:
     _say_once(f"the {kind.name} program is compiled, not stored: its description has an "
               f"object without a stable form ({text[max(0, found.start() - 60):found.end()]!r})")
     return None

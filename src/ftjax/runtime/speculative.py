@@ -278,7 +278,7 @@ def calibrated_costs(modelled: np.ndarray, measured: np.ndarray) -> np.ndarray:
   return np.where(known, measured, modelled * scale).astype(np.float32)
 
 
-def _after_probe(draft, before, m, a):
+def after_probe(draft, before, m, a):
   """``draft.probe`` after a verify step that drafted ``m`` with ``a`` kept, from the
   carry ``before`` it: a probe (it drafted after ``probe`` idle steps) that kept nothing
   doubles the wait, one that kept resets it."""
@@ -375,7 +375,7 @@ def decode_program(runner: Runner, params, bank, state: EngineState, draft: Draf
         tried=DECAY * draft.tried + checked, kept=DECAY * draft.kept + kept,
         chosen=draft.chosen.at[m].add(1), idle=jnp.where(m > 0, 0, draft.idle + 1),
         probe=draft.probe)
-    draft = _after_probe(draft, before, m, a)
+    draft = after_probe(draft, before, m, a)
     return state, draft, jnp.pad(jnp.where(emit, target, -1), (0, pad), constant_values=-1)
 
   def next_length(draft):
