@@ -17,6 +17,7 @@ from ftjax.cache import POLICIES
 from ftjax.kernels import tuning
 from ftjax.runtime import compile_cache
 from ftjax.runtime.engine import Engine
+from ftjax.runtime.executor import PREPARE_WORKERS
 from ftjax.runtime.model import LOAD_MODES, LOAD_MODES_HELP, load, prefault, residency
 
 MODEL_HELP = ("FTW directory, a Hugging Face checkpoint directory (converted once into "
@@ -179,7 +180,7 @@ def precompile(engine: Engine, anchor_slots: int, name: str) -> None:
     sys.stderr.write(f"\r{name}: compiling programs {done + 1}/{total} ({key[0]}) ...")
     sys.stderr.flush()
 
-  keys = engine.precompile(anchor_slots, progress)
+  keys = engine.precompile(anchor_slots, progress, workers=PREPARE_WORKERS)
   if keys:
     sys.stderr.write(f"\r{name}: compiled {len(keys)} programs in "
                      f"{time.perf_counter() - t0:.1f} s{' ' * 12}\n")

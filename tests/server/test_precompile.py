@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import subprocess
+import sys
 import sysconfig
 import time
 
+import numpy as np
 import openai
 import pytest
 
 import ftjax
+from ftjax.runtime import compile_cache, programs
 from ftjax.runtime.tokenizer import load_tokenizer
 from ftjax.server import BackgroundServer, ServerConfig, create_app
 
@@ -121,3 +126,80 @@ def test_a_precompiled_server_compiles_nothing_while_serving():
     assert float(re.search(r"^ftjax_startup_done (\S+)$", text, re.M).group(1)) == 1
   finally:
     server.stop()
+
+
+def _post(server, path, body):
+  conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
+  conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+  response = conn.getresponse()
+  out = response.read().decode()
+  conn.close()
+  return response.status, out
+
+
+_COLD = """
+import json, sys
+import numpy as np
+import ftjax
+from ftjax.runtime import compile_cache
+compile_cache.enable_executables(sys.argv[1])
+engine = ftjax.Engine(ftjax.load("default-hybrid"), **json.loads(sys.argv[2]))
+engine.precompile(anchor_slots=8, batch=int(sys.argv[3]))
+prompts = json.loads(sys.argv[4])
+print(json.dumps([engine.loaded_count, {k: engine.generate(v, 3, greedy=True)
+                                        for k, v in prompts.items()}]))
+"""
+
+
+def test_a_warm_server_is_ready_after_a_short_requests_programs(tmp_path, fresh_programs):
+  """Where the executable store holds every program (a warm start), the server is ready once
+  a short request's programs are loaded; the others load in the background, from the store:
+  nothing is compiled, and each prompt gives the tokens the engine gave before the restart."""
+  options = dict(max_seq_len=4096, prefill_chunk=256, decode_chunk=4)
+  model = ftjax.load("default-hybrid")
+  rng = np.random.default_rng(0)
+  prompts = {"short": rng.integers(0, model.config.vocab_size, 5).tolist(),
+             "long": rng.integers(0, model.config.vocab_size, 300).tolist()}  # 256 + 64
+  batch = ServerConfig().max_running
+  # The cold start in a process of its own, without JAX's persistent cache: a program that
+  # cache served would not be stored.
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  done = subprocess.run([sys.executable, "-c", _COLD, str(tmp_path), json.dumps(options),
+                         str(batch), json.dumps(prompts)], capture_output=True, text=True,
+                        env=env, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr
+  loaded, expected = json.loads(done.stdout.strip().splitlines()[-1])
+  assert loaded == 0  # every program compiled, and stored
+  compile_cache.enable_executables(str(tmp_path))
+  try:
+    engine = ftjax.Engine(model, **options)
+    assert engine.compile_count == 0
+    needed = engine.programs_needed(anchor_slots=8, batch=batch)
+    first = engine.executor.first_needed(needed)
+    tokenizer = load_tokenizer(model.path, model.config.vocab_size)
+    # The first token, the smallest chunk, decoding one row and the batch, join and leave.
+    assert len(first) == 6 and len(needed) == 8
+    server = BackgroundServer(create_app(engine, ServerConfig(model_name="m", precompile=True)))
+    try:
+      deadline = time.monotonic() + 300
+      while (status := _get(server, "/health"))[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+      startup = json.loads(status[1])["startup"]
+      assert status[0] == 200 and startup["error"] is None, status
+      assert startup["programs"] == len(first) and startup["background"] <= len(needed) - 6
+      for name, ids in prompts.items():
+        code, body = _post(server, "/v1/completions", {"model": "m", "prompt": ids,
+                                                       "max_tokens": 3, "temperature": 0})
+        assert code == 200, body
+        got = json.loads(body)["choices"][0]["text"]
+        assert got == tokenizer.decode(expected[name]), name
+      while startup["background"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        startup = json.loads(_get(server, "/health")[1])["startup"]
+      assert startup["background"] == 0
+      assert all(key in engine.programs for key in needed)
+      assert engine.compile_count == engine.loaded_count == len(needed)  # none compiled
+    finally:
+      server.stop()
+  finally:
+    compile_cache.disable_executables()

@@ -218,6 +218,11 @@ def _path(digest: str) -> str:
   return os.path.join(_STORE[0], digest[:2], digest + ".exe")
 
 
+def is_stored(digest: str | None) -> bool:
+  """Whether the store holds an executable named ``digest`` (``load_executable`` would try it)."""
+  return digest is not None and _STORE[0] is not None and os.path.exists(_path(digest))
+
+
 _HITS = threading.local()  # JAX persistent-cache hits of this thread's compiles
 _LISTENING = [False]
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"

@@ -544,11 +544,13 @@ class Engine:
 
   def precompile(self, anchor_slots: int = 0,
                  on_progress: Callable[[int, int, tuple], None] | None = None,
-                 batch: int = 1) -> list[tuple]:
-    """Compiles every program of ``programs_needed(anchor_slots, batch)`` not compiled yet
-    (from abstract shapes: no state is allocated), so that no request compiles. Returns the
-    keys compiled now; ``on_progress(done, total, key)`` is told before each."""
-    return self.executor.precompile(anchor_slots, on_progress, batch)
+                 batch: int = 1, keys: list[tuple] | None = None,
+                 workers: int = 1) -> list[tuple]:
+    """Compiles every program of ``keys`` (default ``programs_needed(anchor_slots, batch)``)
+    not compiled yet (from abstract shapes: no state is allocated), so that no request
+    compiles; ``workers`` threads load stored ones side by side (``Executor.precompile``).
+    Returns the keys prepared now; ``on_progress(done, total, key)`` is told before each."""
+    return self.executor.precompile(anchor_slots, on_progress, batch, keys, workers)
 
   # -- Public API ----------------------------------------------------------------------------
 

@@ -35,8 +35,11 @@ applied once the chunks in flight are read.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import os
+import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -179,6 +182,11 @@ class ExecutorSpec:
 # The programs, by kind: the program (``ftjax.runtime.programs.ProgramKind``) and the names of
 # the sizes that follow the kind in its compile key. ``Executor.key`` builds every key from
 # these; ``Executor.program`` compiles any key from its sizes alone.
+_COUNTING = threading.Lock()
+# Threads that prepare start-up programs side by side (``precompile``): loads from the
+# executable store overlap; compiles run one at a time whatever this is.
+PREPARE_WORKERS = max(1, min(4, len(os.sched_getaffinity(0))))
+
 KEY_FIELDS: dict[str, tuple[ProgramKind, tuple[str, ...]]] = {
     "extend": (programs.EXTEND, ("size", "capacity", "slots", "anchor_slots")),
     "first": (programs.FIRST, ("stop_width",)),
@@ -268,9 +276,10 @@ class Executor:
     self.clear_history()
 
   def _counted(self, key: tuple, seconds: float) -> None:
-    self.compile_count += 1
-    self.loaded_count += key in self.table.loaded
-    self.compile_s += seconds
+    with _COUNTING:  # programs may be prepared by several threads (``precompile``)
+      self.compile_count += 1
+      self.loaded_count += key in self.table.loaded
+      self.compile_s += seconds
     if self.compile_listener is not None:
       self.compile_listener(key, seconds)
 
@@ -301,16 +310,60 @@ class Executor:
 
   def precompile(self, anchor_slots: int = 0,
                  on_progress: Callable[[int, int, tuple], None] | None = None,
-                 batch: int = 1) -> list[tuple]:
-    """Compiles every program of ``programs_needed(anchor_slots, batch)`` not compiled yet, so
-    that no request compiles. Returns the keys compiled now; ``on_progress(done, total, key)``
-    is told before each."""
-    keys = [key for key in self.programs_needed(anchor_slots, batch) if key not in self.table]
-    for done, key in enumerate(keys):
+                 batch: int = 1, keys: list[tuple] | None = None,
+                 workers: int = 1) -> list[tuple]:
+    """Compiles every program of ``keys`` (default ``programs_needed(anchor_slots, batch)``)
+    not compiled yet, so that no request compiles. Returns the keys prepared now;
+    ``on_progress(done, total, key)`` is told before each. ``workers`` threads prepare them
+    side by side: loads from the executable store overlap, compiles still run one at a time
+    (``Programs.compile``)."""
+    if keys is None:
+      keys = self.programs_needed(anchor_slots, batch)
+    keys = [key for key in keys if key not in self.table]
+    if workers <= 1 or len(keys) <= 1:
+      for done, key in enumerate(keys):
+        if on_progress is not None:
+          on_progress(done, len(keys), key)
+        self.program(key)
+      return keys
+    started = iter(range(len(keys)))
+    lock = threading.Lock()
+
+    def prepare(key: tuple) -> None:
+      with lock:
+        done = next(started)
       if on_progress is not None:
         on_progress(done, len(keys), key)
       self.program(key)
+
+    with concurrent.futures.ThreadPoolExecutor(workers, "ftjax-prepare") as pool:
+      for future in [pool.submit(prepare, key) for key in keys]:
+        future.result()  # the first failure is raised here
     return keys
+
+  def stored(self, key: tuple) -> bool:
+    """Whether ``program(key)`` would load ``key`` from the executable store, untraced (false
+    when it is already in the table, or would be compiled)."""
+    if key in self.table:
+      return False
+    kind, names = KEY_FIELDS[key[0]]
+    args, static = getattr(self, f"_abstract_{key[0]}")(**dict(zip(names, key[1:])))
+    return self.table.stored(kind, args, static)
+
+  def first_needed(self, keys: list[tuple]) -> list[tuple]:
+    """Of ``keys`` (``programs_needed``), those a short request runs: its first token, a
+    prompt's smallest chunk, and decoding, joining and leaving at the smallest KV capacity."""
+    smallest = self.kv.kv_capacities[0]
+    chunk = min(self.kv.chunk_sizes)
+
+    def short(key: tuple) -> bool:
+      fields = dict(zip(KEY_FIELDS[key[0]][1], key[1:]))
+      if fields.get("size", chunk) != chunk:
+        return False
+      return all(fields.get(name, smallest) == smallest
+                 for name in ("capacity", "batch_capacity", "held"))
+
+    return [key for key in keys if short(key)]
 
   # -- Abstract arguments of each kind (the shapes a key names; nothing allocated) -------------
 

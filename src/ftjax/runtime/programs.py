@@ -237,7 +237,9 @@ class Programs:
     self._table: dict[tuple, Callable] = {}
     self.loaded: set[tuple] = set()  # keys whose executable came from the store, not a compile
     self._jitted: dict[str, Callable] = {}  # kind name -> this table's jax.jit of its body
-    self._lock = threading.Lock()
+    self._lock = threading.Lock()  # guards _table's writes, _pending and _jitted
+    self._pending: dict[tuple, threading.Lock] = {}  # a lock per key being prepared
+    self._compiling = threading.Lock()  # one XLA compile at a time
 
   @classmethod
   def shared(cls, runner: Runner) -> "Programs":
@@ -275,32 +277,50 @@ class Programs:
     """The executable of ``key``: ``kind``'s body compiled ahead of time for ``args`` (arrays or
     ``jax.ShapeDtypeStruct``s) and its ``static`` options, unless another thread compiled it
     first; loaded instead, untraced, where ``compile_cache``'s store holds it (the key goes in
-    ``loaded``), and stored after a compile. ``on_compile(key, seconds)`` is told of either."""
+    ``loaded``), and stored after a compile. ``on_compile(key, seconds)`` is told of either.
+
+    Threads may prepare different keys at once: loads from the store run side by side (XLA
+    deserializes without the GIL), compiles one at a time (each takes the compiler's memory);
+    a thread that asks for a key another is preparing waits for it."""
+    fn = self._table.get(key)
+    if fn is not None:
+      return fn
     with self._lock:
+      gate = self._pending.setdefault(key, threading.Lock())
+    with gate:
       fn = self._table.get(key)
+      if fn is not None:
+        return fn
+      t0 = time.perf_counter()
+      digest = compile_cache.fingerprint(kind, self.runner, args, static)
+      fn = compile_cache.load_executable(digest)
       if fn is None:
-        t0 = time.perf_counter()
-        digest = compile_cache.fingerprint(kind, self.runner, args, static)
-        fn = compile_cache.load_executable(digest)
-        if fn is None:
+        with self._compiling:
           fn = compile_cache.compile_program(
               self._jit(kind).lower(self.runner, *args, **static), digest)
-        else:
-          self.loaded.add(key)
-        check_host_memory(key, fn, self.runner)
+      else:
+        self.loaded.add(key)
+      check_host_memory(key, fn, self.runner)
+      with self._lock:
         self._table[key] = fn
-        seconds = time.perf_counter() - t0
-        return_free_heap()  # what the compiler used and freed
-        if on_compile is not None:
-          on_compile(key, seconds)
+        self._pending.pop(key, None)
+      seconds = time.perf_counter() - t0
+      return_free_heap()  # what the compiler used and freed
+      if on_compile is not None:
+        on_compile(key, seconds)
     return fn
 
+  def stored(self, kind: ProgramKind, args: tuple, static: dict) -> bool:
+    """Whether ``compile`` would load this program from the store instead of compiling it."""
+    return compile_cache.is_stored(compile_cache.fingerprint(kind, self.runner, args, static))
+
   def _jit(self, kind: ProgramKind) -> Callable:
-    fn = self._jitted.get(kind.name)
-    if fn is None:
-      fn = self._jitted[kind.name] = jax.jit(
-          _owned(kind.body), static_argnums=0, static_argnames=kind.static,
-          donate_argnames=kind.donate)
+    with self._lock:
+      fn = self._jitted.get(kind.name)
+      if fn is None:
+        fn = self._jitted[kind.name] = jax.jit(
+            _owned(kind.body), static_argnums=0, static_argnames=kind.static,
+            donate_argnames=kind.donate)
     return fn
 
 

@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from ftjax.runtime.engine import Engine
-from ftjax.runtime.executor import Batch, Feed, Generation
+from ftjax.runtime.executor import PREPARE_WORKERS, Batch, Feed, Generation
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, Session
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
 from ftjax.server.outputs import Delta, ReplyParser, StopMatcher
@@ -226,7 +226,10 @@ class Worker(Feed):
     # Start-up compilation: programs to compile, compiled so far, seconds, done, error.
     self.startup: dict[str, Any] = {"precompile": config.precompile, "programs": 0,
                                     "compiled": 0, "seconds": 0.0,
-                                    "done": not config.precompile, "error": None}
+                                    "done": not config.precompile, "error": None,
+                                    "background": 0}
+    self._idle = threading.Event()  # set while the engine thread waits for a job
+    self._closed = threading.Event()  # stop() was called
     self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
     self._thread.start()
 
@@ -242,6 +245,8 @@ class Worker(Feed):
     self._jobs.put(job)
 
   def stop(self) -> None:
+    self._closed.set()
+    self._idle.set()  # the background loader sees the stop
     self._jobs.put(None)
     self._thread.join(timeout=60)
 
@@ -265,33 +270,73 @@ class Worker(Feed):
         future.set_exception(e)
 
   def _precompile(self) -> None:
-    """Compiles every program a request can run before taking the first job, with progress
-    in ``startup`` and the log."""
+    """Prepares the programs a request can run before taking the first job, with progress in
+    ``startup`` and the log. Where the executable store holds every one of them (a warm
+    start), only those of a short request (``Executor.first_needed``) are loaded before the
+    server is ready; the others are loaded, untraced, by a background thread while the engine
+    is idle (a request that needs one first loads it itself: a load, never a compile). A cold
+    start compiles them all first."""
     anchor_slots = self.pool.new_session().anchor_slots
+    executor = self.engine.executor
     t0 = time.perf_counter()
+    needed = [key for key in self.engine.programs_needed(anchor_slots, self.max_running)
+              if key not in executor.table]
+    try:
+      warm = bool(needed) and all(executor.stored(key) for key in needed)
+    except Exception:  # noqa: BLE001 - prepared below the usual way, which reports it
+      warm = False
+    first = executor.first_needed(needed) if warm else needed
+    later = [key for key in needed if key not in set(first)]
 
     def progress(done: int, total: int, key: tuple) -> None:
       self.startup.update(programs=total, compiled=done, seconds=time.perf_counter() - t0)
       if done == 0:
-        _LOG.warning("ftjax.serve: preparing the %d programs a request can run before serving "
-                     "(each loaded whole from the executable store where it holds it, else "
-                     "compiled; a later start loads them)", total)
+        _LOG.warning("ftjax.serve: preparing the %d programs %s before serving (each loaded "
+                     "whole from the executable store where it holds it, else compiled; a "
+                     "later start loads them)", total,
+                     f"a short request runs ({len(later)} more load in the background)"
+                     if later else "a request can run")
       _LOG.warning("ftjax.serve: preparing %d/%d: the %s program for %s", done + 1, total,
                    key[0], key[1:])
 
     try:
-      keys = self.engine.precompile(anchor_slots, progress, batch=self.max_running)
+      keys = self.engine.precompile(anchor_slots, progress, batch=self.max_running,
+                                    keys=first, workers=PREPARE_WORKERS)
     except Exception as e:  # noqa: BLE001 - the server still serves, compiling as it goes
       self.startup.update(error=f"{type(e).__name__}: {e}")
       _LOG.error("ftjax.serve: start-up compilation failed (%s): requests compile as they "
                  "come", self.startup["error"])
+      later = []
     else:
-      self.startup.update(programs=len(keys), compiled=len(keys))
+      self.startup.update(programs=len(keys), compiled=len(keys), background=len(later))
       _LOG.warning("ftjax.serve: prepared %d programs in %.1f s (%d loaded untraced from the "
-                   "executable store, the others compiled); ready (%d held in all)",
+                   "executable store, the others compiled); ready (%d held in all%s)",
                    len(keys), time.perf_counter() - t0, self.engine.loaded_count,
-                   len(self.engine.programs_needed(anchor_slots, self.max_running)))
+                   len(executor.table),
+                   f"; {len(later)} more load in the background while idle" if later else "")
     self.startup.update(seconds=time.perf_counter() - t0, done=True)
+    if later:
+      threading.Thread(target=self._load_later, args=(later,), name="ftjax-prepare-later",
+                       daemon=True).start()
+
+  def _load_later(self, keys: list[tuple]) -> None:
+    """Loads ``keys`` from the executable store one by one, each only once the engine thread
+    is idle (so that a running request keeps the cores)."""
+    executor = self.engine.executor
+    t0 = time.perf_counter()
+    try:
+      for key in keys:
+        self._idle.wait()
+        if self._closed.is_set() or executor.table is None:
+          return
+        executor.program(key)
+        self.startup["background"] -= 1
+    except Exception as e:  # noqa: BLE001 - a request that needs it prepares it itself
+      _LOG.error("ftjax.serve: loading a program in the background failed (%s: %s); a "
+                 "request that needs it prepares it", type(e).__name__, e)
+      return
+    _LOG.warning("ftjax.serve: the %d other programs loaded in the background in %.1f s "
+                 "(%d held in all)", len(keys), time.perf_counter() - t0, len(executor.table))
 
   # -- The engine thread ------------------------------------------------------------------------
 
@@ -301,7 +346,11 @@ class Worker(Feed):
     executor = self.engine.executor
     batch = self.batch = executor.batch(self.max_running)
     while not self._stopping:
-      job = self._blocked or self._jobs.get()
+      job = self._blocked
+      if job is None:
+        self._idle.set()
+        job = self._jobs.get()
+        self._idle.clear()
       self._run_controls()
       if job is _WAKE:
         continue
