@@ -61,8 +61,9 @@ def main(argv):
         f"{engine.kernels_path}) on http://{shown}:{port}/v1", flush=True)
   print(f"ftjax.serve: compilation cache: {compiled_in}", flush=True)
   if config.precompile:
-    print(f"ftjax.serve: compiling the {len(engine.programs_needed())} programs a request can "
-          "run before serving; GET /health answers 503 until they are done", flush=True)
+    print("ftjax.serve: preparing the programs a request can run before serving (loaded from "
+          "the executable store, or compiled); GET /health answers 503 until they are done",
+          flush=True)
   server = uvicorn.Server(uvicorn.Config(application, log_level=_FLAGS["log_level"].value,
                                          timeout_graceful_shutdown=5))
   try:

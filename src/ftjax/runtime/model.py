@@ -17,7 +17,7 @@ from ftjax.formats import ftw
 from ftjax.formats.hf import cached_conversion
 from ftjax.model.config import ModelConfig
 from ftjax.model.layers import LINEAR_OUT_AXES
-from ftjax.model.transformer import Transformer, param_name
+from ftjax.model.transformer import Transformer, abstract_model, param_name
 from ftjax.runtime.programs import available_host_bytes
 from ftjax.utils import dense_quant, quant
 from ftjax.utils.dense_quant import QuantizedMatrix
@@ -131,8 +131,7 @@ def prefault(model: Model, *, headroom: float = COPY_HEADROOM) -> str:
 def _assemble(config: ModelConfig, arrays: dict[str, Any], bank, *, dtype=jnp.float32,
               **fields) -> Model:
   """Builds a Model from parameter arrays keyed by name, checking names and shapes."""
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
-  graphdef, state = nnx.split(abstract)
+  graphdef, state = nnx.split(abstract_model(config, dtype))
   flat = nnx.to_flat_state(state)
   expected = {param_name(p) for p, _ in flat}
   extra, missing = sorted(set(arrays) - expected), sorted(expected - set(arrays))

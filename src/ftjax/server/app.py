@@ -109,7 +109,13 @@ class Server:
     return f"ftjax-{self.engine.kernels}"
 
   def _compiled(self, key: tuple, seconds: float) -> None:
-    if self.worker.startup["done"]:  # start-up compiles are logged as progress
+    if not self.worker.startup["done"]:  # start-up compiles are logged as progress
+      return
+    table = self.engine.executor.table
+    if table is not None and key in table.loaded:  # a warm start's later programs
+      _LOG.info("ftjax.serve: loaded the %s program for %s from the executable store in "
+                "%.2f s", key[0], key[1:], seconds)
+    else:
       _warn_compile(key, seconds)
 
 

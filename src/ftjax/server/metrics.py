@@ -33,11 +33,16 @@ class _CacheTotals(Collector):
       family = CounterMetricFamily(f"ftjax_expert_cache_{key}", help_)
       family.add_metric([], totals[key])
       yield family
-    # XLA compiles of the engine's programs (a persistent-cache hit is a quick one): each one
-    # while serving is a request that waited for it.
-    compiles = CounterMetricFamily("ftjax_compiles", "programs the engine compiled")
+    # The engine's programs prepared: compiled by XLA (a persistent-cache hit is a quick one),
+    # or loaded whole from the executable store (a warm start; ftjax_programs_loaded).
+    compiles = CounterMetricFamily("ftjax_compiles", "programs the engine prepared: compiled, "
+                                   "or loaded from the executable store")
     compiles.add_metric([], self.engine.compile_count)
     yield compiles
+    loaded = CounterMetricFamily("ftjax_programs_loaded", "programs loaded whole from the "
+                                 "executable store, untraced (counted in ftjax_compiles too)")
+    loaded.add_metric([], self.engine.loaded_count)
+    yield loaded
     seconds = CounterMetricFamily("ftjax_compile_seconds", "seconds spent compiling programs")
     seconds.add_metric([], self.engine.compile_s)
     yield seconds

@@ -44,6 +44,8 @@ from ftjax.server.protocol import ApiError
 _LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
 _WAKE = object()  # in the job queue: a control is waiting (the engine thread may be idle)
 MB = 1 << 20
+# A warm start's later programs load once the engine has been idle this long (seconds).
+LATER_GRACE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +232,7 @@ class Worker(Feed):
                                     "background": 0}
     self._idle = threading.Event()  # set while the engine thread waits for a job
     self._closed = threading.Event()  # stop() was called
+    self._woken = 0  # times the engine thread took a job after waiting
     self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
     self._thread.start()
 
@@ -321,12 +324,16 @@ class Worker(Feed):
 
   def _load_later(self, keys: list[tuple]) -> None:
     """Loads ``keys`` from the executable store one by one, each only once the engine thread
-    is idle (so that a running request keeps the cores)."""
+    has been idle for ``LATER_GRACE_S`` (so that a running request keeps the cores)."""
     executor = self.engine.executor
     t0 = time.perf_counter()
     try:
       for key in keys:
-        self._idle.wait()
+        while True:  # idle for a while: a client's first request often follows /health
+          self._idle.wait()
+          seen = self._woken
+          if self._closed.wait(LATER_GRACE_S) or (self._idle.is_set() and seen == self._woken):
+            break
         if self._closed.is_set() or executor.table is None:
           return
         executor.program(key)
@@ -351,6 +358,7 @@ class Worker(Feed):
         self._idle.set()
         job = self._jobs.get()
         self._idle.clear()
+        self._woken += 1
       self._run_controls()
       if job is _WAKE:
         continue
