@@ -28,7 +28,7 @@ import time
 
 from common import machine_info, write_results
 
-COMPILE = re.compile(r"\(compile ([\d.]+) s, not included\)")
+COMPILE = re.compile(r"\(compile ([\d.]+) s, not included[^)]*\)")
 
 
 def run(model: str, cache_root: str, *flags: str) -> tuple[float, float]:

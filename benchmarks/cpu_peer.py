@@ -381,7 +381,7 @@ def worker(hf_dir: str, long_tokens: int, prefills: tuple[int, ...] = ()) -> Non
 
 # -- Driver ---------------------------------------------------------------------------------------
 
-CLI_SUMMARY = re.compile(r"decode: ([0-9.]+) tok/s \(compile ([0-9.]+) s, not included\), "
+CLI_SUMMARY = re.compile(r"decode: ([0-9.]+) tok/s \(compile ([0-9.]+) s, not included[^)]*\), "
                          r"kernels: (.*)$")
 
 

@@ -97,10 +97,13 @@ def test_a_precompiled_server_compiles_nothing_while_serving():
     startup = json.loads(body)["startup"]
     assert statuses[-1] == 200 and startup["done"] and startup["error"] is None
     # A hybrid model's sessions take anchors; requests decode in a batch of max_running rows.
-    needed = engine.programs_needed(anchor_slots=8, batch=ServerConfig().max_running)
-    # Per capacity: 3 chunk sizes, the decode loop for one row and for the batch; the first
-    # token; the growth of a state and of a batch; joins and leaves for each capacity pair.
-    assert len(needed) == 2 * (3 + 2) + 1 + 2 + 2 * 2 * 2
+    needed = engine.programs_needed(anchor_slots=8, batch=ServerConfig().max_running,
+                                    decode_alone=False)
+    # Per capacity: 3 chunk sizes and the batch's decode loop (a server decodes every request
+    # in its batch); the first token; the growth of a state and of a batch; joins and leaves
+    # for each capacity pair.
+    assert len(needed) == 2 * (3 + 1) + 1 + 2 + 2 * 2 * 2
+    assert len(engine.programs_needed(anchor_slots=8, batch=4)) == len(needed) + 2
     assert all(key in engine.programs for key in needed)
     compiled = engine.compile_count
     assert startup["compiled"] == compiled <= len(needed)
@@ -174,11 +177,11 @@ def test_a_warm_server_is_ready_after_a_short_requests_programs(tmp_path, fresh_
   try:
     engine = ftjax.Engine(model, **options)
     assert engine.compile_count == 0
-    needed = engine.programs_needed(anchor_slots=8, batch=batch)
+    needed = engine.programs_needed(anchor_slots=8, batch=batch, decode_alone=False)
     first = engine.executor.first_needed(needed)
     tokenizer = load_tokenizer(model.path, model.config.vocab_size)
-    # The first token, the smallest chunk, decoding one row and the batch, join and leave.
-    assert len(first) == 6 and len(needed) == 8
+    # The first token, the smallest chunk, the batch's decode loop, join and leave.
+    assert len(first) == 5 and len(needed) == 7
     server = BackgroundServer(create_app(engine, ServerConfig(model_name="m", precompile=True)))
     try:
       deadline = time.monotonic() + 300
@@ -186,7 +189,8 @@ def test_a_warm_server_is_ready_after_a_short_requests_programs(tmp_path, fresh_
         time.sleep(0.05)
       startup = json.loads(status[1])["startup"]
       assert status[0] == 200 and startup["error"] is None, status
-      assert startup["programs"] == len(first) and startup["background"] <= len(needed) - 6
+      assert startup["programs"] == len(first)
+      assert startup["background"] <= len(needed) - len(first)
       for name, ids in prompts.items():
         code, body = _post(server, "/v1/completions", {"model": "m", "prompt": ids,
                                                        "max_tokens": 3, "temperature": 0})

@@ -538,9 +538,10 @@ class Engine:
     (``Executor.extend``: the options, and the ``Extended`` result)."""
     return self.executor.extend(state, ids, **options)
 
-  def programs_needed(self, anchor_slots: int = 0, batch: int = 1) -> list[tuple]:
+  def programs_needed(self, anchor_slots: int = 0, batch: int = 1,
+                      decode_alone: bool = True) -> list[tuple]:
     """The keys of every program a request can run (``Executor.programs_needed``)."""
-    return self.executor.programs_needed(anchor_slots, batch)
+    return self.executor.programs_needed(anchor_slots, batch, decode_alone)
 
   def precompile(self, anchor_slots: int = 0,
                  on_progress: Callable[[int, int, tuple], None] | None = None,

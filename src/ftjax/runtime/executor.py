@@ -283,13 +283,16 @@ class Executor:
     if self.compile_listener is not None:
       self.compile_listener(key, seconds)
 
-  def programs_needed(self, anchor_slots: int = 0, batch: int = 1) -> list[tuple]:
+  def programs_needed(self, anchor_slots: int = 0, batch: int = 1,
+                      decode_alone: bool = True) -> list[tuple]:
     """The keys of every program a request (or a session with ``anchor_slots``) can run, in a
     decode batch of one and of ``batch`` rows: per KV capacity, one extend program per chunk
     size and the decode loop; the first-token program; the copies between consecutive
     capacities; with ``batch`` > 1, the batch's decode loop and growth, and the copies of a
-    sequence into and out of a row for each pair of capacities. A request never compiles
-    another, unless the expert cache is resized past its buffer or more than
+    sequence into and out of a row for each pair of capacities. ``decode_alone=False``
+    leaves out the decode loop of one row when ``batch`` > 1: a server decodes every request
+    in its batch (``Engine.generate`` and ``Session.generate`` decode alone). A request never
+    compiles another, unless the expert cache is resized past its buffer or more than
     ``STOP_BUCKET`` stop tokens are given."""
     capacities = self.kv.kv_capacities
     sizes = [1] + ([batch] if batch > 1 else [])
@@ -298,7 +301,9 @@ class Executor:
       keys += [self.key("extend", size=size, capacity=capacity, anchor_slots=anchor_slots)
                for size in self.kv.chunk_sizes]
       for size in sizes:
-        keys.append(self.key("decode", batch=size, capacity=capacity, stop_width=STOP_BUCKET))
+        if decode_alone or size == batch:
+          keys.append(self.key("decode", batch=size, capacity=capacity,
+                               stop_width=STOP_BUCKET))
         if i:
           keys.append(self.key("grow", batch=size, held=capacities[i - 1], capacity=capacity))
     if batch > 1:

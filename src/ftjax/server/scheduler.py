@@ -282,7 +282,9 @@ class Worker(Feed):
     anchor_slots = self.pool.new_session().anchor_slots
     executor = self.engine.executor
     t0 = time.perf_counter()
-    needed = [key for key in self.engine.programs_needed(anchor_slots, self.max_running)
+    # The server decodes every request in its batch of max_running rows.
+    needed = [key for key in self.engine.programs_needed(anchor_slots, self.max_running,
+                                                         decode_alone=False)
               if key not in executor.table]
     try:
       warm = bool(needed) and all(executor.stored(key) for key in needed)
