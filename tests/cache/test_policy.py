@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from ftjax.cache import POLICIES, ExpertCache, fill_count, get_policy, plan
 from ftjax.cache import policy as policy_lib
+from ftjax.cache.policy import CYCLE_DECAY
 from ftjax.cache.state import check_invariants
 
 import tolerances
@@ -201,7 +202,7 @@ def _victim_log_value(cache, slot, layer, replacement, decay):
   """The log value a replacement keeps a slot by (lowest evicted first), float64 reference:
   lrfu as ``_lrfu_log_value``; cycle: decay^(visits of the owner's layer since the slot's
   last use) per layer-step until that layer's next visit; lrfu_cycle: the LRFU value at the
-  next visit per layer-step until it. -inf for an empty slot."""
+  next visit per layer-step until it; class and class_cycle below. -inf for an empty slot."""
   owner = int(cache.owner[slot])
   if owner < 0:
     return -np.inf
@@ -212,6 +213,17 @@ def _victim_log_value(cache, slot, layer, replacement, decay):
   if replacement == "cycle":
     unused_visits = (int(cache.clock) - int(cache.slot_stamp[slot])) // layers
     return unused_visits * np.log(decay) - np.log(until)
+  if replacement in ("class", "class_cycle"):
+    # class-LRU: 2^class / age kept, class = floor(log2) of the owner's decayed count (0
+    # below 1), age the layer-steps since the slot's last use at the plan's clock;
+    # class_cycle: 2^class times cycle's reuse chance (CYCLE_DECAY) per layer-step until use.
+    with np.errstate(divide="ignore"):
+      klass = max(np.floor(_lrfu_log_value(cache, slot, decay) / np.log(2.0)), 0.0)
+    if replacement == "class":
+      age = max(int(cache.clock) + 1 - int(cache.slot_stamp[slot]), 1)
+      return klass * np.log(2.0) - np.log(age)
+    unused_visits = (int(cache.clock) - int(cache.slot_stamp[slot])) // layers
+    return klass * np.log(2.0) + unused_visits * np.log(CYCLE_DECAY) - np.log(until)
   assert replacement == "lrfu_cycle", replacement
   return (_lrfu_log_value(cache, slot, decay) + (until - 1) * np.log(decay) / layers -
           np.log(until))

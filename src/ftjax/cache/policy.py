@@ -17,7 +17,20 @@ replacement, preload) registered by name in ``POLICIES``:
 * ``freetoken_lrfu``: the q* rule, with LRFU replacement instead of LRU (below);
 * ``freetoken_cycle``, ``freetoken_lrfu_cycle``: the q* rule, with victims ranked by their
   expected reuse per layer-step until their layer's next visit (below);
-* ``freetoken_free``: the q* rule, and misses also fill empty slots (``fill_free``).
+* ``freetoken_free``: the q* rule, and misses also fill empty slots (``fill_free``);
+* ``class_lru_fill``: llama.cpp's ``--moe-cache`` eviction as its documentation describes it
+  (class-LRU, below), every miss filled: the baseline of issue 52; ``freetoken_class``: the
+  same victims under the q* rule;
+* ``class_cycle_fill``, ``freetoken_class_cycle``: class-LRU's frequency classes in the
+  cycle-aware victim value (below), every miss filled or the q* rule.
+
+Class-LRU keeps a selection count per (layer, expert) that decays with a half-life of 128
+tokens and survives evictions (``ExpertCache.expert_score``), and puts each slot in the class
+floor(log2 count) of its owner (0 below 1): the victim is the slot with the largest age /
+2^class, its age the layer-steps since its last use. ``class_cycle`` multiplies that class
+into the cycle rule's reuse chance (``CYCLE_DECAY ** a``, ``a`` the visits of the owner's layer
+that skipped it) per layer-step until its layer's next visit: global recency ranks the slots
+of the layers that run next as the oldest, which a layer-cycle-aware value does not.
 
 Which misses are filled: the most recently routed before this step (``expert_stamp``), ties
 to the lower expert id; in a step of several tokens (a prefill chunk, a batch) first those
@@ -55,7 +68,8 @@ from flax import struct
 from ftjax.cache.state import ExpertCache
 
 FILL_RULES = ("q*", "all", "none")  # how many misses a layer-step fills
-REPLACEMENTS = ("lru", "lrfu", "cycle", "lrfu_cycle")  # how fills and victims are ranked
+# how fills and victims are ranked
+REPLACEMENTS = ("lru", "lrfu", "cycle", "lrfu_cycle", "class", "class_cycle")
 PRELOADS = ("none", "hot", "layers")  # what the cache holds before the first step
 
 
@@ -69,7 +83,10 @@ class PolicyConfig:
     token step, in (0, 1)), "cycle" (LRU fills; victims by their reuse chance ``decay ** a``,
     ``a`` visits of their layer unused, per layer-step until their layer's next visit) or
     "lrfu_cycle" (LRFU fills; victims by their LRFU value at their layer's next visit per
-    layer-step until it).
+    layer-step until it) or "class" (llama.cpp's class-LRU: LRU fills; victims by the largest
+    age / 2^class, class = floor(log2) of the owner's decayed selection count, ``decay`` per
+    token step) or "class_cycle" (LRU fills; victims by cycle's reuse chance,
+    ``CYCLE_DECAY ** a``, times 2^class, per layer-step until their layer's next visit).
   preload: "none" (starts empty), "hot" (the most selected experts of a routing profile,
     ``hot_experts=``), "layers" (whole layers, first layers first). The engine reads it to
     build the initial cache, and again after a resize.
@@ -110,6 +127,9 @@ class PolicyConfig:
     return self.name or f"{self.fill_rule}/{self.replacement}/{self.preload}"
 
 
+HALF_LIFE_128 = 0.5 ** (1 / 128)  # a count's decay per token step, halved in 128 tokens
+CYCLE_DECAY = 0.5  # class_cycle: a slot's reuse chance per visit of its layer that skipped it
+
 # The registry: adding a policy is one entry here plus, for a new rule, its plan code below.
 POLICIES: dict[str, PolicyConfig] = {
     "freetoken": PolicyConfig("q*", "lru", "none", name="freetoken"),
@@ -122,6 +142,15 @@ POLICIES: dict[str, PolicyConfig] = {
     "freetoken_lrfu_cycle": PolicyConfig("q*", "lrfu_cycle", "none",
                                          name="freetoken_lrfu_cycle"),
     "freetoken_free": PolicyConfig("q*", "lru", "none", name="freetoken_free", fill_free=True),
+    # llama.cpp's --moe-cache eviction as its docs describe it (issue 52's baseline): counts
+    # decayed with a half-life of 128 tokens, kept across evictions; every miss filled.
+    "class_lru_fill": PolicyConfig("all", "class", decay=HALF_LIFE_128, name="class_lru_fill"),
+    "freetoken_class": PolicyConfig("q*", "class", decay=HALF_LIFE_128, name="freetoken_class"),
+    # The frequency classes of class-LRU in the cycle-aware victim value (``class_cycle``).
+    "freetoken_class_cycle": PolicyConfig("q*", "class_cycle", decay=HALF_LIFE_128,
+                                          name="freetoken_class_cycle"),
+    "class_cycle_fill": PolicyConfig("all", "class_cycle", decay=HALF_LIFE_128,
+                                     name="class_cycle_fill"),
 }
 
 
@@ -273,9 +302,12 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     return jnp.where(score > 0, jnp.log(jnp.maximum(score, 1e-30)) +
                      (clock - stamp).astype(jnp.float32) * log_decay_tick, _NEVER)
 
-  lrfu = policy.replacement in ("lrfu", "lrfu_cycle")  # the others never touch the scores
-  cycle = policy.replacement in ("cycle", "lrfu_cycle")
-  prev_value = log_value(cache.expert_score[layer], cache.expert_stamp[layer]) if lrfu else None
+  lrfu = policy.replacement in ("lrfu", "lrfu_cycle")
+  classes = policy.replacement in ("class", "class_cycle")
+  scored = lrfu or classes  # decayed selection counts; the others never touch the scores
+  cycle = policy.replacement in ("cycle", "lrfu_cycle", "class_cycle")
+  prev_value = (log_value(cache.expert_score[layer], cache.expert_stamp[layer]) if scored
+                else None)
 
   if q_max:
     def with_fills(_):
@@ -306,7 +338,26 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
           recency = num_experts - 1 - jnp.argsort(latest_first, stable=True).astype(jnp.int32)
           key = routes * num_experts + recency
         fill_cand = top_indices(jnp.where(miss, key, jnp.iinfo(jnp.int32).min), q_max)
-        if cycle:
+        if classes:
+          # llama.cpp's class-LRU: the largest age / 2^class goes, age the layer-steps since
+          # the slot's last use, class = floor(log2 c) of the owner's decayed count c (0 below
+          # 1); empty slots first. class_cycle: the reuse chance of "cycle" (decay ** a)
+          # times 2^class, per layer-step until the owner's layer's next visit.
+          flat_owner = jnp.maximum(cache.owner, 0)
+          owner_log = log_value(cache.expert_score.reshape(-1)[flat_owner],
+                                cache.expert_stamp.reshape(-1)[flat_owner])
+          klass = jnp.maximum(jnp.floor(owner_log / jnp.log(2.0)), 0.0)
+          if cycle:
+            until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
+            unused_visits = (clock - cache.slot_stamp - 1) // num_layers
+            evict = (jnp.log(until.astype(jnp.float32)) - klass * jnp.log(2.0)
+                     - unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(CYCLE_DECAY)))
+          else:
+            age = jnp.maximum(clock - cache.slot_stamp, 1).astype(jnp.float32)
+            evict = jnp.log(age) - klass * jnp.log(2.0)
+          victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
+                                         jnp.where(cache.owner >= 0, evict, jnp.inf)), q_max)
+        elif cycle:
           # Reuse chance decay ** a, a = visits of the owner's layer since the slot's last use
           # (0: used at the layer's latest visit), per layer-step until its next visit.
           until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
@@ -355,7 +406,7 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
       jnp.where(selected, clock, cache.expert_stamp[layer]))
   expert_count = cache.expert_count.at[layer].add(selected.astype(jnp.int32))
   expert_score = cache.expert_score
-  if lrfu:
+  if scored:
     expert_score = expert_score.at[layer].set(jnp.where(
         selected, jnp.exp(jnp.logaddexp(prev_value, 0.0)), expert_score[layer]))
   new_slot_of_l = slot_of[layer]
