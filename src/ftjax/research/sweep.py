@@ -56,7 +56,8 @@ __all__ = ["ReplayResult", "belady_misses", "expert_counts", "replay", "sweep", 
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.37, 0.5, 0.6, 0.7, 0.85, 1.0)
 # synthetic:NAME -> its ftjax.research.synthetic preset
-SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b", "mixtral-8x7b": "mixtral_8x7b"}
+SYNTHETIC = {"qwen3-30b-a3b": "qwen3_30b_a3b", "mixtral-8x7b": "mixtral_8x7b",
+             "fine-grained-61x256": "fine_grained"}
 
 
 @dataclasses.dataclass
