@@ -179,14 +179,14 @@ class ExecutorSpec:
     return self.kv.config
 
 
-# The programs, by kind: the program (``ftjax.runtime.programs.ProgramKind``) and the names of
-# the sizes that follow the kind in its compile key. ``Executor.key`` builds every key from
-# these; ``Executor.program`` compiles any key from its sizes alone.
-_COUNTING = threading.Lock()
+_COUNTING = threading.Lock()  # the executors' compile counters (``_counted``)
 # Threads that prepare start-up programs side by side (``precompile``): loads from the
 # executable store overlap; compiles run one at a time whatever this is.
 PREPARE_WORKERS = max(1, min(4, len(os.sched_getaffinity(0))))
 
+# The programs, by kind: the program (``ftjax.runtime.programs.ProgramKind``) and the names of
+# the sizes that follow the kind in its compile key. ``Executor.key`` builds every key from
+# these; ``Executor.program`` compiles any key from its sizes alone.
 KEY_FIELDS: dict[str, tuple[ProgramKind, tuple[str, ...]]] = {
     "extend": (programs.EXTEND, ("size", "capacity", "slots", "anchor_slots")),
     "first": (programs.FIRST, ("stop_width",)),

@@ -279,9 +279,10 @@ class Programs:
     first; loaded instead, untraced, where ``compile_cache``'s store holds it (the key goes in
     ``loaded``), and stored after a compile. ``on_compile(key, seconds)`` is told of either.
 
-    Threads may prepare different keys at once: loads from the store run side by side (XLA
-    deserializes without the GIL), compiles one at a time (each takes the compiler's memory);
-    a thread that asks for a key another is preparing waits for it."""
+    Threads may prepare different keys at once: loads from the store run side by side
+    (XLA's deserialization overlaps in part: 2 loads in 0.74x the time of one after the other,
+    on 2 busy cores), compiles one at a time (each takes the compiler's memory); a thread that
+    asks for a key another is preparing waits for it."""
     fn = self._table.get(key)
     if fn is not None:
       return fn
