@@ -62,15 +62,20 @@ def heldout_tokens(model, n: int) -> np.ndarray:
   return np.asarray(ids[:n], np.int32)
 
 
+def _top_ids(moe, logits: jax.Array) -> jax.Array:
+  """The top-k expert ids [T, K] layer ``moe``'s routing picks from its router logits."""
+  bias = moe.b_router_e[...].astype(jnp.float32) if moe.router == "sigmoid_group" else None
+  return route(logits, kind=moe.router, top_k=moe.top_k, norm_topk_prob=moe.norm_topk_prob,
+               bias=bias, n_group=moe.router_groups, topk_group=moe.router_topk_groups,
+               scaling=moe.scaling)[1]
+
+
 def _router_ids(moe, x2: jax.Array) -> jax.Array:
   """The top-k expert ids [T, K] layer ``moe``'s router chooses for normed inputs [T, D]."""
   logits = x2 @ moe.w_router_ed[...].T.astype(jnp.float32)
   if moe.router_bias:
     logits = logits + moe.b_logits_e[...].astype(jnp.float32)
-  bias = moe.b_router_e[...].astype(jnp.float32) if moe.router == "sigmoid_group" else None
-  return route(logits, kind=moe.router, top_k=moe.top_k, norm_topk_prob=moe.norm_topk_prob,
-               bias=bias, n_group=moe.router_groups, topk_group=moe.router_topk_groups,
-               scaling=moe.scaling)[1]
+  return _top_ids(moe, logits)
 
 
 def record(model, tokens: np.ndarray):
@@ -89,12 +94,7 @@ def record(model, tokens: np.ndarray):
     (_, experts, x), captured = nnx.capture(layer, nnx.Intermediate)(
         x, state.layers[i], state.length, positions, i, experts, kernels="xla", fresh=True,
         valid=None, sow_router_logits=True)
-    logits = jax.tree.leaves(captured)[0]
-    moe = layer.moe
-    bias = moe.b_router_e[...].astype(jnp.float32) if moe.router == "sigmoid_group" else None
-    chosen.append(route(logits, kind=moe.router, top_k=moe.top_k,
-                        norm_topk_prob=moe.norm_topk_prob, bias=bias, n_group=moe.router_groups,
-                        topk_group=moe.router_topk_groups, scaling=moe.scaling)[1])
+    chosen.append(_top_ids(layer.moe, jax.tree.leaves(captured)[0]))
   inputs.append(x[0])
   return net, jnp.stack(inputs), jnp.stack(chosen)
 
