@@ -7,7 +7,8 @@ The models: the two embedded trained models, ``default`` (``qwen3_moe``) and
 concatenated in order, cut after enough tokens for ``--chunks`` windows of ``--ctx`` tokens,
 written to one text file that both engines read.
 
-ftjax (``ftjax.Engine(model, kernels="ffi")``, one teacher-forced forward per window): the
+ftjax (``ftjax.Engine(model, kernels="ffi")``, exact to each format's weights; the two 4-bit
+presets also as ``kernels="auto"`` runs them, ``ffi_bf16``; one teacher-forced forward per window): the
 bfloat16 model as written, and the model quantised in memory by
 ``ftjax.runtime.model.quantize_dense`` (``int8``, ``mxfp4``, ``int4``, and the presets
 ``mixed4`` / ``mixed_int4``: lm_head, embedding, value and output projections int8, the other
@@ -76,7 +77,14 @@ VARIANTS = {
     "4-bit int4 preset (dense mixed_int4 + experts int4)": ("mixed_int4", "int4"),
     "all int8 (dense int8 + experts int8)": ("int8", "int8"),
     "MXFP4_MOE-like (dense int8 + experts mxfp4)": ("int8", "mxfp4"),
+    # The 4-bit presets as kernels="auto" runs them: prefill (every forward here) with bf16
+    # activations on the bf16-pair GEMM, int4 weights rounded to bf16 there.
+    "4-bit preset, auto kernels (ffi_bf16)": ("mixed4", "mxfp4"),
+    "4-bit int4 preset, auto kernels (ffi_bf16)": ("mixed_int4", "int4"),
 }
+# The kernels each variant runs with: "ffi" (exact to the formats' weights) unless named here.
+KERNELS = {"4-bit preset, auto kernels (ffi_bf16)": "ffi_bf16",
+           "4-bit int4 preset, auto kernels (ffi_bf16)": "ffi_bf16"}
 PRESET_4BIT = "4-bit preset (dense mixed4 + experts mxfp4)"
 PRESET_INT4 = "4-bit int4 preset (dense mixed_int4 + experts int4)"
 ALL_INT8 = "all int8 (dense int8 + experts int8)"
@@ -84,7 +92,8 @@ MXFP4_MOE_LIKE = "MXFP4_MOE-like (dense int8 + experts mxfp4)"
 LLAMA_TYPES = ("Q8_0", "Q4_K_M", "MXFP4_MOE")  # besides BF16
 # The goal of issue 51: (ftjax variant, llama.cpp type it must be no worse than)
 GOALS = (("dense mixed4", "Q4_K_M"), ("dense mixed_int4", "Q4_K_M"), (PRESET_4BIT, "Q4_K_M"),
-         (PRESET_INT4, "Q4_K_M"), ("dense int8", "Q8_0"),
+         (PRESET_INT4, "Q4_K_M"), ("4-bit preset, auto kernels (ffi_bf16)", "Q4_K_M"),
+         ("4-bit int4 preset, auto kernels (ffi_bf16)", "Q4_K_M"), ("dense int8", "Q8_0"),
          ("experts int8", "Q8_0"), (ALL_INT8, "Q8_0"), (MXFP4_MOE_LIKE, "MXFP4_MOE"))
 
 
@@ -139,11 +148,11 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
   return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def ftjax_logprobs(model, win: np.ndarray, batch: int) -> np.ndarray:
+def ftjax_logprobs(model, win: np.ndarray, batch: int, kernels: str = "ffi") -> np.ndarray:
   """log-softmax of the teacher-forced logits, [chunks, ctx - 1, V] (position j predicts
   token j + 1), in float32."""
   import ftjax  # noqa: PLC0415
-  engine = ftjax.Engine(model, kernels="ffi", max_seq_len=win.shape[1])
+  engine = ftjax.Engine(model, kernels=kernels, max_seq_len=win.shape[1])
   out = []
   try:
     for i in range(0, len(win), batch):
@@ -176,12 +185,12 @@ def ftjax_side(model_name: str, win: np.ndarray, batch: int) -> dict:
   for name, (dense, experts) in VARIANTS.items():
     t0 = time.perf_counter()
     m, order = quantised(model, dense, experts)
-    lp = ftjax_logprobs(m, win, batch)
+    lp = ftjax_logprobs(m, win, batch, KERNELS.get(name, "ffi"))
     if base is None:
       base = lp
     half = metrics(base[:, first:], lp[:, first:], targets[:, first:])
     rows[name] = dict(half, dense=dense or "bfloat16", experts=experts or "bfloat16",
-                      quantise_order=order, all_positions=metrics(base, lp, targets),
+                      kernels=KERNELS.get(name, "ffi"), quantise_order=order, all_positions=metrics(base, lp, targets),
                       seconds=round(time.perf_counter() - t0, 1))
     log(f"{model_name} ftjax {name}: KL {half['kl']:.5f}, top-1 {half['top1_agree']:.4f}, "
         f"PPL {half['ppl']:.3f} ({rows[name]['seconds']} s; {order})")

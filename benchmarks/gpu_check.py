@@ -30,7 +30,9 @@ to ``benchmarks/results/gpu/gpu_check.json`` after every stage (``--dry_run``: u
    experts, each against the cost model's prediction from the measured profile and the run's
    own per-step counts (``ftjax.research.cost``, and DESIGN section 2's DMA/host contention
    model, which the library's cost model gains in issue 17); freetoken at 37% on the other
-   placement too;
+   placement too. freetoken calibrates its q* split while decoding (``calibrate_split``:
+   ``ftjax.runtime.calibration``; each row records the strategy, the fitted fill and host
+   rates and the guard's switches), and runs once more at 37% with the profile's split fixed;
 7. overlap: a ``jax.profiler`` trace of a freetoken decode at 37%: GPU busy time from the
    trace, host-expert time from the CUDA module's counters, and how much of the smaller one
    the step hid behind the other;
@@ -473,18 +475,22 @@ def decode(model, prof, args, run: Run) -> dict:
   shape = ModelShape.from_config(model.config)
   rng = np.random.default_rng(0)
   prompt = [int(t) for t in rng.integers(0, model.config.vocab_size, args.prompt_tokens)]
-  configs = [(p, f, "auto") for f in FRACTIONS for p in POLICIES]
-  configs.append(("freetoken", 0.37, "mapped" if not args.dry_run else "pinned_host"))
+  # The q* policies calibrate their split while decoding (calibrate_split="auto" with a
+  # profile: ftjax.runtime.calibration); one row runs freetoken with the profile's split fixed.
+  configs = [(p, f, "auto", "auto") for f in FRACTIONS for p in POLICIES]
+  configs.append(("freetoken", 0.37, "mapped" if not args.dry_run else "pinned_host", "auto"))
+  configs.append(("freetoken", 0.37, "auto", "off"))
   rows = {}
-  for policy, fraction, pool in configs:
+  for policy, fraction, pool, calibrate in configs:
+    key = f"{policy}@{fraction}/{pool}" + ("/uncalibrated" if calibrate == "off" else "")
     if run.left_s() < 90:
-      rows[f"{policy}@{fraction}/{pool}"] = {"skipped": "time"}
+      rows[key] = {"skipped": "time"}
       continue
-    key = f"{policy}@{fraction}/{pool}"
     engine = None
     try:
       engine = ftjax.Engine(model, cache_fraction=fraction, policy=policy,
-                            profile=prof["path"], pool=pool, decode_chunk=16)
+                            profile=prof["path"], pool=pool, decode_chunk=16,
+                            calibrate_split=calibrate)
       engine.generate_timed(prompt, 4)  # compiles the programs
       engine.generate_timed(prompt, args.tokens)  # warms the cache
       tok_s, predicted, contended, miss = [], [], [], []
@@ -505,7 +511,8 @@ def decode(model, prof, args, run: Run) -> dict:
                    "model_tok_s": statistics.median(predicted),
                    "contention_model_tok_s": statistics.median(contended),
                    "miss_rate": statistics.median(miss), "slots": engine.stats()["slots"],
-                   "compile_s": engine.compile_s, "full_pool_ops": full_pool_ops(engine)}
+                   "compile_s": engine.compile_s, "full_pool_ops": full_pool_ops(engine),
+                   "calibration": engine.calibration()}
       rows[key]["measured_over_model"] = rows[key]["tok_s"] / rows[key]["model_tok_s"]
       log(f"  {key}: {rows[key]['tok_s']:.1f} tok/s (model {rows[key]['model_tok_s']:.1f}), "
           f"miss {rows[key]['miss_rate']:.2f}")

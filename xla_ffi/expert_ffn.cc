@@ -34,8 +34,10 @@
 // as mxfp4's, then each row's parameters (float32 steps, a uint8 scale and an int8 min per 32
 // inputs; Int4ParamsOffset below). KernelTable::dot_int4_f32 multiplies the format's float32
 // weights in float32 (one token: fused, the 4.5-bit bytes read once); experts that take the
-// packed GEMM have each task's rows decoded to float32 (exact) first. No biases; float32
-// activations only.
+// packed GEMM have each task's rows decoded to float32 (exact) first. No biases. With
+// bf16_activations, the grouped form (prefill) decodes each task's rows to float32 and rounds
+// them to bf16 (DecodeInt4RowsBf16) for the bf16-pair GEMM (AMX tiles where enabled); the decode
+// form stays exact.
 //
 // Three layers, as STYLE.md section 6 asks:
 //   ExpertFfn        the kernel, no XLA types: plans the work and runs it on the workers with
@@ -222,10 +224,15 @@ template <>
 struct DotKernelOf<uint8_t, Bf16Bits> {
   using type = std::nullptr_t;
 };
-// int4 (Int4Word): float32 activations only.
+// int4 (Int4Word): the fused dot kernel takes float32 activations; with bf16 activations every
+// expert runs on the packed GEMM (RunExperts), as mxfp4's.
 template <>
 struct DotKernelOf<Int4Word, float> {
   using type = void (*)(const Int4DotProblem&);
+};
+template <>
+struct DotKernelOf<Int4Word, Bf16Bits> {
+  using type = std::nullptr_t;
 };
 template <typename WeightT, typename ActivationT>
 using DotKernel = typename DotKernelOf<WeightT, ActivationT>::type;
@@ -274,11 +281,15 @@ void PartDot(DotKernel<WeightT, ActivationT> dot, const WeightT* block, const Ex
   const int64_t F = dims.ffn_dim, D = dims.model_dim;
   const int64_t n = part == 2 ? F : D;  // inputs of the part's rows
   if constexpr (std::is_same_v<WeightT, Int4Word>) {
-    const Int4Rows q = Int4PartRows(block, dims, part, row);
-    const int64_t blocks = n / kMxfp4Block;
-    dot({q.codes, n / 2, q.params + 8, q.param_stride,
-         reinterpret_cast<const int8_t*>(q.params + 8 + blocks), q.param_stride, q.params,
-         q.param_stride, rows, a, tokens, n, c, c_stride});
+    if constexpr (std::is_same_v<ActivationT, Bf16Bits>) {
+      std::abort();  // never reached: RunExperts packs every expert of this pairing
+    } else {
+      const Int4Rows q = Int4PartRows(block, dims, part, row);
+      const int64_t blocks = n / kMxfp4Block;
+      dot({q.codes, n / 2, q.params + 8, q.param_stride,
+           reinterpret_cast<const int8_t*>(q.params + 8 + blocks), q.param_stride, q.params,
+           q.param_stride, rows, a, tokens, n, c, c_stride});
+    }
   } else if constexpr (std::is_same_v<WeightT, uint8_t>) {
     const Mxfp4Rows m = Mxfp4PartRows(block, dims, part, row);
     if constexpr (std::is_same_v<ActivationT, int8_t>) {
@@ -472,7 +483,8 @@ struct WorkerScratch {
   // [2, kFfnChunk, D] or down [kModelChunk, F], and one row in float32 on the way.
   Bf16Bits* decoded;
   float* decoded_row;  // [max(D, F)]
-  // Packed int4 experts only: the same rows decoded to float32 (DecodeInt4Rows).
+  // Packed int4 experts against float32 activations: the same rows decoded to float32
+  // (DecodeInt4Rows); against bf16 activations they are rounded to bf16 into `decoded`.
   float* decoded_f32;
 };
 
@@ -509,6 +521,20 @@ void DecodeInt4Rows(const KernelTable& kernels, const Int4Word* block, const Exp
   }
 }
 
+// The same rows rounded to bf16 at out [rows, n] (row_f32 [n] on the way): the weights of the
+// bf16-pair GEMM under bf16 activations. Unlike mxfp4's, int4 values are not all bf16 values:
+// each weight rounds to 8 significant bits (relative error <= 2^-9), as the activations do,
+// far inside the format's own step (a 16th of a block's range).
+void DecodeInt4RowsBf16(const KernelTable& kernels, const Int4Word* block,
+                        const ExpertFfnDims& dims, int part, int64_t row, int64_t rows,
+                        float* row_f32, Bf16Bits* out) {
+  const int64_t n = part == 2 ? dims.ffn_dim : dims.model_dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    DecodeInt4Rows(kernels, block, dims, part, row + r, 1, row_f32);
+    kernels.round_to_bf16(row_f32, out + r * n, n);
+  }
+}
+
 // Where one active expert's activations live. Experts with more than
 // KernelTable::packed_min_tokens routes use the packed-activation GEMM when the ISA has it (AVX2,
 // AVX-512): x and h are stored packed (cpu_kernels.h) in groups of 16 routes; the others use the
@@ -537,9 +563,11 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   constexpr bool kMxfp4 = std::is_same_v<WeightT, uint8_t>;
   constexpr bool kInt4 = std::is_same_v<WeightT, Int4Word>;
   // The packed GEMM's weights: the bank's, mxfp4 rows decoded to bf16 (DecodeMxfp4Rows), or
-  // int4 rows decoded to float32 (DecodeInt4Rows).
-  using PackedWeightT =
-      std::conditional_t<kMxfp4, Bf16Bits, std::conditional_t<kInt4, float, WeightT>>;
+  // int4 rows decoded to float32 (DecodeInt4Rows), or to bf16 against bf16 activations
+  // (DecodeInt4RowsBf16).
+  constexpr bool kInt4Bf16 = kInt4 && kRound;
+  using PackedWeightT = std::conditional_t<kMxfp4 || kInt4Bf16, Bf16Bits,
+                                           std::conditional_t<kInt4, float, WeightT>>;
   const auto packed_dot = PackedDotFor<PackedWeightT, ActivationT>(kernels);
   const int num_workers = workers.num_workers();
 
@@ -548,10 +576,10 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   constexpr bool kBf16Pairs =
       std::is_same_v<PackedWeightT, Bf16Bits> && std::is_same_v<ActivationT, Bf16Bits>;
   // (AMX needs whole tiles of 32 inputs; otherwise the pairs run on vdpbf16ps.)
-  // mxfp4 rows decoded to bf16 against bf16 activations have no dot kernel: every expert with
-  // a route takes the packed GEMM.
+  // mxfp4 and int4 rows decoded to bf16 against bf16 activations have no dot kernel: every
+  // expert with a route takes the packed GEMM.
   const int64_t packed_min_routes =
-      kMxfp4 && kRound
+      (kMxfp4 || kInt4) && kRound
           ? 0
           : PackedMinTokens(kernels, kBf16Pairs && D % 32 == 0 && F % 32 == 0, PackedUse::kExpert);
   auto is_packed = [&](int64_t i) {
@@ -598,13 +626,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
   if constexpr (kMxfp4 && std::is_same_v<ActivationT, float>) {
     direct_mxfp4 = kernels.packed_dot_mxfp4_f32 != nullptr;
   }
-  const bool decode_rows = kMxfp4 && packed_x_size > 0 && !direct_mxfp4;
+  const bool decode_rows = (kMxfp4 || kInt4Bf16) && packed_x_size > 0 && !direct_mxfp4;
   const int64_t decoded_elements = std::max(2 * kFfnChunk * D, kModelChunk * F);
   const int64_t at_worker_decoded =
       plan.Add<Bf16Bits>(decode_rows ? num_workers * decoded_elements : 0);
   const int64_t at_worker_decoded_row =
       plan.Add<float>(decode_rows ? num_workers * std::max(D, F) : 0);
-  const bool decode_int4 = kInt4 && packed_x_size > 0;
+  const bool decode_int4 = kInt4 && !kRound && packed_x_size > 0;
   const int64_t at_worker_decoded_f32 =
       plan.Add<float>(decode_int4 ? num_workers * decoded_elements : 0);
   unsigned char* buffer = Scratch(plan);
@@ -732,6 +760,12 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
           gate_fd = s.decoded;
           up_fd = s.decoded + rows * D;
         }
+      } else if constexpr (kInt4Bf16) {
+        DecodeInt4RowsBf16(kernels, block, dims, 0, f0, rows, s.decoded_row, s.decoded);
+        DecodeInt4RowsBf16(kernels, block, dims, 1, f0, rows, s.decoded_row,
+                           s.decoded + rows * D);
+        gate_fd = s.decoded;
+        up_fd = s.decoded + rows * D;
       } else if constexpr (kInt4) {
         DecodeInt4Rows(kernels, block, dims, 0, f0, rows, s.decoded_f32);
         DecodeInt4Rows(kernels, block, dims, 1, f0, rows, s.decoded_f32 + rows * D);
@@ -832,6 +866,10 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
                             scratch[worker].decoded);
             down_df = scratch[worker].decoded;
           }
+        } else if constexpr (kInt4Bf16) {
+          DecodeInt4RowsBf16(kernels, block, dims, 2, d0, rows, scratch[worker].decoded_row,
+                             scratch[worker].decoded);
+          down_df = scratch[worker].decoded;
         } else if constexpr (kInt4) {
           DecodeInt4Rows(kernels, block, dims, 2, d0, rows, scratch[worker].decoded_f32);
           down_df = scratch[worker].decoded_f32;
@@ -916,9 +954,17 @@ void ExpertFfn(const ExpertFfnDims& dims, const float* x_td, const int32_t* ids_
       RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_i8_f32,
                                  workers, act, y_td);
     }
-  } else if constexpr (std::is_same_v<WeightT, Int4Word>) {  // int4: exact, float32
-    RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_int4_f32,
-                               workers, act, y_td);
+  } else if constexpr (std::is_same_v<WeightT, Int4Word>) {
+    if (bf16_activations && dims.tokens > kDecodeMaxTokens && kernels.packed_dot_bf16 != nullptr) {
+      // The grouped form with bf16 activations: rows decoded and rounded to bf16 per task
+      // (DecodeInt4RowsBf16), x and h rounded to bf16, the bf16-pair GEMM (vdpbf16ps, AMX tiles
+      // where enabled), as an mxfp4 bank's prefill. The decode form stays exact.
+      RunExperts<WeightT, Bf16Bits>(dims, groups, x_td, bank_ep, kernels, nullptr, workers, act,
+                                    y_td);
+    } else {  // exact, float32
+      RunExperts<WeightT, float>(dims, groups, x_td, bank_ep, kernels, kernels.dot_int4_f32,
+                                 workers, act, y_td);
+    }
   } else if constexpr (std::is_same_v<WeightT, uint8_t>) {  // mxfp4
     // int8_activations: the decode form only, where the exact form is bound by its operations
     // (cpu_kernels.h); the grouped form (prefill) stays exact, on the packed GEMM.
@@ -1116,11 +1162,12 @@ ffi::Error ExpertFfnImpl(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> x,
               *setup.kernels, setup.workers, y->typed_data());
   } else if (mxfp4) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.reinterpret_data<uint8_t>() + layer_offset, false, int8_activations, act,
+              bank.reinterpret_data<uint8_t>() + layer_offset, bf16_activations, int8_activations,
+              act,
               *setup.kernels, setup.workers, y->typed_data());
   } else if (int4) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
-              bank.reinterpret_data<Int4Word>() + layer_offset, false, false, act,
+              bank.reinterpret_data<Int4Word>() + layer_offset, bf16_activations, false, act,
               *setup.kernels, setup.workers, y->typed_data());
   } else if (bank_dtype == ffi::DataType::S8) {
     ExpertFfn(dims, x.typed_data(), ids_tk, weights.typed_data(),
@@ -1170,7 +1217,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtjaxExpertFfn, ftjax::ExpertFfnImpl,
                                   .Arg<ffi::AnyBuffer>()         // bank [L, E, P], bf16, f32, s8, u8
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [], index into L
                                   .Attr<int64_t>("ffn_dim")      // F
-                                  .Attr<bool>("bf16_activations")  // vdpbf16ps for bf16 banks
+                                  .Attr<bool>("bf16_activations")  // bf16, mxfp4, int4 prefill
                                   .Attr<bool>("int8_activations")  // int8 and mxfp4 banks
                                   .Attr<std::string_view>("activation")  // "swiglu", "clamped_swiglu"
                                   .Attr<float>("alpha")          // clamped_swiglu: sigmoid gain

@@ -37,7 +37,7 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "host kernels: ffi (C++, exact), ffi_bf16 (C++, bf16 activations: faster prefill), "
           "ffi_int8 (C++, int8 activations for int8 experts on AVX-512-VNNI and for mxfp4 "
           "experts' decode on any CPU, as llama.cpp's Q8_0; opt-in), xla; auto "
-          "picks ffi_bf16 for bf16 models on CPU, ffi otherwise"),
+          "picks ffi_bf16 for bf16, mxfp4 and int4 experts on CPU, ffi otherwise"),
       "load_mode": flags.DEFINE_enum("load_mode", "auto", list(LOAD_MODES), LOAD_MODES_HELP),
       "prefault": flags.DEFINE_boolean(
           "prefault", True, "with mapped weights (--load_mode=mmap, or auto when they do not "
@@ -66,6 +66,11 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
                                      "bandwidth profile JSON (python -m ftjax.profile)"),
       "bandwidths": flags.DEFINE_list("bandwidths", None,
                                       "B_P,B_H in GB/s (instead of --profile)"),
+      "calibrate_split": flags.DEFINE_enum(
+          "calibrate_split", "auto", ["auto", "on", "off"],
+          "q* policies: re-solve the fill/host split from the costs measured while decoding, "
+          "and switch to pure fill or pure host when the split measures over 1.1x the best "
+          "(auto: on with --profile, off with --bandwidths)"),
       "pool": flags.DEFINE_enum(
           "pool", "auto", ["auto", "device", "pinned_host", "mapped"],
           "where the host expert pool lives: device (CPU default), pinned_host (fills as "
@@ -124,6 +129,8 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
                            f"{','.join(holders['bandwidths'].value)}") from None
   if cache:
     cache["policy"] = holders["policy"].value
+    if holders["calibrate_split"].value != "auto":
+      cache["calibrate_split"] = holders["calibrate_split"].value
   if holders["pool"].value != "auto":
     cache["pool"] = holders["pool"].value
   if holders["devices"].value is not None:

@@ -185,6 +185,15 @@ def format_stats(stats: dict) -> str:
   b = stats["bytes"]
   lines.append(f"total miss rate {stats['miss_rate']:.3f}; bytes filled {b['fill'] / 1e6:.1f} MB, "
                f"run on host {b['host'] / 1e6:.1f} MB, read from slots {b['device'] / 1e6:.1f} MB")
+  cal = stats.get("calibration")
+  if cal is not None:
+    rates = cal["rates_gb_s"]
+    measured = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in cal["seconds_per_step"].items())
+    lines.append(f"q* split calibrated: strategy {cal['strategy']}, rates B_P {rates[0]:.1f} "
+                 f"B_H {rates[1]:.1f} GB/s ({'fitted' if cal['fitted'] else 'the profile'}), "
+                 f"ms a step {{{measured}}}, {len(cal['switches'])} switches, "
+                 f"{cal['probes']} probes")
+    lines.extend(f"  {s['before']} -> {s['after']} at step {s['step']}" for s in cal["switches"])
   return "\n".join(lines) + "\n"
 
 

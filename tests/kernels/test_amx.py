@@ -122,3 +122,13 @@ def test_the_summary_line_names_amx(monkeypatch):
   assert "+amx" not in resolve_kernels("ffi", BF16)[1]  # exact: float32 activations, no AMX
   monkeypatch.setenv("FTJAX_AMX", "0")
   assert "+amx" not in resolve_kernels("ffi_bf16", BF16)[1]
+
+
+@pytest.mark.parametrize("bank,chosen", [(BF16, "ffi_bf16"), (np.uint8, "ffi_bf16"),
+                                         (np.uint16, "ffi_bf16"), (np.int8, "ffi"),
+                                         (np.float32, "ffi")])
+def test_auto_rounds_activations_where_the_weights_allow(bank, chosen):
+  """kernels="auto" on the CPU: bf16 activations in prefill for bf16, mxfp4 (uint8) and int4
+  (uint16) experts, whose weights are bf16 values or round to them far inside their own step;
+  exact float32 for int8 and float32 experts."""
+  assert resolve_kernels("auto", bank)[0] == chosen

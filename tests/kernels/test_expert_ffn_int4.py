@@ -72,6 +72,27 @@ def test_int4_matches_dequantised_reference(case_name, isa):
   tolerances.assert_close(y, ref, tolerances.F32)
 
 
+@pytest.mark.parametrize("case_name", ["grouped_tokens_41", "grouped_tokens_150",
+                                       "decode_tokens_5_skips"])
+def test_int4_bf16_activations(case_name, isa):
+  """bf16_activations (kernels="ffi_bf16", the default for int4 banks): the grouped form
+  multiplies x and h rounded to bf16 with rows decoded and rounded to bf16 on the bf16-pair GEMM
+  (AMX tiles where the CPU has them), to the bf16-activation tolerance of the float64 reference;
+  the decode form, and ISAs without bf16 pairs, stay exact."""
+  case = CASES[case_name]
+  x, ids, weights, bank = make_inputs(case, "bf16 activations")
+  y = np.asarray(expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F,
+                            bf16_activations=True))
+  ref = reference.routed_experts(x, ids, weights, bank, case.layer, case.F)
+  assert np.all(np.isfinite(y))
+  tolerances.assert_close(y, ref, tolerances.BF16_ACTIVATIONS)
+  exact = np.asarray(expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F))
+  if isa != "avx512bf16" or case.T <= 8:
+    np.testing.assert_array_equal(y, exact)
+  else:  # the bf16 GEMM ran: not the float32 result
+    assert not np.array_equal(y, exact)
+
+
 def test_xla_path_dequantises_exactly():
   """routed.split_block gives the float32 weights of the spec bit for bit, and the XLA path's
   sum is the reference's."""

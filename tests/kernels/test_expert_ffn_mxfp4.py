@@ -136,9 +136,12 @@ def test_mxfp4_bf16_activations(case_name, isa):
                             bf16_activations=True))
   tolerances.assert_close(y, gpt_oss_reference(case, x, ids, weights, bank),
                           tolerances.BF16_ACTIVATIONS)
+  exact = np.asarray(expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F,
+                                variant=GPT_OSS))
   if isa != "avx512bf16" or case.T <= 8:
-    exact = expert_ffn(x, ids, weights, bank, case.layer, ffn_dim=case.F, variant=GPT_OSS)
-    np.testing.assert_array_equal(y, np.asarray(exact))
+    np.testing.assert_array_equal(y, exact)
+  else:  # the bf16 GEMM ran: not the float32 result
+    assert not np.array_equal(y, exact)
 
 
 def test_mxfp4_bank_quantised_without_biases_matches_float_bank():

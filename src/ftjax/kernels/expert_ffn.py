@@ -25,8 +25,10 @@ the read bandwidth, this one is not; a prefill call (T > 8) stays exact. An int4
 words: the FTW expert format "int4", ftjax.utils.quant) holds unsigned 4-bit codes with a scale
 and a min per 32 inputs under per-row float32 steps (4.5 bits a weight, as llama.cpp's Q4_K), no
 biases; the kernel multiplies the format's float32 weights in float32 (decode: fused, 4.5-bit
-bytes read once; prefill: rows decoded to float32 per task, the packed GEMM). Float32
-activations only.
+bytes read once; prefill: rows decoded to float32 per task, the packed GEMM). With
+bf16_activations a prefill call (T > 8) rounds the decoded rows to bf16 as well (relative error
+<= 2^-9 a weight, far inside the format's own step) and runs the bf16-pair GEMM (AMX tiles
+where enabled); a decode call stays exact.
 
 Two forms inside, chosen by T: decode (T <= 8: distinct experts found once, each expert read
 once for all its tokens, its rows split across the threads) and grouped prefill (routes bucketed
@@ -100,9 +102,10 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
     ids: [T, K] int32 expert ids in [-1, E); -1 skips the route. Values are checked by
       the kernel at run time (they may be traced).
     weights: [T, K] float32 route weights.
-    bank: [L, E, P] bfloat16, float32, int8 or uint8 (mxfp4) expert blocks (may be traced);
-      int8 blocks carry their float32 row scales, mxfp4 blocks their E8M0 block scales and
-      float32 biases (module docstring).
+    bank: [L, E, P] bfloat16, float32, int8, uint8 (mxfp4) or uint16 (int4) expert blocks
+      (may be traced); int8 blocks carry their float32 row scales, mxfp4 blocks their E8M0
+      block scales and float32 biases, int4 blocks their per-row parameters (module
+      docstring).
     layer: int32 scalar in [0, L) (may be traced; checked here when concrete and by the
       kernel at run time).
     ffn_dim: F, the expert hidden width; a static Python int.
@@ -110,7 +113,9 @@ def expert_ffn(x, ids, weights, bank, layer, *, ffn_dim, bf16_activations=False,
       and the hidden h) to bf16 and multiply with vdpbf16ps: twice the multiply-add rate,
       which the grouped (prefill) form gains from, at a relative error of ~1e-2 of max|y|.
       When False (the default), bf16 weights are widened to float32 and the result is exact
-      to ~1e-5 like a float32 bank; the decode form runs at read bandwidth either way.
+      to ~1e-5 like a float32 bank; the decode form runs at read bandwidth either way. An
+      mxfp4 or int4 bank's prefill (T > 8) takes the same bf16-pair GEMM on its rows decoded
+      per task (int4's rounded to bf16); its decode form stays exact.
     int8_activations: for an int8 bank on a CPU with AVX-512-VNNI (the avx512bf16 kernels;
       elsewhere the call fails, naming the fix), quantise x per token and the hidden h per
       route to int8 (symmetric, scale max|row| / 127) and multiply with vpdpbusd: about a

@@ -37,6 +37,7 @@ from ftjax.runtime.kv import Chunk, KVLayout
 from ftjax.runtime.options import RuntimeOptions
 from ftjax.runtime.model import Model
 from ftjax.runtime.placement import expert_mesh, resolve_pool, shard_params
+from ftjax.runtime.calibration import SplitCalibrator
 from ftjax.runtime.profile import ExpertShape, expert_shape_bias, load_profile
 from ftjax.runtime.programs import Programs, Runner, expert_variant, return_free_heap
 from ftjax.runtime.sampling import Sampling
@@ -44,8 +45,8 @@ from ftjax.runtime.sampling import Sampling
 def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
   """The kernels a step runs with and a description of that path for the summary line.
 
-  ``auto`` is ftjax's C++ kernels on the CPU backend (``ffi_bf16`` for bfloat16 and mxfp4
-  banks, ``ffi`` otherwise) and XLA elsewhere. When the compiled module is missing or unusable,
+  ``auto`` is ftjax's C++ kernels on the CPU backend (``ffi_bf16`` for bfloat16, mxfp4 and
+  int4 banks, ``ffi`` otherwise) and XLA elsewhere. When the compiled module is missing or unusable,
   ``auto`` and ``ffi*`` raise ``ftjax.kernels.KernelsUnavailable`` with the cause and the
   fix: never a silent fall back to XLA:CPU, which is 10-20x slower there."""
   backend = jax.default_backend()
@@ -56,9 +57,12 @@ def resolve_kernels(requested: str, bank_dtype) -> tuple[str, str]:
                      "the pool's placement)")
     host_kernels.require("kernels='auto' on the CPU backend")
     # bf16 activations in prefill where the weights are bf16 values: bfloat16 and mxfp4 banks
-    # (E2M1 times a power of two is a bf16 value; the decode forms stay exact either way).
-    chosen = "ffi_bf16" if np.dtype(bank_dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.uint8)) \
-        else "ffi"
+    # (E2M1 times a power of two is a bf16 value), and int4 banks (uint16 words), whose weights
+    # round to bf16 at <= 2^-9 of themselves, far inside the format's own step: prefill on the
+    # bf16-pair GEMM (AMX tiles where the CPU has them) instead of float32 FMA, 1.6x on the
+    # paper's model (benchmarks/paper_model.py). The decode forms stay exact either way.
+    chosen = "ffi_bf16" if np.dtype(bank_dtype) in (
+        np.dtype(jnp.bfloat16), np.dtype(np.uint8), np.dtype(np.uint16)) else "ffi"
   elif requested in ("ffi", "ffi_bf16", "ffi_int8"):
     if backend != "cpu":
       raise ValueError(f"kernels={requested!r} names the CPU backend's kernels; on {backend} use "
@@ -191,7 +195,7 @@ class Engine:
                         decode_chunk=opts.decode_chunk, bandwidths=self.bandwidths)
     self.executor = Executor(spec, Programs.shared(self.runner), self.memory,
                              self._initial_cache(self._requested_slots(kv_bytes=0))
-                             if opts.caching else None)
+                             if opts.caching else None, calibrator=self._calibrator())
     self._release = weakref.finalize(self, _engine_gone, self.executor)
 
   @property
@@ -318,6 +322,21 @@ class Engine:
       raise ValueError(f"the {self.policy} policy needs bandwidths: pass bandwidths=(B_P, "
                        "B_H) in GB/s or profile=PATH (write one with `python -m ftjax.profile`)")
     return None, "none (not needed by this policy)"
+
+  def _calibrator(self) -> SplitCalibrator | None:
+    """The q* split's calibrator and guard (``ftjax.runtime.calibration``) when
+    ``calibrate_split`` asks for one: "auto" with a profile, "on" with any bandwidths; only a
+    q* policy has a split to calibrate."""
+    want = self.options.calibrate_split
+    if want == "off" or self.policy is None or self.policy.fill_rule != "q*":
+      if want == "on" and (self.policy is None or self.policy.fill_rule != "q*"):
+        raise ValueError(f"calibrate_split='on' calibrates the q* split; the "
+                         f"{self.policy or 'no-cache'} policy has none (use a q* policy such as "
+                         "freetoken, or calibrate_split='auto')")
+      return None
+    if want == "auto" and self.options.profile is None:
+      return None
+    return SplitCalibrator(self.bandwidths, self.model.expert_bytes)
 
   def _capacity(self, num_slots: int) -> int:
     fixed = self.options.cache_capacity
@@ -472,8 +491,16 @@ class Engine:
                   "device": int((total["hits"] + total["fills"]).sum() * eb),
                   "stream": int(streamed.sum() * self.model.config.num_experts * eb)},
         "streamed_layer_steps": int(streamed.sum()),
+        "calibration": self.calibration(),
         "compiles": self.compile_count,
     }
+
+  def calibration(self) -> dict[str, Any] | None:
+    """The q* split's calibration and guard (``ftjax.runtime.calibration``): the strategy in
+    use, the measured costs and rates, the switches; None when the split is not calibrated
+    (``calibrate_split``)."""
+    calibrator = self.executor.calibrator
+    return None if calibrator is None else calibrator.summary()
 
   def cache_totals(self) -> dict[str, int]:
     """Expert-cache hits, fills and host-run experts over the engine's life (all zero without

@@ -52,6 +52,7 @@ from ftjax.model import DecodeState, KVCache, ModelConfig, init_state
 from ftjax.model.transformer import init_mtp_state
 from ftjax.runtime import programs, speculative
 from ftjax.runtime.budget import MemoryBudget
+from ftjax.runtime.calibration import SplitCalibrator
 from ftjax.runtime.kv import KVLayout
 from ftjax.runtime.placement import EXPERT_AXIS
 from ftjax.runtime.programs import Loop, ProgramKind, Programs, Rows
@@ -210,8 +211,11 @@ class Executor:
   nothing of the engine that made it."""
 
   def __init__(self, spec: ExecutorSpec, table: Programs, memory: MemoryBudget,
-               initial_cache=None):
+               initial_cache=None, calibrator: SplitCalibrator | None = None):
     self.spec = spec
+    # The q* split measured while decoding, and its guard (None: the spec's bandwidths, fixed).
+    self.calibrator = calibrator
+    self._strategy: str | None = None  # the calibrator's strategy of the last program run
     self.kv = spec.kv
     self.table = table
     self.memory = memory
@@ -263,7 +267,8 @@ class Executor:
     if not kind.model:
       return fn(*args)
     begun = time.perf_counter()
-    est, *outs = fn(self.spec.params, self.spec.bank, self.engine_state(state), *args)
+    est, *outs = fn(self.spec.params, self.spec.bank,
+                    self.engine_state(state, decode_program=key[0] == "decode"), *args)
     state = self.keep(est)  # the newest cache is kept, even if a read fails
     if record is not None:
       self.record(outs[kind.record_at], time.perf_counter() - begun, **record)
@@ -474,12 +479,28 @@ class Executor:
     """The expert cache's slot buffer size (-1 without a cache): part of every program key."""
     return -1 if self.cache is None else self.cache.capacity
 
-  def engine_state(self, decode: DecodeState) -> EngineState:
-    """What a program takes: ``decode`` with the engine's expert cache and bandwidths."""
+  def bandwidths(self, decode: bool = False) -> np.ndarray:
+    """The (B_P, B_H) a program plans with: the spec's, or with a calibrator its measured
+    rates, and for a decode program (``decode``) the strategy its guard runs next (a pure
+    fill or pure host pair, or the split)."""
+    self._strategy = None
+    if self.calibrator is not None:
+      if decode:
+        bandwidths = self.calibrator.decode_bandwidths()
+        self._strategy = self.calibrator.probing or self.calibrator.mode
+        return bandwidths
+      return self.calibrator.rates()
+    if self.spec.bandwidths is not None:
+      return np.asarray(self.spec.bandwidths, np.float32)
+    return np.ones(2, np.float32)
+
+  def engine_state(self, decode: DecodeState, *, decode_program: bool = False) -> EngineState:
+    """What a program takes: ``decode`` with the engine's expert cache and the bandwidths
+    (``bandwidths``) of a decode program (``decode_program``) or another."""
     if self.cache is None:
       return EngineState(decode=decode)
     spec = self.spec
-    bandwidths = spec.bandwidths if spec.bandwidths is not None else np.ones(2, np.float32)
+    bandwidths = self.bandwidths(decode_program)
     state = EngineState(decode=decode, cache=self.cache,
                         bandwidths=jax.device_put(np.asarray(bandwidths, np.float32)))
     if spec.mesh is None:
@@ -800,20 +821,25 @@ class Executor:
                      jax.tree.map(np.copy, batch.sampling)))
     batch.state, batch.rows, out, record = self.execute(key, batch.rows, *args,
                                                         state=batch.state)
+    strategy = self._strategy
     for row, seq in enumerate(batch.seqs):
       if go[row]:
         seq.programs += 1
     batch.resume[:] = False
     batch.decided.clear()
-    return out, batch.rows.done, record, list(batch.seqs), go
+    return out, batch.rows.done, record, list(batch.seqs), go, strategy
 
   def _read(self, batch: Batch, chunk, begun: float) -> None:
     """Reads a dispatched chunk: its tokens go to their sequences, which decide."""
-    out, done, record, owners, go = chunk
+    out, done, record, owners, go, strategy = chunk
     out, done = jax.device_get((out, done))
     stepped = out >= 0
     steps = int(stepped.any(axis=1).sum())
-    counts = self.record(record, time.perf_counter() - begun, "decode", stepped=stepped[:steps])
+    seconds = time.perf_counter() - begun
+    counts = self.record(record, seconds, "decode", stepped=stepped[:steps])
+    if self.calibrator is not None and counts is not None and steps:
+      hits, fills, host = (int(n) for n in counts.sum(axis=0))
+      self.calibrator.observe(seconds, steps, hits, fills, host, strategy=strategy)
     stepped = stepped[:steps]
     for row, seq in enumerate(owners):
       if seq is None or not go[row] or batch.seqs[row] is not seq:

@@ -15,6 +15,8 @@ from ftjax.experts import KERNELS
 from ftjax.runtime.kv import KV_DTYPES, KV_GROWTHS
 from ftjax.runtime.placement import POOLS
 
+CALIBRATE_SPLIT = ("auto", "on", "off")
+
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
@@ -29,8 +31,8 @@ class RuntimeOptions:
     quantised to int8, ~1e-2 relative error; int8 experts for vpdpbusd on AVX-512-VNNI CPUs,
     mxfp4 experts per block of 32 as llama.cpp's Q8_0, in decode steps only, on any CPU; dense
     work as "ffi"), "xla"
-    (plain jnp), or "auto" (on the CPU backend with the compiled module: ffi_bf16 for bfloat16
-    models, ffi otherwise, int8 experts included; else xla).
+    (plain jnp), or "auto" (on the CPU backend with the compiled module: ffi_bf16 for bfloat16,
+    mxfp4 and int4 experts, ffi otherwise, int8 experts included; else xla).
   Expert cache (at most one of the four sizes; none = no cache, every routed expert runs
   from the host pool):
     cache_slots: number of slots; cache_fraction: of all L·E experts; cache_bytes: a memory
@@ -39,6 +41,11 @@ class RuntimeOptions:
   policy: a name in ``ftjax.cache.POLICIES`` or a ``PolicyConfig``.
   bandwidths: (B_P, B_H) in GB/s, or profile: a ``python -m ftjax.profile`` JSON. Needed by
     the freetoken policy.
+  calibrate_split: for a q* policy, whether decode re-solves the split from the fills' and
+    host runs' costs measured while it runs, with a guard that switches to pure fill or pure
+    host when the split measures over 1.1x the best of the three (``ftjax.runtime.
+    calibration``): "on", "off", or "auto" (on with a ``profile``, whose numbers were measured
+    apart from serving; off with ``bandwidths`` given, which a sweep sets on purpose).
   hot_experts: routing counts [L, E] choosing the pinned set of ``static_hot``.
   cache_capacity: a fixed slot-buffer size (default: the power-of-two bucket of the slot
     count). Sizes up to it then share one compiled step: sweeps over cache sizes compile once.
@@ -108,6 +115,7 @@ class RuntimeOptions:
   policy: str | PolicyConfig = "freetoken"
   bandwidths: tuple[float, float] | None = None
   profile: str | None = None
+  calibrate_split: str = "auto"
   hot_experts: Any = None
   cache_capacity: int | None = None
   record_routing: bool = False
@@ -124,6 +132,9 @@ class RuntimeOptions:
   kernel_tuning: str = "auto"
 
   def __post_init__(self):
+    if self.calibrate_split not in CALIBRATE_SPLIT:
+      raise ValueError(f"calibrate_split must be one of {CALIBRATE_SPLIT}, got "
+                       f"{self.calibrate_split!r}")
     if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
         or self.prefill_chunk < 1):
       raise ValueError(f"prefill_chunk must be a positive int (tokens per prefill chunk), got "

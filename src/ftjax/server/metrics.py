@@ -1,9 +1,10 @@
 """The server's Prometheus metrics (``GET /metrics``), in their own registry.
 
 Counters: requests by endpoint and status, prompt/completion/cached tokens, expert-cache hits,
-fills and host-run experts (``Engine.cache_totals``), the engine's compiles and their seconds. Histograms: time to first token (queue
+fills and host-run experts (``Engine.cache_totals``), the engine's compiles and their seconds,
+the q* guard's switches and probes (``Engine.calibration``). Histograms: time to first token (queue
 wait included) and decode tokens per second. Gauges, read at scrape time: requests waiting,
-sessions held and their memory, anchors and their bytes.
+sessions held and their memory, anchors and their bytes, the q* split's strategy and rates.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -46,6 +47,29 @@ class _CacheTotals(Collector):
     seconds = CounterMetricFamily("ftjax_compile_seconds", "seconds spent compiling programs")
     seconds.add_metric([], self.engine.compile_s)
     yield seconds
+    # The q* split's calibration and guard (ftjax.runtime.calibration), when it runs.
+    calibration = self.engine.calibration()
+    if calibration is not None:
+      strategy = GaugeMetricFamily("ftjax_split_strategy", "1 for the strategy decode runs "
+                                   "with: the calibrated q* split, pure fill or pure host",
+                                   labels=["strategy"])
+      for name in ("split", "fill", "host"):
+        strategy.add_metric([name], int(calibration["strategy"] == name))
+      yield strategy
+      switches = CounterMetricFamily("ftjax_split_switches", "strategy changes by the q* "
+                                     "guard (each logged with what the strategies measured)")
+      switches.add_metric([], len(calibration["switches"]))
+      yield switches
+      probes = CounterMetricFamily("ftjax_split_probes", "decode programs run with a strategy "
+                                   "other than the one in use, to measure it")
+      probes.add_metric([], calibration["probes"])
+      yield probes
+      rates = GaugeMetricFamily("ftjax_split_rate_gb_s", "the fill (B_P) and host (B_H) "
+                                "bandwidths the split plans with, measured while serving",
+                                labels=["rate"])
+      for name, value in zip(("fill", "host"), calibration["rates_gb_s"]):
+        rates.add_metric([name], value)
+      yield rates
 
 
 class Metrics:
