@@ -186,7 +186,7 @@ def plot(per_step: dict, best: float, path: str, machine: dict) -> None:
   ax.axvline(GOAL_STEPS, color="grey", linewidth=0.8)
   ax.set_xlabel("decode step")
   ax.set_ylabel("ms a step (chunk of 8, median of rounds)")
-  ax.set_yscale("log")
+  ax.set_ylim(bottom=0)
   ax.set_title(f"q* guard on a 25x lie: bench model, {machine['cpu_model']} "
                f"(f{machine['cpu_family']}m{machine['cpu_model_number']})", fontsize=9)
   ax.legend(fontsize=8)
