@@ -13,20 +13,36 @@ import subprocess
 import sys
 import tomllib
 
-from ftjax.launch import client_env, parse
+from ftjax.launch import PLACEHOLDER_KEY, client_env, parse
 
 URL = "http://127.0.0.1:8123"
 
 
 def test_codex_gets_a_responses_provider_in_its_own_home(tmp_path):
   env = client_env("codex", URL, "default-hybrid", 65536, str(tmp_path))
-  assert env == {"CODEX_HOME": str(tmp_path / "codex")}
+  assert env == {"CODEX_HOME": str(tmp_path / "codex"), "FTJAX_API_KEY": PLACEHOLDER_KEY}
   with open(tmp_path / "codex" / "config.toml", "rb") as f:
     config = tomllib.load(f)
   assert config["model"] == "default-hybrid" and config["model_provider"] == "ftjax"
   assert config["model_context_window"] == 65536
   assert config["model_providers"]["ftjax"] == {"name": "ftjax", "base_url": URL + "/v1",
-                                                "wire_api": "responses"}
+                                                "wire_api": "responses",
+                                                "env_key": "FTJAX_API_KEY"}
+
+
+def test_each_client_sends_the_servers_key_from_its_environment_only(tmp_path):
+  """With a key, every client gets it through its environment; no file holds it."""
+  for name, var in (("claude", "ANTHROPIC_AUTH_TOKEN"), ("codex", "FTJAX_API_KEY"),
+                    ("opencode", "FTJAX_API_KEY")):
+    home = tmp_path / name
+    home.mkdir()
+    env = client_env(name, URL, "m", 4096, str(home), api_key="sk-local-123")
+    assert env[var] == "sk-local-123"
+    for folder, _, files in os.walk(home):
+      for f in files:
+        assert "sk-local-123" not in open(os.path.join(folder, f)).read()
+  with open(tmp_path / "opencode" / "opencode.json") as f:
+    assert json.load(f)["provider"]["ftjax"]["options"]["apiKey"] == "{env:FTJAX_API_KEY}"
 
 
 def test_opencode_gets_a_provider_with_the_context_limit(tmp_path):
@@ -68,6 +84,37 @@ def test_a_client_that_is_not_installed_says_how_to_install_it(tmp_path):
     done = _launch(name, env=env)
     assert done.returncode == 2
     assert f"npm install -g {package}" in done.stderr, done.stderr
+
+
+KEYED_CLIENT = r'''
+import os, sys, anthropic
+key = os.environ["ANTHROPIC_AUTH_TOKEN"]
+url, model = os.environ["ANTHROPIC_BASE_URL"], os.environ["ANTHROPIC_MODEL"]
+ask = dict(model=model, max_tokens=2, messages=[{"role": "user", "content": "x ="}])
+try:
+  anthropic.Anthropic(base_url=url, auth_token="wrong", api_key=None, max_retries=0).messages.create(**ask)
+  print("WRONG KEY ACCEPTED", flush=True)
+except anthropic.AuthenticationError:
+  print("WRONG KEY REFUSED", flush=True)
+reply = anthropic.Anthropic(base_url=url, auth_token=key, api_key=None).messages.create(**ask)
+print("KEYED REPLY", key, reply.stop_reason, flush=True)
+'''
+
+
+def test_launch_passes_the_servers_key_to_the_client(tmp_path):
+  """--api_key: the server the launcher starts requires it (from its environment, not its
+  command line) and the client sends it."""
+  client = tmp_path / "client"
+  client.write_text(f"#!{sys.executable}\n{KEYED_CLIENT}")
+  client.chmod(0o755)
+  env = {k: v for k, v in os.environ.items() if k != "FTJAX_API_KEY"}
+  done = _launch("claude", f"--client_bin={client}", "--model=default", "--max_seq_len=512",
+                 "--api_key=sk-launch-7", "--", env=env)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert "WRONG KEY REFUSED" in done.stdout
+  assert "KEYED REPLY sk-launch-7 max_tokens" in done.stdout
+  starting = [x for x in done.stdout.splitlines() if "starting" in x]
+  assert starting and "sk-launch-7" not in starting[0]
 
 
 CLIENT = r'''

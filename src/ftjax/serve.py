@@ -23,6 +23,7 @@ from ftjax.assets import EMBEDDED_MODELS
 from ftjax.kernels import KernelsUnavailable
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES
 from ftjax.server.app import ServerConfig, bind, create_app
+from ftjax.server.auth import ENV_ADMIN_KEY, ENV_KEY, ApiKeys, exposure_warning, gather_keys
 
 
 def served_name(model: str | None) -> str:
@@ -50,7 +51,10 @@ def main(argv):
         session_budget_bytes=_FLAGS["session_budget_bytes"].value,
         max_sessions=_FLAGS["max_sessions"].value, session_reuse=_FLAGS["session_reuse"].value,
         anchor_budget_bytes=_FLAGS["anchor_budget_bytes"].value,
-        precompile=_FLAGS["precompile"].value)
+        precompile=_FLAGS["precompile"].value,
+        api_keys=gather_keys(_FLAGS["api_key"].value, _FLAGS["api_key_file"].value, ENV_KEY),
+        admin_keys=gather_keys(_FLAGS["admin_key"].value, _FLAGS["admin_key_file"].value,
+                               ENV_ADMIN_KEY))
     application = create_app(engine, config)
     sock = bind(_FLAGS["host"].value, _FLAGS["port"].value)
   except (ValueError, FileNotFoundError, KernelsUnavailable, OSError) as e:
@@ -60,6 +64,12 @@ def main(argv):
   print(f"ftjax.serve: {config.model_name} ({model.config.model_type}, kernels "
         f"{engine.kernels_path}) on http://{shown}:{port}/v1", flush=True)
   print(f"ftjax.serve: compilation cache: {compiled_in}", flush=True)
+  keys = ApiKeys(config.api_keys, config.admin_keys)
+  print(f"ftjax.serve: API keys: {len(config.api_keys) or 'none'}"
+        + (f", admin keys: {len(config.admin_keys)}" if config.admin_keys else ""), flush=True)
+  warning = exposure_warning(host, port, keys)
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
   if config.precompile:
     print("ftjax.serve: preparing the programs a request can run before serving (loaded from "
           "the executable store, or compiled); GET /health answers 503 until they are done",
@@ -109,6 +119,16 @@ def cli() -> None:
       "anchor_budget_bytes": flags.DEFINE_integer(
           "anchor_budget_bytes", DEFAULT_ANCHOR_BUDGET_BYTES,
           "host memory for recurrent-state anchors per session (0: none)", lower_bound=0),
+      "api_key": flags.DEFINE_string(
+          "api_key", None, f"the key every route but /health needs (Authorization: Bearer, "
+          f"or x-api-key); default ${ENV_KEY}, which keeps it out of the process list"),
+      "api_key_file": flags.DEFINE_string(
+          "api_key_file", None, "a file of keys, one a line (# comments), each accepted"),
+      "admin_key": flags.DEFINE_string(
+          "admin_key", None, f"the key POST /v1/cache needs (it resizes the expert cache for "
+          f"everyone); default ${ENV_ADMIN_KEY}"),
+      "admin_key_file": flags.DEFINE_string("admin_key_file", None,
+                                            "a file of admin keys, one a line"),
       "log_level": flags.DEFINE_enum("log_level", "warning",
                                      ["critical", "error", "warning", "info", "debug"],
                                      "uvicorn's log level (info: one line per request)"),

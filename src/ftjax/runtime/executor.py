@@ -30,6 +30,11 @@ engine that made it. It owns:
 Each decode chunk is dispatched before the previous one is read while nothing is about to
 change (no row halted, left or joined), so the device does not wait for the host; a change is
 applied once the chunks in flight are read.
+
+With a ``SplitCalibrator`` (``ftjax.runtime.calibration``: the engine's ``calibrate_split``),
+each decode chunk's seconds and cache counts go to it when the chunk is read, and each program
+plans with the bandwidths it gives (``bandwidths``): a decode chunk with its guard's strategy,
+any other program with the fitted rates.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from ftjax.runtime.chat_template import ChatTemplateError, load_chat_template
 from ftjax.runtime.engine import Engine
 from ftjax.runtime.tokenizer import load_tokenizer
 from ftjax.server import anthropic, openai, responses
+from ftjax.server.auth import ApiKeys, RequireKey
 from ftjax.server.metrics import Metrics
 from ftjax.server.outputs import Delta, opens_thinking
 from ftjax.server.protocol import (ApiError, CacheRequest, ChatRequest, ChatSpec,
@@ -465,6 +466,10 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
         lambda deltas, outcome: responses.response_body(rid, req, model, deltas, outcome))
 
   app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+  # Added last, so it runs first: a request without a valid key is refused unread.
+  keys = ApiKeys(config.api_keys, config.admin_keys)
+  if keys.required or keys.admin_required:
+    app.add_middleware(RequireKey, keys=keys, rejected=server.metrics.rejected)
   return app
 
 

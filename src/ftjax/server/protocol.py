@@ -22,7 +22,8 @@ class ApiError(Exception):
   """An error answered in OpenAI's format: ``{"error": {"message", "type", "param",
   "code"}}`` with HTTP ``status``."""
 
-  TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+  TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+           403: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
            413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
            503: "server_error"}
 

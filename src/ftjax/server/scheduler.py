@@ -37,6 +37,7 @@ from ftjax.runtime.engine import Engine
 from ftjax.runtime.executor import PREPARE_WORKERS, Batch, Feed, Generation
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, Session
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
+from ftjax.server.auth import check_key
 from ftjax.server.outputs import Delta, ReplyParser, StopMatcher
 from ftjax.server.pool import SessionPool
 from ftjax.server.protocol import ApiError
@@ -62,7 +63,9 @@ class ServerConfig:
     (``session_reuse=False``: a fresh session per request, nothing reused).
   precompile: compile every program a request can run (``Engine.programs_needed``) before
     the first request is served, so that no request waits for a compile; ``GET /health``
-    answers 503 with the progress until then. ``python -m ftjax.serve`` does by default."""
+    answers 503 with the progress until then. ``python -m ftjax.serve`` does by default.
+  api_keys, admin_keys: the keys every route but ``/health`` needs, and those the controls
+    (``POST /v1/cache``) need (``ftjax.server.auth``); none: open."""
   model_name: str = "default"
   max_queue: int = 16
   max_running: int = 4
@@ -73,8 +76,16 @@ class ServerConfig:
   session_reuse: bool = True
   anchor_budget_bytes: int = DEFAULT_ANCHOR_BUDGET_BYTES
   precompile: bool = False
+  api_keys: tuple[str, ...] = ()
+  admin_keys: tuple[str, ...] = ()
 
   def __post_init__(self):
+    for name in ("api_keys", "admin_keys"):
+      keys = getattr(self, name)
+      if isinstance(keys, str):
+        raise ValueError(f"{name} must be a sequence of keys, got one string")
+      for key in keys:
+        check_key(key, name)
     for name in ("max_queue", "default_max_tokens", "max_sessions", "max_body_bytes",
                  "max_running"):
       if getattr(self, name) < 1:
