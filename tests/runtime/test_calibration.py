@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 import ftjax
 from ftjax.runtime import model as model_lib
 from ftjax.runtime.calibration import FILL_ALL, HOST_ALL, STRATEGIES, SplitCalibrator
-from ftjax.server.metrics import _CacheTotals
+from ftjax.server.metrics import EngineTotals
 
 from conftest import scaled_params
 
@@ -56,8 +56,7 @@ def run(cal, machine, chunks):
   strategy of each."""
   ran = []
   for _ in range(chunks):
-    bandwidths = cal.decode_bandwidths()
-    strategy = cal.probing or cal.mode
+    strategy, bandwidths = cal.decode_bandwidths()
     cal.observe(*machine.chunk(bandwidths), strategy=strategy)
     ran.append(strategy)
   return ran
@@ -128,16 +127,19 @@ def test_pure_strategies_are_bandwidth_pairs():
   """The first chunk runs the profile's split; then one probe of each pure strategy, as
   bandwidth pairs that fill every miss (B_P >= B_H) and none; then the split again."""
   cal = SplitCalibrator((10.0, 30.0), EXPERT_BYTES)
-  np.testing.assert_allclose(cal.decode_bandwidths(), (10.0, 30.0))
-  cal.observe(0.1, 8, 0, 8, 8, strategy="split")
-  np.testing.assert_allclose(cal.decode_bandwidths(), FILL_ALL)
-  assert cal.probing == "fill"
-  cal.observe(0.1, 8, 0, 16, 0, strategy="fill")
-  np.testing.assert_allclose(cal.decode_bandwidths(), HOST_ALL)
-  assert cal.probing == "host"
-  cal.observe(0.1, 8, 0, 0, 16, strategy="host")
-  cal.decode_bandwidths()
-  assert cal.probing is None and cal.mode == "split" and cal.probes == 2
+  name, pair = cal.decode_bandwidths()
+  assert name == "split"
+  np.testing.assert_allclose(pair, (10.0, 30.0))
+  cal.observe(0.1, 8, 0, 8, 8, strategy=name)
+  name, pair = cal.decode_bandwidths()
+  assert name == "fill"
+  np.testing.assert_allclose(pair, FILL_ALL)
+  cal.observe(0.1, 8, 0, 16, 0, strategy=name)
+  name, pair = cal.decode_bandwidths()
+  assert name == "host"
+  np.testing.assert_allclose(pair, HOST_ALL)
+  cal.observe(0.1, 8, 0, 0, 16, strategy=name)
+  assert cal.decode_bandwidths()[0] == "split" and cal.mode == "split" and cal.probes == 2
   assert FILL_ALL[0] >= FILL_ALL[1] and HOST_ALL[0] < 1e-5 * HOST_ALL[1]
 
 
@@ -200,7 +202,7 @@ def test_metrics_show_the_strategy_and_the_switches(calibrated_model):
                                                probe_every=2, margin=1.0)
   engine.generate([1, 2, 3], 12)
   registry = CollectorRegistry()
-  registry.register(_CacheTotals(engine))
+  registry.register(EngineTotals(engine))
   text = generate_latest(registry).decode()
   cal = engine.calibration()
   for name in ("split", "fill", "host"):
@@ -210,5 +212,5 @@ def test_metrics_show_the_strategy_and_the_switches(calibrated_model):
   assert f"ftjax_split_probes_total {float(cal['probes'])}" in text
   assert 'ftjax_split_rate_gb_s{rate="fill"}' in text
   plain = CollectorRegistry()
-  plain.register(_CacheTotals(ftjax.Engine(calibrated_model, kernels="xla")))
+  plain.register(EngineTotals(ftjax.Engine(calibrated_model, kernels="xla")))
   assert "ftjax_split" not in generate_latest(plain).decode()

@@ -97,7 +97,6 @@ class SplitCalibrator:
     self.costs = self.prior.copy()  # a (per step), b (hit), c (fill), d (host), seconds
     self.fitted = False
     self.mode = "split"  # the strategy decode programs run with
-    self.probing: str | None = None  # the strategy of the chunk in flight, when a probe
     self.chunks = 0  # decode programs observed
     self.steps = 0  # decode steps observed
     self.last_seen = {name: -(10 ** 9) for name in STRATEGIES}
@@ -125,23 +124,22 @@ class SplitCalibrator:
 
   def strategy(self) -> str:
     """The strategy of the next decode program: a probe of a stale one, else the guard's."""
-    self.probing = None
     if self.chunks >= 1:  # the first chunk (a fresh program's first run) is not compared
       for name in STRATEGIES:
         if name != self.mode and self.chunks - self.last_seen[name] >= self.probe_every:
-          self.probing = name
           self.last_seen[name] = self.chunks  # one probe at a time, even with chunks in flight
-          break
-    return self.probing or self.mode
+          return name
+    return self.mode
 
-  def decode_bandwidths(self) -> np.ndarray:
-    """The bandwidth pair of the next decode program (``strategy``)."""
+  def decode_bandwidths(self) -> tuple[str, np.ndarray]:
+    """The strategy of the next decode program (``strategy``) and its bandwidth pair; the
+    strategy goes back to ``observe`` with the program's record."""
     name = self.strategy()
     if name == "fill":
-      return np.asarray(FILL_ALL, np.float32)
+      return name, np.asarray(FILL_ALL, np.float32)
     if name == "host":
-      return np.asarray(HOST_ALL, np.float32)
-    return self.rates()
+      return name, np.asarray(HOST_ALL, np.float32)
+    return name, self.rates()
 
   # -- What the programs did -----------------------------------------------------------------
 
@@ -149,15 +147,15 @@ class SplitCalibrator:
               strategy: str | None = None) -> Switch | None:
     """One decode program: its wall ``seconds`` for ``steps`` decode steps, whose layer-steps
     hit ``hits`` cached experts, filled ``fills`` and ran ``host`` on the host, under
-    ``strategy`` (default: the one ``strategy()`` last gave). Returns the switch this made,
-    if any."""
+    ``strategy`` (the one ``decode_bandwidths`` gave it; default: the strategy in use).
+    Returns the switch this made, if any."""
     if steps <= 0 or not np.isfinite(seconds) or seconds <= 0:
       return None
     with self._lock:
       return self._observe(seconds, steps, hits, fills, host, strategy)
 
   def _observe(self, seconds, steps, hits, fills, host, strategy) -> Switch | None:
-    name = strategy or self.probing or self.mode
+    name = strategy or self.mode
     self.probes += name != self.mode
     self.trace.append((self.steps, steps, name, seconds))
     self.chunks += 1

@@ -491,8 +491,7 @@ class Executor:
     self._strategy = None
     if self.calibrator is not None:
       if decode:
-        bandwidths = self.calibrator.decode_bandwidths()
-        self._strategy = self.calibrator.probing or self.calibrator.mode
+        self._strategy, bandwidths = self.calibrator.decode_bandwidths()
         return bandwidths
       return self.calibrator.rates()
     if self.spec.bandwidths is not None:

@@ -22,7 +22,9 @@ RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 _LOG = logging.getLogger("uvicorn.error")
 
 
-class _CacheTotals(Collector):
+class EngineTotals(Collector):
+  """The engine's counters (cache, programs) and the q* calibration, read at scrape time."""
+
   def __init__(self, engine):
     self.engine = engine
 
@@ -112,7 +114,7 @@ class Metrics:
           registry=r).set_function(lambda: worker.startup["compiled"])
     Gauge("ftjax_startup_seconds", "seconds of start-up compilation",
           registry=r).set_function(lambda: worker.startup["seconds"])
-    r.register(_CacheTotals(engine))
+    r.register(EngineTotals(engine))
 
   def finished(self, endpoint: str, outcome) -> None:
     # One line a request at --log_level=info (uvicorn's logger, so it goes where uvicorn's
