@@ -91,13 +91,21 @@ HF_FAMILIES = {
                       shared_expert_intermediate_size=24, norm_topk_prob=False, qkv_bias=True),
     "mixtral": dict(num_local_experts=8, intermediate_size=16, sliding_window=7),
     "olmoe": dict(num_experts=8, intermediate_size=16, clip_qkv=3.0, norm_topk_prob=False),
+    # the sigmoid router with its selection bias, q/k norms over all heads, partial rotary
+    "minimax_m2": dict(num_local_experts=8, intermediate_size=16, rotary_dim=4),
+    # a dense first layer, ungated shared experts, the grouped sigmoid router (2 groups of 4,
+    # the best 1 kept), scaled weights, qkv bias, per-head q/k norms, partial rotary (half)
+    "glm4_moe": dict(num_hidden_layers=3, n_routed_experts=8, moe_intermediate_size=16,
+                     intermediate_size=40, n_shared_experts=2, first_k_dense_replace=1, n_group=2,
+                     topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True,
+                     attention_bias=True),
 }
 
 
 def _hf_classes(family):
   import transformers  # noqa: PLC0415
   names = {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
-           "olmoe": "Olmoe"}[family]
+           "olmoe": "Olmoe", "minimax_m2": "MiniMaxM2", "glm4_moe": "Glm4Moe"}[family]
   return getattr(transformers, names + "Config"), getattr(transformers, names + "ForCausalLM")
 
 
@@ -106,7 +114,7 @@ def build_hf_model(family: str, seed: int = 0):
   import torch  # noqa: PLC0415
   torch.manual_seed(seed)
   config_cls, model_cls = _hf_classes(family)
-  config = config_cls(**_COMMON, **HF_FAMILIES[family])
+  config = config_cls(**{**_COMMON, **HF_FAMILIES[family]})
   model = model_cls(config).eval().to(torch.float32)
   model.config._attn_implementation = "eager"
   with torch.no_grad():
@@ -115,6 +123,11 @@ def build_hf_model(family: str, seed: int = 0):
         p.copy_(1.0 + 0.2 * torch.randn_like(p))
       elif name.endswith("bias"):
         p.copy_(0.2 * torch.randn_like(p))
+      elif name.endswith("gate.weight") and family in ("minimax_m2", "glm4_moe"):
+        p.copy_(0.3 * torch.randn_like(p))  # initialised to zeros (GLM)
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):  # the sigmoid router's selection bias
+        b.copy_(0.1 * torch.randn_like(b))
   return model
 
 
@@ -184,7 +197,8 @@ def hf_checkpoints(tmp_path_factory):
   """family -> (torch model, checkpoint dir). Layouts differ across families so that both
   expert layouts and sharding are exercised."""
   layouts = {"qwen3_moe": dict(fused=True, shards=3), "qwen2_moe": dict(fused=True),
-             "mixtral": dict(), "olmoe": dict(shards=2)}
+             "mixtral": dict(), "olmoe": dict(shards=2), "minimax_m2": dict(),
+             "glm4_moe": dict(fused=True, shards=2)}
   out = {}
   for family, layout in layouts.items():
     model = build_hf_model(family)

@@ -72,7 +72,7 @@ def test_files_written_by_transformers_parse(hf_checkpoints):
   for family, (model, path) in hf_checkpoints.items():
     c = ModelConfig.from_hf_dir(path)
     assert c.model_type == family
-    assert c.num_experts == model.config.num_experts if family != "mixtral" else 8
+    assert c.num_experts == 8
     assert c.hidden_size == model.config.hidden_size
 
 
@@ -127,7 +127,7 @@ def test_hybrid_unsupported_variants_name_the_field(change, message):
 @pytest.mark.parametrize("change, message", [
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"mlp_only_layers": [0]}, "dense MLP layers"),
+    ({"mlp_only_layers": list(range(48))}, "no MoE layer"),
     ({"num_experts_per_tok": 200}, "top_k"),
 ])
 def test_unsupported_options_are_clear_errors(change, message):
@@ -177,3 +177,51 @@ def test_linear_attention_layers_need_their_shapes():
 def test_missing_config_json(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json"):
     ModelConfig.from_hf_dir(tmp_path)
+
+
+def test_qwen_dense_layers_where_transformers_places_them():
+  """Qwen-MoE's mlp_only_layers and decoder_sparse_step (layer i is MoE when it is not listed
+  and (i + 1) % step == 0): dense layers of intermediate_size, the bank over the MoE ones."""
+  hub = _load("qwen3-30b-a3b.json")
+  c = from_hf_config(hub | {"decoder_sparse_step": 2, "mlp_only_layers": [5]})
+  assert c.dense_layers == tuple(sorted({*range(0, 48, 2), 5}))
+  assert c.dense_intermediate_size == hub["intermediate_size"]
+  assert c.num_moe_layers == c.num_decoder_moe_layers == 23
+  assert [c.bank_layer(i) for i in range(6)] == [None, 0, None, 1, None, None]
+  assert c.bank_layer(7) == 2 and c.bank_layer(47) == 22
+  assert from_hf_config(hub).dense_layers == ()
+  with pytest.raises(UnsupportedModelError, match="dense MLP layers between MoE layers"):
+    from_hf_config(_load("mixtral-8x7b.json") | {"mlp_only_layers": [0]})
+
+
+def test_minimax_m2():
+  """MiniMax-M2's config.json as shipped: the legacy rotary_dim, sigmoid scoring with the
+  routing bias, q/k norms over all heads (its 'per_layer' qk_norm_type), FP8 weights."""
+  c = from_hf_config(_load("minimax-m2.json"))
+  assert (c.model_type, c.num_layers, c.num_experts, c.top_k, c.hidden_size,
+          c.moe_intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
+              "minimax_m2", 62, 256, 8, 3072, 1536, 48, 8, 128)
+  assert c.rotary_dim == 64 and c.rope_theta == 5e6 and c.qk_norm == "full"
+  assert c.router == "sigmoid_group" and c.norm_topk_prob and c.router_groups == 1
+  assert c.routed_scaling_factor == 1.0 and c.shared_expert_intermediate_size == 0
+  assert c.dense_layers == () and c.num_moe_layers == 62
+  with pytest.raises(UnsupportedModelError, match="scoring_func"):
+    from_hf_config(_load("minimax-m2.json") | {"scoring_func": "softmax"})
+
+
+@pytest.mark.parametrize("name, layers, dense, experts, shared, groups, scaling, qk_norm", [
+    ("glm-4.5-air.json", 46, 1, 128, 1408, 1, 1.0, None),
+    ("glm-4.5.json", 92, 3, 160, 1536, 1, 2.5, "per_head"),
+])
+def test_glm4_moe(name, layers, dense, experts, shared, groups, scaling, qk_norm):
+  """GLM-4.5-Air and GLM-4.5: the first first_k_dense_replace layers dense (intermediate_size),
+  the rest MoE with ungated shared experts (n_shared_experts x moe_intermediate_size),
+  DeepSeek's routing, half the head dims rotated, qkv biases."""
+  c = from_hf_config(_load(name))
+  assert c.model_type == "glm4_moe" and c.num_layers == layers and c.num_experts == experts
+  assert c.dense_layers == tuple(range(dense)) and c.num_moe_layers == layers - dense
+  assert c.bank_layer(dense - 1) is None and c.bank_layer(dense) == 0
+  assert c.shared_expert_intermediate_size == shared and not c.shared_expert_gate
+  assert c.router == "sigmoid_group" and c.router_groups == groups and c.norm_topk_prob
+  assert c.routed_scaling_factor == scaling and c.qk_norm == qk_norm
+  assert c.qkv_bias and not c.o_bias and c.rotary_dim == c.head_dim // 2

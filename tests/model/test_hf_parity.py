@@ -8,7 +8,7 @@ import ftjax
 
 import tolerances
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe"]
 SEQ = 24
 NEW = 16
 
@@ -49,3 +49,30 @@ def test_greedy_tokens_match_transformers(converted, family):
                             min_new_tokens=NEW, pad_token_id=0)[0, SEQ:].tolist()
   got = ftjax.Engine(model).generate(ids.tolist(), NEW, greedy=True)
   assert got == ref
+
+
+# The families whose MoE layers are not every decoder layer's (glm4_moe: a dense first layer,
+# so bank layer = decoder layer - 1) or whose router is the sigmoid one with its selection bias.
+SIGMOID_FAMILIES = ["minimax_m2", "glm4_moe"]
+
+
+@pytest.mark.parametrize("family", SIGMOID_FAMILIES)
+@pytest.mark.parametrize("policy", ["lru_fill", "freetoken"])
+def test_sigmoid_families_through_the_expert_cache(converted, family, policy):
+  """Through the expert cache, with no slot, a few and every expert's, in prefill chunks of 16
+  (a 24-token prompt crosses one): the logits after the prompt and the greedy tokens are
+  transformers'."""
+  hf_model, model = converted[family]
+  c = model.config
+  ids = _prompt(c.vocab_size)
+  with torch.no_grad():
+    want_last = hf_model(torch.tensor(ids[None])).logits[0, -1].numpy()
+    want = hf_model.generate(torch.tensor(ids[None]), max_new_tokens=NEW, do_sample=False,
+                             min_new_tokens=NEW, pad_token_id=0)[0, SEQ:].tolist()
+  every = c.num_moe_layers * c.num_experts
+  for slots in (0, 5, every):
+    engine = ftjax.Engine(model, kernels="ffi", policy=policy, cache_slots=slots,
+                          cache_capacity=every, bandwidths=(10.0, 20.0), prefill_chunk=16)
+    tolerances.assert_close(engine.prefill_logits(ids), want_last, tolerances.HF_PARITY,
+                            floor=1.0, what=f"{family} {policy} {slots} slots")
+    assert engine.generate(ids.tolist(), NEW, greedy=True) == want, (family, policy, slots)

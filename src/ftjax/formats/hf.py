@@ -127,6 +127,18 @@ _DENSE_RULES: list[tuple[str, str]] = [
     (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "layers.{0}.moe.shared.w_up_id"),
     (_LAYER + r"mlp\.shared_expert\.down_proj\.weight", "layers.{0}.moe.shared.w_down_di"),
     (_LAYER + r"mlp\.shared_expert_gate\.weight", "layers.{0}.moe.w_shared_gate_d"),
+    # GLM's and DeepSeek's ungated shared experts
+    (_LAYER + r"mlp\.shared_experts\.gate_proj\.weight", "layers.{0}.moe.shared.w_gate_id"),
+    (_LAYER + r"mlp\.shared_experts\.up_proj\.weight", "layers.{0}.moe.shared.w_up_id"),
+    (_LAYER + r"mlp\.shared_experts\.down_proj\.weight", "layers.{0}.moe.shared.w_down_di"),
+    # the sigmoid router's selection bias: MiniMax's block_sparse_moe (or transformers' mlp),
+    # GLM's and DeepSeek's mlp.gate
+    (_LAYER + r"(?:mlp|block_sparse_moe)(?:\.gate)?\.e_score_correction_bias",
+     "layers.{0}.moe.b_router_e"),
+    # a dense MLP layer (ModelConfig.dense_layers)
+    (_LAYER + r"mlp\.gate_proj\.weight", "layers.{0}.mlp.w_gate_id"),
+    (_LAYER + r"mlp\.up_proj\.weight", "layers.{0}.mlp.w_up_id"),
+    (_LAYER + r"mlp\.down_proj\.weight", "layers.{0}.mlp.w_down_di"),
     (_LAYER + r"linear_attn\.in_proj_qkv\.weight", "layers.{0}.linear_attn.w_qkv_xd"),
     (_LAYER + r"linear_attn\.in_proj_z\.weight", "layers.{0}.linear_attn.w_z_myd"),
     (_LAYER + r"linear_attn\.in_proj_b\.weight", "layers.{0}.linear_attn.w_b_md"),
@@ -205,6 +217,9 @@ def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig,
   short = _strip(name)
   if _IGNORED_RE.match(short):
     return
+  m = re.match(_LAYER, short)
+  if m and int(m[1]) >= config.num_layers:
+    return  # an MTP layer in DeepSeek's layout: not converted (convert_hf says so)
   if short.startswith("mtp."):
     yield from _mtp_plan(st, name, short, config, find)
     return
@@ -232,6 +247,25 @@ def _mtp_plan(st, name: str, short: str, config: ModelConfig, find):
     yield kind, where, array
 
 
+def _bank_layer(config: ModelConfig, name: str, layer: str) -> int:
+  """The expert-bank layer of routed-expert tensor ``name`` of decoder layer ``layer``."""
+  bank = config.bank_layer(int(layer))
+  if bank is None:
+    raise ConversionError(
+        f"tensor {name}: routed experts in decoder layer {layer}, which this config makes a "
+        f"dense MLP layer (dense layers {list(config.dense_layers)}: check first_k_dense_replace, "
+        "mlp_only_layers or decoder_sparse_step in config.json)")
+  return bank
+
+
+def deepseek_mtp_layers_in(names: Iterable[str], config: ModelConfig) -> list[int]:
+  """Decoder layers past ``num_hidden_layers`` in a checkpoint: the MTP layers of GLM-4.5+ and
+  DeepSeek-V3, stored as ``model.layers.{L + j}`` (``enorm``, ``hnorm``, ``eh_proj``,
+  ``shared_head``, and a MoE layer), which transformers does not load either."""
+  return sorted({int(m[1]) for n in names if (m := re.match(_LAYER, _strip(n)))
+                 and int(m[1]) >= config.num_layers})
+
+
 def _layer_plan(st, name: str, short: str, config: ModelConfig, find):
   """The plan of a model tensor whose name, after the leading ``model.``, is ``short``."""
   m = _QKVZ_RE.match(short)
@@ -252,7 +286,8 @@ def _layer_plan(st, name: str, short: str, config: ModelConfig, find):
     return
   m = _PER_EXPERT_RE.match(short)
   if m:
-    yield "expert", (int(m[1]), int(m[2]), _EXPERT_PART_NAMES[m[3]]), st.get(name)
+    where = (_bank_layer(config, name, m[1]), int(m[2]), _EXPERT_PART_NAMES[m[3]])
+    yield "expert", where, st.get(name)
     return
   m = _MXFP4_RE.match(short)
   if m:
@@ -260,18 +295,18 @@ def _layer_plan(st, name: str, short: str, config: ModelConfig, find):
       scales_name = name[:-len("blocks")] + "scales"
       if find is None:
         raise ConversionError(f"tensor {name}: MXFP4 blocks need their scales {scales_name}")
-      yield from _mxfp4_experts(config, name, int(m[1]), m[2], st.get(name), find(scales_name))
+      yield from _mxfp4_experts(config, name, _bank_layer(config, name, m[1]), m[2], st.get(name), find(scales_name))
     return
   m = _FUSED_BIAS_RE.match(short)
   if m:
-    yield from _interleaved_biases(config, name, int(m[1]), m[2], st.get(name))
+    yield from _interleaved_biases(config, name, _bank_layer(config, name, m[1]), m[2], st.get(name))
     return
   m = _FUSED_RE.match(short)
   if m and config.model_type in _INTERLEAVED_IN_OUT:
-    yield from _interleaved_in_out(config, name, int(m[1]), m[2], st.get(name))
+    yield from _interleaved_in_out(config, name, _bank_layer(config, name, m[1]), m[2], st.get(name))
     return
   if m:
-    layer, kind = int(m[1]), m[2]
+    layer, kind = _bank_layer(config, name, m[1]), m[2]
     fused = st.get(name)  # [E, 2F, D] or [E, D, F], still a memmap view
     if fused.ndim != 3:
       raise ConversionError(f"fused expert tensor {name} should be 3-D, has shape {fused.shape}")
@@ -407,6 +442,12 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
              if ftw.is_ftw_dir(out_dir) else " (it is not an FTW model, so ftjax never replaces it)"))
   shards = [SafetensorsFile(p) for p in _shard_paths(hf_dir)]
   config = _with_mtp_layers(config, mtp_layers_in(n for st in shards for n in st.keys()), hf_dir)
+  extra = deepseek_mtp_layers_in((n for st in shards for n in st.keys()), config)
+  if extra:
+    print(f"ftjax: {hf_dir}: decoder layers {extra[0]}..{extra[-1]} past num_hidden_layers="
+          f"{config.num_layers} are multi-token-prediction layers in DeepSeek's layout, which "
+          "ftjax does not read yet: converting without MTP (--speculative=mtp needs them)",
+          file=sys.stderr)
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf_config = json.load(f)
   quant = (hf_config.get("quantization_config") or {}).get("quant_method")

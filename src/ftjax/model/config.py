@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next",
-                         "qwen3_5_moe", "gpt_oss")
+                         "qwen3_5_moe", "gpt_oss", "minimax_m2", "glm4_moe")
 # Hybrid families: Gated DeltaNet ("linear_attention") layers between gated full-attention
 # layers. ``qwen3_5_moe_text`` is the text-only config of ``qwen3_5_moe``.
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -133,6 +133,12 @@ class ModelConfig:
   # experts sit in the expert bank after the model's own layers (bank layers num_layers ..
   # num_layers + mtp_layers - 1). 0: none.
   mtp_layers: int = 0
+  # Decoder layers whose feed-forward is a dense SwiGLU MLP of ``dense_intermediate_size``
+  # instead of a MoE (GLM's and DeepSeek's ``first_k_dense_replace`` first layers, Qwen-MoE's
+  # ``mlp_only_layers`` / ``decoder_sparse_step``). The expert bank holds the MoE layers only,
+  # in order (``bank_layer``), then the MTP layers.
+  dense_layers: tuple[int, ...] = ()
+  dense_intermediate_size: int = 0
 
   def __post_init__(self):
     if len(self.layer_types) != self.num_layers:
@@ -148,6 +154,20 @@ class ModelConfig:
       raise UnsupportedModelError(
           f"mtp_layers={self.mtp_layers}: multi-token-prediction layers are read for "
           f"{', '.join(HYBRID_MODEL_TYPES)} checkpoints only")
+    dense = self.dense_layers
+    if dense:
+      if list(dense) != sorted(set(dense)) or not 0 <= dense[0] <= dense[-1] < self.num_layers:
+        raise UnsupportedModelError(
+            f"dense_layers={list(dense)} must be distinct decoder layers in [0, "
+            f"{self.num_layers}), in order")
+      if len(dense) == self.num_layers:
+        raise UnsupportedModelError(
+            "every decoder layer is a dense MLP layer: ftjax serves mixture-of-experts models, "
+            "and this config has no MoE layer")
+      if self.dense_intermediate_size <= 0:
+        raise UnsupportedModelError(
+            f"dense MLP layers {list(dense)} need dense_intermediate_size > 0 (config.json: "
+            "intermediate_size)")
     if self.num_heads % self.num_kv_heads:
       raise UnsupportedModelError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -193,10 +213,30 @@ class ModelConfig:
   # -- Derived shapes -----------------------------------------------------------------------
 
   @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """The decoder layers that are MoE layers (all but ``dense_layers``), in order."""
+    dense = set(self.dense_layers)
+    return tuple(i for i in range(self.num_layers) if i not in dense)
+
+  @property
+  def num_decoder_moe_layers(self) -> int:
+    """The decoder's MoE layers: bank layers 0 .. this - 1 (the MTP layers' come after)."""
+    return self.num_layers - len(self.dense_layers)
+
+  @property
   def num_moe_layers(self) -> int:
-    """MoE layers whose routed experts are in the bank: every decoder layer (checked in
-    from_hf_config), then the MTP layers."""
-    return self.num_layers + self.mtp_layers
+    """MoE layers whose routed experts are in the bank: the decoder's MoE layers, then the
+    MTP layers."""
+    return self.num_decoder_moe_layers + self.mtp_layers
+
+  def bank_layer(self, layer: int) -> int | None:
+    """The expert-bank layer of decoder layer ``layer`` (None for a dense MLP layer); layers
+    ``num_layers ..`` are the MTP layers, whose bank layers follow the decoder's."""
+    if layer >= self.num_layers:
+      return self.num_decoder_moe_layers + layer - self.num_layers
+    if layer in self.dense_layers:
+      return None
+    return layer - sum(d < layer for d in self.dense_layers)
 
   @property
   def rotary_dim(self) -> int:
@@ -236,7 +276,7 @@ class ModelConfig:
       raise UnsupportedModelError(
           f"unknown model config fields {unknown}; this file was written by a newer ftjax")
     d = dict(d)
-    for key in ("layer_types", "eos_token_ids", "vision_token_ids"):
+    for key in ("layer_types", "eos_token_ids", "vision_token_ids", "dense_layers"):
       if key in d:
         d[key] = tuple(d[key])
     if d.get("yarn") is not None:
@@ -261,14 +301,25 @@ class ModelConfig:
 # Per-family defaults where hub configs may omit a key; the values are those of the
 # transformers configuration classes.
 _DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "mixtral": 1e6, "olmoe": 10000.0,
-                       "qwen3_next": 10000.0, "qwen3_5_moe": 10000.0, "gpt_oss": 150000.0}
+                       "qwen3_next": 10000.0, "qwen3_5_moe": 10000.0, "gpt_oss": 150000.0,
+                       "minimax_m2": 5e6, "glm4_moe": 10000.0}
 _DEFAULT_EPS = {"qwen3_moe": 1e-6, "qwen2_moe": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5,
-                "qwen3_next": 1e-6, "qwen3_5_moe": 1e-6, "gpt_oss": 1e-5}
+                "qwen3_next": 1e-6, "qwen3_5_moe": 1e-6, "gpt_oss": 1e-5, "minimax_m2": 1e-6,
+                "glm4_moe": 1e-5}
 
+
+# Families with dense first layers (``first_k_dense_replace``, transformers' default), and
+# those whose dense layers come from ``mlp_only_layers`` / ``decoder_sparse_step``.
+_FIRST_K_DENSE = {"glm4_moe": 1}
+_SPARSE_STEP = ("qwen3_moe", "qwen2_moe", "qwen3_next")
 
 # gpt-oss's rope when config.json names none (transformers' GptOssConfig default).
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                  "truncate": False, "original_max_position_embeddings": 4096}
+
+
+# transformers' partial_rotary_factor where config.json names none.
+_DEFAULT_PARTIAL_ROTARY = {"qwen3_next": 0.25, "qwen3_5_moe": 0.25, "glm4_moe": 0.5}
 
 
 def _notice(message: str) -> None:
@@ -296,9 +347,12 @@ def _rope(hf: dict[str, Any], model_type: str) -> tuple[float, float, Yarn | Non
         f"rope type {rope_type!r} is not supported yet (supported: 'default', 'yarn'); "
         "remove rope scaling from config.json only if you stay within the original context")
   yarn = _yarn(hf, params) if rope_type == "yarn" else None
-  default_partial = 0.25 if model_type in ("qwen3_next", "qwen3_5_moe") else 1.0
-  partial = float(params.get("partial_rotary_factor",
-                             hf.get("partial_rotary_factor", default_partial)))
+  default_partial = _DEFAULT_PARTIAL_ROTARY.get(model_type, 1.0)
+  partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+  if partial is None and hf.get("rotary_dim"):  # MiniMax's legacy key: the rotary dims
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    partial = int(hf["rotary_dim"]) / head_dim
+  partial = float(default_partial if partial is None else partial)
   section = params.get("mrope_section")
   if section is not None:
     # Multimodal RoPE gives each of 3 position grids (time, height, width) a section of the
@@ -424,19 +478,14 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu / SwiGLU experts)")
-  mlp_only = hf.get("mlp_only_layers") or []
-  sparse_step = hf.get("decoder_sparse_step", 1) or 1
-  if mlp_only or sparse_step != 1:
-    raise UnsupportedModelError(
-        "dense MLP layers between MoE layers (mlp_only_layers / decoder_sparse_step != 1) are not "
-        "supported yet")
-
   num_layers = int(hf["num_hidden_layers"])
   num_heads = int(hf["num_attention_heads"])
   hidden = int(hf["hidden_size"])
-  num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+  num_experts = hf.get("num_experts", hf.get("num_local_experts", hf.get("n_routed_experts")))
   if num_experts is None:
-    raise UnsupportedModelError("config.json has neither num_experts nor num_local_experts")
+    raise UnsupportedModelError(
+        "config.json has none of num_experts, num_local_experts and n_routed_experts")
+  dense_layers = _dense_layers(hf, model_type, num_layers)
 
   # Families: shared fields first, then the named options that tell them apart.
   options: dict[str, Any] = {}
@@ -490,6 +539,27 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     sliding_window = hf.get("sliding_window", 128)
     if not (hf.get("rope_parameters") or hf.get("rope_scaling")):
       hf["rope_scaling"] = dict(_GPT_OSS_ROPE)  # transformers' GptOssConfig default
+  elif model_type == "minimax_m2":
+    # transformers' MiniMaxM2: q_norm / k_norm over all heads' dims at once, sigmoid scores
+    # chosen on score + e_score_correction_bias, the chosen scores renormalised, no scaling.
+    scoring = hf.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+      raise UnsupportedModelError(f"minimax_m2 with scoring_func={scoring!r}: only 'sigmoid' "
+                                  "routing (MiniMax-M2's) is supported")
+    options.update(qk_norm="full", router="sigmoid_group", norm_topk_prob=True)
+    ffn = hf["intermediate_size"]
+  elif model_type == "glm4_moe":
+    # GLM-4.5 / 4.6 / 4.7: DeepSeek-V3's routing (sigmoid scores chosen on score + bias within
+    # the best groups, renormalised, scaled), ungated shared experts, dense first layers.
+    options.update(qk_norm="per_head" if hf.get("use_qk_norm", False) else None,
+                   qkv_bias=bool(hf.get("attention_bias", False)), router="sigmoid_group",
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                   router_groups=int(hf.get("n_group", 1) or 1),
+                   router_topk_groups=int(hf.get("topk_group", 1) or 1),
+                   routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                   shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
+                   * int(hf.get("n_shared_experts", 1) or 0))
+    ffn = hf["moe_intermediate_size"]
   else:  # olmoe
     bias = bool(hf.get("attention_bias", False))
     options.update(qk_norm="full", qkv_bias=bias, o_bias=bias, clip_qkv=hf.get("clip_qkv"),
@@ -519,5 +589,25 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
       source_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
       eos_token_ids=_eos_ids(hf),
       vision_token_ids=vision_ids,
+      dense_layers=tuple(dense_layers),
+      dense_intermediate_size=int(hf["intermediate_size"]) if dense_layers else 0,
       **options,
   )
+
+
+def _dense_layers(hf: dict[str, Any], model_type: str, num_layers: int) -> list[int]:
+  """The decoder layers whose feed-forward is a dense MLP, as each family's transformers model
+  decides: the first ``first_k_dense_replace`` (GLM, DeepSeek); those in ``mlp_only_layers``
+  or off the ``decoder_sparse_step`` (Qwen-MoE: layer i is MoE when (i + 1) % step == 0)."""
+  if model_type in _FIRST_K_DENSE:
+    return list(range(min(int(hf.get("first_k_dense_replace", _FIRST_K_DENSE[model_type]) or 0),
+                          num_layers)))
+  mlp_only = [int(i) for i in hf.get("mlp_only_layers") or []]
+  step = int(hf.get("decoder_sparse_step", 1) or 1)
+  if not (mlp_only or step != 1):
+    return []
+  if model_type not in _SPARSE_STEP:
+    raise UnsupportedModelError(
+        f"{model_type} with mlp_only_layers / decoder_sparse_step: dense MLP layers between MoE "
+        f"layers are read for {', '.join(_SPARSE_STEP)} (as transformers places them)")
+  return [i for i in range(num_layers) if i in mlp_only or (i + 1) % step]

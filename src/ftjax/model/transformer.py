@@ -18,7 +18,7 @@ from flax import struct
 
 from ftjax.model.config import ModelConfig
 from ftjax.model.deltanet import GatedDeltaNet, LinearState
-from ftjax.model.layers import (Attention, KVCache, MoE, RMSNorm, embed_rows, linear,
+from ftjax.model.layers import (MLP, Attention, KVCache, MoE, RMSNorm, embed_rows, linear,
                                 normal_param)
 from ftjax.model.moe import RoutedExperts
 from ftjax.utils.arrays import take
@@ -63,8 +63,12 @@ def init_state(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32)
 
 
 class DecoderLayer(nnx.Module):
+  """A mixer (attention or Gated DeltaNet), then a feed-forward: a MoE (router, routed experts
+  from the given function, shared experts) or, with ``dense_mlp``, a dense SwiGLU MLP of
+  ``config.dense_intermediate_size`` (``ModelConfig.dense_layers``)."""
 
-  def __init__(self, config: ModelConfig, layer_type: str, *, rngs: nnx.Rngs, dtype):
+  def __init__(self, config: ModelConfig, layer_type: str, *, rngs: nnx.Rngs, dtype,
+               dense_mlp: bool = False):
     c = config
     zc = c.norm_zero_centred
     self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc, dtype=dtype)
@@ -84,6 +88,11 @@ class DecoderLayer(nnx.Module):
           sinks=c.attn_sinks, rotary_dim=c.rotary_dim, output_gate=c.attn_output_gate,
           zero_centred_norm=zc, yarn=c.yarn, dtype=dtype)
     self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=zc, dtype=dtype)
+    self.dense_mlp = dense_mlp
+    if dense_mlp:
+      self.mlp = MLP(width=c.hidden_size, hidden=c.dense_intermediate_size, rngs=rngs,
+                     dtype=dtype)
+      return
     self.moe = MoE(
         width=c.hidden_size, num_experts=c.num_experts, top_k=c.top_k,
         ffn_dim=c.moe_intermediate_size, router=c.router, norm_topk_prob=c.norm_topk_prob,
@@ -104,8 +113,11 @@ class DecoderLayer(nnx.Module):
       cache, h = self.attn(self.attn_norm(x), cache, length, positions, kernels=kernels,
                            fresh=fresh)
     x = x + h
-    experts, h = self.moe(self.mlp_norm(x), layer, experts, kernels=kernels, valid=valid,
-                          sow_router_logits=sow_router_logits)
+    if self.dense_mlp:
+      h = self.mlp(self.mlp_norm(x), kernels=kernels)
+    else:
+      experts, h = self.moe(self.mlp_norm(x), layer, experts, kernels=kernels, valid=valid,
+                            sow_router_logits=sow_router_logits)
     if snapshot_at is not None:
       return cache, experts, x + h, snaps
     return cache, experts, x + h
@@ -119,7 +131,8 @@ class MTPHead(nnx.Module):
 
     z = W_fc [embed_norm(embed(x_{p+1})); hidden_norm(h_p)]      W_fc [D, 2D]
     z = decoder layer j (gated full attention over its own KV cache at position p, MoE with
-        routed experts from bank layer num_layers + j and the gated shared expert)
+        routed experts from the bank layer after the decoder's MoE layers and j more, and
+        the gated shared expert)
     h' = final_norm(z); logits = lm_head(h')
 
   h' is the hidden state of the next draft position (depth d uses layer d mod mtp_layers).
@@ -154,14 +167,16 @@ class Transformer(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
     c = config
     self.embed_vd = normal_param(rngs, (c.vocab_size, c.hidden_size), dtype)
-    self.layers = nnx.List([DecoderLayer(c, kind, rngs=rngs, dtype=dtype)
-                            for kind in c.layer_types])
+    self.layers = nnx.List([DecoderLayer(c, kind, rngs=rngs, dtype=dtype,
+                                         dense_mlp=i in c.dense_layers)
+                            for i, kind in enumerate(c.layer_types)])
     self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, zero_centred=c.norm_zero_centred,
                               dtype=dtype)
     if not c.tie_word_embeddings:
       self.w_lm_vd = normal_param(rngs, (c.vocab_size, c.hidden_size), dtype)
     self.tie_word_embeddings = c.tie_word_embeddings
     self.num_layers = c.num_layers
+    self.bank_layers = tuple(c.bank_layer(i) for i in range(c.num_layers + c.mtp_layers))
     self.mtp = MTPHead(c, rngs=rngs, dtype=dtype) if c.mtp_layers else None
 
   def lm_head(self, x: jax.Array, *, kernels: str) -> jax.Array:
@@ -193,8 +208,9 @@ class Transformer(nnx.Module):
     valid = None
     if num_valid is not None:
       valid = jnp.broadcast_to(jnp.arange(tokens.shape[1]) < num_valid, tokens.shape)
-    cache, experts, z = head.layers[j](z, caches[j], length, positions, self.num_layers + j,
-                                       experts, kernels=kernels, fresh=fresh, valid=valid)
+    cache, experts, z = head.layers[j](z, caches[j], length, positions,
+                                       self.bank_layers[self.num_layers + j], experts,
+                                       kernels=kernels, fresh=fresh, valid=valid)
     out = head.final_norm(z)
     caches = caches[:j] + (cache,) + caches[j + 1:]
     return caches, experts, out, self.lm_head(out, kernels=kernels) if logits else None
@@ -261,7 +277,8 @@ class Transformer(nnx.Module):
       valid = jnp.broadcast_to(active[:, None], tokens.shape)
     caches, snapshots = [], []
     for i, layer in enumerate(self.layers):
-      outs = layer(x, state.layers[i], state.length, positions, i, experts, kernels=kernels,
+      outs = layer(x, state.layers[i], state.length, positions, self.bank_layers[i], experts,
+                   kernels=kernels,
                    fresh=fresh, valid=valid, num_valid=num_valid,
                    sow_router_logits=sow_router_logits, snapshot_at=snapshot_at,
                    active=active)

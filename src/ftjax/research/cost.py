@@ -272,10 +272,14 @@ class ModelShape:
       mixers["linear_attention"] = _gated_deltanet_params(
           c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
           c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel)
-    mixer = sum(mixers[t] for t in c.layer_types) / c.num_layers
     moe = _moe_block_params(c.hidden_size, c.num_experts, c.shared_expert_intermediate_size,
                             c.shared_expert_gate, router_bias=c.router_bias)
-    return cls(name=name or c.model_type, num_layers=c.num_layers, num_experts=c.num_experts,
+    # Dense MLP layers (``dense_layers``: the MLP and the layer's two RMSNorms) are dense
+    # weights; the shape's layers are the MoE layers, each with an equal share of the dense.
+    moe_layers = c.num_decoder_moe_layers
+    dense_mlp = len(c.dense_layers) * (3 * c.dense_intermediate_size + 2) * c.hidden_size
+    mixer = sum(mixers[t] for t in c.layer_types) / moe_layers + dense_mlp / moe_layers
+    return cls(name=name or c.model_type, num_layers=moe_layers, num_experts=c.num_experts,
                top_k=c.top_k, hidden=c.hidden_size, expert_ffn=c.moe_intermediate_size,
                bytes_per_param=nbytes, dense_bytes_per_layer=float((mixer + moe) * nbytes),
                head_bytes=float(_head_params(c.hidden_size, c.vocab_size) * nbytes),

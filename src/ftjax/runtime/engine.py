@@ -178,7 +178,7 @@ class Engine:
     stream_min = self._stream_min_tokens()
     self.runner = Runner(
         graphdef=model.graphdef, signature=_signature(model), num_layers=c.num_moe_layers,
-        pass_layers=c.num_layers,
+        pass_layers=c.num_decoder_moe_layers,
         top_k=c.top_k, ffn_dim=c.moe_intermediate_size, kernels=self.kernels,
         policy=self.policy.program() if self.policy is not None else None,
         record_routing=opts.record_routing, chunk=opts.decode_chunk,
@@ -524,10 +524,10 @@ class Engine:
     c = self.model.config
     routing = self.executor.routing
     if not routing:
-      empty = np.zeros((0, c.num_layers, c.top_k))
+      empty = np.zeros((0, c.num_decoder_moe_layers, c.top_k))
       return {"ids": empty.astype(np.int32), "weights": empty.astype(np.float32),
               "phase": np.zeros((0,), np.uint8)}
-    layers = c.num_layers
+    layers = c.num_decoder_moe_layers
     return {"ids": np.concatenate([r[0][:layers].transpose(1, 0, 2) for r in routing]),
             "weights": np.concatenate([r[1][:layers].transpose(1, 0, 2) for r in routing]),
             "phase": np.concatenate([np.full(r[0].shape[1], r[2] == "decode", np.uint8)

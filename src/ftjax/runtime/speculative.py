@@ -226,7 +226,7 @@ def step_costs(model, k: int) -> np.ndarray:
 
   costs = []
   for m in range(k + 1):
-    verify = decoder + config.num_layers * distinct(m + 1) * model.expert_bytes
+    verify = decoder + config.num_decoder_moe_layers * distinct(m + 1) * model.expert_bytes
     catch_up = config.mtp_layers * (mtp + distinct(m + 1) * model.expert_bytes) + (
         head if m else 0)
     drafts = max(m - 1, 0) * (config.mtp_layers * (mtp + top * model.expert_bytes) + head)
