@@ -99,13 +99,38 @@ HF_FAMILIES = {
                      intermediate_size=40, n_shared_experts=2, first_k_dense_replace=1, n_group=2,
                      topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True,
                      attention_bias=True),
+    # multi-head latent attention (q through a rank-16 bottleneck, a 12-dim latent and a 4-dim
+    # interleaved rotary key, 8 unrotated q/k dims, 6 value dims), YaRN with mscale_all_dim,
+    # a dense first layer, shared experts, the grouped sigmoid router
+    "deepseek_v3": dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                        moe_intermediate_size=16,
+                        intermediate_size=40, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=16,
+                        kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4,
+                        v_head_dim=6,
+                        rope_interleave=True,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=64, mscale=1.0,
+                                             mscale_all_dim=1.0, beta_fast=32.0,
+                                             beta_slow=1.0)),
+    # GLM-4.7-Flash: DeepSeek's latent attention with q in one projection (no q rank), rotary
+    # dims paired (i, i + P/2), a dense middle layer (mlp_layer_types)
+    "glm4_moe_lite": dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                          moe_intermediate_size=16, intermediate_size=40, n_shared_experts=1,
+                          mlp_layer_types=["sparse", "dense", "sparse"], routed_scaling_factor=1.8,
+                          q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=6,
+                          qk_rope_head_dim=4, head_dim=4, v_head_dim=10, rope_interleave=False),
 }
+
+
+SIGMOID_ROUTED = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
 
 
 def _hf_classes(family):
   import transformers  # noqa: PLC0415
   names = {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
-           "olmoe": "Olmoe", "minimax_m2": "MiniMaxM2", "glm4_moe": "Glm4Moe"}[family]
+           "olmoe": "Olmoe", "minimax_m2": "MiniMaxM2", "glm4_moe": "Glm4Moe",
+           "deepseek_v3": "DeepseekV3", "glm4_moe_lite": "Glm4MoeLite"}[family]
   return getattr(transformers, names + "Config"), getattr(transformers, names + "ForCausalLM")
 
 
@@ -123,7 +148,7 @@ def build_hf_model(family: str, seed: int = 0):
         p.copy_(1.0 + 0.2 * torch.randn_like(p))
       elif name.endswith("bias"):
         p.copy_(0.2 * torch.randn_like(p))
-      elif name.endswith("gate.weight") and family in ("minimax_m2", "glm4_moe"):
+      elif name.endswith("gate.weight") and family in SIGMOID_ROUTED:
         p.copy_(0.3 * torch.randn_like(p))  # initialised to zeros (GLM)
     for name, b in model.named_buffers():
       if name.endswith("e_score_correction_bias"):  # the sigmoid router's selection bias
@@ -198,7 +223,8 @@ def hf_checkpoints(tmp_path_factory):
   expert layouts and sharding are exercised."""
   layouts = {"qwen3_moe": dict(fused=True, shards=3), "qwen2_moe": dict(fused=True),
              "mixtral": dict(), "olmoe": dict(shards=2), "minimax_m2": dict(),
-             "glm4_moe": dict(fused=True, shards=2)}
+             "glm4_moe": dict(fused=True, shards=2), "deepseek_v3": dict(shards=2),
+             "glm4_moe_lite": dict(fused=True)}
   out = {}
   for family, layout in layouts.items():
     model = build_hf_model(family)

@@ -77,7 +77,7 @@ def test_files_written_by_transformers_parse(hf_checkpoints):
 
 
 def test_unsupported_model_type_names_the_supported_ones():
-  cfg = _load("qwen3-30b-a3b.json") | {"model_type": "deepseek_v3"}
+  cfg = _load("qwen3-30b-a3b.json") | {"model_type": "deepseek_v32"}
   with pytest.raises(UnsupportedModelError,
                      match="qwen3_moe, qwen2_moe, mixtral, olmoe, qwen3_next, qwen3_5_moe"):
     from_hf_config(cfg)
@@ -219,9 +219,36 @@ def test_glm4_moe(name, layers, dense, experts, shared, groups, scaling, qk_norm
   DeepSeek's routing, half the head dims rotated, qkv biases."""
   c = from_hf_config(_load(name))
   assert c.model_type == "glm4_moe" and c.num_layers == layers and c.num_experts == experts
-  assert c.dense_layers == tuple(range(dense)) and c.num_moe_layers == layers - dense
+  assert c.dense_layers == tuple(range(dense)) and c.num_decoder_moe_layers == layers - dense
+  assert c.mtp_layers == 1 and c.num_moe_layers == layers - dense + 1  # its MTP layer
   assert c.bank_layer(dense - 1) is None and c.bank_layer(dense) == 0
+  assert c.bank_layer(layers) == layers - dense  # the MTP layer's experts after the decoder's
   assert c.shared_expert_intermediate_size == shared and not c.shared_expert_gate
   assert c.router == "sigmoid_group" and c.router_groups == groups and c.norm_topk_prob
   assert c.routed_scaling_factor == scaling and c.qk_norm == qk_norm
   assert c.qkv_bias and not c.o_bias and c.rotary_dim == c.head_dim // 2
+
+
+@pytest.mark.parametrize("name, layers, dense, heads, experts, groups, scaling", [
+    ("deepseek-v3.json", 61, 3, 128, 256, (8, 4), 2.5),
+    ("kimi-k2.json", 61, 1, 64, 384, (1, 1), 2.827),
+    ("glm-4.7-flash.json", 47, 1, 20, 64, (1, 1), 1.8),
+])
+def test_latent_attention_families(name, layers, dense, heads, experts, groups, scaling):
+  """DeepSeek-V3, Kimi-K2 (model_type kimi_k2: DeepSeek-V3's architecture) and GLM-4.7-Flash
+  (glm4_moe_lite): multi-head latent attention, a latent KV row of 512 + 64 per token and
+  layer, YaRN's mscale_all_dim in the softmax scale, DeepSeek's routing."""
+  hf = _load(name)
+  c = from_hf_config(hf)
+  assert c.model_type == {"kimi_k2": "deepseek_v3"}.get(hf["model_type"], hf["model_type"])
+  assert (c.num_layers, c.num_heads, c.num_experts) == (layers, heads, experts)
+  assert c.latent_attention and c.kv_lora_rank == 512 and c.head_dim == 64
+  assert c.kv_cache_shape == (1, 576, 0) and c.kv_elements_per_token == 576
+  assert c.dense_layers == tuple(range(dense)) and c.num_decoder_moe_layers == layers - dense
+  assert (c.router_groups, c.router_topk_groups) == groups
+  assert c.routed_scaling_factor == scaling and c.rope_interleave
+  if name == "glm-4.7-flash.json":
+    assert c.yarn is None and c.softmax_scale_factor == 1.0 and c.q_lora_rank == 768
+  else:
+    assert c.yarn.factor in (40.0, 32.0) and c.q_lora_rank == 1536
+    assert c.softmax_scale_factor == pytest.approx((0.1 * math.log(c.yarn.factor) + 1) ** 2)

@@ -8,7 +8,8 @@ import ftjax
 
 import tolerances
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe",
+            "deepseek_v3", "glm4_moe_lite"]
 SEQ = 24
 NEW = 16
 
@@ -53,7 +54,7 @@ def test_greedy_tokens_match_transformers(converted, family):
 
 # The families whose MoE layers are not every decoder layer's (glm4_moe: a dense first layer,
 # so bank layer = decoder layer - 1) or whose router is the sigmoid one with its selection bias.
-SIGMOID_FAMILIES = ["minimax_m2", "glm4_moe"]
+SIGMOID_FAMILIES = ["minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite"]
 
 
 @pytest.mark.parametrize("family", SIGMOID_FAMILIES)
@@ -76,3 +77,25 @@ def test_sigmoid_families_through_the_expert_cache(converted, family, policy):
     tolerances.assert_close(engine.prefill_logits(ids), want_last, tolerances.HF_PARITY,
                             floor=1.0, what=f"{family} {policy} {slots} slots")
     assert engine.generate(ids.tolist(), NEW, greedy=True) == want, (family, policy, slots)
+
+
+def test_latent_attention_on_the_xla_path(converted):
+  """deepseek_v3 on the XLA path in prefill chunks of 16: the first chunk attends to its own
+  rows, the second to the latent cache in blocks, decode steps to the whole cache; the logits
+  after the prompt and the greedy tokens are transformers'. The decode state holds the latent
+  (kv_lora_rank + qk_rope_head_dim per token, one row for all heads), no per-head keys."""
+  hf_model, model = converted["deepseek_v3"]
+  c = model.config
+  ids = _prompt(c.vocab_size)
+  with torch.no_grad():
+    want_last = hf_model(torch.tensor(ids[None])).logits[0, -1].numpy()
+    want = hf_model.generate(torch.tensor(ids[None]), max_new_tokens=NEW, do_sample=False,
+                             min_new_tokens=NEW, pad_token_id=0)[0, SEQ:].tolist()
+  engine = ftjax.Engine(model, kernels="xla", prefill_chunk=16)
+  tolerances.assert_close(engine.prefill_logits(ids), want_last, tolerances.HF_PARITY,
+                          floor=1.0, what="deepseek_v3 xla")
+  assert engine.generate(ids.tolist(), NEW, greedy=True) == want
+  assert c.kv_cache_shape == (1, c.kv_lora_rank + c.head_dim, 0) == (1, 16, 0)
+  state = engine.new_state(1, 256)
+  assert {(layer.k.shape[2:], layer.v.shape[2:]) for layer in state.layers} == {
+      ((1, 16), (1, 0))}

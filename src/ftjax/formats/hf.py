@@ -51,7 +51,7 @@ import numpy as np
 
 from ftjax.formats import fp8, ftw
 from ftjax.formats.safetensors import SafetensorsFile
-from ftjax.model.config import ModelConfig
+from ftjax.model.config import DEEPSEEK_MTP_MODEL_TYPES, ModelConfig
 from ftjax.model.transformer import abstract_params
 from ftjax.utils import paths
 from ftjax.utils.progress import Progress
@@ -127,6 +127,13 @@ _DENSE_RULES: list[tuple[str, str]] = [
     (_LAYER + r"mlp\.shared_expert\.up_proj\.weight", "layers.{0}.moe.shared.w_up_id"),
     (_LAYER + r"mlp\.shared_expert\.down_proj\.weight", "layers.{0}.moe.shared.w_down_di"),
     (_LAYER + r"mlp\.shared_expert_gate\.weight", "layers.{0}.moe.w_shared_gate_d"),
+    # DeepSeek's multi-head latent attention (LatentAttention; q_proj and o_proj as above)
+    (_LAYER + r"self_attn\.q_a_proj\.weight", "layers.{0}.attn.w_qa_qd"),
+    (_LAYER + r"self_attn\.q_a_layernorm\.weight", "layers.{0}.attn.q_a_norm.scale"),
+    (_LAYER + r"self_attn\.q_b_proj\.weight", "layers.{0}.attn.w_qb_hcq"),
+    (_LAYER + r"self_attn\.kv_a_proj_with_mqa\.weight", "layers.{0}.attn.w_kva_ld"),
+    (_LAYER + r"self_attn\.kv_a_layernorm\.weight", "layers.{0}.attn.kv_a_norm.scale"),
+    (_LAYER + r"self_attn\.kv_b_proj\.weight", "layers.{0}.attn.w_kvb_hnr"),
     # GLM's and DeepSeek's ungated shared experts
     (_LAYER + r"mlp\.shared_experts\.gate_proj\.weight", "layers.{0}.moe.shared.w_gate_id"),
     (_LAYER + r"mlp\.shared_experts\.up_proj\.weight", "layers.{0}.moe.shared.w_up_id"),
@@ -219,7 +226,9 @@ def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig,
     return
   m = re.match(_LAYER, short)
   if m and int(m[1]) >= config.num_layers:
-    return  # an MTP layer in DeepSeek's layout: not converted (convert_hf says so)
+    yield from _deepseek_mtp_plan(st, name, int(m[1]) - config.num_layers,
+                                  short[m.end():], config, find)
+    return
   if short.startswith("mtp."):
     yield from _mtp_plan(st, name, short, config, find)
     return
@@ -247,6 +256,50 @@ def _mtp_plan(st, name: str, short: str, config: ModelConfig, find):
     yield kind, where, array
 
 
+# DeepSeek's MTP module j (``model.layers.{num_hidden_layers + j}.``): its own parts, as the
+# MTPHead names them; the rest of its tensors are a decoder layer's.
+_DEEPSEEK_MTP_TOP = {"enorm.weight": "mtp.embed_norm.scale", "hnorm.weight": "mtp.hidden_norm.scale",
+                     "eh_proj.weight": "mtp.w_fc_dx", "shared_head.norm.weight": "mtp.final_norm.scale"}
+# Copies of the model's embedding and lm_head that each MTP module ships (checked, not kept).
+_DEEPSEEK_MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight",
+                        "shared_head.head.weight": "lm_head.weight"}
+
+
+def _deepseek_mtp_plan(st, name: str, j: int, rest: str, config: ModelConfig, find):
+  """A tensor of MTP module j in DeepSeek's layout (``rest``: its name after the layer's
+  prefix): the head's norms and projection, its decoder layer (planned as parameter and bank
+  layer ``num_layers + j`` and renamed ``mtp.layers.{j}.*``), or its copies of the embedding
+  and lm_head, which must equal the model's (the head reads the model's)."""
+  if j >= config.mtp_layers:
+    raise ConversionError(f"tensor {name}: MTP module {j}, but the config has "
+                          f"{config.mtp_layers} (num_nextn_predict_layers)")
+  if rest in _DEEPSEEK_MTP_TOP:
+    yield "dense", _DEEPSEEK_MTP_TOP[rest], st.get(name)
+    return
+  if rest in _DEEPSEEK_MTP_SHARED:
+    _check_shared_copy(name, st.get(name), _DEEPSEEK_MTP_SHARED[rest], config, find)
+    return
+  yield from _mtp_plan(st, name, f"mtp.layers.{j}.{rest}", config, find)
+
+
+def _check_shared_copy(name: str, copy: np.ndarray, original: str, config: ModelConfig, find):
+  """An MTP module's copy of the embedding or lm_head must be the model's: compares rows at
+  both ends and a stride through the middle (cheap on a 1 GB table, and a different table
+  differs in nearly every row)."""
+  if original == "lm_head.weight" and config.tie_word_embeddings:
+    original = "model.embed_tokens.weight"
+  if find is None:
+    raise ConversionError(f"tensor {name}: the MTP module's copy of {original} needs it to compare")
+  source = find(original)
+  rows = np.unique(np.r_[0:min(8, len(source)), max(len(source) - 8, 0):len(source),
+                         0:len(source):max(len(source) // 64, 1)])
+  if copy.shape != source.shape or not np.array_equal(np.asarray(copy[rows]),
+                                                       np.asarray(source[rows])):
+    raise ConversionError(
+        f"tensor {name} is not a copy of {original}: ftjax's MTP head reads the model's "
+        "embedding and lm_head, and a head with its own is not supported")
+
+
 def _bank_layer(config: ModelConfig, name: str, layer: str) -> int:
   """The expert-bank layer of routed-expert tensor ``name`` of decoder layer ``layer``."""
   bank = config.bank_layer(int(layer))
@@ -258,12 +311,13 @@ def _bank_layer(config: ModelConfig, name: str, layer: str) -> int:
   return bank
 
 
-def deepseek_mtp_layers_in(names: Iterable[str], config: ModelConfig) -> list[int]:
-  """Decoder layers past ``num_hidden_layers`` in a checkpoint: the MTP layers of GLM-4.5+ and
-  DeepSeek-V3, stored as ``model.layers.{L + j}`` (``enorm``, ``hnorm``, ``eh_proj``,
-  ``shared_head``, and a MoE layer), which transformers does not load either."""
-  return sorted({int(m[1]) for n in names if (m := re.match(_LAYER, _strip(n)))
-                 and int(m[1]) >= config.num_layers})
+def deepseek_mtp_layers_in(names: Iterable[str], config: ModelConfig) -> int:
+  """MTP modules of a checkpoint in DeepSeek's layout (GLM-4.5+, DeepSeek-V3): the decoder
+  layers past ``num_hidden_layers``, ``model.layers.{L + j}`` (``enorm``, ``hnorm``,
+  ``eh_proj``, ``shared_head`` and a MoE layer), which transformers does not load."""
+  found = {int(m[1]) for n in names if (m := re.match(_LAYER, _strip(n)))
+           and int(m[1]) >= config.num_layers}
+  return max(found) - config.num_layers + 1 if found else 0
 
 
 def _layer_plan(st, name: str, short: str, config: ModelConfig, find):
@@ -394,14 +448,17 @@ def _with_mtp_layers(config: ModelConfig, found: int, hf_dir: str) -> ModelConfi
   them; a re-upload may have dropped the tensors its config names (converted without them)."""
   if found == config.mtp_layers:
     return config
+  deepseek = config.model_type in DEEPSEEK_MTP_MODEL_TYPES
+  where = (f"model.layers.{config.num_layers}.*" if deepseek else "mtp.*")
   if found == 0:
     print(f"ftjax: {hf_dir}: config.json names {config.mtp_layers} multi-token-prediction (MTP) "
-          "layers but the checkpoint has no mtp.* tensors; converting without MTP",
+          f"layers but the checkpoint has no {where} tensors; converting without MTP",
           file=sys.stderr)
   elif config.mtp_layers:
+    key = "num_nextn_predict_layers" if deepseek else "mtp_num_hidden_layers"
     raise ConversionError(
         f"{hf_dir}: config.json names {config.mtp_layers} MTP layers but the checkpoint has "
-        f"mtp.layers.0 .. mtp.layers.{found - 1}; fix mtp_num_hidden_layers in config.json")
+        f"{found} ({where}); fix {key} in config.json")
   return dataclasses.replace(config, mtp_layers=found)
 
 
@@ -441,13 +498,15 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
           + (" or pass overwrite=True (--overwrite) to replace this FTW model"
              if ftw.is_ftw_dir(out_dir) else " (it is not an FTW model, so ftjax never replaces it)"))
   shards = [SafetensorsFile(p) for p in _shard_paths(hf_dir)]
-  config = _with_mtp_layers(config, mtp_layers_in(n for st in shards for n in st.keys()), hf_dir)
-  extra = deepseek_mtp_layers_in((n for st in shards for n in st.keys()), config)
-  if extra:
-    print(f"ftjax: {hf_dir}: decoder layers {extra[0]}..{extra[-1]} past num_hidden_layers="
-          f"{config.num_layers} are multi-token-prediction layers in DeepSeek's layout, which "
-          "ftjax does not read yet: converting without MTP (--speculative=mtp needs them)",
-          file=sys.stderr)
+  names = [n for st in shards for n in st.keys()]
+  if config.model_type in DEEPSEEK_MTP_MODEL_TYPES:
+    config = _with_mtp_layers(config, deepseek_mtp_layers_in(names, config), hf_dir)
+  else:
+    config = _with_mtp_layers(config, mtp_layers_in(names), hf_dir)
+    if deepseek_mtp_layers_in(names, config):
+      raise ConversionError(
+          f"{hf_dir}: tensors of decoder layers past num_hidden_layers={config.num_layers}, "
+          f"which a {config.model_type} checkpoint does not have: check num_hidden_layers")
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf_config = json.load(f)
   quant = (hf_config.get("quantization_config") or {}).get("quant_method")

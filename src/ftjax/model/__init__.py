@@ -13,6 +13,9 @@ package:
     ``linear`` and the host GEMV/GEMM; K and N stay top-k and slots)
   Gated DeltaNet (``deltanet.py``): J key heads, M value heads, U key-head width, Y value-head
     width, X conv channels (2·J·U + M·Y), W conv width, Q chunk length, Z chunks
+  Multi-head latent attention (``layers.LatentAttention``) reuses letters inside that class
+    only: Q query rank, R latent rank, L = R + P a latent cache row, N unrotated and P rotary
+    query/key dims per head (C = N + P), V value dims per head
 
 Weights are named by their axes in storage order: ``w_q_had`` is ``[H, A, D]``.
 

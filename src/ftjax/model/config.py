@@ -19,10 +19,19 @@ from typing import Any, Literal
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next",
-                         "qwen3_5_moe", "gpt_oss", "minimax_m2", "glm4_moe")
+                         "qwen3_5_moe", "gpt_oss", "minimax_m2", "glm4_moe", "deepseek_v3",
+                         "glm4_moe_lite")
+# Checkpoints of another model_type that are the same architecture as a supported one (Kimi-K2
+# ships DeepSeek-V3's).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 # Hybrid families: Gated DeltaNet ("linear_attention") layers between gated full-attention
 # layers. ``qwen3_5_moe_text`` is the text-only config of ``qwen3_5_moe``.
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+# Families whose MTP layers are stored as decoder layers past num_hidden_layers (DeepSeek's
+# layout: ``model.layers.{L + j}.enorm / hnorm / eh_proj / shared_head`` and a MoE layer),
+# named by ``num_nextn_predict_layers``.
+DEEPSEEK_MTP_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+MTP_MODEL_TYPES = HYBRID_MODEL_TYPES + DEEPSEEK_MTP_MODEL_TYPES
 
 # Mixer kinds a layer can have: softmax attention (full or sliding window) carries a KV
 # cache, linear attention (Gated DeltaNet) a conv state and a recurrent state.
@@ -127,11 +136,11 @@ class ModelConfig:
   # Image/video placeholder ids of a vision-language checkpoint: ftjax runs its text model
   # only, so a prompt holding one of these is refused.
   vision_token_ids: tuple[int, ...] = ()
-  # Multi-token-prediction (MTP) layers of Qwen3-Next / Qwen3.5-MoE (``mtp.*``,
-  # ``ftjax.model.transformer.MTPHead``): each a full-attention MoE decoder layer after a
-  # projection of the next token's embedding and the model's hidden state. Their routed
-  # experts sit in the expert bank after the model's own layers (bank layers num_layers ..
-  # num_layers + mtp_layers - 1). 0: none.
+  # Multi-token-prediction (MTP) layers of Qwen3-Next / Qwen3.5-MoE (``mtp.*``) and of GLM /
+  # DeepSeek (decoder layers past num_hidden_layers; ``ftjax.model.transformer.MTPHead``):
+  # each a full-attention MoE decoder layer after a projection of the next token's embedding
+  # and the model's hidden state. Their routed experts sit in the expert bank after the
+  # decoder's MoE layers (``bank_layer``). 0: none.
   mtp_layers: int = 0
   # Decoder layers whose feed-forward is a dense SwiGLU MLP of ``dense_intermediate_size``
   # instead of a MoE (GLM's and DeepSeek's ``first_k_dense_replace`` first layers, Qwen-MoE's
@@ -139,6 +148,20 @@ class ModelConfig:
   # in order (``bank_layer``), then the MTP layers.
   dense_layers: tuple[int, ...] = ()
   dense_intermediate_size: int = 0
+  # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) when ``kv_lora_rank`` > 0
+  # (``ftjax.model.layers.LatentAttention``): queries through a rank ``q_lora_rank`` bottleneck
+  # (0: one projection), keys and values from a normed latent of ``kv_lora_rank`` per token plus
+  # one shared rotary key of ``head_dim`` (qk_rope_head_dim) dims, which the KV cache holds
+  # instead of per-head keys and values; per head ``qk_nope_head_dim`` unrotated query/key dims
+  # and ``v_head_dim`` value dims. ``rope_interleave``: the rotary dims pair (0, 1), (2, 3), ..
+  # (DeepSeek's layout) instead of (i, i + A/2). ``softmax_scale_factor`` multiplies the
+  # scores' 1/sqrt(qk head dims) (YaRN's mscale_all_dim, squared).
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  v_head_dim: int = 0
+  rope_interleave: bool = False
+  softmax_scale_factor: float = 1.0
 
   def __post_init__(self):
     if len(self.layer_types) != self.num_layers:
@@ -150,10 +173,10 @@ class ModelConfig:
             f"unknown layer type {kind!r}; supported layer types: {', '.join(LAYER_TYPES)}")
     if "sliding_attention" in self.layer_types and not self.sliding_window:
       raise UnsupportedModelError("a sliding_attention layer needs sliding_window > 0")
-    if self.mtp_layers < 0 or (self.mtp_layers and self.model_type not in HYBRID_MODEL_TYPES):
+    if self.mtp_layers < 0 or (self.mtp_layers and self.model_type not in MTP_MODEL_TYPES):
       raise UnsupportedModelError(
           f"mtp_layers={self.mtp_layers}: multi-token-prediction layers are read for "
-          f"{', '.join(HYBRID_MODEL_TYPES)} checkpoints only")
+          f"{', '.join(MTP_MODEL_TYPES)} checkpoints only")
     dense = self.dense_layers
     if dense:
       if list(dense) != sorted(set(dense)) or not 0 <= dense[0] <= dense[-1] < self.num_layers:
@@ -168,6 +191,13 @@ class ModelConfig:
         raise UnsupportedModelError(
             f"dense MLP layers {list(dense)} need dense_intermediate_size > 0 (config.json: "
             "intermediate_size)")
+    if self.kv_lora_rank and min(self.qk_nope_head_dim, self.v_head_dim) <= 0:
+      raise UnsupportedModelError(
+          f"latent attention (kv_lora_rank={self.kv_lora_rank}) needs positive qk_nope_head_dim "
+          f"and v_head_dim, got {self.qk_nope_head_dim} and {self.v_head_dim}")
+    if self.kv_lora_rank and ("sliding_attention" in self.layer_types or self.attn_sinks):
+      raise UnsupportedModelError("latent attention with a sliding window or sinks is not "
+                                  "supported")
     if self.num_heads % self.num_kv_heads:
       raise UnsupportedModelError(
           f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -244,6 +274,25 @@ class ModelConfig:
     return int(self.head_dim * self.partial_rotary_factor)
 
   @property
+  def latent_attention(self) -> bool:
+    return self.kv_lora_rank > 0
+
+  @property
+  def kv_cache_shape(self) -> tuple[int, int, int]:
+    """``(heads, key width, value width)`` of one token's KV cache rows in an attention layer:
+    (G, A, A) for grouped-query attention; (1, kv_lora_rank + head_dim, 0) for latent
+    attention (the normed latent and the rotated shared key, read as both key and value)."""
+    if self.latent_attention:
+      return 1, self.kv_lora_rank + self.head_dim, 0
+    return self.num_kv_heads, self.head_dim, self.head_dim
+
+  @property
+  def kv_elements_per_token(self) -> int:
+    """KV cache elements one token takes in one attention layer."""
+    g, k, v = self.kv_cache_shape
+    return g * (k + v)
+
+  @property
   def linear_key_dim(self) -> int:
     return self.linear_num_key_heads * self.linear_key_head_dim
 
@@ -302,15 +351,16 @@ class ModelConfig:
 # transformers configuration classes.
 _DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "mixtral": 1e6, "olmoe": 10000.0,
                        "qwen3_next": 10000.0, "qwen3_5_moe": 10000.0, "gpt_oss": 150000.0,
-                       "minimax_m2": 5e6, "glm4_moe": 10000.0}
+                       "minimax_m2": 5e6, "glm4_moe": 10000.0, "deepseek_v3": 10000.0,
+                       "glm4_moe_lite": 10000.0}
 _DEFAULT_EPS = {"qwen3_moe": 1e-6, "qwen2_moe": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5,
                 "qwen3_next": 1e-6, "qwen3_5_moe": 1e-6, "gpt_oss": 1e-5, "minimax_m2": 1e-6,
-                "glm4_moe": 1e-5}
+                "glm4_moe": 1e-5, "deepseek_v3": 1e-6, "glm4_moe_lite": 1e-5}
 
 
 # Families with dense first layers (``first_k_dense_replace``, transformers' default), and
 # those whose dense layers come from ``mlp_only_layers`` / ``decoder_sparse_step``.
-_FIRST_K_DENSE = {"glm4_moe": 1}
+_FIRST_K_DENSE = {"glm4_moe": 1, "deepseek_v3": 3, "glm4_moe_lite": 1}
 _SPARSE_STEP = ("qwen3_moe", "qwen2_moe", "qwen3_next")
 
 # gpt-oss's rope when config.json names none (transformers' GptOssConfig default).
@@ -465,6 +515,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     hf = text_config(hf)
   if model_type == "qwen3_5_moe_text":
     model_type = "qwen3_5_moe"
+  model_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
   hf = _Required(hf)
   layer_types = hf.get("layer_types") or []
   if "linear_attention" in layer_types and model_type not in HYBRID_MODEL_TYPES:
@@ -560,13 +611,34 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
                    shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
                    * int(hf.get("n_shared_experts", 1) or 0))
     ffn = hf["moe_intermediate_size"]
+  elif model_type in ("deepseek_v3", "glm4_moe_lite"):  # GLM-4.7-Flash is DeepSeek-V3's design
+    if hf.get("attention_bias", False):
+      raise UnsupportedModelError(f"{model_type} with attention_bias=true is not supported")
+    nope, rope_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    options.update(
+        router="sigmoid_group", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        router_groups=int(hf.get("n_group", 1) or 1),
+        router_topk_groups=int(hf.get("topk_group", 1) or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
+        * int(hf.get("n_shared_experts", 1) or 0),
+        kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        qk_nope_head_dim=nope, v_head_dim=int(hf["v_head_dim"]),
+        rope_interleave=bool(hf.get("rope_interleave", True)))
+    hf["head_dim"] = rope_dim  # the rotary key's dims, as transformers sets it
+    ffn = hf["moe_intermediate_size"]
   else:  # olmoe
     bias = bool(hf.get("attention_bias", False))
     options.update(qk_norm="full", qkv_bias=bias, o_bias=bias, clip_qkv=hf.get("clip_qkv"),
                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
     ffn = hf["intermediate_size"]
 
+  if model_type in DEEPSEEK_MTP_MODEL_TYPES:  # the converter counts what the checkpoint has
+    options["mtp_layers"] = int(hf.get("num_nextn_predict_layers",
+                                       hf.get("num_mtp_layers")) or 0)
   theta, partial, yarn = _rope(hf, model_type)
+  if options.get("kv_lora_rank"):
+    options["softmax_scale_factor"] = _mla_softmax_factor(hf)
   return ModelConfig(
       model_type=model_type,
       vocab_size=int(hf["vocab_size"]),
@@ -595,10 +667,29 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
   )
 
 
+def _mla_softmax_factor(hf: dict[str, Any]) -> float:
+  """DeepSeek's scores scale by (0.1 · mscale_all_dim · ln(factor) + 1)^2 more under YaRN
+  (transformers' ``yarn_apply_mscale``), the non-rotary dims as well."""
+  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if params.get("rope_type", params.get("type", "default")) == "default":
+    return 1.0
+  m_all, factor = params.get("mscale_all_dim", 0), float(params.get("factor") or 1.0)
+  if not m_all or factor <= 1:
+    return 1.0
+  return (0.1 * float(m_all) * math.log(factor) + 1.0) ** 2
+
+
 def _dense_layers(hf: dict[str, Any], model_type: str, num_layers: int) -> list[int]:
   """The decoder layers whose feed-forward is a dense MLP, as each family's transformers model
   decides: the first ``first_k_dense_replace`` (GLM, DeepSeek); those in ``mlp_only_layers``
   or off the ``decoder_sparse_step`` (Qwen-MoE: layer i is MoE when (i + 1) % step == 0)."""
+  if hf.get("mlp_layer_types"):  # GLM-4.7-Flash: "dense" or "sparse" per layer
+    kinds = list(hf["mlp_layer_types"])
+    if len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
+      raise UnsupportedModelError(
+          f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} layers, "
+          f"got {kinds}")
+    return [i for i, kind in enumerate(kinds) if kind == "dense"]
   if model_type in _FIRST_K_DENSE:
     return list(range(min(int(hf.get("first_k_dense_replace", _FIRST_K_DENSE[model_type]) or 0),
                           num_layers)))

@@ -57,6 +57,7 @@ LINEAR_OUT_AXES = {
     "w_gate_id": 1, "w_up_id": 1, "w_down_di": 1,  # shared experts (dense MLPs)
     "w_qkv_xd": 1, "w_z_myd": 2, "w_b_md": 1, "w_a_md": 1, "w_out_dmy": 1,  # Gated DeltaNet
     "w_fc_dx": 1,  # the MTP head's projection
+    "w_qa_qd": 1, "w_qb_hcq": 2, "w_kva_ld": 1,  # latent attention (its W_kvb is absorbed)
     "w_lm_vd": 1, "embed_vd": 1,  # lm_head (the embedding when tied)
 }
 
@@ -145,9 +146,13 @@ class KVCache:
   v: jax.Array
 
   @classmethod
-  def zeros(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32):
+  def zeros(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,
+            value_dim: int | None = None):
+    """``value_dim`` (default ``head_dim``): 0 for a latent attention's cache, whose values
+    are its keys (``LatentAttention``)."""
     shape = (batch, max_len, num_kv_heads, head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    v_shape = shape[:3] + (head_dim if value_dim is None else value_dim,)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(v_shape, dtype))
 
 
 def _allowed(q_rows: jax.Array, kv_rows: jax.Array, window: int | None) -> jax.Array:
@@ -159,14 +164,17 @@ def _allowed(q_rows: jax.Array, kv_rows: jax.Array, window: int | None) -> jax.A
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array | int, *,
-                    window: int | None, sinks: jax.Array | None) -> jax.Array:
+                    window: int | None, sinks: jax.Array | None,
+                    scale: float | None = None) -> jax.Array:
   """Attention in XLA einsums: q [B, T, H, A] (queries at cache rows start + t) against every
   row of k, v [B, S, G, A] the mask allows (rows past the queries' are masked out, so S may
-  be a whole cache). ``sinks`` [H]: per-head logits that join the softmax's denominator."""
+  be a whole cache). ``sinks`` [H]: per-head logits that join the softmax's denominator.
+  ``scale`` of the scores: A ** -0.5 by default."""
   _, t, h, a = q.shape
   g = k.shape[2]
   q5 = q.reshape(*q.shape[:2], g, h // g, a)  # [B, T, G, R, A]
-  scores = jnp.einsum("BTGRA,BSGA->BGRTS", q5, k.astype(jnp.float32)) * (a ** -0.5)
+  scale = a ** -0.5 if scale is None else scale
+  scores = jnp.einsum("BTGRA,BSGA->BGRTS", q5, k.astype(jnp.float32)) * scale
   kv_rows = jnp.arange(k.shape[1])
   if jnp.ndim(start):  # one start per sequence: [B, 1, 1, T, S]
     allowed = jax.vmap(lambda s: _allowed(s + jnp.arange(t), kv_rows, window))(start)
@@ -181,7 +189,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array |
   else:
     probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("BGRTS,BSGA->BTGRA", probs, v.astype(jnp.float32))
-  return out.reshape(*out.shape[:2], h, a)
+  return out.reshape(*out.shape[:2], h, v.shape[-1])
 
 
 def write_rows(buffer: jax.Array, rows: jax.Array, start) -> jax.Array:
@@ -213,7 +221,7 @@ KV_BLOCK = 256  # cache rows per step of blocked_attention (KV capacities are mu
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array, *,
                       window: int | None, sinks: jax.Array | None,
-                      block: int = KV_BLOCK) -> jax.Array:
+                      block: int = KV_BLOCK, scale: float | None = None) -> jax.Array:
   """``dense_attention`` of T queries at cache rows [length, length + T) against a KV cache,
   walking only the blocks of ``block`` rows they may attend, with an online softmax: memory
   O(T · block) per head instead of O(T · S) (a prefill chunk against a long cache). A cache
@@ -221,7 +229,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Arra
   b, t, h, a = q.shape
   s_rows, g = k.shape[1], k.shape[2]
   block = block if s_rows % block == 0 else s_rows
-  q5 = q.reshape(b, t, g, h // g, a) * (a ** -0.5)
+  q5 = q.reshape(b, t, g, h // g, a) * (a ** -0.5 if scale is None else scale)
+  a = v.shape[-1]
   q_rows = length + jnp.arange(t)
   first = 0 if window is None else jnp.maximum(length - window + 1, 0) // block
   last = (length + t + block - 1) // block  # one past the last block holding a query's row
@@ -367,6 +376,83 @@ class Attention(nnx.Module):
     if self.o_bias:
       y = y + f32(self.b_o_d)
     return y
+
+
+class LatentAttention(nnx.Module):
+  """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), run in its absorbed form.
+
+  Per token: ``[c; k_r] = W_kva x`` with c [R] (kv_lora_rank) normed, k_r [P] one rotary key
+  shared by all heads; queries ``[q_n; q_r]`` per head ([N] unrotated, [P] rotary) from ``x``
+  (through a normed rank-Q bottleneck when ``q_lora_rank``). Head h's key is
+  ``[W_uk[h] c; k_r]`` and its value ``W_uv[h] c`` (``W_kvb`` [H, N + V, R] holds both).
+
+  The cache holds ``[c; k_r]`` (R + P per token, one "head", as key; an empty value), and each
+  query is absorbed instead of each key expanded: ``q' = [W_uk[h]^T q_n; q_r]`` against the
+  cached rows gives the same scores, the probabilities average the rows, and the first R dims
+  of that, times ``W_uv[h]``, are the head's output. So decode reads R + P numbers per cached
+  token for all heads (576 for DeepSeek-V3, against 2 x 128 heads x 128 dims expanded), and the
+  host attention kernel runs it as one KV head of width R + P whose values are its keys.
+  """
+
+  def __init__(self, *, width: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+               nope_dim: int, rope_dim: int, v_dim: int, rope_theta: float, eps: float,
+               interleave: bool, softmax_scale: float, rngs: nnx.Rngs, yarn: Yarn | None = None,
+               dtype=jnp.float32):
+    h, d, c = num_heads, width, nope_dim + rope_dim
+    if q_lora_rank:
+      self.w_qa_qd = normal_param(rngs, (q_lora_rank, d), dtype)
+      self.q_a_norm = RMSNorm(q_lora_rank, eps, dtype=dtype)
+      self.w_qb_hcq = normal_param(rngs, (h, c, q_lora_rank), dtype)
+    else:
+      self.w_q_had = normal_param(rngs, (h, c, d), dtype)
+    self.w_kva_ld = normal_param(rngs, (kv_lora_rank + rope_dim, d), dtype)
+    self.kv_a_norm = RMSNorm(kv_lora_rank, eps, dtype=dtype)
+    self.w_kvb_hnr = normal_param(rngs, (h, nope_dim + v_dim, kv_lora_rank), dtype)
+    self.w_o_dha = normal_param(rngs, (d, h, v_dim), dtype)
+    self.q_lora = bool(q_lora_rank)
+    self.latent, self.nope, self.rope_dim = kv_lora_rank, nope_dim, rope_dim
+    self.interleave, self.scale = interleave, softmax_scale
+    self.rope_theta, self.yarn = rope_theta, yarn
+
+  def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    if self.interleave:  # pairs (0, 1), (2, 3), ..: the same rotation on [evens; odds]
+      x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return rope(x, positions, self.rope_theta, None, self.yarn)
+
+  def __call__(self, x: jax.Array, cache: KVCache, length: jax.Array, positions: jax.Array,
+               *, kernels: str = "xla", fresh: bool = False) -> tuple[KVCache, jax.Array]:
+    """As ``Attention.__call__``; the cache is ``[B, S, 1, R + P]`` keys, ``[B, S, 1, 0]``
+    values."""
+    _, t, _ = x.shape
+    if self.q_lora:
+      q = linear(self.q_a_norm(linear(x, self.w_qa_qd, 1, kernels=kernels)), self.w_qb_hcq, 2,
+                 kernels=kernels)
+    else:
+      q = linear(x, self.w_q_had, 2, kernels=kernels)  # [B, T, H, N + P]
+    kv = linear(x, self.w_kva_ld, 1, kernels=kernels)  # [B, T, R + P]
+    latent = self.kv_a_norm(kv[..., :self.latent])
+    k_rope = self._rope(kv[..., None, self.latent:], positions)  # [B, T, 1, P]
+    q_rope = self._rope(q[..., self.nope:], positions)  # [B, T, H, P]
+    w_kvb = f32(self.w_kvb_hnr)
+    w_uk, w_uv = w_kvb[:, :self.nope], w_kvb[:, self.nope:]  # [H, N, R], [H, V, R]
+    q_latent = jnp.einsum("BTHN,HNR->BTHR", q[..., :self.nope], w_uk)
+    q_abs = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, H, R + P]
+    rows = jnp.concatenate([latent[:, :, None, :], k_rope], axis=-1).astype(cache.k.dtype)
+    cache = KVCache(k=_write_kv(cache.k, rows, length), v=cache.v)
+    if kernels in FFI_KERNELS:
+      if jnp.ndim(length) and length.shape[0] == 1:
+        length = length[0]
+      out = attention(q_abs, cache.k, cache.k, length + t, scale=self.scale)
+    elif fresh:
+      out = dense_attention(q_abs, rows, rows, 0, window=None, sinks=None, scale=self.scale)
+    elif t == 1:
+      out = dense_attention(q_abs, cache.k, cache.k, length, window=None, sinks=None,
+                            scale=self.scale)
+    else:
+      out = blocked_attention(q_abs, cache.k, cache.k, length, window=None, sinks=None,
+                              scale=self.scale)
+    heads = jnp.einsum("BTHR,HVR->BTHV", out[..., :self.latent], w_uv)  # [B, T, H, V]
+    return cache, linear(heads, self.w_o_dha, 1, kernels=kernels)
 
 
 class MLP(nnx.Module):

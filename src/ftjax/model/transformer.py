@@ -18,8 +18,8 @@ from flax import struct
 
 from ftjax.model.config import ModelConfig
 from ftjax.model.deltanet import GatedDeltaNet, LinearState
-from ftjax.model.layers import (MLP, Attention, KVCache, MoE, RMSNorm, embed_rows, linear,
-                                normal_param)
+from ftjax.model.layers import (MLP, Attention, KVCache, LatentAttention, MoE, RMSNorm,
+                                embed_rows, linear, normal_param)
 from ftjax.model.moe import RoutedExperts
 from ftjax.utils.arrays import take
 
@@ -51,7 +51,8 @@ def _layer_state(config: ModelConfig, kind: str, batch: int, max_len: int, dtype
     return LinearState.zeros(batch, c.linear_conv_kernel, c.linear_conv_dim,
                              c.linear_num_value_heads, c.linear_key_head_dim,
                              c.linear_value_head_dim)
-  return KVCache.zeros(batch, max_len, c.num_kv_heads, c.head_dim, dtype)
+  g, k, v = c.kv_cache_shape
+  return KVCache.zeros(batch, max_len, g, k, dtype, value_dim=v)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -79,6 +80,13 @@ class DecoderLayer(nnx.Module):
           value_heads=c.linear_num_value_heads, key_dim=c.linear_key_head_dim,
           value_dim=c.linear_value_head_dim, conv_width=c.linear_conv_kernel,
           eps=c.rms_norm_eps, rngs=rngs, dtype=dtype)
+    elif c.latent_attention:
+      self.attn = LatentAttention(
+          width=c.hidden_size, num_heads=c.num_heads, q_lora_rank=c.q_lora_rank,
+          kv_lora_rank=c.kv_lora_rank, nope_dim=c.qk_nope_head_dim, rope_dim=c.head_dim,
+          v_dim=c.v_head_dim, rope_theta=c.rope_theta, eps=c.rms_norm_eps,
+          interleave=c.rope_interleave, yarn=c.yarn, rngs=rngs, dtype=dtype,
+          softmax_scale=(c.qk_nope_head_dim + c.head_dim) ** -0.5 * c.softmax_scale_factor)
     else:
       window = c.sliding_window if layer_type == "sliding_attention" else None
       self.attn = Attention(
@@ -156,7 +164,8 @@ def init_mtp_state(config: ModelConfig, batch: int, max_len: int,
   """Empty KV caches of the MTP layers (``Transformer.mtp_step``)."""
   if not config.mtp_layers:
     raise ValueError(f"this {config.model_type} model has no multi-token-prediction (MTP) layers")
-  return tuple(KVCache.zeros(batch, max_len, config.num_kv_heads, config.head_dim, dtype)
+  g, k, v = config.kv_cache_shape
+  return tuple(KVCache.zeros(batch, max_len, g, k, dtype, value_dim=v)
                for _ in range(config.mtp_layers))
 
 

@@ -267,6 +267,8 @@ class ModelShape:
     attention = _attention_params(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                   q_gate=c.attn_output_gate, qkv_bias=c.qkv_bias,
                                   o_bias=c.o_bias, qk_norm=c.qk_norm, sinks=c.attn_sinks)
+    if c.latent_attention:
+      attention = _latent_attention_params(c)
     mixers = {"full_attention": attention, "sliding_attention": attention}
     if "linear_attention" in c.layer_types:
       mixers["linear_attention"] = _gated_deltanet_params(
@@ -334,6 +336,18 @@ def _attention_params(d: int, heads: int, kv_heads: int, head_dim: int, *, q_gat
   elif qk_norm == "full":
     n += heads * head_dim + kv
   return n + (heads if sinks else 0)
+
+
+def _latent_attention_params(c) -> int:
+  """Parameters of one multi-head latent attention block (``LatentAttention``): the query
+  projections (through the normed rank-Q bottleneck, or one), the latent's projection and
+  norm, the per-head key/value expansion [H, N + V, R] and the output projection."""
+  h, d, r = c.num_heads, c.hidden_size, c.kv_lora_rank
+  width = c.qk_nope_head_dim + c.head_dim
+  q = d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * h * width if c.q_lora_rank else (
+      d * h * width)
+  return q + d * (r + c.head_dim) + r + r * h * (c.qk_nope_head_dim + c.v_head_dim) + (
+      h * c.v_head_dim * d)
 
 
 def _moe_block_params(d: int, num_experts: int, shared_ffn: int, shared_gate: bool, *,

@@ -143,7 +143,7 @@ def state_bytes(config, batch: int, capacity: int, kv_dtype: str = "float32") ->
   recurrent state of the Gated DeltaNet layers (float32)."""
   c = config
   linear = sum(t == "linear_attention" for t in c.layer_types)
-  kv = 2 * (c.num_layers - linear) * batch * capacity * c.num_kv_heads * c.head_dim
+  kv = (c.num_layers - linear) * batch * capacity * c.kv_elements_per_token
   rec = linear * batch * (c.linear_num_value_heads * c.linear_key_head_dim
                           * c.linear_value_head_dim
                           + max(c.linear_conv_kernel - 1, 0) * c.linear_conv_dim)

@@ -578,7 +578,11 @@ class Session:
     layers = {}
     for i, layer in enumerate(self._state.layers):
       if isinstance(layer, KVCache):
-        layers[str(i)] = {"k": host(layer.k[:, :n]), "v": host(layer.v[:, :n])}
+        # A latent attention's values are its keys: its empty value rows are not saved (orbax
+        # refuses zero-size arrays).
+        layers[str(i)] = {"k": host(layer.k[:, :n])}
+        if layer.v.size:
+          layers[str(i)]["v"] = host(layer.v[:, :n])
       else:
         layers[str(i)] = {"conv": host(layer.conv), "recurrent": host(layer.recurrent)}
     arrays: dict[str, Any] = {"layers": layers}
@@ -645,11 +649,13 @@ class Session:
       saved = arrays["layers"].get(str(i), {})
       if isinstance(layer, KVCache):
         shape = (layer.k.shape[0], n, *layer.k.shape[2:])
-        if tuple(np.shape(saved.get("k"))) != shape or tuple(np.shape(saved.get("v"))) != shape:
+        v_shape = (layer.v.shape[0], n, *layer.v.shape[2:])
+        v_saved = np.shape(saved.get("v")) if layer.v.size else v_shape
+        if tuple(np.shape(saved.get("k"))) != shape or tuple(v_saved) != v_shape:
           raise CheckpointError(f"the session checkpoint {where} has KV rows of layer {i} that do "
-                                f"not fit the model (expected {shape})")
+                                f"not fit the model (expected {shape} and {v_shape})")
         layers.append(KVCache(k=layer.k.at[:, :n].set(saved["k"]),
-                              v=layer.v.at[:, :n].set(saved["v"])))
+                              v=layer.v.at[:, :n].set(saved["v"]) if layer.v.size else layer.v))
       else:
         layers.append(jax.device_put(self._linear_state(saved, layer, f"layer {i}", where)))
     self._state = DecodeState(layers=tuple(layers), length=jnp.asarray(n, jnp.int32))
