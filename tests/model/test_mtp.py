@@ -197,7 +197,7 @@ def test_a_checkpoint_whose_mtp_tensors_were_dropped(tmp_path, capfd):
   module = nnx.merge(model.graphdef, model.params)
   with pytest.raises(ValueError, match="no multi-token-prediction"):
     init_mtp_state(model.config, 1, 8)
-  with pytest.raises(ValueError, match="ships no mtp.. tensors"):
+  with pytest.raises(ValueError, match="its checkpoint ships none"):
     module.mtp_step((), jnp.zeros((), jnp.int32), jnp.zeros((1, 1, 32)),
                     jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), None)
 

@@ -207,8 +207,8 @@ class Transformer(nnx.Module):
     padding whose routes read no experts (their KV rows are written and overwritten later)."""
     if self.mtp is None:
       raise ValueError("this model has no multi-token-prediction (MTP) layers: its checkpoint "
-                       "ships no mtp.* tensors; speculative decoding with MTP needs a Qwen3-Next "
-                       "or Qwen3.5-MoE checkpoint that has them")
+                       "ships none; speculative decoding with MTP needs a Qwen3-Next, Qwen3.5-MoE, "
+                       "GLM-4.5+ or DeepSeek-V3 checkpoint that has them")
     head = self.mtp
     e = head.embed_norm(embed_rows(self.embed_vd, tokens))
     z = linear(jnp.concatenate([e, head.hidden_norm(hidden)], axis=-1), head.w_fc_dx, 1,
