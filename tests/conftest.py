@@ -52,7 +52,8 @@ SLOW_FILES_FIRST = (
     "server/test_tool_calls.py", "cache/test_engine_cache.py", "server/test_server.py",
     "server/test_agent_apis.py", "runtime/test_device_loop.py", "cache/test_gpu_program.py",
     "runtime/test_session.py", "runtime/test_engine_memory.py", "cache/test_sharded_cache.py",
-    "model/test_gpt_oss_parity.py", "server/test_precompile.py")
+    "model/test_gpt_oss_parity.py", "server/test_precompile.py", "server/test_reply_formats.py",
+    "model/test_hf_parity.py", "model/test_mtp_deepseek.py")
 
 
 def pytest_collection_modifyitems(items):

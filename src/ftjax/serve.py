@@ -7,7 +7,9 @@ streaming, tool calls, reasoning), ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health`` and ``GET /metrics`` (Prometheus). Each request is matched to a cached
 session by its longest token prefix, so an agent's next turn reuses the KV cache and the
 recurrent-state anchors of the last one. ``--port=0`` lets the OS choose; the first line on
-stdout says where it listens. The library behind it is ``ftjax.server``.
+stdout says where it listens, and a later one the reply format replies are parsed in
+(``ftjax.server.reply_formats``; ``--reply_format`` overrides the choice). The library behind
+it is ``ftjax.server``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ftjax.kernels import KernelsUnavailable
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES
 from ftjax.server.app import ServerConfig, bind, create_app
 from ftjax.server.auth import ENV_ADMIN_KEY, ENV_KEY, ApiKeys, exposure_warning, gather_keys
+from ftjax.server.reply_formats import FORMATS
 
 
 def served_name(model: str | None) -> str:
@@ -54,7 +57,8 @@ def main(argv):
         precompile=_FLAGS["precompile"].value,
         api_keys=gather_keys(_FLAGS["api_key"].value, _FLAGS["api_key_file"].value, ENV_KEY),
         admin_keys=gather_keys(_FLAGS["admin_key"].value, _FLAGS["admin_key_file"].value,
-                               ENV_ADMIN_KEY))
+                               ENV_ADMIN_KEY),
+        reply_format=_FLAGS["reply_format"].value)
     application = create_app(engine, config)
     sock = bind(_FLAGS["host"].value, _FLAGS["port"].value)
   except (ValueError, FileNotFoundError, KernelsUnavailable, OSError) as e:
@@ -64,6 +68,10 @@ def main(argv):
   print(f"ftjax.serve: {config.model_name} ({model.config.model_type}, kernels "
         f"{engine.kernels_path}) on http://{shown}:{port}/v1", flush=True)
   print(f"ftjax.serve: compilation cache: {compiled_in}", flush=True)
+  served = application.state.server
+  why = served.selection.reason or "unknown: reasoning and tool calls are not split out"
+  print(f"ftjax.serve: reply format {served.reply_format.name} ({why}; tool calls sent back "
+        f"render with their arguments as {served.template.tool_arguments})", flush=True)
   keys = ApiKeys(config.api_keys, config.admin_keys)
   print(f"ftjax.serve: API keys: {len(config.api_keys) or 'none'}"
         + (f", admin keys: {len(config.admin_keys)}" if config.admin_keys else ""), flush=True)
@@ -129,6 +137,10 @@ def cli() -> None:
           f"everyone); default ${ENV_ADMIN_KEY}"),
       "admin_key_file": flags.DEFINE_string("admin_key_file", None,
                                             "a file of admin keys, one a line"),
+      "reply_format": flags.DEFINE_enum(
+          "reply_format", None, list(FORMATS), "how the model writes reasoning and tool calls "
+          "(default: chosen by the chat template's tags, else the config's model_type; "
+          "docs/serve.md)"),
       "log_level": flags.DEFINE_enum("log_level", "warning",
                                      ["critical", "error", "warning", "info", "debug"],
                                      "uvicorn's log level (info: one line per request)"),

@@ -12,7 +12,20 @@ Rendering uses a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_b
 characters (and takes ``indent``, ``separators`` and ``sort_keys``), and the globals
 ``raise_exception(message)`` and ``strftime_now(format)``. The context holds ``messages``,
 ``tools``, ``add_generation_prompt``, the tokenizer config's ``bos_token`` and ``eos_token``,
-and any extra options (Qwen's ``enable_thinking``, for instance).
+and any extra options (Qwen's ``enable_thinking``, for instance). Unlike transformers' sandbox,
+a template may append to and pop from lists (Kimi-K2's number their tool calls that way); it
+renders a deep copy of the messages and tools, so it cannot change the caller's.
+
+Messages come in OpenAI's shapes, and each template reads an assistant turn's parts its own
+way, so ``render`` hands them over as the template reads them:
+
+- a tool call's ``arguments`` are JSON text in OpenAI's API; templates that write the
+  arguments themselves (``tool_call.arguments.items()``, ``| tojson``) need the object.
+  ``tool_arguments`` says which: ``"text"`` (as given; the default) or ``"object"`` (the JSON
+  text parsed; text that is not a JSON object is passed as it is). The server sets it at
+  start-up by rendering a probe call (``ftjax.server.reply_formats.fit_template``);
+- reasoning is ``reasoning_content``; a template that reads ``thinking`` instead (gpt-oss)
+  gets it there too (``reasoning_field``, found in the template's text).
 
 The plain fallback, for models that ship no template: each message as ``ROLE: CONTENT`` and a
 blank line, then ``assistant:`` with a generation prompt. It cannot render tools (an error
@@ -21,16 +34,22 @@ says so).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
+import re
 from typing import Any, Sequence
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SandboxedEnvironment
 
 TEMPLATE_FILE = "chat_template.jinja"
+TOOL_ARGUMENTS = ("text", "object")  # the shapes a tool call's arguments can be rendered in
+# A template that reads an assistant message's ``thinking`` (``message.thinking``,
+# ``message['thinking']``, ``"thinking" in message``).
+_READS_THINKING = re.compile(r"""\.thinking\b|\[\s*['"]thinking['"]\s*\]|['"]thinking['"]\s+in\s""")
 
 
 class ChatTemplateError(ValueError):
@@ -51,8 +70,8 @@ def _strftime_now(fmt):
 
 
 def _environment() -> jinja2.Environment:
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[jinja2.ext.loopcontrols])
+  env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[jinja2.ext.loopcontrols])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
@@ -68,12 +87,18 @@ def _special(value) -> str | None:
 
 class ChatTemplate:
   """A model's chat template. ``source`` says where it came from: ``chat_template.jinja``,
-  ``tokenizer_config.json`` or ``fallback``."""
+  ``tokenizer_config.json`` or ``fallback``; ``text`` is its Jinja source (all the named
+  templates', joined; empty for the fallback). ``tool_arguments`` and ``reasoning_field``:
+  how assistant turns are handed to it (the module's docstring)."""
 
   def __init__(self, templates: dict[str, str] | None, *, source: str,
                bos_token: str | None = None, eos_token: str | None = None):
     self.source = source
     self.bos_token, self.eos_token = bos_token, eos_token
+    self.text = "\n".join((templates or {}).values())
+    self.tool_arguments = "text"
+    self.reasoning_field = ("thinking" if "reasoning_content" not in self.text
+                            and _READS_THINKING.search(self.text) else "reasoning_content")
     self._env = _environment()
     self._compiled = {}
     for name, text in (templates or {}).items():
@@ -101,9 +126,13 @@ class ChatTemplate:
                                 "add a chat_template to its tokenizer_config.json")
       text = "".join(f"{m['role']}: {_text(m.get('content'))}\n\n" for m in messages)
       return text + ("assistant:" if add_generation_prompt else "")
+    if self.tool_arguments not in TOOL_ARGUMENTS:
+      raise ValueError(f"tool_arguments must be one of {TOOL_ARGUMENTS}, got "
+                       f"{self.tool_arguments!r}")
     template = self._compiled.get("tool_use") if tools else None
     template = template or self._compiled.get("default") or next(iter(self._compiled.values()))
-    context = dict(messages=[dict(m) for m in messages], tools=list(tools) if tools else None,
+    context = dict(messages=[self._message(m) for m in copy.deepcopy(list(messages))],
+                   tools=copy.deepcopy(list(tools)) if tools else None,
                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
                    eos_token=self.eos_token or "", **options)
     try:
@@ -113,6 +142,32 @@ class ChatTemplate:
     except jinja2.TemplateError as e:
       raise ChatTemplateError(f"the chat template from {self.source} failed on these messages: "
                               f"{e}") from e
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+      # A filter or method the template applied to a value of another type (``items`` on
+      # text, say): the messages do not have the shape this template reads.
+      raise ChatTemplateError(f"the chat template from {self.source} failed on these messages: "
+                              f"{type(e).__name__}: {e}") from e
+
+  def _message(self, message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` (a copy) as the template reads it: an assistant's tool-call arguments in
+    the ``tool_arguments`` shape, its reasoning under ``reasoning_field`` too."""
+    if message.get("role") != "assistant":
+      return message
+    reasoning = message.get("reasoning_content")
+    if self.reasoning_field != "reasoning_content" and reasoning is not None:
+      message[self.reasoning_field] = reasoning
+    if self.tool_arguments == "object":
+      for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+          try:
+            value = json.loads(arguments)
+          except ValueError:
+            continue  # not JSON: passed as it is (the template says what it wants)
+          if isinstance(value, dict):
+            function["arguments"] = value
+    return message
 
 
 def _text(content) -> str:

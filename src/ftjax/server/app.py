@@ -35,9 +35,10 @@ from ftjax.runtime.tokenizer import load_tokenizer
 from ftjax.server import anthropic, openai, responses
 from ftjax.server.auth import ApiKeys, RequireKey
 from ftjax.server.metrics import Metrics
-from ftjax.server.outputs import Delta, opens_thinking
+from ftjax.server.outputs import Delta
 from ftjax.server.protocol import (ApiError, CacheRequest, ChatRequest, ChatSpec,
                                    CompletionRequest)
+from ftjax.server.reply_formats import fit_template, select_format
 from ftjax.server.scheduler import Job, Outcome, ServerConfig, Worker
 
 
@@ -81,7 +82,9 @@ class TurnEncoder:
 
 
 class Server:
-  """The app's state: the engine's worker, the template and tokenizer, the metrics."""
+  """The app's state: the engine's worker, the template and tokenizer, the reply format
+  (``reply_formats``: chosen here, with a warning in the log when it is unknown, and the
+  template fitted to render the format's tool calls back), the metrics."""
 
   def __init__(self, engine: Engine, config: ServerConfig):
     self.engine, self.config = engine, config
@@ -89,6 +92,13 @@ class Server:
     self.tokenizer = load_tokenizer(model.path, model.config.vocab_size)
     self.encoder = TurnEncoder(self.tokenizer)
     self.template = load_chat_template(model.path)
+    self.selection = select_format(model.config.model_type, self.template.text,
+                                   config.reply_format)
+    self.reply_format = self.selection.format
+    for warning in (self.selection.warning(model.config.model_type, self.template.source),
+                    fit_template(self.template, self.reply_format)):
+      if warning:
+        _LOG.warning("%s", warning)
     self.metrics = Metrics()
     self.worker = Worker(engine, config)
     self.metrics.bind(self.worker, engine)
@@ -173,8 +183,10 @@ class Server:
     ids = self.encoder.encode(prompt)
     limit = self._limit(len(ids), spec.max_tokens, prompt_param)
     return Job(ids=ids, max_tokens=limit, sampling=self._sampling(spec), stops=spec.stops,
-               stream=spec.stream, chat=True, reasoning=opens_thinking(prompt),
-               tool_calls=spec.parse_tool_calls, loop=loop, received=received)
+               stream=spec.stream, chat=True,
+               reasoning=self.reply_format.opens_thinking(prompt),
+               tool_calls=spec.parse_tool_calls, loop=loop, received=received,
+               reply_format=self.reply_format, tools=spec.tools)
 
   def count_tokens(self, spec: ChatSpec, prompt_param: str = "messages") -> int:
     """The prompt tokens ``spec`` would be given (the generation prompt included)."""

@@ -1,16 +1,20 @@
 """A reply's text, as it streams, split into reasoning, content and tool calls.
 
-Qwen-style models write ``<think>\\nREASONING\\n</think>\\n\\nCONTENT`` and call tools with
-``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``. ``ReplyParser`` turns the
-text into ``Delta``s as it arrives, holding back only what could still be the start of a tag:
+``ReplyParser`` turns the text into ``Delta``s as it arrives, holding back only what could still
+be the start of a tag. What the tags are is a ``TagSyntax``: how reasoning is delimited, how a
+tool-call block opens and closes, and how a block's body decodes into calls. Each model family's
+syntax is in ``ftjax.server.reply_formats`` (the table of reply formats); the default here is
+Qwen's, ``<think>\\nREASONING\\n</think>\\n\\nCONTENT`` and
+``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``:
 
-- reasoning is the text between ``<think>`` and ``</think>`` (the reply starts inside it when
-  the prompt opened it: ``opens_thinking``), without the newlines next to the tags;
-- each complete ``<tool_call>...</tool_call>`` whose body is a JSON object with a string
-  ``name`` becomes a ``ToolCall`` (``arguments`` as JSON text, as OpenAI's API carries it);
-  a body that is not becomes content, tags included, so nothing the model wrote is lost;
-- everything else is content (the newlines next to a tag are dropped, as the chat template
-  renders them back; a reply with no tags is its text unchanged).
+- reasoning is the text between the syntax's think tags (the reply starts inside it when the
+  prompt opened it: ``opens_thinking``), without the newlines next to the tags;
+- each complete call block whose body decodes becomes one ``ToolCall`` per call it holds
+  (``arguments`` as JSON text, as OpenAI's API carries it); a body that does not becomes
+  content, tags included, so nothing the model wrote is lost (an unfinished block at the end
+  of the reply too);
+- everything else is content (the newlines next to a tag are dropped, as the chat templates
+  render them back; a reply with no tags is its text unchanged).
 
 ``StopMatcher`` cuts the raw text at the first stop string. The streaming and the
 non-streaming responses are both made of these deltas, so they always agree.
@@ -21,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
-from typing import Sequence
+from typing import Callable, Sequence
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -42,14 +46,43 @@ class Delta:
   call: ToolCall | None = None
 
 
-def opens_thinking(prompt: str) -> bool:
-  """Whether the prompt's last turn opened a ``<think>`` block the reply continues (a template
-  that starts the assistant turn with ``<think>\\n``)."""
-  turn = prompt[prompt.rfind(TURN_START) + 1:] if TURN_START in prompt else prompt
-  return turn.rfind(THINK_OPEN) > turn.rfind(THINK_CLOSE)
+def new_call(name: str, arguments: str) -> ToolCall:
+  """A ``ToolCall`` with a fresh OpenAI-style id (the models' own ids, where a format has
+  them, are not unique across turns; the chat templates number calls themselves)."""
+  return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=arguments)
 
 
-def _partial_suffix(text: str, tags: Sequence[str]) -> int:
+# A call block's body (the text between its tags) and the request's tools -> the calls it holds,
+# as (name, arguments as JSON text), or None when it is not a well-formed block.
+Decoder = Callable[[str, Sequence[dict] | None], list[tuple[str, str]] | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TagSyntax:
+  """How a reply format marks its parts with tags: ``think`` (open, close) around reasoning,
+  ``call`` (open, close) around a block of tool calls, and ``decode`` of a block's body. None
+  where the format has no such part (both None: everything is content)."""
+  think: tuple[str, str] | None
+  call: tuple[str, str] | None = None
+  decode: Decoder | None = None
+
+  @property
+  def think_open(self) -> str | None:
+    return self.think[0] if self.think else None
+
+
+def opens_thinking(prompt: str, think: tuple[str, str] | None = (THINK_OPEN, THINK_CLOSE),
+                   turn: str | None = TURN_START) -> bool:
+  """Whether the prompt's last turn (the text after the last ``turn`` marker) opened a ``think``
+  block the reply continues (a template that starts the assistant turn with ``<think>\\n``)."""
+  if think is None:
+    return False
+  if turn and turn in prompt:
+    prompt = prompt[prompt.rfind(turn) + len(turn):]
+  return prompt.rfind(think[0]) > prompt.rfind(think[1])
+
+
+def partial_suffix(text: str, tags: Sequence[str]) -> int:
   """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``."""
   best = 0
   for tag in tags:
@@ -80,7 +113,7 @@ class StopMatcher:
       at, self.matched = min(hits, key=lambda hit: hit[0])
       self.stopped, self._held = True, ""
       return held[:at]
-    keep = _partial_suffix(held, self.stops)
+    keep = partial_suffix(held, self.stops)
     self._held = held[len(held) - keep:] if keep else ""
     return held[:len(held) - keep]
 
@@ -89,25 +122,52 @@ class StopMatcher:
     return out
 
 
+def decode_json_call(body: str,
+                     tools: Sequence[dict] | None = None) -> list[tuple[str, str]] | None:
+  """Qwen's JSON call body, ``{"name": NAME, "arguments": {...}}`` (``arguments`` may also be
+  a string of JSON text, or missing: ``{}``); the arguments come back re-serialized."""
+  del tools  # JSON arguments carry their own types
+  try:
+    value = json.loads(body)
+  except ValueError:
+    return None
+  if not (isinstance(value, dict) and isinstance(value.get("name"), str)
+          and isinstance(value.get("arguments", {}), (dict, str))):
+    return None
+  arguments = value.get("arguments", {})
+  if not isinstance(arguments, str):
+    arguments = json.dumps(arguments, ensure_ascii=False)
+  return [(value["name"], arguments)]
+
+
+QWEN_JSON = TagSyntax(think=(THINK_OPEN, THINK_CLOSE), call=(CALL_OPEN, CALL_CLOSE),
+                      decode=decode_json_call)
+
+
 class ReplyParser:
   """``push(text)`` and, at the end, ``flush()`` give the reply's ``Delta``s in order.
 
-  reasoning: the reply starts inside a ``<think>`` block. tool_calls: parse
-  ``<tool_call>`` blocks (False: they are content, as for a request without tools)."""
+  syntax: the format's tags (default: Qwen's JSON tool calls). reasoning: the reply starts
+  inside a think block. tool_calls: parse call blocks (False: they are content, as for a
+  request without tools). tools: the request's tools (OpenAI's shape), which formats whose
+  arguments are untyped text read the parameters' types from."""
 
-  def __init__(self, *, reasoning: bool = False, tool_calls: bool = True):
-    self.state = "reasoning" if reasoning else "content"
-    self.tool_calls = tool_calls
+  def __init__(self, syntax: TagSyntax = QWEN_JSON, *, reasoning: bool = False,
+               tool_calls: bool = True, tools: Sequence[dict] | None = None):
+    self.syntax, self.tools = syntax, tools
+    self.state = "reasoning" if reasoning and syntax.think else "content"
+    self.tool_calls = tool_calls and syntax.call is not None and syntax.decode is not None
     self.calls: list[ToolCall] = []
     self._buf = ""
-    self._lead = reasoning  # drop the newlines that open a section (after a tag)
+    self._lead = self.state == "reasoning"  # drop the newlines that open a section (after a tag)
 
   def _tags(self) -> tuple[str, ...]:
+    think, call = self.syntax.think, self.syntax.call
     if self.state == "reasoning":
-      return (THINK_CLOSE,)
+      return (think[1],)
     if self.state == "tool":
-      return (CALL_CLOSE,)
-    return (THINK_OPEN, CALL_OPEN) if self.tool_calls else (THINK_OPEN,)
+      return (call[1],)
+    return ((think[0],) if think else ()) + ((call[0],) if self.tool_calls else ())
 
   def _text(self, text: str) -> list[Delta]:
     if self._lead:
@@ -118,20 +178,12 @@ class ReplyParser:
     return [Delta(self.state, text)]
 
   def _close_call(self, body: str) -> list[Delta]:
-    try:
-      value = json.loads(body)
-    except ValueError:
-      value = None
-    if (isinstance(value, dict) and isinstance(value.get("name"), str)
-        and isinstance(value.get("arguments", {}), (dict, str))):
-      arguments = value.get("arguments", {})
-      if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-      call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=value["name"],
-                      arguments=arguments)
-      self.calls.append(call)
-      return [Delta("tool_call", call=call)]
-    return [Delta("content", CALL_OPEN + body + CALL_CLOSE)]  # not a call: kept as text
+    decoded = self.syntax.decode(body, self.tools)
+    if not decoded:  # not a call: kept as text
+      return [Delta("content", self.syntax.call[0] + body + self.syntax.call[1])]
+    calls = [new_call(name, arguments) for name, arguments in decoded]
+    self.calls += calls
+    return [Delta("tool_call", call=call) for call in calls]
 
   def push(self, text: str) -> list[Delta]:
     self._buf += text
@@ -149,10 +201,13 @@ class ReplyParser:
         self.state = "content"
       else:
         out += self._text(before.rstrip("\n"))
-        self.state = {THINK_OPEN: "reasoning", THINK_CLOSE: "content", CALL_OPEN: "tool"}[tag]
+        if self.state == "reasoning":  # the think block's close
+          self.state = "content"
+        else:  # in content: a think block or a call block opens
+          self.state = "reasoning" if tag == self.syntax.think_open else "tool"
       self._lead = True
     if self.state != "tool":
-      end = len(self._buf) - _partial_suffix(self._buf, self._tags())
+      end = len(self._buf) - partial_suffix(self._buf, self._tags())
       while end > 0 and self._buf[end - 1] == "\n":
         end -= 1  # perhaps the newline before a tag
       out += self._text(self._buf[:end])
@@ -164,5 +219,5 @@ class ReplyParser:
     rest, self._buf = self._buf, ""
     if self.state == "tool":
       self.state = "content"
-      return [Delta("content", CALL_OPEN + rest)]
+      return [Delta("content", self.syntax.call[0] + rest)]
     return self._text(rest)

@@ -47,7 +47,7 @@ class ChatSpec:
   messages: list[dict[str, Any]]
   tools: list[dict[str, Any]] | None = None
   template_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-  parse_tool_calls: bool = False  # turn <tool_call> blocks into calls (tools given, not "none")
+  parse_tool_calls: bool = False  # parse the reply's tool calls (tools given, not "none")
   max_tokens: int | None = None  # None: the server's default (clipped to the context left)
   temperature: float | None = None
   top_p: float | None = None

@@ -5,9 +5,9 @@ which runs the engine's decode loop (``Executor.run``) with itself as the loop's
 to ``max_running`` jobs at once, first come first served. A job takes a session
 (``SessionPool``), reads its context between the decode chunks of the jobs already running (up
 to one prefill chunk's worth of prompt tokens between two: several short prompts, or one chunk
-of a long one), then joins the decode batch; its reply's deltas
-(``outputs.ReplyParser``) go back to the request's task as they come, a decode chunk at a
-time. At most ``max_queue`` jobs wait; past that the answer is 429 with ``Retry-After``. A
+of a long one), then joins the decode batch; its reply's deltas (parsed in the model's
+reply format: ``reply_formats``) go back to the request's task as they come, a decode chunk
+at a time. At most ``max_queue`` jobs wait; past that the answer is 429 with ``Retry-After``. A
 streaming client that goes away cancels its job: a waiting job is dropped, a running one
 leaves the batch after the current decode chunk.
 
@@ -38,9 +38,10 @@ from ftjax.runtime.executor import PREPARE_WORKERS, Batch, Feed, Generation
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, Session
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
 from ftjax.server.auth import check_key
-from ftjax.server.outputs import Delta, ReplyParser, StopMatcher
+from ftjax.server.outputs import Delta, StopMatcher
 from ftjax.server.pool import SessionPool
 from ftjax.server.protocol import ApiError
+from ftjax.server.reply_formats import QWEN, ReplyFormat, check_name
 
 _LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
 _WAKE = object()  # in the job queue: a control is waiting (the engine thread may be idle)
@@ -65,7 +66,9 @@ class ServerConfig:
     the first request is served, so that no request waits for a compile; ``GET /health``
     answers 503 with the progress until then. ``python -m ftjax.serve`` does by default.
   api_keys, admin_keys: the keys every route but ``/health`` needs, and those the controls
-    (``POST /v1/cache``) need (``ftjax.server.auth``); none: open."""
+    (``POST /v1/cache``) need (``ftjax.server.auth``); none: open.
+  reply_format: the format replies are parsed in (a name of ``reply_formats.FORMATS``); None:
+    chosen by the chat template's tags and the model's ``model_type``."""
   model_name: str = "default"
   max_queue: int = 16
   max_running: int = 4
@@ -78,8 +81,10 @@ class ServerConfig:
   precompile: bool = False
   api_keys: tuple[str, ...] = ()
   admin_keys: tuple[str, ...] = ()
+  reply_format: str | None = None
 
   def __post_init__(self):
+    check_name(self.reply_format)
     for name in ("api_keys", "admin_keys"):
       keys = getattr(self, name)
       if isinstance(keys, str):
@@ -102,10 +107,12 @@ class Job:
   stops: list[str]
   stream: bool  # send the deltas as they come (else all at once, with the outcome)
   chat: bool  # parse reasoning and tool calls (False: raw text, /v1/completions)
-  reasoning: bool  # the reply starts inside <think>
+  reasoning: bool  # the reply starts inside a think block the prompt opened
   tool_calls: bool
   loop: asyncio.AbstractEventLoop
   received: float
+  reply_format: ReplyFormat = QWEN  # how the model writes reasoning and tool calls
+  tools: list[dict[str, Any]] | None = None  # the request's (some formats type arguments by them)
   events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -137,8 +144,8 @@ class Reply:
     self.job, self.eos = job, eos
     self.decoder = StreamDecoder(tokenizer)
     self.stops = StopMatcher(job.stops)
-    self.parser = ReplyParser(reasoning=job.reasoning, tool_calls=job.tool_calls) if job.chat \
-        else None
+    self.parser = job.reply_format.parser(reasoning=job.reasoning, tool_calls=job.tool_calls,
+                                          tools=job.tools) if job.chat else None
     self.count, self.first_at, self.finish, self.after_cancel = 0, None, "length", 0
     self.held: list[Delta] = []  # a non-streaming reply's deltas, sent once at the end
     self.cached_tokens = 0
