@@ -42,10 +42,22 @@ MIXTRAL_FP8 = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_atten
                    intermediate_size=16, initializer_range=0.15, max_position_embeddings=256,
                    tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
                    pad_token_id=None)
+# DeepSeek-V3 as DeepSeek and Kimi ship it in FP8: latent attention (q_a/q_b, kv_a/kv_b, o:
+# every projection quantised), a dense first layer, shared experts; blocks of 16 x 24 leave
+# partial blocks in most of them.
+DEEPSEEK_FP8 = dict(vocab_size=96, hidden_size=40, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=20, intermediate_size=36, n_shared_experts=1,
+                    first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=24,
+                    kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4,
+                    v_head_dim=6, initializer_range=0.15, max_position_embeddings=256,
+                    tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                    pad_token_id=None)
 # name -> (transformers prefix, config, weight_block_size, fused experts on disk)
 CHECKPOINTS = {"qwen3_moe": ("Qwen3Moe", QWEN3_FP8, [128, 128], False),
                "qwen3_moe_fused": ("Qwen3Moe", QWEN3_FP8, [128, 128], True),
-               "mixtral": ("Mixtral", MIXTRAL_FP8, [16, 24], False)}
+               "mixtral": ("Mixtral", MIXTRAL_FP8, [16, 24], False),
+               "deepseek_v3": ("DeepseekV3", DEEPSEEK_FP8, [16, 24], False)}
 # Quantised as the shipped checkpoints are: attention and expert projections; embeddings,
 # norms, router gates and lm_head stay bf16 (their modules_to_not_convert).
 _QUANTISED = re.compile(
@@ -182,24 +194,30 @@ def fp8_checkpoints(tmp_path_factory):
 _DENSE = {"self_attn.q_proj.weight": "attn.w_q_had", "self_attn.k_proj.weight": "attn.w_k_gad",
           "self_attn.v_proj.weight": "attn.w_v_gad", "self_attn.o_proj.weight": "attn.w_o_dha",
           "mlp.gate.weight": "moe.w_router_ed", "block_sparse_moe.gate.weight": "moe.w_router_ed",
-          "input_layernorm.weight": "attn_norm.scale"}
+          "input_layernorm.weight": "attn_norm.scale",
+          # latent attention, a dense layer's MLP, shared experts (deepseek_v3)
+          "self_attn.q_a_proj.weight": "attn.w_qa_qd", "self_attn.q_b_proj.weight": "attn.w_qb_hcq",
+          "self_attn.kv_a_proj_with_mqa.weight": "attn.w_kva_ld",
+          "self_attn.kv_b_proj.weight": "attn.w_kvb_hnr", "mlp.gate_proj.weight": "mlp.w_gate_id",
+          "mlp.down_proj.weight": "mlp.w_down_di",
+          "mlp.shared_experts.up_proj.weight": "moe.shared.w_up_id"}
 _TOP = {"model.embed_tokens.weight": "embed_vd", "lm_head.weight": "w_lm_vd",
         "model.norm.weight": "final_norm.scale"}
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate",
                 "w3": "up", "w2": "down"}
 
 
-def _expected(values: dict[str, np.ndarray], f: int):
-  """(FTW dense name -> value, (layer, expert, part) -> value) from HF names."""
+def _expected(values: dict[str, np.ndarray], config):
+  """(FTW dense name -> value, (bank layer, expert, part) -> value) from HF names."""
   dense, experts = {}, {}
-  for name, v in unfuse(values, f).items():
+  for name, v in unfuse(values, config.moe_intermediate_size).items():
     if name in _TOP:
       dense[_TOP[name]] = v
       continue
     m = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)"
                      r"\.weight", name)
     if m:
-      experts[int(m[1]), int(m[2]), _EXPERT_PART[m[3]]] = v
+      experts[config.bank_layer(int(m[1])), int(m[2]), _EXPERT_PART[m[3]]] = v
       continue
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m and m[2] in _DENSE:
@@ -224,9 +242,10 @@ def test_converted_tensors_equal_the_numpy_dequantisation(fp8_checkpoints, tmp_p
   assert shapes and max(len(s) for s in shapes) == 2  # streamed: one matrix at a time
   f = ftw.FTWFile.open(out)
   storage = ftw.storage_dtype(dtype)
-  dense, experts = _expected(values, f.config.moe_intermediate_size)
-  assert {"embed_vd", "w_lm_vd", "layers.1.attn.w_q_had", "layers.1.attn.w_o_dha"} <= set(dense)
-  assert len(experts) == 3 * f.config.num_layers * f.config.num_experts
+  dense, experts = _expected(values, f.config)
+  query = "layers.1.attn.w_qb_hcq" if f.config.q_lora_rank else "layers.1.attn.w_q_had"
+  assert {"embed_vd", "w_lm_vd", query, "layers.1.attn.w_o_dha"} <= set(dense)
+  assert len(experts) == 3 * f.config.num_decoder_moe_layers * f.config.num_experts
   for where, v in dense.items():
     got = f.tensor(where)
     np.testing.assert_array_equal(got.reshape(v.shape).view(np.uint8),
@@ -241,7 +260,7 @@ def test_int8_experts_quantise_the_dequantised_weights(fp8_checkpoints, tmp_path
   src, _, values = fp8_checkpoints["qwen3_moe"]
   f = ftw.FTWFile.open(ftjax.convert_hf(src, tmp_path / "m", dtype="bfloat16",
                                         expert_dtype="int8", show_progress=False))
-  _, experts = _expected(values, f.config.moe_intermediate_size)
+  _, experts = _expected(values, f.config)
   for layer, expert, part in [(0, 0, "gate"), (1, 7, "down"), (1, 3, "up")]:
     q, s = quant.quantize_rows(experts[layer, expert, part])
     np.testing.assert_array_equal(f.expert_part(layer, expert, part), q)
