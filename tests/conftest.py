@@ -121,17 +121,32 @@ HF_FAMILIES = {
                           mlp_layer_types=["sparse", "dense", "sparse"], routed_scaling_factor=1.8,
                           q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=6,
                           qk_rope_head_dim=4, head_dim=4, v_head_dim=10, rope_interleave=False),
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): latent attention plus an indexer that
+    # keeps index_topk earlier tokens; with index_topk (64) above every context here it keeps
+    # them all, the dense latent attention ftjax runs
+    "deepseek_v32": dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                         moe_intermediate_size=16, intermediate_size=40, first_k_dense_replace=1,
+                         n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=12,
+                         qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4, v_head_dim=6,
+                         index_topk=64, index_head_dim=8, index_n_heads=2),
+    "glm_moe_dsa": dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8,
+                        moe_intermediate_size=16, intermediate_size=40, first_k_dense_replace=1,
+                        q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                        head_dim=4, v_head_dim=10, index_topk=64, index_head_dim=8,
+                        index_n_heads=2),
 }
 
 
-SIGMOID_ROUTED = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
+SIGMOID_ROUTED = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v32",
+                  "glm_moe_dsa")
 
 
 def _hf_classes(family):
   import transformers  # noqa: PLC0415
   names = {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral",
            "olmoe": "Olmoe", "minimax_m2": "MiniMaxM2", "glm4_moe": "Glm4Moe",
-           "deepseek_v3": "DeepseekV3", "glm4_moe_lite": "Glm4MoeLite"}[family]
+           "deepseek_v3": "DeepseekV3", "glm4_moe_lite": "Glm4MoeLite",
+           "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}[family]
   return getattr(transformers, names + "Config"), getattr(transformers, names + "ForCausalLM")
 
 
@@ -225,7 +240,7 @@ def hf_checkpoints(tmp_path_factory):
   layouts = {"qwen3_moe": dict(fused=True, shards=3), "qwen2_moe": dict(fused=True),
              "mixtral": dict(), "olmoe": dict(shards=2), "minimax_m2": dict(),
              "glm4_moe": dict(fused=True, shards=2), "deepseek_v3": dict(shards=2),
-             "glm4_moe_lite": dict(fused=True)}
+             "glm4_moe_lite": dict(fused=True), "deepseek_v32": dict(), "glm_moe_dsa": dict()}
   out = {}
   for family, layout in layouts.items():
     model = build_hf_model(family)

@@ -9,7 +9,7 @@ import ftjax
 import tolerances
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe",
-            "deepseek_v3", "glm4_moe_lite"]
+            "deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"]
 SEQ = 24
 NEW = 16
 
@@ -99,3 +99,18 @@ def test_latent_attention_on_the_xla_path(converted):
   state = engine.new_state(1, 256)
   assert {(layer.k.shape[2:], layer.v.shape[2:]) for layer in state.layers} == {
       ((1, 16), (1, 0))}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_families_serve_up_to_index_topk(converted, family, capsys):
+  """DeepSeek-V3.2 and GLM-5 run as dense latent attention, which their sparse attention is up
+  to index_topk tokens of context (the logits and greedy tokens above): an engine serves that
+  much by default, says so, and refuses a longer context."""
+  _, model = converted[family]
+  c = model.config
+  assert c.sparse_attention_topk == 64 and c.latent_attention
+  engine = ftjax.Engine(model)
+  assert engine.max_seq_len == 64 and "context limited to 64 tokens" in capsys.readouterr().err
+  assert ftjax.Engine(model, max_seq_len=48).max_seq_len == 48
+  with pytest.raises(ValueError, match="max_seq_len=65 exceeds 64: .*index_topk"):
+    ftjax.Engine(model, max_seq_len=65)

@@ -169,6 +169,9 @@ _MXFP4_RE = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)_(blocks
 # Families whose fused experts are stored [in, out] with gate and up interleaved (see above).
 _INTERLEAVED_IN_OUT = ("gpt_oss",)
 _IGNORED_RE = re.compile(r"(.*rotary_emb\.inv_freq|visual\..*)$")
+# DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5): not read (ModelConfig
+# sparse_attention_topk: ftjax runs dense latent attention, exact up to index_topk tokens).
+_INDEXER_RE = re.compile(_LAYER + r"self_attn\.indexer\..*$")
 _MTP_LAYER_RE = re.compile(r"mtp\.layers\.(\d+)\.(.+)$")
 _MTP_TOP = {"fc.weight": "mtp.w_fc_dx", "pre_fc_norm_embedding.weight": "mtp.embed_norm.scale",
             "pre_fc_norm_hidden.weight": "mtp.hidden_norm.scale",
@@ -222,7 +225,7 @@ def _tensor_plan(st: SafetensorsFile, name: str, config: ModelConfig,
   experts, ("expert", (layer, expert, part), (codes, scales)) items. ``find(name)`` reads a
   tensor from any shard (an MXFP4 weight's scales, met with its blocks)."""
   short = _strip(name)
-  if _IGNORED_RE.match(short):
+  if _IGNORED_RE.match(short) or (config.sparse_attention_topk and _INDEXER_RE.match(short)):
     return
   m = re.match(_LAYER, short)
   if m and int(m[1]) >= config.num_layers:
@@ -499,6 +502,10 @@ def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
              if ftw.is_ftw_dir(out_dir) else " (it is not an FTW model, so ftjax never replaces it)"))
   shards = [SafetensorsFile(p) for p in _shard_paths(hf_dir)]
   names = [n for st in shards for n in st.keys()]
+  if config.sparse_attention_topk and any(_INDEXER_RE.match(_strip(n)) for n in names):
+    print(f"ftjax: {hf_dir}: the DeepSeek Sparse Attention indexer (self_attn.indexer.*) is not "
+          f"converted: ftjax runs dense latent attention, exact up to index_topk="
+          f"{config.sparse_attention_topk} tokens of context, its limit", file=sys.stderr)
   if config.model_type in DEEPSEEK_MTP_MODEL_TYPES:
     config = _with_mtp_layers(config, deepseek_mtp_layers_in(names, config), hf_dir)
   else:

@@ -20,7 +20,12 @@ import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next",
                          "qwen3_5_moe", "gpt_oss", "minimax_m2", "glm4_moe", "deepseek_v3",
-                         "glm4_moe_lite")
+                         "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+# DeepSeek Sparse Attention families (DeepSeek-V3.2, GLM-5): latent attention whose queries each
+# attend to the index_topk earlier tokens a lightning indexer picks. Up to index_topk tokens of
+# context that is every earlier token: dense latent attention, which is what ftjax runs (the
+# indexer is not read), so their context is limited to index_topk (``sparse_attention_topk``).
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # Checkpoints of another model_type that are the same architecture as a supported one (Kimi-K2
 # ships DeepSeek-V3's).
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -30,7 +35,8 @@ HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 # Families whose MTP layers are stored as decoder layers past num_hidden_layers (DeepSeek's
 # layout: ``model.layers.{L + j}.enorm / hnorm / eh_proj / shared_head`` and a MoE layer),
 # named by ``num_nextn_predict_layers``.
-DEEPSEEK_MTP_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+DEEPSEEK_MTP_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v32",
+                            "glm_moe_dsa")
 MTP_MODEL_TYPES = HYBRID_MODEL_TYPES + DEEPSEEK_MTP_MODEL_TYPES
 
 # Mixer kinds a layer can have: softmax attention (full or sliding window) carries a KV
@@ -162,6 +168,9 @@ class ModelConfig:
   v_head_dim: int = 0
   rope_interleave: bool = False
   softmax_scale_factor: float = 1.0
+  # DeepSeek Sparse Attention's index_topk (DSA_MODEL_TYPES; 0: none): the longest context that
+  # dense attention serves exactly; the engine refuses a longer one.
+  sparse_attention_topk: int = 0
 
   def __post_init__(self):
     if len(self.layer_types) != self.num_layers:
@@ -195,6 +204,8 @@ class ModelConfig:
       raise UnsupportedModelError(
           f"latent attention (kv_lora_rank={self.kv_lora_rank}) needs positive qk_nope_head_dim "
           f"and v_head_dim, got {self.qk_nope_head_dim} and {self.v_head_dim}")
+    if self.sparse_attention_topk < 0 or (self.sparse_attention_topk and not self.kv_lora_rank):
+      raise UnsupportedModelError("sparse_attention_topk needs latent attention (kv_lora_rank)")
     if self.kv_lora_rank and ("sliding_attention" in self.layer_types or self.attn_sinks):
       raise UnsupportedModelError("latent attention with a sliding window or sinks is not "
                                   "supported")
@@ -352,15 +363,17 @@ class ModelConfig:
 _DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "qwen2_moe": 10000.0, "mixtral": 1e6, "olmoe": 10000.0,
                        "qwen3_next": 10000.0, "qwen3_5_moe": 10000.0, "gpt_oss": 150000.0,
                        "minimax_m2": 5e6, "glm4_moe": 10000.0, "deepseek_v3": 10000.0,
-                       "glm4_moe_lite": 10000.0}
+                       "glm4_moe_lite": 10000.0, "deepseek_v32": 10000.0, "glm_moe_dsa": 10000.0}
 _DEFAULT_EPS = {"qwen3_moe": 1e-6, "qwen2_moe": 1e-6, "mixtral": 1e-5, "olmoe": 1e-5,
                 "qwen3_next": 1e-6, "qwen3_5_moe": 1e-6, "gpt_oss": 1e-5, "minimax_m2": 1e-6,
-                "glm4_moe": 1e-5, "deepseek_v3": 1e-6, "glm4_moe_lite": 1e-5}
+                "glm4_moe": 1e-5, "deepseek_v3": 1e-6, "glm4_moe_lite": 1e-5, "deepseek_v32": 1e-6,
+                "glm_moe_dsa": 1e-5}
 
 
 # Families with dense first layers (``first_k_dense_replace``, transformers' default), and
 # those whose dense layers come from ``mlp_only_layers`` / ``decoder_sparse_step``.
-_FIRST_K_DENSE = {"glm4_moe": 1, "deepseek_v3": 3, "glm4_moe_lite": 1}
+_FIRST_K_DENSE = {"glm4_moe": 1, "deepseek_v3": 3, "glm4_moe_lite": 1, "deepseek_v32": 3,
+                  "glm_moe_dsa": 3}
 _SPARSE_STEP = ("qwen3_moe", "qwen2_moe", "qwen3_next")
 
 # gpt-oss's rope when config.json names none (transformers' GptOssConfig default).
@@ -611,7 +624,8 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
                    shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
                    * int(hf.get("n_shared_experts", 1) or 0))
     ffn = hf["moe_intermediate_size"]
-  elif model_type in ("deepseek_v3", "glm4_moe_lite"):  # GLM-4.7-Flash is DeepSeek-V3's design
+  elif model_type in ("deepseek_v3", "glm4_moe_lite") + DSA_MODEL_TYPES:
+    # GLM-4.7-Flash is DeepSeek-V3's design; DeepSeek-V3.2 and GLM-5 add sparse attention
     if hf.get("attention_bias", False):
       raise UnsupportedModelError(f"{model_type} with attention_bias=true is not supported")
     nope, rope_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
@@ -624,8 +638,11 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         * int(hf.get("n_shared_experts", 1) or 0),
         kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
         qk_nope_head_dim=nope, v_head_dim=int(hf["v_head_dim"]),
-        rope_interleave=bool(hf.get("rope_interleave", True)))
+        # (DeepSeek-V3.2's and GLM-5's attention always pairs its rotary dims (2i, 2i + 1))
+        rope_interleave=bool(hf.get("rope_interleave", True)) or model_type in DSA_MODEL_TYPES)
     hf["head_dim"] = rope_dim  # the rotary key's dims, as transformers sets it
+    if model_type in DSA_MODEL_TYPES:
+      options["sparse_attention_topk"] = int(hf.get("index_topk", 2048))
     ffn = hf["moe_intermediate_size"]
   else:  # olmoe
     bias = bool(hf.get("attention_bias", False))

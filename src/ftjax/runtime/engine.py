@@ -16,6 +16,7 @@ measure execution only.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -123,6 +124,25 @@ class _Closed:
                        f"gone; create a new Engine to use {name!r}")
 
 
+def _context_limit(config, max_seq_len: int | None) -> int:
+  """The context an engine serves: ``max_seq_len``, else the model's; for a DeepSeek Sparse
+  Attention model at most its ``index_topk``, the context that dense latent attention serves
+  exactly (a larger ``max_seq_len`` is refused, the default is lowered and said on stderr)."""
+  limit = config.sparse_attention_topk
+  wanted = max_seq_len or config.max_position_embeddings
+  if not limit or wanted <= limit:
+    return wanted
+  why = (f"{config.model_type} selects its index_topk={limit} earlier tokens per query with "
+         "DeepSeek Sparse Attention's indexer, which ftjax does not run; up to that context "
+         "every earlier token is selected, and ftjax's dense latent attention is exact")
+  if max_seq_len:
+    raise ValueError(f"max_seq_len={max_seq_len} exceeds {limit}: {why}; give max_seq_len <= "
+                     f"{limit}")
+  print(f"ftjax: context limited to {limit} tokens (the model's is {wanted}): {why}",
+        file=sys.stderr)
+  return limit
+
+
 class Engine:
   """``Engine(model, **runtime_options)``; see ``RuntimeOptions`` for the options.
 
@@ -164,7 +184,7 @@ class Engine:
     kv_dtype = opts.kv_dtype or (
         "bfloat16" if np.dtype(model.dtype) == np.dtype(jnp.bfloat16) else "float32")
     self.kv = KVLayout.make(model.config, kv_dtype=kv_dtype,
-                            max_seq_len=opts.max_seq_len or model.config.max_position_embeddings,
+                            max_seq_len=_context_limit(model.config, opts.max_seq_len),
                             kv_growth=opts.kv_growth, prefill_chunk=opts.prefill_chunk,
                             shares_budget=opts.device_budget_bytes is not None,
                             chunk_overhead=opts.prefill_chunk_overhead)
