@@ -77,7 +77,7 @@ def test_files_written_by_transformers_parse(hf_checkpoints):
 
 
 def test_unsupported_model_type_names_the_supported_ones():
-  cfg = _load("qwen3-30b-a3b.json") | {"model_type": "deepseek_v32"}
+  cfg = _load("qwen3-30b-a3b.json") | {"model_type": "dbrx"}
   with pytest.raises(UnsupportedModelError,
                      match="qwen3_moe, qwen2_moe, mixtral, olmoe, qwen3_next, qwen3_5_moe"):
     from_hf_config(cfg)
