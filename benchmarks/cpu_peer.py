@@ -132,20 +132,14 @@ def write_config_and_tokenizer(out_dir: str, config: dict) -> None:
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
 
 
-def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
-  """Random bf16 weights as one safetensors file (written by hand: header + raw bytes), the
-  config, and the default model's tokenizer as a stand-in. Skipped when already there."""
+def write_random_safetensors(out_dir: str, shapes: dict[str, tuple[int, ...]],
+                             seed: int = 0) -> None:
+  """``out_dir/model.safetensors``: random bf16 tensors of ``shapes`` (written by hand: header +
+  raw bytes). Norms are 1 + noise, biases (``.bias``, ``e_score_correction_bias``) small noise,
+  the rest slices of one random pool (fast for many GB)."""
   import ml_dtypes  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  c = qwen3_30b_shape(layers)
-  marker = os.path.join(out_dir, "written.json")
-  stamp = {"layers": layers, "seed": seed, "format": 1}
-  if os.path.exists(marker) and json.load(open(marker)) == stamp:
-    return out_dir
-  shutil.rmtree(out_dir, ignore_errors=True)
-  os.makedirs(out_dir)
-  shapes = hf_tensor_shapes(c)
   header, offset = {}, 0
   for name, shape in shapes.items():
     n = 2 * int(np.prod(shape))
@@ -163,9 +157,24 @@ def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
       n = int(np.prod(shape))
       if "norm" in name:
         x = (1.0 + 0.1 * rng.standard_normal(n, np.float32)).astype(ml_dtypes.bfloat16)
+      elif name.endswith(("e_score_correction_bias", ".bias")):
+        x = (0.05 * rng.standard_normal(n, np.float32)).astype(ml_dtypes.bfloat16)
       else:
         x = pool_slice(pool, n, rng)
       f.write(x.tobytes())
+
+
+def write_checkpoint(layers: int, out_dir: str, seed: int = 0) -> str:
+  """Random bf16 weights as one safetensors file (``write_random_safetensors``), the config,
+  and the default model's tokenizer as a stand-in. Skipped when already there."""
+  c = qwen3_30b_shape(layers)
+  marker = os.path.join(out_dir, "written.json")
+  stamp = {"layers": layers, "seed": seed, "format": 1}
+  if os.path.exists(marker) and json.load(open(marker)) == stamp:
+    return out_dir
+  shutil.rmtree(out_dir, ignore_errors=True)
+  os.makedirs(out_dir)
+  write_random_safetensors(out_dir, hf_tensor_shapes(c), seed)
   write_config_and_tokenizer(out_dir, hf_config(c))
   with open(marker, "w") as f:
     json.dump(stamp, f)

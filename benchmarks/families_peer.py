@@ -40,15 +40,14 @@ import json
 import os
 import shutil
 import statistics
-import struct
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, write_results  # noqa: E402
 from cpu_peer import (DECODE_TOKENS, RoundWorker, check_llama_args, convert_gguf,  # noqa: E402
-                      llama_bench, pool_slice, serve_rounds,
-                      write_config_and_tokenizer)
+                      llama_bench, serve_rounds, write_config_and_tokenizer,
+                      write_random_safetensors)
 from hybrid_e2e import contended, with_other_load  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "models")
@@ -145,11 +144,8 @@ def hf_tensor_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
-  """Random bf16 weights as one safetensors file (header + raw bytes, written by hand), the
-  config and the stand-in tokenizer. Skipped when already there."""
-  import ml_dtypes  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-
+  """Random bf16 weights (``cpu_peer.write_random_safetensors``), the config and the stand-in
+  tokenizer. Skipped when already there."""
   hf = bench_config(name)
   marker = os.path.join(out_dir, "written.json")
   stamp = {"config": hf, "seed": seed, "format": 1}
@@ -157,29 +153,8 @@ def write_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
     return out_dir
   shutil.rmtree(out_dir, ignore_errors=True)
   os.makedirs(out_dir)
-  shapes = hf_tensor_shapes(hf)
-  header, offset = {}, 0
-  for tensor, shape in shapes.items():
-    n = 2 * int(np.prod(shape))
-    header[tensor] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
-    offset += n
-  blob = json.dumps(header).encode()
-  blob += b" " * (-len(blob) % 8)
-  rng = np.random.default_rng(seed)
-  pool = (rng.standard_normal(1 << 24, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-  log(f"{name}: writing {offset / 1e9:.2f} GB of random bf16 weights to {out_dir}")
-  with open(os.path.join(out_dir, "model.safetensors"), "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for tensor, shape in shapes.items():
-      n = int(np.prod(shape))
-      if "norm" in tensor:
-        x = (1.0 + 0.1 * rng.standard_normal(n, np.float32)).astype(ml_dtypes.bfloat16)
-      elif tensor.endswith(("e_score_correction_bias", ".bias")):
-        x = (0.05 * rng.standard_normal(n, np.float32)).astype(ml_dtypes.bfloat16)
-      else:
-        x = pool_slice(pool, n, rng)
-      f.write(x.tobytes())
+  log(f"{name}: the checkpoint")
+  write_random_safetensors(out_dir, hf_tensor_shapes(hf), seed)
   write_config_and_tokenizer(out_dir, hf)
   if hf["model_type"] == "glm4_moe":
     add_special_tokens(out_dir, GLM_SPECIAL_TOKENS)
