@@ -428,3 +428,25 @@ def test_mxfp4_expert_bytes_count_codes_scales_and_biases():
   mxfp4 = dataclasses.replace(s, expert_format="mxfp4")
   assert mxfp4.expert_bytes == 12_441_600 + 777_600 + 4 * 3 * 2880 == 13_253_760
   assert mxfp4.dense_bytes_per_layer == s.dense_bytes_per_layer
+
+
+def test_prefetches_share_the_link_and_host_memory():
+  # (2 hits, 1 fill, 1 host) + 2 prefetches: link = 0.3 ms + 2 · 0.3 ms = 0.9 ms, which the
+  # device term now waits for; host: 3e6 bytes at B_res = 10 GB/s during the link: 0.3 ms;
+  # max = 0.9 ms + 1.5 ms = 2.4 ms. Without overlap the copies add: 2.04 + 0.6 = 2.64 ms.
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 2, 1, 1, prefetches=2), 2.4e-3,
+                             rtol=tolerances.F64)
+  serial = dataclasses.replace(HW, paths_overlap=False)
+  np.testing.assert_allclose(cost.layer_step_time(serial, SHAPE, 2, 1, 1, prefetches=2),
+                             2.64e-3, rtol=tolerances.F64)
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 2, 1, 1, prefetches=0),
+                             cost.layer_step_time(HW, SHAPE, 2, 1, 1), rtol=tolerances.F64)
+
+
+def test_prefetch_room_is_the_links_idle_time():
+  # (2 hits, 1 fill, 1 host) lasts 1.83 ms, its fill holds the link 0.3 ms: 1.53 ms idle =
+  # 5 copies of 0.3 ms (capped by ``most``); a CPU profile has none.
+  assert int(cost.prefetch_room(HW, SHAPE, 2, 1, 1, 8)) == 5
+  assert int(cost.prefetch_room(HW, SHAPE, 2, 1, 1, 3)) == 3
+  assert int(cost.prefetch_room(dataclasses.replace(HW, paths_overlap=False), SHAPE, 2, 1, 1,
+                                8)) == 0

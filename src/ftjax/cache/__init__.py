@@ -7,6 +7,8 @@
 * ``plan`` (``policy.py``): for one layer-step, which routes the cache serves, which misses
   are filled (and into which slots), which run on the host. Pure, static shapes, usable in
   ``jit`` and ``lax.scan``; every policy shares one mechanism and one ``Plan`` format.
+* ``prefetch`` (``policy.py``): fills predicted experts of the next layer-step ahead of it,
+  with the policy's victims, marked until used (``Plan.prefetch_used``) or evicted unused.
 * ``offloaded_moe`` (``moe.py``): the public layer function JAX users call in their own
   models: ``(new_cache, y, plan)``; ``CachedExperts`` is it as the model's routed-experts
   function, ``StepStats`` its per-layer counts.
@@ -18,8 +20,10 @@ Imports run ``cache -> experts -> kernels``; the cache never imports the model.
 """
 
 from ftjax.cache.moe import CachedExperts, StepStats, fill_slots, offloaded_moe
-from ftjax.cache.policy import (POLICIES, Plan, PolicyConfig, fill_count, get_policy, plan)
+from ftjax.cache.policy import (POLICIES, Plan, PolicyConfig, PrefetchPlan, fill_count,
+                                get_policy, plan, prefetch)
 from ftjax.cache.state import ExpertCache
 
 __all__ = ["CachedExperts", "ExpertCache", "Plan", "PolicyConfig", "POLICIES", "StepStats",
-           "fill_count", "fill_slots", "get_policy", "offloaded_moe", "plan"]
+           "PrefetchPlan", "fill_count", "fill_slots", "get_policy", "offloaded_moe", "plan",
+           "prefetch"]

@@ -197,6 +197,8 @@ class Plan:
   hits: jax.Array  # [] int32: distinct selected experts already cached
   fills: jax.Array  # [] int32: misses filled (q)
   host: jax.Array  # [] int32: misses run on the host (m - q)
+  prefetch_used: jax.Array  # [] int32: hits on slots a prefetch filled (their first use)
+  prefetch_wasted: jax.Array  # [] int32: prefetched slots evicted by this step, never used
 
   @property
   def misses(self) -> jax.Array:
@@ -258,6 +260,62 @@ def _steps_to_next_visit(owner: jax.Array, layer: jax.Array, num_experts: int,
   return (owner_layer - layer - 1) % num_layers + 1
 
 
+def _log_value(score, stamp, clock, policy: PolicyConfig, num_layers: int) -> jax.Array:
+  """LRFU values (log domain) as of ``clock``: log(score) + (clock - stamp)·log(decay)/L, the
+  clock advancing L times per token step; never selected: a finite floor (-inf masks)."""
+  log_decay_tick = jnp.log(jnp.float32(policy.decay)) / num_layers
+  return jnp.where(score > 0, jnp.log(jnp.maximum(score, 1e-30)) +
+                   (clock - stamp).astype(jnp.float32) * log_decay_tick, _NEVER)
+
+
+def _victims(cache: ExpertCache, layer: jax.Array, clock: jax.Array, policy: PolicyConfig,
+             protected: jax.Array, count: int) -> jax.Array:
+  """The ``count`` slots the policy's replacement gives up first at layer-step ``clock`` of
+  ``layer``, never a ``protected`` one ([N] bool) while others are left: empty slots first,
+  then by the replacement's rule (module docstring). [count] int32."""
+  num_layers, num_experts = cache.slot_of.shape
+  replacement = policy.replacement
+  cycle = replacement in ("cycle", "lrfu_cycle", "class_cycle")
+  if replacement == "lru":
+    return top_indices(jnp.where(protected, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), count)
+  until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers) if cycle else None
+  if replacement in ("lrfu", "lrfu_cycle", "class", "class_cycle"):
+    flat_owner = jnp.maximum(cache.owner, 0)
+    owner_log = _log_value(cache.expert_score.reshape(-1)[flat_owner],
+                           cache.expert_stamp.reshape(-1)[flat_owner], clock, policy,
+                           num_layers)
+  if replacement in ("lrfu", "lrfu_cycle"):
+    # Lowest-valued slots go; cycle: the value at the owner's next visit, per layer-step
+    # until it.
+    value = owner_log
+    if cycle:
+      log_decay_tick = jnp.log(jnp.float32(policy.decay)) / num_layers
+      value = (value + (until - 1).astype(jnp.float32) * log_decay_tick -
+               jnp.log(until.astype(jnp.float32)))
+    evict = -value
+  elif replacement in ("class", "class_cycle"):
+    # llama.cpp's class-LRU: the largest age / 2^class goes, age the layer-steps since the
+    # slot's last use, class = floor(log2 c) of the owner's decayed count c (0 below 1).
+    # class_cycle: the reuse chance of "cycle" (decay ** a) times 2^class, per layer-step
+    # until the owner's layer's next visit.
+    klass = jnp.maximum(jnp.floor(owner_log / jnp.log(2.0)), 0.0)
+    if cycle:
+      unused_visits = (clock - cache.slot_stamp - 1) // num_layers
+      evict = (jnp.log(until.astype(jnp.float32)) - klass * jnp.log(2.0)
+               - unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(CYCLE_DECAY)))
+    else:
+      age = jnp.maximum(clock - cache.slot_stamp, 1).astype(jnp.float32)
+      evict = jnp.log(age) - klass * jnp.log(2.0)
+  else:  # cycle: reuse chance decay ** a, a = visits of the owner's layer since the slot's
+    # last use (0: used at the layer's latest visit), per layer-step until its next visit.
+    unused_visits = (clock - cache.slot_stamp - 1) // num_layers
+    keep = (unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(policy.decay)) -
+            jnp.log(until.astype(jnp.float32)))
+    evict = -keep
+  return top_indices(jnp.where(protected, -jnp.inf,
+                               jnp.where(cache.owner >= 0, evict, jnp.inf)), count)
+
+
 def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths: jax.Array,
          policy: PolicyConfig, *, skip_idle: bool = False) -> tuple[ExpertCache, Plan]:
   """Plans one layer-step. ``ids [T, K]`` int32 (-1 = no route); ``bandwidths`` = (B_P, B_H).
@@ -294,36 +352,19 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
     q = jnp.maximum(q, jnp.minimum(m, empty))
   q = jnp.minimum(q, available) if q_max else jnp.zeros((), jnp.int32)
 
-  # LRFU values (log domain) as of this clock: log(score) + (clock - stamp)·log(decay)/L, the
-  # clock advancing L times per token step; never selected: a finite floor (-inf masks).
-  log_decay_tick = jnp.log(jnp.float32(policy.decay)) / num_layers
-
   def log_value(score, stamp):
-    return jnp.where(score > 0, jnp.log(jnp.maximum(score, 1e-30)) +
-                     (clock - stamp).astype(jnp.float32) * log_decay_tick, _NEVER)
+    return _log_value(score, stamp, clock, policy, num_layers)
 
   lrfu = policy.replacement in ("lrfu", "lrfu_cycle")
   classes = policy.replacement in ("class", "class_cycle")
   scored = lrfu or classes  # decayed selection counts; the others never touch the scores
-  cycle = policy.replacement in ("cycle", "lrfu_cycle", "class_cycle")
   prev_value = (log_value(cache.expert_score[layer], cache.expert_stamp[layer]) if scored
                 else None)
 
   if q_max:
     def with_fills(_):
-      if lrfu:
-        # Highest-valued misses first; lowest-valued slots (empty first) are the victims.
+      if lrfu:  # highest-valued misses first
         fill_cand = top_indices(jnp.where(miss, prev_value, -jnp.inf), q_max)
-        flat_owner = jnp.maximum(cache.owner, 0)
-        slot_value = jnp.where(cache.owner >= 0, log_value(
-            cache.expert_score.reshape(-1)[flat_owner],
-            cache.expert_stamp.reshape(-1)[flat_owner]), -jnp.inf)
-        if cycle:  # the value at the owner's next visit, per layer-step until it
-          until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
-          slot_value = (slot_value + (until - 1).astype(jnp.float32) * log_decay_tick -
-                        jnp.log(until.astype(jnp.float32)))
-        victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
-                                       jnp.where(cache.owner >= 0, -slot_value, jnp.inf)), q_max)
       else:
         prev_stamp = cache.expert_stamp[layer]
         if t == 1:
@@ -338,37 +379,7 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
           recency = num_experts - 1 - jnp.argsort(latest_first, stable=True).astype(jnp.int32)
           key = routes * num_experts + recency
         fill_cand = top_indices(jnp.where(miss, key, jnp.iinfo(jnp.int32).min), q_max)
-        if classes:
-          # llama.cpp's class-LRU: the largest age / 2^class goes, age the layer-steps since
-          # the slot's last use, class = floor(log2 c) of the owner's decayed count c (0 below
-          # 1); empty slots first. class_cycle: the reuse chance of "cycle" (decay ** a)
-          # times 2^class, per layer-step until the owner's layer's next visit.
-          flat_owner = jnp.maximum(cache.owner, 0)
-          owner_log = log_value(cache.expert_score.reshape(-1)[flat_owner],
-                                cache.expert_stamp.reshape(-1)[flat_owner])
-          klass = jnp.maximum(jnp.floor(owner_log / jnp.log(2.0)), 0.0)
-          if cycle:
-            until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
-            unused_visits = (clock - cache.slot_stamp - 1) // num_layers
-            evict = (jnp.log(until.astype(jnp.float32)) - klass * jnp.log(2.0)
-                     - unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(CYCLE_DECAY)))
-          else:
-            age = jnp.maximum(clock - cache.slot_stamp, 1).astype(jnp.float32)
-            evict = jnp.log(age) - klass * jnp.log(2.0)
-          victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
-                                         jnp.where(cache.owner >= 0, evict, jnp.inf)), q_max)
-        elif cycle:
-          # Reuse chance decay ** a, a = visits of the owner's layer since the slot's last use
-          # (0: used at the layer's latest visit), per layer-step until its next visit.
-          until = _steps_to_next_visit(cache.owner, layer, num_experts, num_layers)
-          unused_visits = (clock - cache.slot_stamp - 1) // num_layers
-          keep = (unused_visits.astype(jnp.float32) * jnp.log(jnp.float32(policy.decay)) -
-                  jnp.log(until.astype(jnp.float32)))
-          victim = top_indices(jnp.where(used | ~usable, -jnp.inf,
-                                         jnp.where(cache.owner >= 0, -keep, jnp.inf)), q_max)
-        else:
-          victim = top_indices(
-              jnp.where(used | ~usable, jnp.iinfo(jnp.int32).min, -cache.slot_stamp), q_max)
+      victim = _victims(cache, layer, clock, policy, used | ~usable, q_max)
       active = jnp.arange(q_max) < q
       fill_expert = jnp.where(active, fill_cand, -1).astype(jnp.int32)
       fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
@@ -411,8 +422,82 @@ def plan(cache: ExpertCache, layer: jax.Array | int, ids: jax.Array, bandwidths:
         selected, jnp.exp(jnp.logaddexp(prev_value, 0.0)), expert_score[layer]))
   new_slot_of_l = slot_of[layer]
   route_slot = jnp.where(ids >= 0, new_slot_of_l[jnp.maximum(ids, 0)], -1)
+  # Prefetched slots: a hit uses one, a fill's victim wastes one; both clear the mark.
+  prefetch_used = jnp.sum(used & cache.prefetched, dtype=jnp.int32)
+  filled = jnp.zeros((num_slots,), bool).at[jnp.where(fill_slot >= 0, fill_slot, num_slots)].set(
+      True, mode="drop")
+  prefetch_wasted = jnp.sum(filled & cache.prefetched, dtype=jnp.int32)
+  prefetched = cache.prefetched & ~used & ~filled
   new_cache = cache.replace(slot_of=slot_of, owner=owner, slot_stamp=slot_stamp,
                             expert_stamp=expert_stamp, expert_count=expert_count,
-                            expert_score=expert_score, clock=clock)
+                            expert_score=expert_score, prefetched=prefetched, clock=clock)
   return new_cache, Plan(route_slot=route_slot.astype(jnp.int32), fill_expert=fill_expert,
-                         fill_slot=fill_slot, hits=hits, fills=q, host=m - q)
+                         fill_slot=fill_slot, hits=hits, fills=q, host=m - q,
+                         prefetch_used=prefetch_used, prefetch_wasted=prefetch_wasted)
+
+
+@struct.dataclass
+class PrefetchPlan:
+  """What one prefetch does (shapes static; P = the candidates given)."""
+  fill_expert: jax.Array  # [P] int32: expert (of the target layer) to copy into a slot, or -1
+  fill_slot: jax.Array  # [P] int32: its destination slot, or -1
+  count: jax.Array  # [] int32: experts prefetched
+  wasted: jax.Array  # [] int32: earlier prefetched slots it evicted, never used
+
+
+def prefetch(cache: ExpertCache, layer: jax.Array | int, candidates: jax.Array,
+             budget: jax.Array | int, policy: PolicyConfig) -> tuple[ExpertCache, PrefetchPlan]:
+  """Fills up to ``budget`` of ``candidates [P]`` (experts of ``layer`` predicted for its next
+  layer-step, best first; -1 = none) that no slot holds, before that step plans.
+
+  It runs between layer-steps (the clock does not advance: the victims are ranked as of the
+  layer-step just planned, the one before ``layer``'s) and never evicts what the step just
+  planned used or filled (slots stamped at the current clock), a candidate already cached, or
+  a slot past the limit. The prefetched slots are stamped at the current clock and marked
+  ``prefetched`` until a step uses them (``Plan.prefetch_used``) or evicts them unused
+  (``Plan.prefetch_wasted`` / ``PrefetchPlan.wasted``). Router statistics (``expert_stamp``,
+  counts, scores) are untouched: a prediction is not a selection. Copying the blocks is the
+  caller's (``fill_expert`` into ``fill_slot``, as a plan's fills)."""
+  num_layers, num_experts = cache.slot_of.shape
+  num_slots = cache.capacity
+  candidates = jnp.asarray(candidates, jnp.int32).reshape(-1)
+  width = candidates.shape[0]
+  layer = jnp.asarray(layer, jnp.int32)
+  if width == 0 or num_slots == 0:
+    none = jnp.full((width,), -1, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    return cache, PrefetchPlan(fill_expert=none, fill_slot=none, count=zero, wasted=zero)
+  slot_of_l = cache.slot_of[layer]
+  valid = candidates >= 0
+  held = valid & (slot_of_l[jnp.maximum(candidates, 0)] >= 0)
+  earlier = jnp.tril(candidates[:, None] == candidates[None, :], -1).any(1)  # a repeat
+  want = valid & ~held & ~earlier
+  usable = jnp.arange(num_slots) < cache.limit
+  protected = ~usable | (cache.slot_stamp >= cache.clock)
+  protected = protected.at[jnp.where(held, slot_of_l[jnp.maximum(candidates, 0)],
+                                     num_slots)].set(True, mode="drop")
+  room = jnp.sum(~protected, dtype=jnp.int32)
+  n = jnp.minimum(jnp.minimum(jnp.sum(want, dtype=jnp.int32), jnp.maximum(budget, 0)), room)
+  order = jnp.argsort(~want, stable=True)  # wanted first, in the predictor's order
+  active = jnp.arange(width) < n
+  fill_expert = jnp.where(active, candidates[order], -1).astype(jnp.int32)
+  current = (layer - 1) % num_layers  # the layer-step just planned
+  victim = _victims(cache, current, cache.clock, policy, protected, width)
+  fill_slot = jnp.where(active, victim, -1).astype(jnp.int32)
+  flat_slot_of = cache.slot_of.reshape(-1)
+  out_of_range = flat_slot_of.shape[0]
+  evicted = jnp.where(active, cache.owner[jnp.maximum(victim, 0)], -1)
+  flat_slot_of = flat_slot_of.at[jnp.where(evicted >= 0, evicted, out_of_range)].set(
+      -1, mode="drop")
+  new_owner_flat = layer * num_experts + fill_expert
+  flat_slot_of = flat_slot_of.at[jnp.where(active, new_owner_flat, out_of_range)].set(
+      fill_slot, mode="drop")
+  target = jnp.where(active, fill_slot, num_slots)
+  wasted = jnp.sum(active & cache.prefetched[jnp.maximum(victim, 0)], dtype=jnp.int32)
+  new_cache = cache.replace(
+      slot_of=flat_slot_of.reshape(num_layers, num_experts),
+      owner=cache.owner.at[target].set(new_owner_flat, mode="drop"),
+      slot_stamp=cache.slot_stamp.at[target].set(cache.clock, mode="drop"),
+      prefetched=cache.prefetched.at[target].set(True, mode="drop"))
+  return new_cache, PrefetchPlan(fill_expert=fill_expert, fill_slot=fill_slot, count=n,
+                                 wasted=wasted)

@@ -11,6 +11,8 @@ Fields (L layers, E experts per layer, N slots, P elements per expert block):
   pick the pinned set of ``static_hot``);
 * ``expert_score [L, E]``: float32, the decayed selection count of (l, e) as of its last
   selection (LRFU's combined recency-frequency value; read by the LRFU policies only);
+* ``prefetched [N]``: bool, the slot was filled by a prefetch (``ftjax.cache.policy.prefetch``)
+  and no step has used it yet; a use or an eviction clears it (counted as used or wasted);
 * ``limit []``: slots ``[0, limit)`` are usable; the buffer may be larger (its size is
   bucketed so that a resize inside a bucket needs no recompile); slots past ``limit`` stay
   empty;
@@ -39,6 +41,7 @@ class ExpertCache:
   expert_stamp: jax.Array
   expert_count: jax.Array
   expert_score: jax.Array
+  prefetched: jax.Array
   limit: jax.Array
   clock: jax.Array
 
@@ -80,6 +83,7 @@ class ExpertCache:
                expert_stamp=jnp.full((layers, experts), -1, jnp.int32),
                expert_count=jnp.zeros((layers, experts), jnp.int32),
                expert_score=jnp.zeros((layers, experts), jnp.float32),
+               prefetched=jnp.zeros((capacity,), bool),
                limit=jnp.asarray(num_slots, jnp.int32),
                clock=jnp.zeros((), jnp.int32))
 
@@ -132,6 +136,7 @@ class ExpertCache:
     order = jnp.argsort(-self.slot_stamp, stable=True)[:keep]
     owner = jnp.full((capacity,), -1, jnp.int32).at[:keep].set(self.owner[order])
     stamp = jnp.full((capacity,), -1, jnp.int32).at[:keep].set(self.slot_stamp[order])
+    prefetched = jnp.zeros((capacity,), bool).at[:keep].set(self.prefetched[order])
     slots = jnp.zeros((capacity, self.slots.shape[1]), self.slots.dtype)
     slots = slots.at[:keep].set(take(self.slots, order))
     flat = jnp.full((self.slot_of.size,), -1, jnp.int32)
@@ -139,7 +144,8 @@ class ExpertCache:
     flat = flat.at[jnp.where(valid, owner, flat.shape[0])].set(
         jnp.arange(capacity, dtype=jnp.int32), mode="drop")
     return self.replace(slots=slots, slot_of=flat.reshape(self.slot_of.shape), owner=owner,
-                        slot_stamp=stamp, limit=jnp.asarray(num_slots, jnp.int32))
+                        slot_stamp=stamp, prefetched=prefetched,
+                        limit=jnp.asarray(num_slots, jnp.int32))
 
 
 def check_invariants(cache: ExpertCache, previous: ExpertCache | None = None) -> None:
@@ -158,6 +164,7 @@ def check_invariants(cache: ExpertCache, previous: ExpertCache | None = None) ->
   stamp = np.asarray(cache.slot_stamp)
   assert np.all((owner >= 0) | (stamp == -1)), "an empty slot has a stamp"
   assert np.all(owner[int(cache.limit):] == -1), "a slot past the limit holds an expert"
+  assert np.all(owner[np.asarray(cache.prefetched)] >= 0), "an empty slot is marked prefetched"
   assert np.all(stamp <= clock) and np.all(np.asarray(cache.expert_stamp) <= clock)
   if previous is not None:
     assert clock >= int(previous.clock)

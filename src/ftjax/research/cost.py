@@ -4,7 +4,8 @@ A hardware profile (``HardwareProfile``: bandwidths and fixed costs of one machi
 model's shapes (``ModelShape``: expert and dense bytes) turn the counts that the engine
 records per step and layer (``Engine.stats()["per_step"]``: distinct experts hit, filled and
 run on the host) or that a trace replay produces into seconds. Pure numpy: it runs anywhere,
-for any model and machine, without weights or an accelerator.
+for any model and machine, without weights or an accelerator (``prefetch_room``, the same
+formula inside a replay's scan, runs it in jax.numpy).
 
 One MoE layer-step (``layer_step_time``), with S the bytes of one expert, 1 GB = 1e9 bytes,
 ``dma = fills·S / B_P`` and ``B_res = B_H − B_P``::
@@ -61,6 +62,7 @@ import math
 import os
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 import yaml
 
@@ -393,7 +395,8 @@ def _gated_deltanet_params(d: int, key_heads: int, value_heads: int, key_dim: in
 # -- The model ------------------------------------------------------------------------------
 
 
-def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -> np.ndarray:
+def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs,
+                    prefetches=None) -> np.ndarray:
   """Seconds of each MoE layer-step, elementwise over equal-shaped count arrays.
 
   hits, fills, host_runs: distinct experts of the layer-step served from a slot, copied into
@@ -410,25 +413,61 @@ def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_ru
   ``host`` is ``ftjax.cache.streaming.host_read_time``, the contention formula the prefill
   cost model shares.
 
+  ``prefetches`` (same shape, optional): experts the layer-step prefetched for the next one
+  (``ftjax.research.replay.Prefetch``). Their copies follow the step's own fills on the link
+  and must land within the step: link = dma + prefetches·S/B_P joins the device term's max
+  and is the time the host kernel shares memory with the DMA. A prefetch is charged where it
+  is made; the step that uses it counts a hit.
+
   When ``hw.paths_overlap`` is false (a CPU-only machine, one set of cores for both paths)
   the paths run one after the other and do not contend:
   ``dma + (hits + fills)·S/device_bw + host_runs·S/B_H`` replaces the max.
   """
   hits, fills, host_runs = _counts(hits, fills, host_runs)
+  prefetches = (np.zeros_like(fills) if prefetches is None
+                else _counts(prefetches, prefetches, prefetches)[0])
+  return _layer_seconds(np, hw, shape, hits, fills, host_runs, prefetches)
+
+
+def _layer_seconds(xp, hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs,
+                   prefetches):
+  """``layer_step_time``'s formula in the array module ``xp`` (numpy, or jax.numpy inside a
+  replay's scan)."""
   s = shape.expert_bytes
   b_p, b_h, device_bw = hw.b_p * GB, hw.b_h * GB, hw.device_bw * GB
   dma = fills * s / b_p
+  link = dma + prefetches * s / b_p
   compute = (hits + fills) * s / device_bw
   if hw.paths_overlap:
-    device = np.maximum(compute, dma + (fills > 0) * (s / device_bw))
-    host = host_read_time(host_runs * s, dma, b_p, b_h)
-    experts = np.maximum(device, host)
+    device = xp.maximum(xp.maximum(compute, dma + (fills > 0) * (s / device_bw)), link)
+    host = host_read_time(host_runs * s, link, b_p, b_h)
+    experts = xp.maximum(device, host)
   else:
-    experts = dma + compute + host_runs * s / b_h
+    experts = link + compute + host_runs * s / b_h
   return experts + shape.dense_bytes_per_layer / device_bw + hw.layer_overhead_s
 
 
-def step_times(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -> np.ndarray:
+def prefetch_room(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs,
+                  most: int):
+  """How many experts (up to ``most``) a layer-step can prefetch in its link's idle time: the
+  copies of S bytes at B_P that fit in the step's modeled time (``layer_step_time`` without
+  prefetch) after its own fills, for scalar jax counts (a replay's scan; a jax int32). 0 where
+  the paths do not overlap (``paths_overlap: false``: on a CPU a copy is work of the same
+  cores). The copies still share host memory with the host kernel: ``layer_step_time`` with
+  ``prefetches`` charges that contention where the step runs experts on the host."""
+  if not hw.paths_overlap:
+    return jnp.zeros((), jnp.int32)
+  f32 = jnp.float32
+  fills = jnp.asarray(fills, f32)
+  seconds = _layer_seconds(jnp, hw, shape, jnp.asarray(hits, f32), fills,
+                           jnp.asarray(host_runs, f32), jnp.zeros((), f32))
+  per_copy = shape.expert_bytes / (hw.b_p * GB)
+  idle = jnp.maximum(seconds - fills * per_copy, 0.0)
+  return jnp.clip(jnp.floor(idle / per_copy), 0, most).astype(jnp.int32)
+
+
+def step_times(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs,
+               prefetches=None) -> np.ndarray:
   """Seconds of each decode step: counts [..., layers] -> [...] (e.g. [steps, L] -> [steps]).
 
   The sum of ``layer_step_time`` over the last axis, which must hold all ``shape.num_layers``
@@ -439,13 +478,14 @@ def step_times(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -
     raise ValueError(f"counts must end in the layer axis of {shape.num_layers} layers "
                      f"({shape.name}), got shape {hits.shape}: pass [steps, layers], or model "
                      "the trace's depth with dataclasses.replace(shape, num_layers=...)")
-  layers = layer_step_time(hw, shape, hits, fills, host_runs).sum(axis=-1)
+  layers = layer_step_time(hw, shape, hits, fills, host_runs, prefetches).sum(axis=-1)
   return layers + shape.head_bytes / (hw.device_bw * GB) + hw.step_overhead_s
 
 
-def modeled_tok_s(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs) -> float:
+def modeled_tok_s(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs,
+                  prefetches=None) -> float:
   """Decode tokens per second: 1 / the mean of ``step_times`` over all steps."""
-  return float(1.0 / np.mean(step_times(hw, shape, hits, fills, host_runs)))
+  return float(1.0 / np.mean(step_times(hw, shape, hits, fills, host_runs, prefetches)))
 
 
 def _counts(hits, fills, host_runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

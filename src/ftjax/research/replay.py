@@ -5,6 +5,21 @@ trace with ``lax.scan`` (steps outside, layers inside), on a cache whose slots h
 (one element per slot): planning does not read slot contents, so the hit, fill and host
 counts are those the engine would produce for the same routing, one token per step.
 
+With ``prefetch=Prefetch(...)`` each layer-step is followed by a prefetch for the next one
+(``ftjax.cache.policy.prefetch``, the engine's function) of the experts a predictor names:
+by default as many as the link's idle time in the step holds under the cost model
+(``budget="link"``: copies that leave the step's modeled time unchanged), or up to an int
+``budget`` minus the step's own fills. A prefetched expert the next step routes is a hit (it arrived before
+use); ``prefetched`` / ``prefetch_used`` / ``prefetch_wasted`` count them. Predictors:
+
+* ``trace``: the trace's own ``predicted`` ids (recorded by whoever made the trace, e.g.
+  router-ahead: the next layer's router applied to an earlier hidden state);
+* ``cooccurrence``: learned online from the ids alone, as the trace plays: a count per (layer
+  l expert a, layer l + 1 expert b) of the tokens that routed both, decayed per token step
+  (``decay``); layer l + 1's candidates are the experts with the most counts from layer l's
+  selection (the last layer predicts the next token's first);
+* ``last_token``: the experts the next layer-step's layer routed for the previous token.
+
 ``belady_misses`` is the offline optimum with bypass (Belady's MIN where an incoming expert
 may also be the one dropped): a lower bound on the misses of every policy that starts from
 an empty cache, each of which can be emulated request by request with the same misses.
@@ -22,7 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ftjax.cache.policy import PolicyConfig, get_policy, initial_cache, plan
+from ftjax.cache.policy import (HALF_LIFE_128, PolicyConfig, get_policy, initial_cache, plan,
+                                prefetch, top_indices)
+from ftjax.research.cost import prefetch_room
 from ftjax.research.traces import Trace
 
 
@@ -33,6 +50,18 @@ class ReplayResult:
   hits: np.ndarray  # [S, L] distinct experts served from slots
   fills: np.ndarray  # [S, L] misses copied into slots
   host_runs: np.ndarray  # [S, L] misses run on the host
+  prefetched: np.ndarray | None = None  # [S, L] experts prefetched after the layer-step
+  prefetch_used: np.ndarray | None = None  # [S, L] hits on prefetched slots (first use)
+  prefetch_wasted: np.ndarray | None = None  # [S, L] prefetched slots evicted unused
+
+  @property
+  def prefetch_use_share(self) -> float | None:
+    """The share of the prefetched experts that a step used before they were evicted (None
+    without prefetch; those still cached at the end count as unused)."""
+    if self.prefetched is None:
+      return None
+    total = int(self.prefetched.sum())
+    return float(self.prefetch_used.sum() / total) if total else 0.0
 
   @property
   def misses(self) -> np.ndarray:
@@ -57,6 +86,101 @@ class ReplayResult:
     return float(self.host_runs.sum(1).mean()) if len(self.host_runs) else 0.0
 
 
+PREDICTORS = ("trace", "cooccurrence", "last_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetch:
+  """Prefetch in a replay (module docstring): ``predictor`` (one of ``PREDICTORS``) names
+  ``width`` candidates (default: the trace's top_k) for each next layer-step; ``budget`` is
+  the fills the link makes per layer-step, the step's own fills first (an int; None: the
+  trace's top_k), or ``"link"``: as many as the link's idle time in the step holds, from the
+  cost model (``ftjax.research.cost.prefetch_room``: copies that leave the step's modeled time
+  unchanged; none on a CPU profile), which needs ``replay(..., cost=(hardware, shape))``;
+  ``decay`` is the cooccurrence counts' factor per token step (default: a half-life
+  of 128 tokens). ``Prefetch.parse("trace@8")`` reads the CLI's form PREDICTOR[@BUDGET]."""
+  predictor: str
+  budget: int | str | None = "link"
+  width: int | None = None
+  decay: float = HALF_LIFE_128
+
+  def __post_init__(self):
+    if self.predictor not in PREDICTORS:
+      raise ValueError(f"unknown predictor {self.predictor!r}; choose one of "
+                       f"{', '.join(PREDICTORS)}")
+    if self.budget != "link" and (
+        (self.budget is not None and not isinstance(self.budget, int)) or
+        (self.budget is not None and self.budget < 0) or
+        (self.width is not None and self.width < 1)):
+      raise ValueError(f"prefetch budget must be 'link' or an int >= 0, and width >= 1, got "
+                       f"{self.budget!r} and {self.width}")
+    if not 0.0 < self.decay <= 1.0:
+      raise ValueError(f"the cooccurrence decay must be in (0, 1], got {self.decay}")
+
+  def __str__(self) -> str:
+    return self.predictor if self.budget == "link" else f"{self.predictor}@{self.budget}"
+
+  @classmethod
+  def parse(cls, text: str) -> "Prefetch":
+    """PREDICTOR[@BUDGET]: BUDGET an int or ``link`` (the default)."""
+    predictor, _, budget = text.partition("@")
+    try:
+      return cls(predictor, "link" if budget in ("", "link") else int(budget))
+    except ValueError as e:
+      raise ValueError(f"bad prefetch {text!r} (PREDICTOR[@BUDGET], e.g. trace@8): {e}") from None
+
+
+def _candidates(trace: Trace, predictor: str, width: int) -> np.ndarray:
+  """[S, L, width] the static predictors' candidates for the layer-step after each (s, l)."""
+  steps, layers = trace.num_steps, trace.num_layers
+  if predictor == "trace":
+    if trace.predicted is None:
+      raise ValueError("Prefetch(predictor='trace') needs a trace with predicted ids "
+                       "(Trace.predicted); this one has none: use predictor='cooccurrence'")
+    source = trace.predicted[:, :, :width]
+    nxt = np.concatenate([source[:, 1:], np.concatenate(
+        [source[1:, :1], np.full((1, 1, source.shape[2]), -1, np.int32)])], axis=1)
+  else:  # last_token: layer l + 1's experts of the previous step
+    prev = np.concatenate([np.full((1,) + trace.ids.shape[1:], -1, np.int32), trace.ids[:-1]])
+    nxt = np.concatenate([prev[:, 1:], trace.ids[:, :1]], axis=1)[:, :, :width]
+  out = np.full((steps, layers, width), -1, np.int32)
+  out[:, :, :nxt.shape[2]] = nxt
+  return out
+
+
+@partial(jax.jit, static_argnames=("policy", "predictor", "width", "cost"))
+def _prefetch_scan(cache, ids, candidates, bandwidths, budget, decay, policy, predictor, width,
+                   cost):
+  num_layers, num_experts = cache.slot_of.shape
+  layers = jnp.arange(ids.shape[1])
+  expert_range = jnp.arange(num_experts, dtype=jnp.int32)
+  learned = predictor == "cooccurrence"
+  counts = jnp.zeros((num_layers, num_experts, num_experts) if learned else (0,), jnp.float32)
+
+  def step(carry, inputs):
+    def layer(carry, inputs):
+      cache, counts, prev_selected = carry
+      index, layer_ids, cand = inputs
+      cache, p = plan(cache, index, layer_ids[None], bandwidths, policy, skip_idle=True)
+      selected = jnp.any(layer_ids.reshape(-1, 1) == expert_range, axis=0)
+      if learned:  # count the pair (previous layer-step, this one), then predict the next
+        prev = (index - 1) % num_layers
+        counts = counts.at[prev].set(counts[prev] * decay + (
+            prev_selected[:, None] & selected[None, :]).astype(jnp.float32))
+        scores = selected.astype(jnp.float32) @ counts[index]
+        top = top_indices(scores, width)
+        cand = jnp.where(scores[top] > 0, top, -1)
+      room = (jnp.maximum(budget - p.fills, 0) if cost is None else
+              prefetch_room(*cost, p.hits, p.fills, p.host, width))
+      cache, pp = prefetch(cache, (index + 1) % num_layers, cand, room, policy)
+      return (cache, counts, selected), (p.hits, p.fills, p.host, pp.count, p.prefetch_used,
+                                         p.prefetch_wasted + pp.wasted)
+    return jax.lax.scan(layer, carry, (layers,) + inputs)
+
+  carry = (cache, counts, jnp.zeros((num_experts,), bool))
+  return jax.lax.scan(step, carry, (ids, candidates))[1]
+
+
 @partial(jax.jit, static_argnames=("policy",))
 def _replay_scan(cache, ids, bandwidths, policy):
   layers = jnp.arange(ids.shape[1])
@@ -72,19 +196,22 @@ def _replay_scan(cache, ids, bandwidths, policy):
 
 
 def replay(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
-           bandwidths: tuple[float, float] = (1.0, 1.0), *, hot_experts=None) -> ReplayResult:
+           bandwidths: tuple[float, float] = (1.0, 1.0), *, hot_experts=None,
+           prefetch: Prefetch | None = None, cost=None) -> ReplayResult:
   """Replays ``trace`` through ``policy`` with ``cache_slots`` slots shared by all layers.
 
   ``bandwidths`` (B_P, B_H) in GB/s matter to the q* policies only; ``hot_experts`` ([L, E]
   counts) chooses the pinned set of ``static_hot`` (default: the trace's own counts, an
-  oracle profile).
+  oracle profile); ``prefetch`` adds a prefetch after each layer-step (module docstring);
+  ``cost`` = (``HardwareProfile``, ``ModelShape``) sizes its ``"link"`` budget.
   """
-  return replay_many(trace, policy, cache_slots, [bandwidths], hot_experts=hot_experts)[0]
+  return replay_many(trace, policy, cache_slots, [bandwidths], hot_experts=hot_experts,
+                     prefetch=prefetch, cost=cost)[0]
 
 
 def replay_many(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
-                bandwidths: list[tuple[float, float]], *, hot_experts=None
-                ) -> list[ReplayResult]:
+                bandwidths: list[tuple[float, float]], *, hot_experts=None,
+                prefetch: Prefetch | None = None, cost=None) -> list[ReplayResult]:
   """``replay`` under each of several (B_P, B_H) pairs (the sweep's groups of hardware
   profiles), sharing the initial cache and one compiled scan; results in order. The scans
   run one after the other: each skips the victim search of layer-steps that fill nothing
@@ -106,6 +233,27 @@ def replay_many(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
     return [ReplayResult(str(policy), cache_slots, z, z, z) for _ in bandwidths]
   ids = jnp.asarray(trace.ids)
   results = []
+  if prefetch is not None:
+    if prefetch.budget == "link" and cost is None:
+      raise ValueError(f"prefetch {prefetch}'s budget is the link's idle time, which needs the "
+                       "cost model: pass cost=(HardwareProfile, ModelShape), or an int budget "
+                       "(Prefetch(predictor, budget=8))")
+    width = prefetch.width or trace.top_k
+    budget = trace.top_k if prefetch.budget in (None, "link") else prefetch.budget
+    candidates = jnp.asarray(
+        np.full((trace.num_steps, layers, width), -1, np.int32)
+        if prefetch.predictor == "cooccurrence" else _candidates(trace, prefetch.predictor,
+                                                                 width))
+    for pair in bandwidths:
+      out = _prefetch_scan(cache, ids, candidates, jnp.asarray(pair, jnp.float32),
+                           jnp.asarray(budget, jnp.int32),
+                           jnp.asarray(prefetch.decay, jnp.float32), policy.program(),
+                           prefetch.predictor, width,
+                           tuple(cost) if prefetch.budget == "link" else None)
+      hits, fills, host, count, used, wasted = (np.asarray(a, np.int64) for a in out)
+      results.append(ReplayResult(f"{policy}+{prefetch}", cache_slots, hits, fills, host,
+                                  count, used, wasted))
+    return results
   for pair in bandwidths:
     hits, fills, host = _replay_scan(cache, ids, jnp.asarray(pair, jnp.float32),
                                      policy.program())

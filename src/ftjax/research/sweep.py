@@ -45,12 +45,12 @@ from ftjax.model.config import ModelConfig
 from ftjax.research import synthetic
 from ftjax.research.bound import best_split, online_bound
 from ftjax.research.cost import HardwareProfile, ModelShape, step_times
-from ftjax.research.replay import (ReplayResult, belady_misses, expert_counts, replay,
-                                   replay_many)
+from ftjax.research.replay import (Prefetch, ReplayResult, belady_misses, expert_counts,
+                                   replay, replay_many)
 from ftjax.research.traces import Trace
 from ftjax.utils.progress import Progress
 
-__all__ = ["ReplayResult", "belady_misses", "expert_counts", "replay", "sweep", "SweepRow",
+__all__ = ["Prefetch", "ReplayResult", "belady_misses", "expert_counts", "replay", "sweep", "SweepRow",
            "load_traces", "load_traces_and_profiles", "split_warmup", "load_hardware",
            "write_csv", "plot"]
 
@@ -79,11 +79,14 @@ class SweepRow:
   host_gb_per_step: float = float("nan")  # expert weights read by the host kernel
   modeled_ms_per_token: float = float("nan")
   modeled_tok_s: float = float("nan")
+  prefetches_per_step: float = float("nan")  # with prefetch: experts prefetched (copies)
+  prefetch_use_share: float = float("nan")  # of them, the share a step used
 
   CSV_FIELDS = ("trace", "policy", "hardware", "cache_fraction", "cache_slots", "miss_rate",
                 "decode_steps", "hits_per_step", "fills_per_step", "host_runs_per_step",
                 "fill_gb_per_step", "device_gb_per_step", "host_gb_per_step",
-                "modeled_ms_per_token", "modeled_tok_s")
+                "modeled_ms_per_token", "modeled_tok_s", "prefetches_per_step",
+                "prefetch_use_share")
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -124,7 +127,9 @@ def split_warmup(trace: Trace, fraction: float) -> tuple[Trace, Trace]:
     raise ValueError(f"a trace of {trace.num_steps} steps is too short to hold out {fraction} "
                      "of it for a routing profile")
   parts = tuple(Trace.from_arrays(trace.ids[a:b], trace.weights[a:b], trace.num_experts,
-                                  phase=trace.phase[a:b], metadata=dict(trace.metadata))
+                                  phase=trace.phase[a:b], metadata=dict(trace.metadata),
+                                  predicted=(None if trace.predicted is None
+                                             else trace.predicted[a:b]))
                 for a, b in ((0, cut), (cut, trace.num_steps)))
   parts[1].metadata["held_out_steps"] = cut
   return parts
@@ -132,13 +137,16 @@ def split_warmup(trace: Trace, fraction: float) -> tuple[Trace, Trace]:
 
 def load_traces_and_profiles(specs: Sequence[str], *, seed: int = 0,
                              synthetic_steps: int = 2000, synthetic_prefill: int = 0,
-                             holdout: float | None = DEFAULT_HOLDOUT
+                             holdout: float | None = DEFAULT_HOLDOUT,
+                             synthetic_recall: float | None = None
                              ) -> tuple[dict[str, Trace], dict[str, np.ndarray]]:
   """Traces by name (as ``load_traces``) and, for each, a routing profile ([L, E] counts)
   counted on other routing, for ``static_hot``: a synthetic trace's from the same generator
   at seed ``seed + HOLDOUT_SEED`` (other tasks, the same length); a trace file's from its
   leading ``holdout`` fraction of steps, which is then cut from the replayed trace
-  (``split_warmup``). ``holdout=None`` counts no profiles (and cuts nothing)."""
+  (``split_warmup``). ``holdout=None`` counts no profiles (and cuts nothing).
+  ``synthetic_recall``: synthetic traces carry the predictions of a modelled predictor of
+  that recall (``synthetic.with_predictions``, for the ``trace`` prefetch)."""
   traces, profiles = {}, {}
   for spec in _expand(specs):
     if spec == "default":
@@ -156,6 +164,8 @@ def load_traces_and_profiles(specs: Sequence[str], *, seed: int = 0,
       trace = synthetic.generate(model, synthetic_steps, seed=seed,
                                  prefill_steps=synthetic_prefill)
       trace.metadata.setdefault("model_shape", name)
+      if synthetic_recall is not None:
+        trace = synthetic.with_predictions(trace, synthetic_recall, seed=seed)
       traces[f"synthetic-{name}"] = trace
       if holdout is not None:
         profiles[f"synthetic-{name}"] = expert_counts(synthetic.generate(
@@ -227,19 +237,24 @@ def _row(name, policy, hw_name, fraction, result: ReplayResult, trace, shape, hw
   if not decode.any():
     decode = np.ones_like(decode, bool)
   hits, fills, host = (a[decode] for a in (result.hits, result.fills, result.host_runs))
+  prefetched = None if result.prefetched is None else result.prefetched[decode]
   row = SweepRow(trace=name, policy=policy, hardware=hw_name, cache_fraction=fraction,
                  cache_slots=result.cache_slots, miss_rate=result.miss_rate,
                  per_layer_miss_rate=result.per_layer_miss_rate.tolist(),
                  decode_steps=int(decode.sum()))
+  if prefetched is not None:
+    row.prefetch_use_share = result.prefetch_use_share
+    row.prefetches_per_step = float(prefetched.sum(1).mean()) if len(prefetched) else 0.0
   if hw is not None and len(hits):
     s = shape.expert_bytes / 1e9
     row.hits_per_step = float(hits.sum(1).mean())
     row.fills_per_step = float(fills.sum(1).mean())
     row.host_runs_per_step = float(host.sum(1).mean())
-    row.fill_gb_per_step = row.fills_per_step * s
+    copies = row.fills_per_step + (0.0 if prefetched is None else row.prefetches_per_step)
+    row.fill_gb_per_step = copies * s
     row.device_gb_per_step = (row.hits_per_step + row.fills_per_step) * s
     row.host_gb_per_step = row.host_runs_per_step * s
-    t = float(np.mean(step_times(hw, shape, hits, fills, host)))
+    t = float(np.mean(step_times(hw, shape, hits, fills, host, prefetched)))
     row.modeled_ms_per_token, row.modeled_tok_s = 1e3 * t, 1.0 / t
   return row
 
@@ -252,7 +267,8 @@ PRESCIENT = "prescient"  # the placement of the C likeliest experts, free betwee
 def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence[float],
           hardware: Sequence, shapes: dict, *, belady: bool = True, progress: bool = True,
           hot_profiles: dict[str, np.ndarray] | None = None,
-          workers: int = 1, bound_samples: int = 0) -> list[SweepRow]:
+          workers: int = 1, bound_samples: int = 0,
+          prefetch: Sequence[Prefetch] = ()) -> list[SweepRow]:
   """Every trace x policy x cache fraction x hardware profile, plus Belady's bound per trace
   and size (with a free preload, so that it bounds the preloaded static policies too).
   ``shapes`` maps trace name -> ``ftjax.research.cost.ModelShape``.
@@ -271,7 +287,13 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
   Belady's: ``online_bound`` (the least expected miss rate of an online policy, no hardware)
   and ``prescient`` (the C likeliest experts at every step, rearranged for free, with each
   layer-step's misses split as the cost model likes best; not a policy), from that many
-  samples of each step's law."""
+  samples of each step's law.
+
+  ``prefetch``: each policy that starts empty is also replayed with each of these
+  (``ftjax.research.replay.Prefetch``), in rows labelled ``POLICY+PREDICTOR[@BUDGET]``, their
+  prefetches charged in the modeled tok/s (``ftjax.research.cost.layer_step_time``). The
+  ``trace`` predictor runs on traces that hold predictions only (the others are said to be
+  skipped on stderr)."""
   hot_profiles = hot_profiles or {}
   for p in policies:
     get_policy(p)  # validates the name
@@ -280,6 +302,12 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
       raise ValueError(f"cache fractions must be in [0, 1], got {f}")
   # Plan the replays: q* policies once per group of profiles with equal q tables.
   jobs = []
+  for pf in prefetch:
+    if pf.predictor == "trace":
+      skipped = [n for n, t in traces.items() if t.predicted is None]
+      if skipped:
+        print(f"sweep: prefetch {pf} skips {', '.join(skipped)} (no predictions in the trace)",
+              file=sys.stderr)
   for name, trace in traces.items():
     groups: dict[tuple, list] = {}
     for hw in hardware:
@@ -287,6 +315,17 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
     for fraction in fractions:
       slots = int(round(fraction * trace.num_layers * trace.num_experts))
       for policy in policies:
+        if get_policy(policy).preload == "none":
+          q_star = get_policy(policy).fill_rule == "q*"
+          for pf in prefetch:
+            if pf.predictor == "trace" and trace.predicted is None:
+              continue
+            if pf.budget == "link":  # sized per profile: one replay each
+              for hw in hardware:
+                jobs.append((name, policy, fraction, slots, [[hw]] if q_star else [hw], pf))
+            else:
+              jobs.append((name, policy, fraction, slots,
+                           list(groups.values()) if q_star else list(hardware), pf))
         if get_policy(policy).fill_rule == "q*":  # one job replays all the groups
           jobs.append((name, policy, fraction, slots, list(groups.values())))
         elif get_policy(policy).preload == "hot":
@@ -300,7 +339,7 @@ def sweep(traces: dict[str, Trace], policies: Sequence[str], fractions: Sequence
   rows = []
   bar = Progress(len(jobs), desc="sweep", enabled=progress)
   if workers > 1:  # the slowest jobs (most slots, several groups) first, spread over workers
-    order = {job[:3]: i for i, job in enumerate(jobs)}
+    order = {_job_key(job): i for i, job in enumerate(jobs)}
     jobs = sorted(jobs, key=lambda j: (-j[3], -len(j[4])))
     context = multiprocessing.get_context("spawn")  # a forked process would inherit XLA's threads
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
@@ -351,26 +390,48 @@ def _with_bounds(rows, traces, fractions, hardware, shapes, samples, progress):
   return out
 
 
+def _job_key(job) -> tuple[str, str, float]:
+  """(trace, row label, cache fraction) of a job: the label is ``POLICY+PREFETCH`` with
+  prefetch."""
+  name, policy, fraction = job[:3]
+  return name, policy if len(job) < 6 else f"{policy}+{job[5]}", fraction
+
+
+def _cost(pf, hw, shape):
+  """The (hardware, shape) a prefetch's "link" budget is sized by (one profile per job)."""
+  if pf is None or pf.budget != "link":
+    return None
+  if shape is None:
+    raise ValueError(f"prefetch {pf} sizes its budget by the cost model: the trace needs a "
+                     "model shape (--model_shape), or give an int budget (PREDICTOR@8)")
+  return hw, shape
+
+
 def _run_job(job, trace: Trace, shape, hot_profile) -> list[SweepRow]:
   """The rows of one sweep job: a policy at one cache size under a list of profiles (a q*
-  policy: a list of groups of profiles with equal fill tables), or Belady's bound."""
-  name, policy, fraction, slots, group = job
+  policy: a list of groups of profiles with equal fill tables), with a prefetch when the job
+  names one, or Belady's bound."""
+  name, policy, fraction, slots, group = job[:5]
+  pf = job[5] if len(job) > 5 else None
   if policy == "belady":
     requests = sum(len(np.unique(r[r >= 0])) for step in trace.ids for r in step)
     misses = belady_misses(trace, slots, preload=True)  # also bounds the static policies
     return [SweepRow(trace=name, policy="belady", hardware="", cache_fraction=fraction,
                      cache_slots=slots, miss_rate=misses / max(requests, 1),
                      per_layer_miss_rate=[])]
+  label = _job_key(job)[1]
   if policy != ORACLE and get_policy(policy).fill_rule == "q*":
-    results = replay_many(trace, policy, slots, [(g[0].b_p, g[0].b_h) for g in group])
-    return [_row(name, policy, hw.name, fraction, result, trace, shape, hw)
+    results = replay_many(trace, policy, slots, [(g[0].b_p, g[0].b_h) for g in group],
+                          prefetch=pf, cost=_cost(pf, group[0][0], shape))
+    return [_row(name, label, hw.name, fraction, result, trace, shape, hw)
             for result, g in zip(results, group) for hw in g]
   bw = (group[0].b_p, group[0].b_h)
   if policy == ORACLE:
     result = replay(trace, "static_hot", slots, bw, hot_experts=expert_counts(trace))
   else:
-    result = replay(trace, policy, slots, bw, hot_experts=hot_profile)
-  return [_row(name, policy, hw.name, fraction, result, trace, shape, hw) for hw in group]
+    result = replay(trace, policy, slots, bw, hot_experts=hot_profile, prefetch=pf,
+                    cost=_cost(pf, group[0], shape))
+  return [_row(name, label, hw.name, fraction, result, trace, shape, hw) for hw in group]
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -491,14 +552,16 @@ def main(argv) -> None:
       get_policy(p)
     traces, profiles = load_traces_and_profiles(
         _TRACES.value, seed=_SEED.value, synthetic_steps=_STEPS.value,
-        synthetic_prefill=_PREFILL.value, holdout=_HOLDOUT.value)
+        synthetic_prefill=_PREFILL.value, holdout=_HOLDOUT.value,
+        synthetic_recall=_RECALL.value)
     hardware = load_hardware(_HARDWARE.value)
     shapes = {name: trace_shape(t, _SHAPE.value) for name, t in traces.items()}
     for name, t in traces.items():
       print(f"{name}: {t.num_steps} steps x {t.num_layers} layers x top-{t.top_k} of "
             f"{t.num_experts}; modeled as {shapes[name].name}", file=sys.stderr)
+    prefetch = [Prefetch.parse(p) for p in _PREFETCH.value]
     rows = sweep(traces, _POLICIES.value, fractions, hardware, shapes, belady=_BELADY.value,
-                 hot_profiles=profiles, bound_samples=_BOUND_SAMPLES.value)
+                 hot_profiles=profiles, bound_samples=_BOUND_SAMPLES.value, prefetch=prefetch)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"ftjax.sweep: error: {e}") from None
   paths = list(write_csv(rows, _OUT.value))
@@ -521,7 +584,7 @@ def cli() -> None:
   """``python -m ftjax.sweep``: defines the flags (only here, so that importing the library
   defines none) and runs ``main``."""
   global _TRACES, _FRACTIONS, _POLICIES, _HARDWARE, _SHAPE, _OUT, _SEED, _STEPS, _PREFILL
-  global _BELADY, _PLOTS, _HOLDOUT, _BOUND_SAMPLES
+  global _BELADY, _PLOTS, _HOLDOUT, _BOUND_SAMPLES, _PREFETCH, _RECALL
   _TRACES = flags.DEFINE_list("traces", ["default"],
                               "trace files (.npz, globs), synthetic:NAME (qwen3-30b-a3b) and/or "
                               "default (routing of the embedded default model)")
@@ -548,6 +611,16 @@ def cli() -> None:
                                 "fraction of its steps, cut from the replayed part (synthetic "
                                 "traces: another seed)", lower_bound=0.01, upper_bound=0.99)
   _PLOTS = flags.DEFINE_bool("plots", True, "write PNG plots (needs matplotlib)")
+  _PREFETCH = flags.DEFINE_list(
+      "prefetch", [], "also replay each policy that starts empty with these prefetches, "
+      "PREDICTOR[@BUDGET]: trace (the trace's predicted ids), cooccurrence (learned online "
+      "from the ids), last_token; BUDGET = fills per layer-step, own fills first (default "
+      "top_k). E.g. --prefetch=trace,cooccurrence@4")
+  _RECALL = flags.DEFINE_float(
+      "synthetic_recall", None, "synthetic traces carry the predictions of a modelled "
+      "predictor of this recall (ftjax.research.synthetic.with_predictions; router-ahead "
+      "measured 0.71 a layer ahead, 0.87-0.90 a sublayer ahead), for --prefetch=trace",
+      lower_bound=0.0, upper_bound=1.0)
   app.run(main)
 
 

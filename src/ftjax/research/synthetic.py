@@ -274,6 +274,43 @@ def generate(model: RoutingModel, steps: int, *, seed: int, prefill_steps: int =
   return Trace.from_arrays(ids, weights, model.num_experts, phase=phases, metadata=metadata)
 
 
+def with_predictions(trace: Trace, recall: float | Sequence[float], *, seed: int = 0) -> Trace:
+  """``trace`` with ``predicted`` ids from a modelled predictor of the given ``recall`` (one
+  value, or one per layer): each true expert of a layer-step is named with probability
+  ``recall``, and the others are replaced by experts drawn without replacement from the
+  layer's routing frequency over the trace (a wrong prediction names a popular expert, as a
+  router applied to an earlier hidden state does), in random order. Stands in for router-ahead
+  on traces that hold ids only; ``benchmarks/router_ahead.py`` measures the recall of the
+  real predictor (0.71 a layer ahead, 0.87-0.90 one sublayer ahead on the embedded models).
+  Deterministic for a given ``seed``."""
+  steps, layers, top_k = trace.ids.shape
+  experts = trace.num_experts
+  recall = np.broadcast_to(np.asarray(recall, np.float64), (layers,))
+  if np.any((recall < 0) | (recall > 1)):
+    raise ValueError(f"recall must be in [0, 1], got {recall.tolist()}")
+  rng = np.random.default_rng(seed)
+  freq = np.ones((layers, experts))  # add-one: every expert can be named
+  for layer in range(layers):
+    ids = trace.ids[:, layer].reshape(-1)
+    np.add.at(freq[layer], ids[ids >= 0], 1.0)
+  freq /= freq.sum(1, keepdims=True)
+  predicted = np.empty_like(trace.ids)
+  for s in range(steps):  # per step: [L, E] Gumbel keys, the true experts masked out
+    true = trace.ids[s]
+    keys = np.log(freq) + rng.gumbel(size=(layers, experts))
+    np.put_along_axis(keys, np.maximum(true, 0), -np.inf, axis=1)
+    others = np.argsort(-keys, axis=1)[:, :top_k]
+    keep = (rng.random((layers, top_k)) < recall[:, None]) & (true >= 0)
+    dropped = np.cumsum(~keep, axis=1) - 1  # the i-th dropped route takes the i-th other
+    row = np.where(keep, true, np.take_along_axis(others, np.maximum(dropped, 0), axis=1))
+    order = np.argsort(rng.random((layers, top_k)), axis=1)
+    predicted[s] = np.take_along_axis(row, order, axis=1)
+  metadata = dict(trace.metadata, predictor={"kind": "modelled", "recall": recall.tolist(),
+                                             "seed": int(seed)})
+  return Trace.from_arrays(trace.ids, trace.weights, experts, phase=trace.phase,
+                           metadata=metadata, predicted=predicted)
+
+
 def model_of(trace: Trace) -> RoutingModel:
   """The ``RoutingModel`` a trace of ``generate`` was sampled from (its metadata)."""
   meta = trace.metadata
