@@ -33,6 +33,8 @@ to ``benchmarks/results/gpu/gpu_check.json`` after every stage (``--dry_run``: u
    placement too. freetoken calibrates its q* split while decoding (``calibrate_split``:
    ``ftjax.runtime.calibration``; each row records the strategy, the fitted fill and host
    rates and the guard's switches), and runs once more at 37% with the profile's split fixed;
+   freetoken and lru_fill at 37% also run with router-ahead prefetch of top_k experts per
+   layer-step (``prefetch=``: prefetched, used, wasted recorded);
 7. overlap: a ``jax.profiler`` trace of a freetoken decode at 37%: GPU busy time from the
    trace, host-expert time from the CUDA module's counters, and how much of the smaller one
    the step hid behind the other;
@@ -477,12 +479,17 @@ def decode(model, prof, args, run: Run) -> dict:
   prompt = [int(t) for t in rng.integers(0, model.config.vocab_size, args.prompt_tokens)]
   # The q* policies calibrate their split while decoding (calibrate_split="auto" with a
   # profile: ftjax.runtime.calibration); one row runs freetoken with the profile's split fixed.
-  configs = [(p, f, "auto", "auto") for f in FRACTIONS for p in POLICIES]
-  configs.append(("freetoken", 0.37, "mapped" if not args.dry_run else "pinned_host", "auto"))
-  configs.append(("freetoken", 0.37, "auto", "off"))
+  configs = [(p, f, "auto", "auto", 0) for f in FRACTIONS for p in POLICIES]
+  configs.append(("freetoken", 0.37, "mapped" if not args.dry_run else "pinned_host", "auto", 0))
+  configs.append(("freetoken", 0.37, "auto", "off", 0))
+  # Router-ahead prefetch (issue 52): top_k experts per layer-step named before the layer's
+  # attention, copied while it runs; the rows record what was prefetched, used and wasted.
+  k = model.config.top_k
+  configs += [("freetoken", 0.37, "auto", "auto", k), ("lru_fill", 0.37, "auto", "auto", k)]
   rows = {}
-  for policy, fraction, pool, calibrate in configs:
-    key = f"{policy}@{fraction}/{pool}" + ("/uncalibrated" if calibrate == "off" else "")
+  for policy, fraction, pool, calibrate, prefetch in configs:
+    key = (f"{policy}@{fraction}/{pool}" + ("/uncalibrated" if calibrate == "off" else "") +
+           (f"/prefetch{prefetch}" if prefetch else ""))
     if run.left_s() < 90:
       rows[key] = {"skipped": "time"}
       continue
@@ -490,7 +497,7 @@ def decode(model, prof, args, run: Run) -> dict:
     try:
       engine = ftjax.Engine(model, cache_fraction=fraction, policy=policy,
                             profile=prof["path"], pool=pool, decode_chunk=16,
-                            calibrate_split=calibrate)
+                            calibrate_split=calibrate, prefetch=prefetch)
       engine.generate_timed(prompt, 4)  # compiles the programs
       engine.generate_timed(prompt, args.tokens)  # warms the cache
       tok_s, predicted, contended, miss = [], [], [], []
@@ -512,7 +519,7 @@ def decode(model, prof, args, run: Run) -> dict:
                    "contention_model_tok_s": statistics.median(contended),
                    "miss_rate": statistics.median(miss), "slots": engine.stats()["slots"],
                    "compile_s": engine.compile_s, "full_pool_ops": full_pool_ops(engine),
-                   "calibration": engine.calibration()}
+                   "calibration": engine.calibration(), "prefetch": engine.stats()["prefetch"]}
       rows[key]["measured_over_model"] = rows[key]["tok_s"] / rows[key]["model_tok_s"]
       log(f"  {key}: {rows[key]['tok_s']:.1f} tok/s (model {rows[key]['model_tok_s']:.1f}), "
           f"miss {rows[key]['miss_rate']:.2f}")

@@ -71,6 +71,10 @@ def define_engine_flags() -> dict[str, flags.FlagHolder]:
           "q* policies: re-solve the fill/host split from the costs measured while decoding, "
           "and switch to pure fill or pure host when the split measures over 1.1x the best "
           "(auto: on with --profile, off with --bandwidths)"),
+      "prefetch": flags.DEFINE_integer(
+          "prefetch", 0, "router-ahead prefetch in decode: at most this many experts per MoE "
+          "layer-step, named by the layer's router on the residual entering it, are filled "
+          "into the cache before the layer's plan (0: none; needs a cache size)", lower_bound=0),
       "pool": flags.DEFINE_enum(
           "pool", "auto", ["auto", "device", "pinned_host", "mapped"],
           "where the host expert pool lives: device (CPU default), pinned_host (fills as "
@@ -131,6 +135,8 @@ def cache_options(holders: dict[str, flags.FlagHolder]) -> dict:
     cache["policy"] = holders["policy"].value
     if holders["calibrate_split"].value != "auto":
       cache["calibrate_split"] = holders["calibrate_split"].value
+  if holders["prefetch"].value:
+    cache["prefetch"] = holders["prefetch"].value
   if holders["pool"].value != "auto":
     cache["pool"] = holders["pool"].value
   if holders["devices"].value is not None:

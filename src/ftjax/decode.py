@@ -185,6 +185,12 @@ def format_stats(stats: dict) -> str:
   b = stats["bytes"]
   lines.append(f"total miss rate {stats['miss_rate']:.3f}; bytes filled {b['fill'] / 1e6:.1f} MB, "
                f"run on host {b['host'] / 1e6:.1f} MB, read from slots {b['device'] / 1e6:.1f} MB")
+  pf = stats.get("prefetch")
+  if pf is not None and pf["experts"]:
+    share = "-" if pf["used_share"] is None else f"{pf['used_share']:.2f}"
+    lines.append(f"router-ahead prefetch (up to {pf['experts']} a layer-step): "
+                 f"{pf['prefetched']} experts prefetched ({pf['bytes'] / 1e6:.1f} MB), "
+                 f"{pf['used']} used (share {share}), {pf['wasted']} evicted unused")
   cal = stats.get("calibration")
   if cal is not None:
     rates = cal["rates_gb_s"]

@@ -34,7 +34,7 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ftjax.cache.policy import Plan, PolicyConfig, plan
+from ftjax.cache.policy import Plan, PolicyConfig, PrefetchPlan, plan, prefetch
 from ftjax.cache.state import ExpertCache
 from ftjax.cache.streaming import prefill_layer_times, stream_costs, worth_streaming
 from ftjax.experts import SWIGLU, ExpertVariant, routed_experts
@@ -157,17 +157,29 @@ class StepStats:
   # [L] int32: routes (token, expert pairs) served by the plan's ``host`` experts; on a
   # streamed layer-step they ran on the device too.
   host_routes: jax.Array
+  # [L] int32: router-ahead prefetch (``CachedExperts.ahead``): experts prefetched for the
+  # layer-step, hits on prefetched slots (their first use), prefetched slots evicted unused.
+  prefetched: jax.Array
+  prefetch_used: jax.Array
+  prefetch_wasted: jax.Array
 
   @classmethod
   def zeros(cls, num_layers: int, steps: tuple[int, ...] = ()) -> "StepStats":
     # Distinct buffers: the state is donated, and one buffer cannot be donated twice.
-    return cls(*(jnp.zeros((*steps, num_layers), jnp.int32) for _ in range(5)))
+    return cls(*(jnp.zeros((*steps, num_layers), jnp.int32) for _ in range(8)))
 
   def record(self, layer, p: Plan, streamed=False, host_routes=0) -> "StepStats":
-    return StepStats(hits=self.hits.at[layer].set(p.hits), fills=self.fills.at[layer].set(p.fills),
-                     host=self.host.at[layer].set(p.host),
-                     streamed=self.streamed.at[layer].set(jnp.asarray(streamed, jnp.int32)),
-                     host_routes=self.host_routes.at[layer].set(host_routes))
+    return self.replace(hits=self.hits.at[layer].set(p.hits),
+                        fills=self.fills.at[layer].set(p.fills),
+                        host=self.host.at[layer].set(p.host),
+                        streamed=self.streamed.at[layer].set(jnp.asarray(streamed, jnp.int32)),
+                        host_routes=self.host_routes.at[layer].set(host_routes),
+                        prefetch_used=self.prefetch_used.at[layer].set(p.prefetch_used),
+                        prefetch_wasted=self.prefetch_wasted.at[layer].add(p.prefetch_wasted))
+
+  def record_prefetch(self, layer, p: PrefetchPlan) -> "StepStats":
+    return self.replace(prefetched=self.prefetched.at[layer].set(p.count),
+                        prefetch_wasted=self.prefetch_wasted.at[layer].add(p.wasted))
 
 
 def host_route_count(p: Plan, ids: jax.Array) -> jax.Array:
@@ -406,6 +418,28 @@ class CachedExperts:
   # Layers a forward visits in order: a streamed prefill fetches layer l + 1 ahead only below
   # it (the MTP head's layers after the decoder's are not next). 0: all the cache's layers.
   pass_layers: int = struct.field(pytree_node=False, default=0)
+  # Router-ahead prefetch: at most this many experts per layer-step, from the ids the model
+  # predicts before the layer's mixer (``ahead``); 0: none.
+  prefetch: int = struct.field(pytree_node=False, default=0)
+
+  @property
+  def prefetches(self) -> bool:
+    """Whether the model should call ``ahead`` (the routed-experts protocol)."""
+    return self.prefetch > 0
+
+  def ahead(self, ids, layer: int) -> "CachedExperts":
+    """Router-ahead prefetch: before ``layer``'s mixer runs, copies up to ``prefetch`` of the
+    experts ``ids [T, K]`` predicts (tokens in order, each token's experts by rank) that no
+    slot holds into slots (``ftjax.cache.policy.prefetch``: the policy's victims, never what
+    the previous layer-step used). The copies are the plan's fill mechanism (``fill_slots``):
+    on a GPU asynchronous host-to-device copies that XLA can overlap with the mixer; on the
+    CPU backend a copy into the slot array. Outputs are unchanged; ``stats`` counts the
+    prefetched experts and, at their layer-step, those used and those evicted unused."""
+    cache, p = prefetch(self.cache, layer, ids.reshape(-1), self.prefetch, self.policy)
+    slots = fill_slots(cache.slots, self.bank, layer, p.fill_expert[:self.prefetch],
+                       p.fill_slot[:self.prefetch], kernels=self.kernels, offload=self.offload)
+    return self.replace(cache=cache.replace(slots=slots),
+                        stats=self.stats.record_prefetch(layer, p))
 
   def __call__(self, x, weights, ids, layer: int) -> tuple["CachedExperts", jax.Array]:
     if self.offload.stream == "cost":

@@ -509,6 +509,26 @@ class MoE(nnx.Module):
     ``nnx.capture``; the training losses of ``ftjax.tiny.train`` do)."""
     lead, width = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, width)  # [B·T, D]
+    weights, ids = self._route(x2, kernels=kernels, valid=valid,
+                               sow_router_logits=sow_router_logits)
+    experts, y = experts(x2, weights, ids, layer)
+    if self.has_shared:
+      shared = self.shared(x2, kernels=kernels)
+      if self.shared_gate:
+        shared = jax.nn.sigmoid(x2 @ f32(self.w_shared_gate_d))[:, None] * shared
+      y = y + shared
+    return experts, y.reshape(*lead, width)
+
+  def predict(self, x: jax.Array, *, kernels: str = "xla", valid: jax.Array | None = None
+              ) -> jax.Array:
+    """The experts this router picks for x [B, T, D]: ids [B·T, K] (-1 where ``valid`` is
+    false). Router-ahead prefetch calls it on an earlier hidden state than the layer's own
+    (``Transformer``), to name the experts before the layer runs."""
+    return self._route(x.reshape(-1, x.shape[-1]), kernels=kernels, valid=valid)[1]
+
+  def _route(self, x2, *, kernels, valid, sow_router_logits=False):
+    """(weights, ids) [T, K] of the router on x2 [T, D]; padding (``valid`` false) gets
+    ``ids = -1`` and weight 0."""
     logits = linear(x2, self.w_router_ed, 1, kernels=kernels)  # [T, E]
     if self.router_bias:
       logits = logits + f32(self.b_logits_e)
@@ -522,10 +542,4 @@ class MoE(nnx.Module):
       keep = valid.reshape(-1, 1)
       ids = jnp.where(keep, ids, -1)
       weights = jnp.where(keep, weights, 0.0)
-    experts, y = experts(x2, weights, ids, layer)
-    if self.has_shared:
-      shared = self.shared(x2, kernels=kernels)
-      if self.shared_gate:
-        shared = jax.nn.sigmoid(x2 @ f32(self.w_shared_gate_d))[:, None] * shared
-      y = y + shared
-    return experts, y.reshape(*lead, width)
+    return weights, ids

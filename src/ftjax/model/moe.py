@@ -14,6 +14,12 @@ function it is given, threaded through the whole step like a carry::
 * returns the (possibly updated) function object and ``y [T, D]`` float32, the weighted sum
   of the routed experts' outputs.
 
+Optionally, an object with a true ``prefetches`` attribute also has
+``experts.ahead(ids, layer) -> experts``: before each MoE layer's mixer runs, the model
+applies that layer's router to the residual entering it and passes the predicted ids
+``[T, K]`` (router-ahead), so that the object can start fetching them (the expert cache's
+prefetch). The prediction changes no output: the layer still routes on its own input.
+
 The object is a pytree (a ``flax.struct.dataclass``): whatever state it carries (an expert
 cache, per-layer statistics, a routing record) flows through ``jit`` and ``lax`` loops with
 the step, and the model hands back the final object next to its new decode state. Options

@@ -286,6 +286,11 @@ class Transformer(nnx.Module):
       valid = jnp.broadcast_to(active[:, None], tokens.shape)
     caches, snapshots = [], []
     for i, layer in enumerate(self.layers):
+      if getattr(experts, "prefetches", False) and not layer.dense_mlp:
+        # Router-ahead: this layer's router on the residual entering it (before its mixer)
+        # names the experts its MoE will likely route, so that their fills start now.
+        experts = experts.ahead(layer.moe.predict(layer.mlp_norm(x), kernels=kernels,
+                                                  valid=valid), self.bank_layers[i])
       outs = layer(x, state.layers[i], state.length, positions, self.bank_layers[i], experts,
                    kernels=kernels,
                    fresh=fresh, valid=valid, num_valid=num_valid,

@@ -41,6 +41,7 @@ from ftjax.cache.policy import (HALF_LIFE_128, PolicyConfig, get_policy, initial
                                 prefetch, top_indices)
 from ftjax.research.cost import prefetch_room
 from ftjax.research.traces import Trace
+from ftjax.runtime.programs import return_free_heap
 
 
 @dataclasses.dataclass
@@ -148,7 +149,6 @@ def _candidates(trace: Trace, predictor: str, width: int) -> np.ndarray:
   return out
 
 
-@partial(jax.jit, static_argnames=("policy", "predictor", "width", "cost"))
 def _prefetch_scan(cache, ids, candidates, bandwidths, budget, decay, policy, predictor, width,
                    cost):
   num_layers, num_experts = cache.slot_of.shape
@@ -181,7 +181,6 @@ def _prefetch_scan(cache, ids, candidates, bandwidths, budget, decay, policy, pr
   return jax.lax.scan(step, carry, (ids, candidates))[1]
 
 
-@partial(jax.jit, static_argnames=("policy",))
 def _replay_scan(cache, ids, bandwidths, policy):
   layers = jnp.arange(ids.shape[1])
 
@@ -232,6 +231,25 @@ def replay_many(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
     z = np.zeros((0, layers), np.int64)
     return [ReplayResult(str(policy), cache_slots, z, z, z) for _ in bandwidths]
   ids = jnp.asarray(trace.ids)
+  # Each call jits its own scan (a new function object): JAX keeps a program as long as the
+  # function it compiled lives, and XLA:CPU maps each program's code, so module-level jits
+  # would keep every (policy, size, prefetch) program of a long sweep until the process hits
+  # vm.max_map_count and LLVM fails (issue 50's crash, here in replay). The bandwidth pairs of
+  # one call share its compile; the programs go when the call returns.
+  replay_scan = jax.jit(partial(_replay_scan), static_argnames=("policy",))
+  prefetch_scan = jax.jit(partial(_prefetch_scan),
+                          static_argnames=("policy", "predictor", "width", "cost"))
+  try:
+    return _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slots,
+                       replay_scan, prefetch_scan)
+  finally:
+    del replay_scan, prefetch_scan
+    return_free_heap()
+
+
+def _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slots,
+                replay_scan, prefetch_scan) -> list[ReplayResult]:
+  layers = trace.num_layers
   results = []
   if prefetch is not None:
     if prefetch.budget == "link" and cost is None:
@@ -245,7 +263,7 @@ def replay_many(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
         if prefetch.predictor == "cooccurrence" else _candidates(trace, prefetch.predictor,
                                                                  width))
     for pair in bandwidths:
-      out = _prefetch_scan(cache, ids, candidates, jnp.asarray(pair, jnp.float32),
+      out = prefetch_scan(cache, ids, candidates, jnp.asarray(pair, jnp.float32),
                            jnp.asarray(budget, jnp.int32),
                            jnp.asarray(prefetch.decay, jnp.float32), policy.program(),
                            prefetch.predictor, width,
@@ -255,7 +273,7 @@ def replay_many(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
                                   count, used, wasted))
     return results
   for pair in bandwidths:
-    hits, fills, host = _replay_scan(cache, ids, jnp.asarray(pair, jnp.float32),
+    hits, fills, host = replay_scan(cache, ids, jnp.asarray(pair, jnp.float32),
                                      policy.program())
     results.append(ReplayResult(str(policy), cache_slots, np.asarray(hits, np.int64),
                                 np.asarray(fills, np.int64), np.asarray(host, np.int64)))

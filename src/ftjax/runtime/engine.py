@@ -205,7 +205,7 @@ class Engine:
         offload=dataclasses.replace(self.placement.offload,
                                     host_gflops=self._host_gflops() or 0.0),
         stream_min_tokens=stream_min, prefill_stream=self._prefill_stream(stream_min),
-        kv_dtype=self.kv_dtype, variant=expert_variant(c))
+        kv_dtype=self.kv_dtype, variant=expert_variant(c), prefetch=opts.prefetch)
     # Device state (KV caches, recurrent states) by owner, and the budget it shares with the
     # expert cache (ftjax.runtime.budget); the engine listens and resizes the cache.
     self.memory = MemoryBudget(opts.device_budget_bytes)
@@ -486,7 +486,8 @@ class Engine:
     if cache is None:
       return {"cache": None, "compiles": self.compile_count}
     layers = self.model.config.num_moe_layers
-    total = {k: np.zeros(layers, np.int64) for k in ("hits", "fills", "host")}
+    total = {k: np.zeros(layers, np.int64) for k in ("hits", "fills", "host", "prefetched",
+                                                       "prefetch_used", "prefetch_wasted")}
     host_run = np.zeros(layers, np.int64)  # host misses that ran on the host (not streamed)
     streamed = np.zeros(layers, np.int64)  # layer-steps that streamed their whole layer
     for step in steps:
@@ -494,9 +495,11 @@ class Engine:
         total[k] += step[k]
       host_run += np.where(step["streamed"], 0, step["host"])
       streamed += step["streamed"]
+    prefetch = {k: total.pop(k) for k in ("prefetched", "prefetch_used", "prefetch_wasted")}
     misses = total["fills"] + total["host"]
     selected = total["hits"] + misses
     eb = self.model.expert_bytes
+    prefetched = int(prefetch["prefetched"].sum())
     return {
         "policy": str(self.policy), "slots": int(cache.limit),
         "capacity": cache.capacity, "slot_bytes": self.slot_bytes,
@@ -511,6 +514,15 @@ class Engine:
                   "device": int((total["hits"] + total["fills"]).sum() * eb),
                   "stream": int(streamed.sum() * self.model.config.num_experts * eb)},
         "streamed_layer_steps": int(streamed.sum()),
+        # Router-ahead prefetch (``prefetch=``): experts prefetched, those a step used (a hit
+        # on their slot, counted in "hits"), those evicted unused; the share used.
+        "prefetch": {"experts": self.options.prefetch, "prefetched": prefetched,
+                     "used": int(prefetch["prefetch_used"].sum()),
+                     "wasted": int(prefetch["prefetch_wasted"].sum()),
+                     "used_share": (float(prefetch["prefetch_used"].sum() / prefetched)
+                                    if prefetched else None),
+                     "bytes": prefetched * eb,
+                     "per_layer": {k: v.tolist() for k, v in prefetch.items()}},
         "calibration": self.calibration(),
         "compiles": self.compile_count,
     }

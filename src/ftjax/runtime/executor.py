@@ -227,7 +227,9 @@ class Executor:
     self.cache = initial_cache  # the expert cache as of the last program (None: none)
     self.steps: list[dict[str, Any]] = []  # per step: cache counts and seconds
     self.routing: list[tuple[np.ndarray, np.ndarray, str]] = []  # ids, weights [L, t, K]
-    self.totals = {"hits": 0, "fills": 0, "host": 0}  # over the engine's life
+    # Over the engine's life; the prefetch counts stay 0 without router-ahead prefetch.
+    self.totals = {"hits": 0, "fills": 0, "host": 0, "prefetched": 0, "prefetch_used": 0,
+                   "prefetch_wasted": 0}
     self.compile_count = 0  # programs added to the table: compiled, or loaded from the store
     self.compile_s = 0.0
     self.loaded_count = 0  # of compile_count, those loaded untraced (``compile_cache``)
@@ -573,7 +575,9 @@ class Executor:
           self.totals[key] += int(np.sum(getattr(stats, key)))
         self.steps.append({"tokens": tokens, "hits": stats.hits, "fills": stats.fills,
                            "host": stats.host, "streamed": stats.streamed,
-                           "host_routes": stats.host_routes, "seconds": seconds})
+                           "host_routes": stats.host_routes, "prefetched": stats.prefetched,
+                           "prefetch_used": stats.prefetch_used,
+                           "prefetch_wasted": stats.prefetch_wasted, "seconds": seconds})
       if routing is not None:
         self.routing.append((routing.ids[:, :tokens], routing.weights[:, :tokens], phase))
       return None
@@ -585,6 +589,9 @@ class Executor:
         self.steps.append({"tokens": int(stepped[i].sum()), "hits": stats.hits[i],
                            "fills": stats.fills[i], "host": stats.host[i],
                            "streamed": stats.streamed[i], "host_routes": stats.host_routes[i],
+                           "prefetched": stats.prefetched[i],
+                           "prefetch_used": stats.prefetch_used[i],
+                           "prefetch_wasted": stats.prefetch_wasted[i],
                            "seconds": seconds / n})
       if routing is not None:
         rows = np.flatnonzero(stepped[i])

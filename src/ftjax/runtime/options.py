@@ -46,6 +46,13 @@ class RuntimeOptions:
     host when the split measures over 1.1x the best of the three (``ftjax.runtime.
     calibration``): "on", "off", or "auto" (on with a ``profile``, whose numbers were measured
     apart from serving; off with ``bandwidths`` given, which a sweep sets on purpose).
+  prefetch: router-ahead prefetch in decode (one token per sequence a step, batches too): at
+    most this many experts per MoE layer-step, named by the layer's router applied to the
+    residual entering it, before its mixer, are filled into the cache ahead of the layer's
+    plan (``ftjax.cache.moe.CachedExperts.ahead``; the policy's victims); 0 (default) none.
+    Outputs are unchanged; ``engine.stats()["prefetch"]`` and ``/metrics`` count the
+    prefetched experts, those a step used and those evicted unused. On a GPU the copies can
+    overlap the mixer; on the CPU backend they are work of the same cores.
   hot_experts: routing counts [L, E] choosing the pinned set of ``static_hot``.
   cache_capacity: a fixed slot-buffer size (default: the power-of-two bucket of the slot
     count). Sizes up to it then share one compiled step: sweeps over cache sizes compile once.
@@ -116,6 +123,7 @@ class RuntimeOptions:
   bandwidths: tuple[float, float] | None = None
   profile: str | None = None
   calibrate_split: str = "auto"
+  prefetch: int = 0
   hot_experts: Any = None
   cache_capacity: int | None = None
   record_routing: bool = False
@@ -132,6 +140,9 @@ class RuntimeOptions:
   kernel_tuning: str = "auto"
 
   def __post_init__(self):
+    if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+      raise ValueError(f"prefetch must be an int >= 0 (experts prefetched per layer-step by "
+                       f"router-ahead; 0: none), got {self.prefetch!r}")
     if self.calibrate_split not in CALIBRATE_SPLIT:
       raise ValueError(f"calibrate_split must be one of {CALIBRATE_SPLIT}, got "
                        f"{self.calibrate_split!r}")
@@ -179,6 +190,12 @@ class RuntimeOptions:
         raise ValueError(f"{key} must be {'in [0, 1]' if key == 'cache_fraction' else '>= 0'}, "
                          f"got {value}")
     get_policy(self.policy)  # validates the name
+    if self.prefetch and not self.caching:
+      raise ValueError("prefetch= fills the expert cache ahead of each layer: give a cache "
+                       "size (cache_slots, cache_fraction, cache_bytes or device_budget_bytes)")
+    if self.prefetch and self.devices is not None and self.devices > 1:
+      raise ValueError("prefetch= is not built for expert-parallel slots (devices > 1): "
+                       "leave one of them out")
     if self.bandwidths is not None and self.profile is not None:
       raise ValueError("give bandwidths or profile, not both")
     if self.bandwidths is not None:

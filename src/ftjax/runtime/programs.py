@@ -106,6 +106,9 @@ class Runner:
   # The decoder's layers, which a forward visits in order (0: all num_layers); the MTP head's
   # after them are not fetched ahead by a streamed prefill.
   pass_layers: int = 0
+  # Router-ahead prefetch in one-token-per-row forwards (decode steps, batches, verifies of
+  # one token): at most this many experts per MoE layer-step (0: none); ``CachedExperts``.
+  prefetch: int = 0
 
   # -- Tracing ---------------------------------------------------------------------------------
 
@@ -167,7 +170,8 @@ class Runner:
                               stats=StepStats.zeros(self.num_layers), ffn_dim=self.ffn_dim,
                               policy=self.policy, kernels=self.kernels, offload=offload,
                               variant=self.variant,
-                              pass_layers=self.pass_layers or self.num_layers)
+                              pass_layers=self.pass_layers or self.num_layers,
+                              prefetch=self.prefetch if token_shape[1] == 1 else 0)
     if self.record_routing:
       experts = RecordingExperts(experts, RoutingRecord.empty(
           self.num_layers, token_shape[0] * token_shape[1], self.top_k))

@@ -51,3 +51,10 @@ class RecordingExperts:
     routing = self.routing.record(layer, ids, weights)
     inner, y = self.inner(x, weights, ids, layer)
     return RecordingExperts(inner=inner, routing=routing), y
+
+  @property
+  def prefetches(self) -> bool:
+    return getattr(self.inner, "prefetches", False)
+
+  def ahead(self, ids, layer: int) -> "RecordingExperts":
+    return RecordingExperts(inner=self.inner.ahead(ids, layer), routing=self.routing)

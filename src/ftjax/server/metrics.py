@@ -32,7 +32,11 @@ class EngineTotals(Collector):
     totals = self.engine.cache_totals()
     for key, help_ in (("hits", "routed experts found in the expert cache"),
                        ("fills", "routed experts copied into the expert cache"),
-                       ("host", "routed experts run in place on the host")):
+                       ("host", "routed experts run in place on the host"),
+                       ("prefetched", "experts router-ahead prefetched into the expert cache "
+                        "(--prefetch)"),
+                       ("prefetch_used", "prefetched experts a step used (counted in hits)"),
+                       ("prefetch_wasted", "prefetched experts evicted before any use")):
       family = CounterMetricFamily(f"ftjax_expert_cache_{key}", help_)
       family.add_metric([], totals[key])
       yield family
