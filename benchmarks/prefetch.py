@@ -40,7 +40,6 @@ import os
 import sys
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +49,7 @@ from router_ahead import _router_ids, heldout_tokens, record  # noqa: E402
 import ftjax  # noqa: E402
 from ftjax.research import synthetic  # noqa: E402
 from ftjax.research.cost import HardwareProfile, ModelShape  # noqa: E402
-from ftjax.research.replay import Prefetch  # noqa: E402
+from ftjax.research.replay import Prefetch, replay  # noqa: E402
 from ftjax.research.sweep import sweep, trace_shape  # noqa: E402
 from ftjax.research.traces import Trace  # noqa: E402
 
@@ -159,8 +158,16 @@ def main() -> None:
       entry["tok_s"] = {
           hw: {p: {cfg: miss(key, p if cfg == "none" else f"{p}+{cfg}", AT, hw).modeled_tok_s
                    for cfg in ("none", "trace")} for p in POLICIES} for hw in HARDWARE}
+    # Each predictor's recall per layer (the share of a layer-step's experts it named before
+    # the step), from one replay at 37% (the predictors do not depend on the cache).
+    slots = int(round(AT * trace.num_layers * trace.num_experts))
+    entry["recall_per_layer"] = {
+        name: replay(trace, "class_lru_fill", slots, prefetch=Prefetch(name, k)).recall(
+            trace).tolist() for name in ("trace", "cooccurrence", "last_token")}
     summary[key] = entry
     drops = {p: entry["policies"][p][f"trace@{k}"] for p in POLICIES}
+    print(f"  {key}: recall (mean over layers) " + ", ".join(
+        f"{n} {np.mean(v):.3f}" for n, v in entry["recall_per_layer"].items()))
     print(f"  {key} at {AT:.0%}: " + ", ".join(
         f"{p} {entry['policies'][p]['none']:.3f}->{drops[p]:.3f}" for p in POLICIES) +
         f"; Belady {entry['belady']:.3f}")

@@ -1,15 +1,20 @@
 """Router-ahead prefetch in the engine: the dense reference's logits and greedy tokens with
-prefetch on, for two policies (a q* and a fill-all rule) and cache sizes, at batch 1 and 3, on an attention and a
-hybrid family, across a resize; the counts (prefetched, used, wasted) agree with each other
+prefetch on, for two policies (a q* and a fill-all rule) and cache sizes, at batch 1 and 3,
+on an attention and a hybrid family, across a resize, and in the decode loop while the
+calibrated split probes its strategies; the counts (prefetched, used, wasted) agree with each other
 and with the cache, and prefetch lowers the misses of a trained model's real routing."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from prometheus_client import CollectorRegistry, generate_latest
+
 import ftjax
 from ftjax.cache.state import check_invariants
 from ftjax.runtime import model as model_lib
+from ftjax.runtime.calibration import SplitCalibrator
+from ftjax.server.metrics import EngineTotals
 
 import tolerances
 from conftest import greedy_run, scaled_params
@@ -77,6 +82,29 @@ def test_prefetch_across_a_resize(family_model, references):
                                 jnp.full((3, 1), PROMPT + i, jnp.int32), last_only=True)
     np.testing.assert_allclose(np.asarray(logits[:, -1]), ref_logits[i + 1], rtol=0,
                                atol=tolerances.F32 * max(1.0, np.abs(ref_logits).max()))
+
+
+def test_prefetch_with_the_calibrated_split_in_the_decode_loop(family_model):
+  """The decode programs (generate) with prefetch while the q* split's guard probes every
+  strategy (pure fill, pure host, the split) chunk after chunk: the dense path's tokens, and
+  the counts reach the server's /metrics."""
+  c = family_model.config
+  prompt = np.random.default_rng(1).integers(0, c.vocab_size, 6)
+  ref = ftjax.Engine(family_model, kernels="xla").generate(prompt, 20)
+  engine = ftjax.Engine(family_model, kernels="xla",
+                        cache_slots=c.num_layers * c.num_experts // 3, policy="freetoken", bandwidths=(12.0, 24.0), calibrate_split="on",
+                        decode_chunk=2, prefetch=2)
+  engine.executor.calibrator = SplitCalibrator((12.0, 24.0), family_model.expert_bytes,
+                                               probe_every=2, margin=1.0)
+  assert engine.generate(prompt, 20) == ref
+  assert engine.stats()["calibration"]["probes"] >= 2
+  totals = engine.cache_totals()
+  assert totals["prefetched"] > 0 and totals["prefetch_used"] <= totals["prefetched"]
+  registry = CollectorRegistry()
+  registry.register(EngineTotals(engine))
+  text = generate_latest(registry).decode()
+  for key in ("prefetched", "prefetch_used", "prefetch_wasted"):
+    assert f"ftjax_expert_cache_{key}_total {float(totals[key])}" in text
 
 
 def test_prefetch_lowers_the_misses_of_real_routing():

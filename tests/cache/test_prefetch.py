@@ -99,6 +99,8 @@ def test_a_perfect_predictor_leaves_only_the_first_layer_steps_misses(policy):
   assert result.prefetched.sum() == base.hits.size * 2 - 2 - (result.hits.sum() -
                                                                 result.prefetch_used.sum())
   assert result.prefetch_use_share == 1.0 and result.prefetch_wasted.sum() == 0
+  recall = result.recall(trace)  # every layer-step named, but the very first
+  assert recall[1:].tolist() == [1.0, 1.0] and recall[0] == pytest.approx(39 / 40)
 
 
 def test_cooccurrence_learns_a_cross_layer_map_from_the_ids():
@@ -114,6 +116,7 @@ def test_cooccurrence_learns_a_cross_layer_map_from_the_ids():
   assert base.misses[late, 1:].mean() > 1.0  # 16 slots hold ~2 tokens: most routes miss
   # Nearly all: a pair of layer-0 experts that came together often can tie a true successor.
   assert result.misses[late, 1:].sum() <= 0.01 * result.misses[late, 1:].size * 2
+  assert result.recall(trace)[1:].min() > 0.9 and result.recall(trace)[0] < 0.2
   # Prefetches for layers 1-3 are used; those for the next token's random layer 0 mostly not.
   assert (result.prefetch_used[late, 1:].sum() / result.prefetched[late, :-1].sum()) > 0.95
 

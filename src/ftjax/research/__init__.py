@@ -2,7 +2,8 @@
 
 * ``traces``: routing traces (``Trace``: ids and weights ``[steps, L, K]``), saved as ``.npz``;
   ``Trace.from_engine(engine)`` captures an engine's routing record.
-* ``replay``: a trace through the engine's own plan function under ``lax.scan``, and Belady's
+* ``replay``: a trace through the engine's own plan function under ``lax.scan`` (with a
+  ``Prefetch``: the engine's prefetch after each layer-step, from a predictor), and Belady's
   offline bound.
 * ``routing_stats``: overlap, popularity and LRU statistics of a trace.
 * ``synthetic``: a routing generator calibrated to Qwen3-30B-A3B and Mixtral-8x7B.

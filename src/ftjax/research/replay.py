@@ -8,9 +8,11 @@ counts are those the engine would produce for the same routing, one token per st
 With ``prefetch=Prefetch(...)`` each layer-step is followed by a prefetch for the next one
 (``ftjax.cache.policy.prefetch``, the engine's function) of the experts a predictor names:
 by default as many as the link's idle time in the step holds under the cost model
-(``budget="link"``: copies that leave the step's modeled time unchanged), or up to an int
-``budget`` minus the step's own fills. A prefetched expert the next step routes is a hit (it arrived before
-use); ``prefetched`` / ``prefetch_used`` / ``prefetch_wasted`` count them. Predictors:
+(``budget="link"``: the copies of S bytes at B_P that fit in the step's modeled time after
+its own fills, ``ftjax.research.cost.prefetch_room``), or up to an int ``budget`` minus the
+step's own fills. A prefetched expert the next step routes is a hit (it arrived before use);
+``prefetched`` / ``prefetch_used`` / ``prefetch_wasted`` count them, and ``predicted_named``
+what the predictor named of each step's experts (``recall``). Predictors:
 
 * ``trace``: the trace's own ``predicted`` ids (recorded by whoever made the trace, e.g.
   router-ahead: the next layer's router applied to an earlier hidden state);
@@ -54,6 +56,17 @@ class ReplayResult:
   prefetched: np.ndarray | None = None  # [S, L] experts prefetched after the layer-step
   prefetch_used: np.ndarray | None = None  # [S, L] hits on prefetched slots (first use)
   prefetch_wasted: np.ndarray | None = None  # [S, L] prefetched slots evicted unused
+  # [S, L] of the layer-step's distinct routed experts, how many the predictor named for it
+  # (its candidates, cached or not): recall = predicted_named / distinct routed
+  predicted_named: np.ndarray | None = None
+
+  def recall(self, trace: Trace) -> np.ndarray | None:
+    """The predictor's recall per layer: the share of the routed experts (distinct per
+    layer-step) that it named before the step; None without prefetch."""
+    if self.predicted_named is None:
+      return None
+    routed = self.hits + self.fills + self.host_runs
+    return self.predicted_named.sum(0) / np.maximum(routed.sum(0), 1)
 
   @property
   def prefetch_use_share(self) -> float | None:
@@ -96,8 +109,7 @@ class Prefetch:
   ``width`` candidates (default: the trace's top_k) for each next layer-step; ``budget`` is
   the fills the link makes per layer-step, the step's own fills first (an int; None: the
   trace's top_k), or ``"link"``: as many as the link's idle time in the step holds, from the
-  cost model (``ftjax.research.cost.prefetch_room``: copies that leave the step's modeled time
-  unchanged; none on a CPU profile), which needs ``replay(..., cost=(hardware, shape))``;
+  cost model (``ftjax.research.cost.prefetch_room``; none on a CPU profile), which needs ``replay(..., cost=(hardware, shape))``;
   ``decay`` is the cooccurrence counts' factor per token step (default: a half-life
   of 128 tokens). ``Prefetch.parse("trace@8")`` reads the CLI's form PREDICTOR[@BUDGET]."""
   predictor: str
@@ -159,10 +171,12 @@ def _prefetch_scan(cache, ids, candidates, bandwidths, budget, decay, policy, pr
 
   def step(carry, inputs):
     def layer(carry, inputs):
-      cache, counts, prev_selected = carry
+      cache, counts, prev_selected, named_before = carry
       index, layer_ids, cand = inputs
       cache, p = plan(cache, index, layer_ids[None], bandwidths, policy, skip_idle=True)
       selected = jnp.any(layer_ids.reshape(-1, 1) == expert_range, axis=0)
+      # How many of this step's experts the candidates made before it named.
+      named = jnp.sum(selected & named_before, dtype=jnp.int32)
       if learned:  # count the pair (previous layer-step, this one), then predict the next
         prev = (index - 1) % num_layers
         counts = counts.at[prev].set(counts[prev] * decay + (
@@ -173,11 +187,13 @@ def _prefetch_scan(cache, ids, candidates, bandwidths, budget, decay, policy, pr
       room = (jnp.maximum(budget - p.fills, 0) if cost is None else
               prefetch_room(*cost, p.hits, p.fills, p.host, width))
       cache, pp = prefetch(cache, (index + 1) % num_layers, cand, room, policy)
-      return (cache, counts, selected), (p.hits, p.fills, p.host, pp.count, p.prefetch_used,
-                                         p.prefetch_wasted + pp.wasted)
+      named_next = jnp.any(cand.reshape(-1, 1) == expert_range, axis=0)
+      return (cache, counts, selected, named_next), (
+          p.hits, p.fills, p.host, pp.count, p.prefetch_used, p.prefetch_wasted + pp.wasted,
+          named)
     return jax.lax.scan(layer, carry, (layers,) + inputs)
 
-  carry = (cache, counts, jnp.zeros((num_experts,), bool))
+  carry = (cache, counts, jnp.zeros((num_experts,), bool), jnp.zeros((num_experts,), bool))
   return jax.lax.scan(step, carry, (ids, candidates))[1]
 
 
@@ -268,9 +284,9 @@ def _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slo
                            jnp.asarray(prefetch.decay, jnp.float32), policy.program(),
                            prefetch.predictor, width,
                            tuple(cost) if prefetch.budget == "link" else None)
-      hits, fills, host, count, used, wasted = (np.asarray(a, np.int64) for a in out)
+      hits, fills, host, count, used, wasted, named = (np.asarray(a, np.int64) for a in out)
       results.append(ReplayResult(f"{policy}+{prefetch}", cache_slots, hits, fills, host,
-                                  count, used, wasted))
+                                  count, used, wasted, named))
     return results
   for pair in bandwidths:
     hits, fills, host = replay_scan(cache, ids, jnp.asarray(pair, jnp.float32),

@@ -50,8 +50,8 @@ from ftjax.research.replay import (Prefetch, ReplayResult, belady_misses, expert
 from ftjax.research.traces import Trace
 from ftjax.utils.progress import Progress
 
-__all__ = ["Prefetch", "ReplayResult", "belady_misses", "expert_counts", "replay", "sweep", "SweepRow",
-           "load_traces", "load_traces_and_profiles", "split_warmup", "load_hardware",
+__all__ = ["Prefetch", "ReplayResult", "belady_misses", "expert_counts", "replay", "sweep",
+           "SweepRow", "load_traces", "load_traces_and_profiles", "split_warmup", "load_hardware",
            "write_csv", "plot"]
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.37, 0.5, 0.6, 0.7, 0.85, 1.0)
@@ -81,12 +81,13 @@ class SweepRow:
   modeled_tok_s: float = float("nan")
   prefetches_per_step: float = float("nan")  # with prefetch: experts prefetched (copies)
   prefetch_use_share: float = float("nan")  # of them, the share a step used
+  prefetch_recall: float = float("nan")  # the predictor's: routed experts it named, share
 
   CSV_FIELDS = ("trace", "policy", "hardware", "cache_fraction", "cache_slots", "miss_rate",
                 "decode_steps", "hits_per_step", "fills_per_step", "host_runs_per_step",
                 "fill_gb_per_step", "device_gb_per_step", "host_gb_per_step",
                 "modeled_ms_per_token", "modeled_tok_s", "prefetches_per_step",
-                "prefetch_use_share")
+                "prefetch_use_share", "prefetch_recall")
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -245,6 +246,8 @@ def _row(name, policy, hw_name, fraction, result: ReplayResult, trace, shape, hw
   if prefetched is not None:
     row.prefetch_use_share = result.prefetch_use_share
     row.prefetches_per_step = float(prefetched.sum(1).mean()) if len(prefetched) else 0.0
+    routed = result.hits + result.fills + result.host_runs
+    row.prefetch_recall = float(result.predicted_named.sum() / max(routed.sum(), 1))
   if hw is not None and len(hits):
     s = shape.expert_bytes / 1e9
     row.hits_per_step = float(hits.sum(1).mean())
