@@ -21,14 +21,15 @@ Prefetch configurations per policy: none; ``cooccurrence@K`` (online, ids only);
 fills first (``ftjax.research.replay.Prefetch``). The synthetic traces also run
 ``trace`` with the ``link`` budget: only the copies that fit in the link's idle time of each
 layer-step under the cost model (``ftjax.research.cost.prefetch_room``), with the modeled
-tok/s charging the copies (link time and host-memory contention), under the RTX 5090 server
-and H200 host profiles.
+tok/s charging every prefetch (link time and host-memory contention), under the RTX 5090
+server and H200 host profiles, with bf16 experts (the shapes' own) and again with MXFP4
+experts (a quarter of the bytes: ``... (mxfp4 experts)`` rows, link budget only).
 
 Goals (issue 52): prefetch cuts misses at 37% of the experts by >= 25% against the same
 policy without it; the best online policy beats class-LRU by >= 10% fewer misses on every
 trace.
 
-  /work/venv/bin/python benchmarks/prefetch.py        # ~25 min on 2 cores
+  /work/venv/bin/python benchmarks/prefetch.py        # ~20 min on 2 cores
 
 Writes ``results/prefetch.json`` and ``results/prefetch.png``.
 """
@@ -36,6 +37,7 @@ Writes ``results/prefetch.json`` and ``results/prefetch.png``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -94,7 +96,7 @@ def recall(trace: Trace) -> float:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tokens", type=int, default=2048, help="held-out tokens per embedded model")
-  p.add_argument("--synthetic_steps", type=int, default=500)
+  p.add_argument("--synthetic_steps", type=int, default=400)
   p.add_argument("--recall", type=float, default=0.71,
                  help="the modelled router-ahead's recall on the synthetic traces")
   p.add_argument("--out", default=None)
@@ -126,6 +128,11 @@ def main() -> None:
           f"{trace.num_experts}; prediction recall {recall(trace):.3f}", flush=True)
     rows += sweep({key: trace}, POLICIES, FRACTIONS, hardware, {key: shapes[key]},
                   prefetch=prefetch, progress=True)
+    if key.startswith("synthetic-"):
+      quarter = f"{key} (mxfp4 experts)"
+      shapes[quarter] = dataclasses.replace(shapes[key], expert_format="mxfp4")
+      rows += sweep({quarter: trace}, POLICIES, (AT,), hardware, {quarter: shapes[quarter]},
+                    prefetch=[Prefetch("trace", "link")], belady=False, progress=True)
   elapsed = time.time() - start
 
   def miss(trace, policy, fraction, hw=HARDWARE[0]):
@@ -155,9 +162,19 @@ def main() -> None:
     entry["best_with_prediction"] = best
     entry["best_vs_class_lru_without_prefetch"] = 1.0 - best / class_lru
     if key.startswith("synthetic-"):
-      entry["tok_s"] = {
-          hw: {p: {cfg: miss(key, p if cfg == "none" else f"{p}+{cfg}", AT, hw).modeled_tok_s
-                   for cfg in ("none", "trace")} for p in POLICIES} for hw in HARDWARE}
+      # Modeled tok/s at 37% with every prefetch charged: none, the int budget (top_k a
+      # layer-step), the link's idle time; and with MXFP4 experts, none and the link budget.
+      quarter = f"{key} (mxfp4 experts)"
+      entry["tok_s"] = {hw: {p: {
+          "none": miss(key, p, AT, hw).modeled_tok_s,
+          f"trace@{k}": miss(key, f"{p}+trace@{k}", AT, hw).modeled_tok_s,
+          "trace (link)": miss(key, f"{p}+trace", AT, hw).modeled_tok_s,
+          "mxfp4 none": miss(quarter, p, AT, hw).modeled_tok_s,
+          "mxfp4 trace (link)": miss(quarter, f"{p}+trace", AT, hw).modeled_tok_s,
+          "mxfp4 link prefetches per step": miss(quarter, f"{p}+trace", AT,
+                                                 hw).prefetches_per_step,
+          "mxfp4 link miss rate": miss(quarter, f"{p}+trace", AT, hw).miss_rate,
+      } for p in POLICIES} for hw in HARDWARE}
     # Each predictor's recall per layer (the share of a layer-step's experts it named before
     # the step), from one replay at 37% (the predictors do not depend on the cache).
     slots = int(round(AT * trace.num_layers * trace.num_experts))

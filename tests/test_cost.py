@@ -431,10 +431,19 @@ def test_mxfp4_expert_bytes_count_codes_scales_and_biases():
 
 
 def test_prefetches_share_the_link_and_host_memory():
-  # (2 hits, 1 fill, 1 host) + 2 prefetches: link = 0.3 ms + 2 · 0.3 ms = 0.9 ms, which the
-  # device term now waits for; host: 3e6 bytes at B_res = 10 GB/s during the link: 0.3 ms;
-  # max = 0.9 ms + 1.5 ms = 2.4 ms. Without overlap the copies add: 2.04 + 0.6 = 2.64 ms.
-  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 2, 1, 1, prefetches=2), 2.4e-3,
+  # (2 hits, 1 fill, 1 host) lasts 1.83 ms. + 2 prefetches: link = 0.3 + 2 · 0.3 = 0.9 ms,
+  # within the step; host: 3e6 bytes at B_res = 10 GB/s during the link, 0.3 ms, as before:
+  # 1.83 ms. + 6 prefetches: link = 2.1 ms, longer than the step: 2.1 ms. Without overlap
+  # the copies add: 2.04 + 0.6 = 2.64 ms.
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 2, 1, 1, prefetches=2), 1.83e-3,
+                             rtol=tolerances.F64)
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 2, 1, 1, prefetches=6), 2.1e-3,
+                             rtol=tolerances.F64)
+  # 4 host experts (12 MB, 0.6 ms at B_H alone) share host memory with 3 copies (0.9 ms): 9 MB
+  # at B_res = 10 GB/s during them, the last 3 MB at B_H: 1.05 ms; + 1.5 ms = 2.55 ms.
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 1, 0, 4), 2.1e-3,
+                             rtol=tolerances.F64)
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 1, 0, 4, prefetches=3), 2.55e-3,
                              rtol=tolerances.F64)
   serial = dataclasses.replace(HW, paths_overlap=False)
   np.testing.assert_allclose(cost.layer_step_time(serial, SHAPE, 2, 1, 1, prefetches=2),
@@ -445,8 +454,11 @@ def test_prefetches_share_the_link_and_host_memory():
 
 def test_prefetch_room_is_the_links_idle_time():
   # (2 hits, 1 fill, 1 host) lasts 1.83 ms, its fill holds the link 0.3 ms: 1.53 ms idle =
-  # 5 copies of 0.3 ms (capped by ``most``); a CPU profile has none.
+  # 5 copies of 0.3 ms (capped by ``most``), which leave the step as long as it was; a CPU
+  # profile has none.
   assert int(cost.prefetch_room(HW, SHAPE, 2, 1, 1, 8)) == 5
+  np.testing.assert_allclose(cost.layer_step_time(HW, SHAPE, 2, 1, 1, prefetches=5), 1.83e-3,
+                             rtol=tolerances.F64)
   assert int(cost.prefetch_room(HW, SHAPE, 2, 1, 1, 3)) == 3
   assert int(cost.prefetch_room(dataclasses.replace(HW, paths_overlap=False), SHAPE, 2, 1, 1,
                                 8)) == 0

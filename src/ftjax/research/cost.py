@@ -415,9 +415,10 @@ def layer_step_time(hw: HardwareProfile, shape: ModelShape, hits, fills, host_ru
 
   ``prefetches`` (same shape, optional): experts the layer-step prefetched for the next one
   (``ftjax.research.replay.Prefetch``). Their copies follow the step's own fills on the link
-  and must land within the step: link = dma + prefetches·S/B_P joins the device term's max
-  and is the time the host kernel shares memory with the DMA. A prefetch is charged where it
-  is made; the step that uses it counts a hit.
+  and must land within the step, whose dense part they may overlap: with link = dma +
+  prefetches·S/B_P the step takes max(the time above, link), and the host kernel shares
+  memory with the DMA for all of link. A prefetch is charged where it is made; the step that
+  uses it counts a hit.
 
   When ``hw.paths_overlap`` is false (a CPU-only machine, one set of cores for both paths)
   the paths run one after the other and do not contend:
@@ -438,13 +439,14 @@ def _layer_seconds(xp, hw: HardwareProfile, shape: ModelShape, hits, fills, host
   dma = fills * s / b_p
   link = dma + prefetches * s / b_p
   compute = (hits + fills) * s / device_bw
-  if hw.paths_overlap:
-    device = xp.maximum(xp.maximum(compute, dma + (fills > 0) * (s / device_bw)), link)
-    host = host_read_time(host_runs * s, link, b_p, b_h)
-    experts = xp.maximum(device, host)
-  else:
-    experts = link + compute + host_runs * s / b_h
-  return experts + shape.dense_bytes_per_layer / device_bw + hw.layer_overhead_s
+  rest = shape.dense_bytes_per_layer / device_bw + hw.layer_overhead_s
+  if not hw.paths_overlap:
+    return link + compute + host_runs * s / b_h + rest
+  device = xp.maximum(compute, dma + (fills > 0) * (s / device_bw))
+  host = host_read_time(host_runs * s, link, b_p, b_h)
+  # A prefetch's copies follow the step's own fills and may run through the whole step
+  # (its dense part too), not only under its experts.
+  return xp.maximum(xp.maximum(device, host) + rest, link)
 
 
 def prefetch_room(hw: HardwareProfile, shape: ModelShape, hits, fills, host_runs,
