@@ -24,7 +24,7 @@ from ftjax import cli_flags
 from ftjax.assets import EMBEDDED_MODELS
 from ftjax.kernels import KernelsUnavailable
 from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES
-from ftjax.server.app import ServerConfig, bind, create_app
+from ftjax.server.app import DrainingServer, ServerConfig, bind, create_app
 from ftjax.server.auth import ENV_ADMIN_KEY, ENV_KEY, ApiKeys, exposure_warning, gather_keys
 from ftjax.server.reply_formats import FORMATS
 
@@ -82,8 +82,11 @@ def main(argv):
     print("ftjax.serve: preparing the programs a request can run before serving (loaded from "
           "the executable store, or compiled); GET /health answers 503 until they are done",
           flush=True)
-  server = uvicorn.Server(uvicorn.Config(application, log_level=_FLAGS["log_level"].value,
-                                         timeout_graceful_shutdown=5))
+  # SIGTERM / SIGINT: no new request (503), the running ones finish within --shutdown_grace
+  # seconds, then exit 0 (DrainingServer); a second signal exits at once.
+  server = DrainingServer(uvicorn.Config(application, log_level=_FLAGS["log_level"].value,
+                                         timeout_graceful_shutdown=5), application,
+                          grace_s=_FLAGS["shutdown_grace"].value)
   try:
     server.run(sockets=[sock])
   finally:
@@ -105,6 +108,10 @@ def cli() -> None:
       "served_model_name": flags.DEFINE_string(
           "served_model_name", None, "the model id clients send (default: the embedded "
           "model's name or the model directory's base name)"),
+      "shutdown_grace": flags.DEFINE_float(
+          "shutdown_grace", 30.0, "on SIGTERM or SIGINT: seconds the running and waiting "
+          "requests may take to finish while new ones get 503 with Retry-After; then the "
+          "server exits 0 (a second signal: at once)", lower_bound=0.0),
       "max_queue": flags.DEFINE_integer(
           "max_queue", d.max_queue, "requests that may wait behind the running ones; more "
           "get 429 with Retry-After", lower_bound=1),

@@ -4,9 +4,9 @@
 it in a thread. See ``ftjax.server.app`` for how requests become engine work.
 """
 
-from ftjax.server.app import BackgroundServer, ServerConfig, create_app
+from ftjax.server.app import BackgroundServer, DrainingServer, ServerConfig, create_app
 from ftjax.server.outputs import ReplyParser, StopMatcher
 from ftjax.server.pool import SessionPool
 
-__all__ = ["BackgroundServer", "ReplyParser", "ServerConfig", "SessionPool", "StopMatcher",
+__all__ = ["BackgroundServer", "DrainingServer", "ReplyParser", "ServerConfig", "SessionPool", "StopMatcher",
            "create_app"]

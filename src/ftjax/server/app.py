@@ -17,7 +17,9 @@ import asyncio
 import contextlib
 import logging
 import random
+import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any, AsyncIterator, Callable
@@ -391,11 +393,12 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
   async def health():
     w = server.worker
     startup = dict(w.startup)
-    body = {"status": "ok" if startup["done"] else "starting", "model": config.model_name,
+    status = "shutting down" if w.draining else "ok" if startup["done"] else "starting"
+    body = {"status": status, "model": config.model_name,
             "waiting": w.waiting, "running": w.running, "startup": startup}
     # 503 until start-up compilation is done (as llama-server while it loads): requests sent
-    # before then wait for it.
-    return JSONResponse(body, status_code=200 if startup["done"] else 503)
+    # before then wait for it; 503 again once a graceful shutdown began (``DrainingServer``).
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
   @app.get("/v1/cache")
   async def cache_info():
@@ -518,6 +521,61 @@ class BackgroundServer:
     self.thread.join(timeout=30)
     self.app.state.server.worker.stop()
     self.socket.close()
+
+
+class DrainingServer(uvicorn.Server):
+  """uvicorn's server with a graceful shutdown: the first SIGTERM or SIGINT stops admitting
+  requests (new ones get 503 with ``Retry-After`` in their API's shape, ``/health`` 503
+  "shutting down") and lets the admitted and waiting ones finish, up to ``grace_s`` seconds.
+  Those still running when the grace ends, or at a second signal, are cancelled (each reply
+  ends as if its client had gone, at its next decode chunk). Once the replies are written,
+  uvicorn closes the connections and ``run`` returns: the process exits 0 (uvicorn's own
+  handler would re-raise the signal). Progress goes to ``log`` (stderr by default)."""
+
+  FLUSH_S = 10.0  # the most a cancelled job or a reply's last bytes are waited for
+
+  def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float, log=None):
+    super().__init__(config)
+    self.app, self.grace_s = app, grace_s
+    self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    self._drainer: threading.Thread | None = None
+    self._now = threading.Event()  # a second signal: cancel what runs
+
+  def handle_exit(self, sig: int, frame) -> None:
+    if self._drainer is not None:
+      self._now.set()
+      return
+    self._drainer = threading.Thread(target=self._drain, args=(signal.Signals(sig).name,),
+                                     name="ftjax-drain", daemon=True)
+    self._drainer.start()
+
+  def _wait(self, done: Callable[[], bool], seconds: float, *,
+            interruptible: bool = False) -> bool:
+    """Polls ``done`` for up to ``seconds`` (``interruptible``: or until a second signal)."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline and not (
+        interruptible and self._now.is_set()):
+      time.sleep(0.05)
+    return done()
+
+  def _drain(self, name: str) -> None:
+    worker = self.app.state.server.worker
+    worker.drain(self.grace_s)
+    begun = time.monotonic()
+    self.log(f"ftjax.serve: {name}: shutting down; {worker.running} running and "
+             f"{worker.waiting} waiting requests may finish within {self.grace_s:g} s, new "
+             "ones get 503")
+    if self._wait(worker.idle, self.grace_s, interruptible=True):
+      self.log(f"ftjax.serve: every request finished in {time.monotonic() - begun:.1f} s; "
+               "exiting")
+    else:
+      why = "a second signal" if self._now.is_set() else f"the {self.grace_s:g} s grace ended"
+      cancelled = worker.cancel_all()
+      self.log(f"ftjax.serve: {why}: {cancelled} requests cancelled; exiting")
+      self._wait(worker.idle, self.FLUSH_S)
+    # The replies' last bytes (a stream's closing events) may still be being written.
+    self._wait(lambda: not self.server_state.tasks, self.FLUSH_S)
+    self.should_exit = True
 
 
 def bind(host: str, port: int) -> socket.socket:

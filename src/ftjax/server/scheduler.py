@@ -31,6 +31,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 from ftjax.runtime.engine import Engine
@@ -232,6 +233,9 @@ class Worker(Feed):
     self._lock = threading.Lock()
     self.waiting = 0
     self.running = 0  # jobs admitted (reading their context or decoding)
+    self.draining = False  # a graceful shutdown began: no job is admitted (``drain``)
+    self._submitted: list[weakref.ref] = []  # the jobs submitted, for ``cancel_all``
+    self.drain_deadline = 0.0
     self.mean_job_s = 1.0  # running mean of a job's seconds, for Retry-After
     self.last_outcome: Outcome | None = None
     self._admitted: collections.deque[Running] = collections.deque()  # prefilling, in order
@@ -254,8 +258,39 @@ class Worker(Feed):
     self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
     self._thread.start()
 
+  def drain(self, grace_s: float) -> None:
+    """Stops admitting jobs: ``submit`` answers 503 with ``Retry-After`` from now on, while
+    the jobs admitted or waiting run on (``idle`` says when they are done). A graceful
+    shutdown (``ftjax.serve`` on SIGTERM) drains, waits up to ``grace_s``, then stops."""
+    with self._lock:
+      self.draining = True
+      self.drain_deadline = time.monotonic() + grace_s
+
+  def idle(self) -> bool:
+    """No job waits or runs."""
+    with self._lock:
+      return self.waiting == 0 and self.running == 0
+
+  def cancel_all(self) -> int:
+    """Cancels every job that waits or runs (a shutdown whose grace ended, or a second
+    signal): a waiting one is dropped, a running one ends at its next decode chunk, and each
+    reply ends as if its client had gone. Returns how many were cancelled."""
+    with self._lock:
+      refs, self._submitted = self._submitted, []
+    jobs = [job for job in (ref() for ref in refs)
+            if job is not None and not job.cancelled.is_set()]
+    for job in jobs:
+      job.cancelled.set()
+    self._jobs.put(_WAKE)
+    return len(jobs)
+
   def submit(self, job: Job) -> None:
     with self._lock:
+      if self.draining:
+        retry = max(1, math.ceil(self.drain_deadline - time.monotonic()) + 1)
+        raise ApiError(503, "the server is shutting down: it admits no new request and "
+                       "finishes the running ones; retry against its next start",
+                       code="shutting_down", headers={"Retry-After": str(retry)})
       if self.waiting >= self.max_queue:
         slots = max(self.max_running, 1)
         retry = max(1, math.ceil(self.mean_job_s * (self.waiting // slots + 1)))
@@ -263,6 +298,7 @@ class Worker(Feed):
                        f"limit is {self.max_queue}); retry in about {retry} s",
                        code="queue_full", headers={"Retry-After": str(retry)})
       self.waiting += 1
+      self._submitted = [r for r in self._submitted if r() is not None] + [weakref.ref(job)]
     self._jobs.put(job)
 
   def stop(self) -> None:
@@ -445,8 +481,8 @@ class Worker(Feed):
     if fits is False and self.running:
       self._blocked = job
       return False
-    self._unqueue(job)
     if not fits:
+      self._unqueue(job)
       memory = self.engine.memory
       need = self._memory_need(job)
       job.send("error", ApiError(
@@ -458,8 +494,7 @@ class Worker(Feed):
           "raise the budget (POST /v1/cache with {\"budget_bytes\": N}, or "
           "--device_budget_bytes)", code="insufficient_memory"))
       return True
-    with self._lock:
-      self.running += 1
+    self._unqueue(job, running=True)
     try:
       session = self.pool.take(job.ids)
     except Exception as e:  # noqa: BLE001 - reported to the client as a 500
@@ -472,12 +507,14 @@ class Worker(Feed):
     self._admitted.append(running)
     return True
 
-  def _unqueue(self, job: Job) -> None:
-    """``job`` leaves the queue (admitted, dropped or refused)."""
+  def _unqueue(self, job: Job, *, running: bool = False) -> None:
+    """``job`` leaves the queue (admitted, dropped or refused); ``running``: admitted, counted
+    as running in the same step (``idle`` never sees it in neither count)."""
     if self._blocked is job:
       self._blocked = None
     with self._lock:
       self.waiting -= 1
+      self.running += int(running)
 
   def _end(self, running: Running, *, error: Exception | None = None,
            lost: bool = False) -> None:
