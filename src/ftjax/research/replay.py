@@ -31,9 +31,11 @@ bounds the preloaded static policies too, and so every policy.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -247,20 +249,42 @@ def replay_many(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
     z = np.zeros((0, layers), np.int64)
     return [ReplayResult(str(policy), cache_slots, z, z, z) for _ in bandwidths]
   ids = jnp.asarray(trace.ids)
-  # Each call jits its own scan (a new function object): JAX keeps a program as long as the
-  # function it compiled lives, and XLA:CPU maps each program's code, so module-level jits
-  # would keep every (policy, size, prefetch) program of a long sweep until the process hits
-  # vm.max_map_count and LLVM fails (issue 50's crash, here in replay). The bandwidth pairs of
-  # one call share its compile; the programs go when the call returns.
-  replay_scan = jax.jit(partial(_replay_scan), static_argnames=("policy",))
-  prefetch_scan = jax.jit(partial(_prefetch_scan),
-                          static_argnames=("policy", "predictor", "width", "cost"))
-  try:
-    return _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slots,
-                       replay_scan, prefetch_scan)
-  finally:
-    del replay_scan, prefetch_scan
+  program = policy.program()
+  if prefetch is not None and prefetch.budget == "link" and cost is None:
+    raise ValueError(f"prefetch {prefetch}'s budget is the link's idle time, which needs the "
+                     "cost model: pass cost=(HardwareProfile, ModelShape), or an int budget "
+                     "(Prefetch(predictor, budget=8))")
+  cost = tuple(cost) if prefetch is not None and prefetch.budget == "link" else None
+  replay_scan = _scan("replay", program)
+  prefetch_scan = (None if prefetch is None else
+                   _scan("prefetch", program, prefetch.predictor,
+                         prefetch.width or trace.top_k, cost))
+  return _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slots,
+                     replay_scan, prefetch_scan)
+
+
+_KEEP_SCANS = 16  # jitted scans kept (each with its compiled sizes); the oldest goes first
+_SCANS: collections.OrderedDict = collections.OrderedDict()
+
+
+def _scan(kind: str, *static) -> Callable:
+  """The jitted replay scan of ``kind`` for its static options, from a table of the
+  ``_KEEP_SCANS`` used last. JAX keeps a program as long as the function it compiled lives,
+  and XLA:CPU maps each program's code into memory: jits at module level would keep every
+  (policy, prefetch, size) program of a long sweep until the process passes
+  vm.max_map_count and LLVM fails (issue 50's crash, here in replay). A scan dropped from the
+  table takes its programs with it."""
+  key = (kind, *static)
+  fn = _SCANS.pop(key, None)
+  if fn is None:
+    body = _replay_scan if kind == "replay" else _prefetch_scan
+    names = ("policy",) if kind == "replay" else ("policy", "predictor", "width", "cost")
+    fn = jax.jit(partial(body, **dict(zip(names, static))))
+  _SCANS[key] = fn
+  while len(_SCANS) > _KEEP_SCANS:
+    _SCANS.popitem(last=False)
     return_free_heap()
+  return fn
 
 
 def _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slots,
@@ -268,10 +292,6 @@ def _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slo
   layers = trace.num_layers
   results = []
   if prefetch is not None:
-    if prefetch.budget == "link" and cost is None:
-      raise ValueError(f"prefetch {prefetch}'s budget is the link's idle time, which needs the "
-                       "cost model: pass cost=(HardwareProfile, ModelShape), or an int budget "
-                       "(Prefetch(predictor, budget=8))")
     width = prefetch.width or trace.top_k
     budget = trace.top_k if prefetch.budget in (None, "link") else prefetch.budget
     candidates = jnp.asarray(
@@ -280,17 +300,14 @@ def _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slo
                                                                  width))
     for pair in bandwidths:
       out = prefetch_scan(cache, ids, candidates, jnp.asarray(pair, jnp.float32),
-                           jnp.asarray(budget, jnp.int32),
-                           jnp.asarray(prefetch.decay, jnp.float32), policy.program(),
-                           prefetch.predictor, width,
-                           tuple(cost) if prefetch.budget == "link" else None)
+                          jnp.asarray(budget, jnp.int32),
+                          jnp.asarray(prefetch.decay, jnp.float32))
       hits, fills, host, count, used, wasted, named = (np.asarray(a, np.int64) for a in out)
       results.append(ReplayResult(f"{policy}+{prefetch}", cache_slots, hits, fills, host,
                                   count, used, wasted, named))
     return results
   for pair in bandwidths:
-    hits, fills, host = replay_scan(cache, ids, jnp.asarray(pair, jnp.float32),
-                                     policy.program())
+    hits, fills, host = replay_scan(cache, ids, jnp.asarray(pair, jnp.float32))
     results.append(ReplayResult(str(policy), cache_slots, np.asarray(hits, np.int64),
                                 np.asarray(fills, np.int64), np.asarray(host, np.int64)))
   return results
