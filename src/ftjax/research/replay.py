@@ -255,26 +255,27 @@ def replay_many(trace: Trace, policy: str | PolicyConfig, cache_slots: int,
                      "cost model: pass cost=(HardwareProfile, ModelShape), or an int budget "
                      "(Prefetch(predictor, budget=8))")
   cost = tuple(cost) if prefetch is not None and prefetch.budget == "link" else None
-  replay_scan = _scan("replay", program)
+  shapes = (cache.capacity, trace.ids.shape)  # one compiled program per table entry
+  replay_scan = _scan(shapes, "replay", program)
   prefetch_scan = (None if prefetch is None else
-                   _scan("prefetch", program, prefetch.predictor,
+                   _scan(shapes, "prefetch", program, prefetch.predictor,
                          prefetch.width or trace.top_k, cost))
   return _replay_all(trace, policy, cache, ids, bandwidths, prefetch, cost, cache_slots,
                      replay_scan, prefetch_scan)
 
 
-_KEEP_SCANS = 16  # jitted scans kept (each with its compiled sizes); the oldest goes first
+_KEEP_SCANS = 16  # compiled replay programs kept; the one used longest ago goes first
 _SCANS: collections.OrderedDict = collections.OrderedDict()
 
 
-def _scan(kind: str, *static) -> Callable:
-  """The jitted replay scan of ``kind`` for its static options, from a table of the
-  ``_KEEP_SCANS`` used last. JAX keeps a program as long as the function it compiled lives,
-  and XLA:CPU maps each program's code into memory: jits at module level would keep every
-  (policy, prefetch, size) program of a long sweep until the process passes
-  vm.max_map_count and LLVM fails (issue 50's crash, here in replay). A scan dropped from the
-  table takes its programs with it."""
-  key = (kind, *static)
+def _scan(shapes: tuple, kind: str, *static) -> Callable:
+  """The jitted replay scan of ``kind`` for its static options and argument ``shapes``,
+  from a table of the ``_KEEP_SCANS`` used last (one compiled program each). JAX keeps a
+  program as long as the function it compiled lives, and XLA:CPU maps each program's code
+  into memory: jits at module level would keep every (policy, prefetch, size) program of a
+  long sweep until the process passes vm.max_map_count and LLVM fails (issue 50's crash,
+  here in replay). A scan dropped from the table takes its program with it."""
+  key = (shapes, kind, *static)
   fn = _SCANS.pop(key, None)
   if fn is None:
     body = _replay_scan if kind == "replay" else _prefetch_scan
