@@ -116,7 +116,7 @@ def test_prefetch_lowers_the_misses_of_real_routing():
   for prefetch in (0, 4):
     engine = ftjax.Engine(model, kernels="xla", cache_fraction=0.3, policy="lru_fill",
                           prefetch=prefetch)
-    engine.generate(prompt, 40, greedy=True)
+    engine.generate(prompt, 24, greedy=True)
     rates[prefetch] = engine.stats()
   assert rates[4]["miss_rate"] < 0.75 * rates[0]["miss_rate"]
   assert rates[4]["prefetch"]["used_share"] > 0.5

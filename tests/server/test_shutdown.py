@@ -16,7 +16,7 @@ import time
 import openai
 import pytest
 
-TOKENS = 600  # per request: at max_running 1 the three take seconds, the drain's window
+TOKENS = 300  # per request: at max_running 1 the three take seconds, the drain's window
 
 
 def _start(*flags):
