@@ -228,7 +228,7 @@ class Transformer(nnx.Module):
                experts: RoutedExperts, *, kernels: str = "xla", last_only: bool = False,
                fresh: bool = False, num_valid: jax.Array | None = None,
                sow_router_logits: bool = False, snapshot_at: jax.Array | None = None,
-               active: jax.Array | None = None):
+               active: jax.Array | None = None, keep_hidden: bool = False):
     """tokens, positions [B, T] -> (new state, experts, logits [B, T or 1, V] float32).
 
     ``experts`` serves every MoE layer's routed experts (``ftjax.model.moe``) and comes back
@@ -241,6 +241,8 @@ class Transformer(nnx.Module):
     router logits (``nnx.capture``, training). ``snapshot_at`` (int32 [A] positions in
     [0, T]) adds a fourth result: per layer, the recurrent state after each position's first
     tokens (a ``LinearState`` with a leading [A] axis; None for attention layers).
+    ``keep_hidden`` (static) adds a last result: the hidden states of every position before
+    the final norm, [B, T, D], which ``head`` turns into logits (a prompt's log-probs).
 
     A batch of sequences at their own lengths (``state.length`` int32 [B]) steps one token
     each: ``active`` (bool [B]) marks the sequences that read theirs; the others' states,
@@ -248,15 +250,23 @@ class Transformer(nnx.Module):
     new_state, experts, x, snapshots = self._decoder(
         state, tokens, positions, experts, kernels=kernels, fresh=fresh, num_valid=num_valid,
         sow_router_logits=sow_router_logits, snapshot_at=snapshot_at, active=active)
+    hidden = x
     if last_only:
       if num_valid is None:
         x = x[:, -1:]
       else:
         x = jax.lax.dynamic_slice_in_dim(x, jnp.maximum(num_valid - 1, 0), 1, axis=1)
-    logits = self.lm_head(self.final_norm(x), kernels=kernels)  # [B, T, V]
+    logits = self.head(x, kernels=kernels)  # [B, T, V]
+    outs = (new_state, experts, logits)
     if snapshot_at is not None:
-      return new_state, experts, logits, snapshots
-    return new_state, experts, logits
+      outs += (snapshots,)
+    if keep_hidden:
+      outs += (hidden,)
+    return outs
+
+  def head(self, x: jax.Array, *, kernels: str) -> jax.Array:
+    """The logits [..., V] float32 of hidden states ``x`` [B, T, D] before the final norm."""
+    return self.lm_head(self.final_norm(x), kernels=kernels)
 
   def hidden_and_logits(self, state: DecodeState, tokens: jax.Array, positions: jax.Array,
                         experts: RoutedExperts, *, kernels: str = "xla", fresh: bool = False,

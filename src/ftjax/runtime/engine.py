@@ -33,7 +33,7 @@ from ftjax.cache.streaming import prefill_stream_mode, stream_costs, stream_min_
 from ftjax.model import DecodeState
 from ftjax.runtime import speculative
 from ftjax.runtime.budget import MemoryBudget, slots_for_budget
-from ftjax.runtime.executor import Executor, ExecutorSpec, Generation
+from ftjax.runtime.executor import Executor, ExecutorSpec, Generation, TokenLogprob
 from ftjax.runtime.kv import Chunk, KVLayout
 from ftjax.runtime.options import RuntimeOptions
 from ftjax.runtime.model import Model
@@ -96,6 +96,8 @@ class GenerateResult:
   decode_s: float
   compile_s: float
   programs: int = 0  # programs executed for the request (prefill + decode chunks)
+  # With ``logprobs=True``: each new token's log-probs (``TokenLogprob``), else None.
+  logprobs: list[TokenLogprob] | None = None
 
   @property
   def prefill_tok_s(self) -> float:
@@ -205,7 +207,8 @@ class Engine:
         offload=dataclasses.replace(self.placement.offload,
                                     host_gflops=self._host_gflops() or 0.0),
         stream_min_tokens=stream_min, prefill_stream=self._prefill_stream(stream_min),
-        kv_dtype=self.kv_dtype, variant=expert_variant(c), prefetch=opts.prefetch)
+        kv_dtype=self.kv_dtype, variant=expert_variant(c), prefetch=opts.prefetch,
+        vocab_size=c.vocab_size)
     # Device state (KV caches, recurrent states) by owner, and the budget it shares with the
     # expert cache (ftjax.runtime.budget); the engine listens and resizes the cache.
     self.memory = MemoryBudget(opts.device_budget_bytes)
@@ -639,6 +642,24 @@ class Engine:
     read = self.executor.extend(state, ids, on_progress=on_progress, start=0)
     return np.asarray(read.logits, np.float32)
 
+  def prompt_logprobs(self, token_ids: Sequence[int],
+                      on_progress: Callable[[int, int], None] | None = None
+                      ) -> list[TokenLogprob | None]:
+    """Each token's log-probability given the tokens before it, with the most probable
+    alternatives (``TokenLogprob``; None for the first token, which has no context): the
+    log-softmax of the model's raw logits, made on the device by the prefill's own programs
+    from the same forward (the chunks ``generate`` runs; no logits row leaves the device).
+    What an evaluation harness scores: a continuation's log-likelihood is the sum of its
+    tokens' ``logprob``."""
+    ids = np.asarray(token_ids, np.int32).reshape(-1)
+    self.check_ids(ids)
+    self.check_context(len(ids), 0)
+    last = self.plan_chunks(0, len(ids))[-1]
+    state = self.executor.new_state(1, self.kv.capacity(last.begin + last.size))
+    targets = np.append(ids[1:], -1).astype(np.int32)
+    read = self.executor.extend(state, ids, on_progress=on_progress, start=0, targets=targets)
+    return [None] + read.logprobs[:-1]
+
   def generate_speculative(self, token_ids: Sequence[int], max_new_tokens: int,
                            greedy: bool = True, *, temperature: float = 1.0, top_p: float = 1.0,
                            seed: int = 0, top_k: int = 0, draft_tokens: int = 2,
@@ -679,7 +700,8 @@ class Engine:
                temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0,
                stop_tokens: Sequence[int] = (), on_token: Callable[[int], None] | None = None
                ) -> list[int]:
-    """New tokens after ``token_ids`` (the prefill's chunks, then the decode loop)."""
+    """New tokens after ``token_ids`` (the prefill's chunks, then the decode loop);
+    ``generate_timed`` gives their log-probs too."""
     return self.generate_timed(token_ids, max_new_tokens, greedy, temperature=temperature,
                                top_p=top_p, seed=seed, top_k=top_k, stop_tokens=stop_tokens,
                                on_token=on_token).tokens
@@ -689,11 +711,14 @@ class Engine:
                      top_k: int = 0,
                      stop_tokens: Sequence[int] = (),
                      on_token: Callable[[int], None] | None = None,
-                     on_progress: Callable[[int, int], None] | None = None) -> GenerateResult:
+                     on_progress: Callable[[int, int], None] | None = None,
+                     logprobs: bool = False) -> GenerateResult:
     """``generate`` with timings: prefill and decode seconds (compiles excluded and reported
     apart), and the number of programs the request executed. ``on_progress(done, total)``
     is told of each prefill chunk as it completes (prompts longer than ``prefill_chunk``;
-    ``done = 0`` when the first starts, after the compiles)."""
+    ``done = 0`` when the first starts, after the compiles). ``logprobs``: each new token's
+    log-probs under the model's distribution (``TokenLogprob``: the raw logits' log-softmax,
+    whatever the sampling options), made by the decode programs themselves."""
     sampling = Sampling.make(greedy=greedy, temperature=temperature, top_p=top_p, seed=seed,
                              top_k=top_k)
     if max_new_tokens < 0:
@@ -717,12 +742,14 @@ class Engine:
       return not halted and delivered < max_new_tokens
 
     seq = Generation(state=read.state, logits=read.logits, max_new=max(max_new_tokens, 1),
-                   sampling=sampling, stops=stop_tokens, on_chunk=on_chunk)
+                     sampling=sampling, stops=stop_tokens, on_chunk=on_chunk,
+                     logprobs=[] if logprobs else None)
     decode_s = self.executor.run_one(seq)
     return GenerateResult(tokens=seq.tokens[:max_new_tokens], prompt_tokens=len(ids),
                           prefill_s=read.seconds + seq.first_s, decode_s=decode_s,
                           compile_s=self.compile_s - compile_before,
-                          programs=read.programs + seq.programs)
+                          programs=read.programs + seq.programs,
+                          logprobs=seq.logprobs[:max_new_tokens] if logprobs else None)
 
 
 def _signature(model: Model) -> tuple:

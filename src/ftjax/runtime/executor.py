@@ -60,7 +60,7 @@ from ftjax.runtime.budget import MemoryBudget
 from ftjax.runtime.calibration import SplitCalibrator
 from ftjax.runtime.kv import KVLayout
 from ftjax.runtime.placement import EXPERT_AXIS
-from ftjax.runtime.programs import Loop, ProgramKind, Programs, Rows
+from ftjax.runtime.programs import Loop, ProgramKind, Programs, Rows, TokenLogprobs
 from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.state import EngineState
 
@@ -68,16 +68,35 @@ STOP_BUCKET = 32  # stop-token lists are padded to a multiple of this (one size 
 COST_SAMPLES = 8  # a draft length's measured cost: the median of its last programs' seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """One token's log-probabilities, on the host: the log-prob of ``token`` under the model's
+  distribution (the log-softmax of its raw logits) and the most probable tokens' ids and
+  log-probs (``programs.TOP_LOGPROBS`` of them, most probable first)."""
+  token: int
+  logprob: float
+  top_ids: np.ndarray  # int32 [k]
+  top: np.ndarray  # float32 [k]
+
+
+def _entries(tokens: Sequence[int], logprobs) -> list[TokenLogprob]:
+  """``TokenLogprob``s of ``tokens`` from host arrays laid out as ``TokenLogprobs`` [n]."""
+  return [TokenLogprob(int(t), float(logprobs.chosen[i]), logprobs.top_ids[i].copy(),
+                       logprobs.top[i].copy()) for i, t in enumerate(tokens)]
+
+
 @dataclasses.dataclass
 class Extended:
   """What ``Executor.extend`` did: the state (donated in, returned), the logits [V] after the
   last token (on the device), the anchors' snapshots (position, {layer: LinearState of numpy
-  arrays}), the seconds of its chunks and the programs run."""
+  arrays}), the seconds of its chunks and the programs run; with ``targets``, ``logprobs``:
+  each target's ``TokenLogprob`` (the prompt's log-probs; None where a position had none)."""
   state: DecodeState
   logits: jax.Array
   snapshots: list[tuple[int, dict]]
   seconds: float
   programs: int
+  logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,6 +117,8 @@ class Generation:
     another (the tokens of a chunk already in flight still come);
   owner: who holds its state's memory (``Engine.hold_memory``; None: the engine): the loop
     moves the count to the batch while the sequence is in one, and back when it leaves.
+  logprobs: None, or a list to which each new token's ``TokenLogprob`` is appended (computed
+    in the same programs), before ``on_chunk`` is told of the token.
   stats: what its decode steps did: steps it stepped in, the rows that stepped with it
     (summed over those steps) and, with an expert cache, the hits, fills and host-run experts
     of those steps (shared with the rows beside it: a layer-step plans over the union of
@@ -113,6 +134,7 @@ class Generation:
   on_leave: Callable[["Generation"], None] = lambda _: None
   cancel: Callable[[], bool] | None = None
   owner: Any = None
+  logprobs: list[TokenLogprob] | None = None
   tokens: list[int] = dataclasses.field(default_factory=list)  # delivered so far
   programs: int = 0  # programs it ran in (the first token's, and decode chunks)
   first_s: float = 0.0  # seconds of the first token's program and its read (not its compile)
@@ -152,6 +174,7 @@ class Batch:
     self.sampling = jax.tree.map(lambda x: np.repeat(np.asarray(x)[None], size, 0),
                                  Sampling.make(greedy=True))
     self.resume = np.zeros(size, bool)  # rows whose halt the next chunk lifts
+    self.want = np.zeros(size, bool)  # rows whose sequence wants its tokens' log-probs
     self.leaving: set[int] = set()  # rows that leave once the chunks in flight are read
     self.decided: set[int] = set()  # rows the host has acted on since its last dispatch
 
@@ -411,7 +434,8 @@ class Executor:
 
   def _abstract_extend(self, size, capacity, slots, anchor_slots):
     self._check_slots(slots)
-    args = [self._spec((1, size), jnp.int32), self._spec((), jnp.int32)]
+    args = [self._spec((1, size), jnp.int32), self._spec((), jnp.int32),
+            self._spec((1, size), jnp.int32), self._spec((), jnp.bool_)]
     if anchor_slots:
       args.append(self._spec((anchor_slots,), jnp.int32))
     return (*self._model_args(self.abstract_state(1, capacity)), *args), {}
@@ -420,7 +444,7 @@ class Executor:
     sampling = jax.tree.map(lambda x: self._spec(np.shape(x), np.asarray(x).dtype),
                             Sampling.make(greedy=True))
     return (self._spec((self.spec.config.vocab_size,), jnp.float32), self._spec((), jnp.int32),
-            self._spec((stop_width,), jnp.int32), sampling), {}
+            self._spec((stop_width,), jnp.int32), sampling, self._spec((), jnp.bool_)), {}
 
   def _abstract_decode(self, batch, capacity, slots, stop_width):
     self._check_slots(slots)
@@ -625,13 +649,18 @@ class Executor:
   def extend_steps(self, state: DecodeState, ids, *, anchors_at: Sequence[int] = (),
                    anchor_slots: int = 0, start: int | None = None,
                    on_progress: Callable[[int, int], None] | None = None,
-                   owner: Any = None) -> Iterator[int]:
+                   owner: Any = None, targets=None) -> Iterator[int]:
     """``extend`` one chunk at a time: a generator that yields the tokens read so far after
     each chunk is dispatched and returns the ``Extended`` result (``yield from``)."""
     ids = np.asarray(ids, np.int32).reshape(-1)
     n = len(ids)
     if n == 0:
       raise ValueError("extend needs at least one token to read")
+    if targets is not None:
+      targets = np.asarray(targets, np.int32).reshape(-1)
+      if len(targets) != n:
+        raise ValueError(f"targets must give one token per token read ({n}), got "
+                         f"{len(targets)}")
     if start is None:
       start = int(state.length)
     plan = self.kv.plan_chunks(start, n, sorted(anchors_at), anchor_slots)
@@ -646,10 +675,14 @@ class Executor:
     snapshots = []
     logits = None
     seconds = 0.0
+    scored = []  # per chunk: its log-probs on the device (with targets)
     for chunk in plan:
       tokens = np.zeros((1, chunk.size), np.int32)
       tokens[0, :chunk.tokens] = ids[chunk.begin:chunk.begin + chunk.tokens]
-      args = [tokens, np.int32(chunk.tokens)]
+      wanted = np.full((1, chunk.size), -1, np.int32)
+      if targets is not None:
+        wanted[0, :chunk.tokens] = targets[chunk.begin:chunk.begin + chunk.tokens]
+      args = [tokens, np.int32(chunk.tokens), wanted, np.bool_(targets is not None)]
       if anchor_slots:
         at = np.zeros(anchor_slots, np.int32)
         at[:len(chunk.anchors)] = chunk.anchors
@@ -657,8 +690,11 @@ class Executor:
       begun = time.perf_counter()
       key = self.key("extend", size=chunk.size, capacity=state.capacity,
                      anchor_slots=anchor_slots)
-      state, logits, _, snaps = self.execute(key, *self.put(tuple(args)), state=state,
-                                             record={"phase": "prefill", "tokens": chunk.tokens})
+      state, logits, _, snaps, logprobs = self.execute(
+          key, *self.put(tuple(args)), state=state,
+          record={"phase": "prefill", "tokens": chunk.tokens})
+      if targets is not None:
+        scored.append((chunk, logprobs))
       if chunk.anchors:
         host = jax.device_get([layer for layer in snaps if layer is not None])
         recurrent = [i for i, layer in enumerate(snaps) if layer is not None]
@@ -675,8 +711,16 @@ class Executor:
     t0 = time.perf_counter()
     jax.block_until_ready(logits)
     seconds += time.perf_counter() - t0
+    entries = None
+    if targets is not None:
+      entries = []
+      for chunk, logprobs in scored:
+        host = jax.device_get(logprobs)
+        part = targets[chunk.begin:chunk.begin + chunk.tokens]
+        entries += [entry if t >= 0 else None
+                    for t, entry in zip(part, _entries(part, host))]
     return Extended(state=state, logits=logits, snapshots=snapshots, seconds=seconds,
-                    programs=len(plan))
+                    programs=len(plan), logprobs=entries)
 
   def extend(self, state: DecodeState, ids, **options) -> Extended:
     """Reads ``ids`` into ``state`` (donated) after the tokens it holds, in the chunks of
@@ -685,7 +729,9 @@ class Executor:
     the ``anchors_at`` positions, counted in ``ids``, that fall in it), ``start`` (the tokens
     ``state`` holds, when the caller knows it), ``on_progress(done, total)`` (told of each
     chunk as it completes, when there is more than one; ``done = 0`` first) and ``owner`` (who
-    holds the state's memory when it grows; None: the engine)."""
+    holds the state's memory when it grows; None: the engine) and ``targets`` (int32 [n]: the
+    token that follows each position, -1 for none: their log-probs come back in
+    ``Extended.logprobs``, made by the same programs from the same forward)."""
     steps = self.extend_steps(state, ids, **options)
     while True:
       try:
@@ -704,7 +750,8 @@ class Executor:
 
   def decode_specs(self, size: int, stop_width: int = STOP_BUCKET) -> tuple:
     """The shapes of a decode chunk's arguments after the state, for a batch of ``size``:
-    the carry (``Rows``), go and resume masks, max_new, stop ids and sampling."""
+    the carry (``Rows``), go and resume masks, max_new, stop ids, sampling and the rows that
+    want log-probs."""
     spec = self._spec
     mask = spec((size,), jnp.bool_)
     sampling = jax.tree.map(lambda x: spec((size,), np.asarray(x).dtype),
@@ -712,7 +759,7 @@ class Executor:
     rows = Rows(token=spec((size,), jnp.int32), count=spec((size,), jnp.int32),
                 done=spec((size,), jnp.bool_))
     return (rows, mask, mask, spec((size,), jnp.int32), spec((size, stop_width), jnp.int32),
-            sampling)
+            sampling, mask)
 
 
   def batch(self, size: int, stop_width: int = STOP_BUCKET) -> Batch:
@@ -735,12 +782,16 @@ class Executor:
     False when it ended at its first token (it has then left)."""
     row = batch.seqs.index(None)
     stops = self.stop_ids(seq.stops)
-    max_new, stop_dev, sampling, logits = self.put(
-        (np.int32(seq.max_new), stops, seq.sampling, seq.logits))
+    want = seq.logprobs is not None
+    max_new, stop_dev, sampling, logits, want_dev = self.put(
+        (np.int32(seq.max_new), stops, seq.sampling, seq.logits, np.bool_(want)))
     t0, compiled = time.perf_counter(), self.compile_s
-    loop = self.execute(self.key("first", stop_width=len(stops)), logits, max_new, stop_dev,
-                        sampling)
+    loop, logprobs = self.execute(self.key("first", stop_width=len(stops)), logits, max_new,
+                                  stop_dev, sampling, want_dev)
     first, halted = (int(x) for x in jax.device_get((loop.token, loop.done)))
+    if want:
+      host = jax.tree.map(lambda x: np.asarray(x)[None], jax.device_get(logprobs))
+      seq.logprobs += _entries([first], host)
     seq.first_s = time.perf_counter() - t0 - (self.compile_s - compiled)
     seq.tokens.append(first)
     seq.programs = 1
@@ -765,6 +816,7 @@ class Executor:
       del state  # its row is in the batch now, which holds the memory
       self.memory.hold(seq.owner, 0)
     batch.seqs[row] = seq
+    batch.want[row] = want
     batch.max_new[row] = seq.max_new
     batch.counts[row] = 1
     width = batch.stop_ids.shape[1]
@@ -818,6 +870,7 @@ class Executor:
       self.memory.hold(batch, 0)
     batch.leaving.discard(row)
     batch.decided.discard(row)
+    batch.want[row] = False
     seq.on_leave(seq)
 
   def _dispatch(self, batch: Batch):
@@ -829,21 +882,23 @@ class Executor:
                    stop_width=batch.stop_ids.shape[1])
     go = batch.go()
     args = self.put((go, batch.resume.copy(), batch.max_new.copy(), batch.stop_ids.copy(),
-                     jax.tree.map(np.copy, batch.sampling)))
-    batch.state, batch.rows, out, record = self.execute(key, batch.rows, *args,
-                                                        state=batch.state)
+                     jax.tree.map(np.copy, batch.sampling), batch.want.copy()))
+    batch.state, batch.rows, out, record, logprobs = self.execute(key, batch.rows, *args,
+                                                                  state=batch.state)
     strategy = self._strategy
     for row, seq in enumerate(batch.seqs):
       if go[row]:
         seq.programs += 1
     batch.resume[:] = False
     batch.decided.clear()
-    return out, batch.rows.done, record, list(batch.seqs), go, strategy
+    if not (go & batch.want).any():
+      logprobs = None  # not read back
+    return out, batch.rows.done, record, list(batch.seqs), go, strategy, logprobs
 
   def _read(self, batch: Batch, chunk, begun: float) -> None:
     """Reads a dispatched chunk: its tokens go to their sequences, which decide."""
-    out, done, record, owners, go, strategy = chunk
-    out, done = jax.device_get((out, done))
+    out, done, record, owners, go, strategy, logprobs = chunk
+    out, done, logprobs = jax.device_get((out, done, logprobs))
     stepped = out >= 0
     steps = int(stepped.any(axis=1).sum())
     seconds = time.perf_counter() - begun
@@ -856,6 +911,9 @@ class Executor:
       if seq is None or not go[row] or batch.seqs[row] is not seq:
         continue
       tokens = [int(t) for t in out[:, row] if t >= 0]
+      if seq.logprobs is not None and logprobs is not None:
+        took = out[:, row] >= 0
+        seq.logprobs += _entries(tokens, jax.tree.map(lambda x: x[took, row], logprobs))
       mine = stepped[:, row]
       seq.stats["steps"] += int(mine.sum())
       seq.stats["batch_rows"] += int(stepped[mine].sum())

@@ -69,6 +69,23 @@ class Rows:
   done: jax.Array  # bool [B]: halted (a stop id sampled, or max_new reached)
 
 
+# The most alternatives a token's log-probs list (OpenAI's limit for ``top_logprobs``): the
+# programs always take this many (fewer for a smaller vocabulary); a request keeps its own N.
+TOP_LOGPROBS = 20
+# A prompt's log-probs are made this many positions at a time (``prompt_logprobs``).
+SCORE_BLOCK = 64
+
+
+@struct.dataclass
+class TokenLogprobs:
+  """Log-probabilities of tokens under the model's distribution (the log-softmax of the raw
+  logits, float32), with leading axes of the tokens': the chosen token's, and the
+  ``TOP_LOGPROBS`` most probable tokens' ids and log-probs, most probable first."""
+  chosen: jax.Array  # float32 [...]
+  top_ids: jax.Array  # int32 [..., k]
+  top: jax.Array  # float32 [..., k]
+
+
 @struct.dataclass
 class StepRecord:
   """What each step of a program did: cache counts [steps, L] (None without a cache) and
@@ -109,23 +126,34 @@ class Runner:
   # Router-ahead prefetch in one-token-per-row forwards (decode steps, batches, verifies of
   # one token): at most this many experts per MoE layer-step (0: none); ``CachedExperts``.
   prefetch: int = 0
+  vocab_size: int = 0  # the logits' width (a decode chunk's log-probs are laid out before it)
 
   # -- Tracing ---------------------------------------------------------------------------------
 
   def forward(self, params, bank, state: EngineState, tokens, positions, *, last_only: bool,
-              fresh: bool, num_valid=None, snapshot_at=None, active=None):
+              fresh: bool, num_valid=None, snapshot_at=None, active=None,
+              keep_hidden: bool = False):
     """One forward pass of the model over ``tokens [B, T]`` (traced inside a program):
     (state, logits, record, snapshots: the recurrent layers' states at ``snapshot_at``, ()
-    without; ``Transformer.__call__``). ``active`` [B]: the rows of a batch that step."""
+    without; ``Transformer.__call__``). ``active`` [B]: the rows of a batch that step.
+    ``keep_hidden`` adds a fifth result: every position's hidden state before the final norm
+    [B, T, D] (``head`` gives their logits)."""
     model = nnx.merge(self.graphdef, params)
     experts = self.routed_experts(bank, state, tokens.shape)
     outs = model(state.decode, tokens, positions, experts, kernels=self.kernels,
                  last_only=last_only, fresh=fresh, num_valid=num_valid, snapshot_at=snapshot_at,
-                 active=active)
+                 active=active, keep_hidden=keep_hidden)
     decode, experts, logits = outs[:3]
     state, record = self.settle(experts, state)
     snapshots = () if snapshot_at is None else outs[3]
+    if keep_hidden:
+      return state.replace(decode=decode), logits, record, snapshots, outs[-1]
     return state.replace(decode=decode), logits, record, snapshots
+
+  def head(self, params, x):
+    """The logits [B, T, V] float32 of hidden states ``x`` [B, T, D] before the final norm
+    (``Transformer.head``), traced inside a program."""
+    return nnx.merge(self.graphdef, params).head(x, kernels=self.kernels)
 
   def forward_hidden(self, params, bank, state: EngineState, tokens, positions, *, fresh: bool,
                      snapshot_at=None):
@@ -447,29 +475,79 @@ def _stopped(token, count, max_new, stop_ids):
   return jnp.any(token == stop_ids) | (count >= max_new)
 
 
-def first_program(runner: Runner, logits, max_new, stop_ids, sampling: Sampling) -> Loop:
+def _top_count(vocab: int) -> int:
+  return min(TOP_LOGPROBS, vocab)
+
+
+def token_logprobs(logits, tokens) -> TokenLogprobs:
+  """Log-probabilities of the model's distribution (the softmax of the raw logits, before any
+  temperature or filter): logits [..., V], tokens int32 [...] (ids outside [0, V): their
+  ``chosen`` is meaningless) -> ``TokenLogprobs`` with leading [...]."""
+  z = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+  top, ids = jax.lax.top_k(z, _top_count(z.shape[-1]))
+  picked = jnp.take_along_axis(z, jnp.clip(tokens, 0, z.shape[-1] - 1)[..., None], axis=-1)
+  return TokenLogprobs(chosen=(picked - lse)[..., 0], top_ids=ids.astype(jnp.int32),
+                       top=top - lse)
+
+
+def _no_logprobs(shape: tuple[int, ...], vocab: int) -> TokenLogprobs:
+  k = _top_count(vocab)
+  return TokenLogprobs(chosen=jnp.zeros(shape, jnp.float32),
+                       top_ids=jnp.zeros(shape + (k,), jnp.int32),
+                       top=jnp.zeros(shape + (k,), jnp.float32))
+
+
+def prompt_logprobs(runner: Runner, params, hidden, targets) -> TokenLogprobs:
+  """Each position's log-probs: hidden [1, T, D] (before the final norm), targets int32
+  [1, T] (the token that follows each position) -> ``TokenLogprobs`` [T]. The logits are made
+  ``SCORE_BLOCK`` positions at a time, so that a chunk's [T, V] logits never exist at once."""
+  t, d = hidden.shape[1], hidden.shape[2]
+  block = min(t, SCORE_BLOCK)
+  n = -(-t // block)
+  pad = n * block - t
+  x = jnp.pad(hidden[0], ((0, pad), (0, 0))).reshape(n, block, d)
+  y = jnp.pad(targets[0], (0, pad)).reshape(n, block)
+
+  def one(args):
+    xb, yb = args
+    return token_logprobs(runner.head(params, xb[None])[0], yb)
+
+  out = jax.lax.map(one, (x, y))
+  return jax.tree.map(lambda a: a.reshape((n * block,) + a.shape[2:])[:t], out)
+
+
+def first_program(runner: Runner, logits, max_new, stop_ids, sampling: Sampling, want
+                  ) -> tuple[Loop, TokenLogprobs]:
   """The first new token, sampled from ``logits [V]`` (after a prompt's last token): the
-  decode loop's starting carry."""
+  decode loop's starting carry, and the token's log-probs (``token_logprobs``; zeros unless
+  ``want``, a bool [])."""
   token = sample(logits, sampling, jnp.zeros((), jnp.int32), kernels=runner.kernels)
   count = jnp.ones((), jnp.int32)
+  logprobs = jax.lax.cond(want, lambda: token_logprobs(logits, token),
+                          lambda: _no_logprobs((), logits.shape[-1]))
   return Loop(token=token, count=count, max_new=max_new,
-              done=_stopped(token, count, max_new, stop_ids))
+              done=_stopped(token, count, max_new, stop_ids)), logprobs
 
 
 def extend_program(runner: Runner, params, bank, state: EngineState, tokens, num_valid,
-                   snapshot_at=None):
+                   targets, scored, snapshot_at=None):
   """``tokens [1, size]`` (the first ``num_valid`` real) appended to a state that already
   holds ``state.decode.length`` tokens (a prompt's chunk, or a session's next segment of
   context). The state's KV capacity must hold the whole chunk past that length. Returns
-  (state, logits [V] float32 after the last real token, record, snapshots): with
+  (state, logits [V] float32 after the last real token, record, snapshots, logprobs): with
   ``snapshot_at`` (int32 [A] positions in the chunk) the recurrent layers' states after that
   many of its tokens (per layer, a ``LinearState`` with a leading [A] axis, None for attention
-  layers), else ()."""
+  layers), else (); with ``scored`` (bool []) each position's log-probs of ``targets`` (int32
+  [1, size], the token after each position: ``prompt_logprobs``), from the same forward,
+  else zeros (the branch not taken costs nothing)."""
   positions = state.decode.length + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-  state, logits, record, snapshots = runner.forward(
+  state, logits, record, snapshots, hidden = runner.forward(
       params, bank, state, tokens, positions, last_only=True, fresh=False, num_valid=num_valid,
-      snapshot_at=snapshot_at)
-  return state, logits[0, -1], record, snapshots
+      snapshot_at=snapshot_at, keep_hidden=True)
+  logprobs = jax.lax.cond(scored, lambda h: prompt_logprobs(runner, params, h, targets),
+                          lambda h: _no_logprobs((tokens.shape[1],), logits.shape[-1]), hidden)
+  return state, logits[0, -1], record, snapshots, logprobs
 
 
 def grow_program(runner: Runner, state: DecodeState, *, capacity: int) -> DecodeState:
@@ -486,7 +564,7 @@ def grow_program(runner: Runner, state: DecodeState, *, capacity: int) -> Decode
 
 
 def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows, go, resume,
-                   max_new, stop_ids, sampling: Sampling):
+                   max_new, stop_ids, sampling: Sampling, want):
   """Up to ``runner.chunk`` decode steps of a batch of B sequences (one row each, at its own
   length: ``state.decode.length`` int32 [B]), stopping on the device.
 
@@ -494,10 +572,11 @@ def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows,
   host lifts before the first step; max_new int32 [B], stop_ids int32 [B, S] and sampling
   (leaves [B]): each row's own. A row steps while it goes and has not halted (on one of its
   stop ids, or at its max_new); the others' states stay as they are. The loop ends after
-  ``chunk`` steps or when no row steps.
+  ``chunk`` steps or when no row steps. want bool [B]: rows that want their tokens'
+  log-probs (``token_logprobs``: computed in a step only when a row stepping wants them).
 
   Returns (state, rows, tokens [chunk, B] int32 (-1 where a row did not step), record with a
-  leading [chunk] axis, over the rows that stepped)."""
+  leading [chunk] axis, over the rows that stepped, logprobs [chunk, B])."""
   n = runner.chunk
   layers = runner.num_layers
   size = rows.token.shape[0]
@@ -506,14 +585,16 @@ def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows,
                            weights=jnp.zeros((n, layers, size, runner.top_k), jnp.float32))
              if runner.record_routing else None)
   out = jnp.full((n, size), -1, jnp.int32)
+  vocab = runner.vocab_size
+  logprobs = _no_logprobs((n, size), vocab)
   rows = rows.replace(done=rows.done & ~resume)
 
   def cond(carry):
-    i, _, rows, _, _ = carry
+    i, _, rows, _, _, _ = carry
     return (i < n) & jnp.any(go & ~rows.done)
 
   def body(carry):
-    i, state, rows, out, record = carry
+    i, state, rows, out, record, logprobs = carry
     step = go & ~rows.done
     state, logits, record_i, _ = runner.forward(
         params, bank, state, rows.token[:, None], state.decode.length[:, None],
@@ -524,11 +605,15 @@ def decode_program(runner: Runner, params, bank, state: EngineState, rows: Rows,
     halted = jax.vmap(_stopped)(token, count, max_new, stop_ids)
     rows = Rows(token=token, count=count, done=rows.done | (step & halted))
     record = jax.tree.map(lambda whole, one: whole.at[i].set(one), record, record_i)
-    return i + 1, state, rows, out.at[i].set(jnp.where(step, token, -1)), record
+    lp = jax.lax.cond(jnp.any(step & want), lambda: token_logprobs(logits[:, -1], token),
+                      lambda: _no_logprobs((size,), vocab))
+    logprobs = jax.tree.map(lambda whole, one: whole.at[i].set(one), logprobs, lp)
+    return i + 1, state, rows, out.at[i].set(jnp.where(step, token, -1)), record, logprobs
 
-  _, state, rows, out, record = jax.lax.while_loop(
-      cond, body, (jnp.zeros((), jnp.int32), state, rows, out, StepRecord(stats, routing)))
-  return state, rows, out, record
+  _, state, rows, out, record, logprobs = jax.lax.while_loop(
+      cond, body, (jnp.zeros((), jnp.int32), state, rows, out, StepRecord(stats, routing),
+                   logprobs))
+  return state, rows, out, record, logprobs
 
 
 def join_program(runner: Runner, batch: DecodeState, rows: Rows, row, state: DecodeState,

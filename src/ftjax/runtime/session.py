@@ -55,6 +55,7 @@ from ftjax.model import DecodeState, KVCache, LinearState
 from ftjax.runtime import checkpoint, executor
 from ftjax.runtime.checkpoint import CheckpointError
 from ftjax.runtime.engine import Engine
+from ftjax.runtime.executor import TokenLogprob
 from ftjax.runtime.sampling import Sampling
 from ftjax.runtime.tokenizer import load_tokenizer
 
@@ -76,12 +77,15 @@ class ContextResult:
   reused_tokens: tokens kept from the state (the restore point); prefilled_tokens: tokens
   run now; anchor_position: the anchor restored (None: none was needed, or none existed);
   last_logits: [V] float32 after the last token; seconds: wall time of the call (compiles
-  included; the engine reports them apart in ``engine.compile_s``)."""
+  included; the engine reports them apart in ``engine.compile_s``); logprobs (asked for with
+  ``logprobs=True``): each context token's ``TokenLogprob`` given the tokens before it (None
+  for the first), as ``Engine.prompt_logprobs`` gives them."""
   reused_tokens: int
   prefilled_tokens: int
   anchor_position: int | None
   last_logits: np.ndarray
   seconds: float
+  logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -352,11 +356,13 @@ class Session:
       victim = min(older or self._anchors.values(), key=lambda a: a.serial)
       del self._anchors[victim.position]
 
-  def _extend(self, segment: Sequence[int], anchors_at: Sequence[int] = ()):
+  def _extend(self, segment: Sequence[int], anchors_at: Sequence[int] = (), targets=None,
+              scored: list | None = None):
     """Reads ``segment`` after the tokens already read, in the engine's fixed-size chunks
     (``Executor.extend_steps``: yields after each chunk but the last); returns the logits
     after it. Anchors are taken inside it at the positions ``anchors_at`` (counted in the
-    context; the token at each is a boundary)."""
+    context; the token at each is a boundary). With ``targets`` (the token after each of the
+    segment's), their log-probs are appended to ``scored``."""
     engine = self.engine
     first = len(self._fed)
     last = engine.plan_chunks(first, len(segment))[-1]
@@ -365,7 +371,7 @@ class Session:
     try:
       read = yield from engine.executor.extend_steps(
           state, segment, anchors_at=[p - first for p in anchors_at],
-          anchor_slots=self.anchor_slots, start=first)
+          anchor_slots=self.anchor_slots, start=first, targets=targets)
     except BaseException:  # the state is gone: the session starts again from no context
       self.engine.hold_memory(self, 0)
       self._fed.clear()
@@ -373,6 +379,8 @@ class Session:
       self._pending, self._logits = None, None
       raise
     self._state = read.state
+    if targets is not None:
+      scored += read.logprobs
     self._fed.extend(int(t) for t in segment)
     for position, layers in read.snapshots:
       self._store(first + position, layers, self._fed, self._fed[first + position])
@@ -380,18 +388,21 @@ class Session:
 
   # -- Public API -----------------------------------------------------------------------------
 
-  def set_context(self, token_ids: Sequence[int] | np.ndarray) -> ContextResult:
-    """Makes the context exactly ``token_ids`` (at least one token), reusing what it can."""
-    return _finish(self.context_steps(token_ids))
+  def set_context(self, token_ids: Sequence[int] | np.ndarray, *,
+                  logprobs: bool = False) -> ContextResult:
+    """Makes the context exactly ``token_ids`` (at least one token), reusing what it can.
+    ``logprobs``: each token's log-probs too (``ContextResult.logprobs``); the whole context
+    is then read again, as log-probs are made by the forward that reads a token."""
+    return _finish(self.context_steps(token_ids, logprobs=logprobs))
 
-  def context_steps(self, token_ids: Sequence[int] | np.ndarray
+  def context_steps(self, token_ids: Sequence[int] | np.ndarray, *, logprobs: bool = False
                     ) -> Iterator[int]:
     """``set_context`` one prefill chunk at a time: a generator that yields after each chunk
     it dispatches but the last, and returns the ``ContextResult``. The server runs it between
     the decode chunks of the sequences already running."""
-    return self._context_steps(token_ids, turn=True)
+    return self._context_steps(token_ids, turn=True, logprobs=logprobs)
 
-  def _context_steps(self, token_ids, *, turn: bool):
+  def _context_steps(self, token_ids, *, turn: bool, logprobs: bool = False):
     t0 = time.perf_counter()
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
@@ -404,11 +415,12 @@ class Session:
     if self._generating:
       raise RuntimeError("the session is generating (its state is in a decode batch): set "
                          "its context once the generation has ended")
-    if new == self._fed and self._pending is None and self._logits is not None:
+    if new == self._fed and self._pending is None and self._logits is not None and (
+        not logprobs):
       return self._record_turn(ContextResult(
           reused_tokens=len(new), prefilled_tokens=0, anchor_position=None,
           last_logits=self._logits, seconds=time.perf_counter() - t0), turn)
-    common = _common_prefix(self._fed, new)
+    common = 0 if logprobs else _common_prefix(self._fed, new)
     for position in [a for a in self._anchors if a > common]:
       del self._anchors[position]  # their prefix changed
     start, anchor = self._restore_point(min(common, len(new) - 1))
@@ -424,12 +436,16 @@ class Session:
               and q not in self._anchors]
     if self._state is not None and self.anchoring and new[start] in self.anchor_ids:
       self._snapshot(new[start])
+    targets = np.append(np.asarray(new[1:], np.int32), -1) if logprobs else None
+    scored: list = []
     if self.anchor_prefill == "inside":
-      logits = yield from self._extend(new[start:], ends)
+      logits = yield from self._extend(new[start:], ends,
+                                       None if targets is None else targets[start:], scored)
     else:
       begin = start
       for end in ends + [len(new)]:
-        logits = yield from self._extend(new[begin:end])
+        logits = yield from self._extend(
+            new[begin:end], (), None if targets is None else targets[begin:end], scored)
         if end < len(new):
           self._snapshot(new[end])
         begin = end
@@ -439,7 +455,8 @@ class Session:
     return self._record_turn(ContextResult(
         reused_tokens=start, prefilled_tokens=len(new) - start,
         anchor_position=anchor.position if anchor is not None else None,
-        last_logits=self._logits, seconds=time.perf_counter() - t0), turn)
+        last_logits=self._logits, seconds=time.perf_counter() - t0,
+        logprobs=[None] + scored[:-1] if logprobs else None), turn)
 
   def _record_turn(self, result: ContextResult, turn: bool) -> ContextResult:
     if turn:
@@ -475,11 +492,13 @@ class Session:
                  stop_tokens: Sequence[int] = (),
                  on_token: Callable[[int], None] | None = None,
                  cancel: Callable[[], bool] | None = None,
-                 on_done: Callable[[list[int]], None] | None = None
-                 ) -> executor.Generation | None:
+                 on_done: Callable[[list[int]], None] | None = None,
+                 logprobs: bool = False) -> executor.Generation | None:
     """``generate`` as a sequence for the engine's decode loop (``Executor.run``), which the
     server runs in a batch with other sessions' sequences; None for ``max_new_tokens = 0``.
-    ``on_done(tokens)`` is told when it has ended and the session has its state back."""
+    ``on_done(tokens)`` is told when it has ended and the session has its state back.
+    ``logprobs``: the sequence's ``logprobs`` list gets each new token's ``TokenLogprob``
+    before ``on_token`` hears of the token."""
     engine = self.engine
     if not self.tokens:
       raise ValueError("the session has no context: call set_context(token_ids) first")
@@ -527,7 +546,8 @@ class Session:
     state, self._state, self._generating = self._state, None, True
     return executor.Generation(state=state, logits=jax.device_put(self._logits),
                              max_new=int(max_new_tokens), sampling=sampling, stops=pause,
-                             on_chunk=on_chunk, on_leave=on_leave, cancel=cancel, owner=self)
+                             on_chunk=on_chunk, on_leave=on_leave, cancel=cancel, owner=self,
+                             logprobs=[] if logprobs else None)
 
   def stats(self) -> dict[str, Any]:
     """Anchors held (positions, turns, bytes, and how often each was restored), anchors

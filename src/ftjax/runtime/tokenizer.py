@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Protocol, Sequence
 
@@ -15,6 +16,24 @@ class Tokenizer(Protocol):
   def decode(self, ids: Sequence[int]) -> str: ...
 
   def token_id(self, token: str) -> int | None: ...
+
+  def token_bytes(self, token: int) -> bytes: ...
+
+
+def _byte_alphabet() -> dict[str, int]:
+  """Byte-level BPE's alphabet: the printable character each byte is written as (GPT-2's
+  table: printable Latin-1 bytes as themselves, the others as U+0100 onwards), inverted."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+  chars = {b: chr(b) for b in printable}
+  extra = 0
+  for b in range(256):
+    if b not in chars:
+      chars[b] = chr(256 + extra)
+      extra += 1
+  return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_alphabet()
 
 
 class ByteTokenizer:
@@ -36,6 +55,9 @@ class ByteTokenizer:
     """Bytes have no special tokens: always None."""
     return None
 
+  def token_bytes(self, token: int) -> bytes:
+    return bytes([token]) if 0 <= token < 256 else b""
+
 
 class HFTokenizer:
   name = "tokenizer.json"
@@ -43,6 +65,11 @@ class HFTokenizer:
   def __init__(self, path: str):
     from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
     self._tok = _Tok.from_file(path)
+    with open(path, encoding="utf-8") as f:
+      decoder = json.load(f).get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [])] + [decoder.get("type")]
+    self._byte_level = "ByteLevel" in kinds
+    self._added = set(self._tok.get_added_tokens_decoder())
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text).ids
@@ -54,6 +81,16 @@ class HFTokenizer:
     """The id of ``token`` as one vocabulary entry (a special token such as ``<think>``), or
     None when the vocabulary has no such entry."""
     return self._tok.token_to_id(token)
+
+  def token_bytes(self, token: int) -> bytes:
+    """The bytes token ``token`` stands for (a byte-level vocabulary's piece of a multi-byte
+    character too, which ``decode`` cannot show alone); b"" for an id with no entry."""
+    piece = self._tok.id_to_token(token)
+    if piece is None:
+      return b""
+    if self._byte_level and token not in self._added and all(c in _BYTE_OF for c in piece):
+      return bytes(_BYTE_OF[c] for c in piece)
+    return self.decode([token]).encode("utf-8")
 
 
 @functools.lru_cache(maxsize=16)

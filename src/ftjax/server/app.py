@@ -143,10 +143,11 @@ class Server:
   def _limit(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
     """The completion limit: as requested (or the server's default), clipped to the room the
     prompt leaves in the context (the reply then ends with ``length``, as llama-server does).
-    Only a prompt that does not fit on its own is refused."""
+    Only a prompt that does not fit on its own is refused (one that fills it exactly is
+    served when nothing is to be generated: a prompt scored with ``max_tokens`` 0)."""
     window = self.engine.max_seq_len
     left = window - prompt_len
-    if left < 1:
+    if left < 1 and not (left == 0 and requested == 0):
       raise ApiError(400, f"the prompt is {prompt_len} tokens, which leaves no room in this "
                      f"model's context of {window} tokens: shorten it, or serve a longer "
                      "context (--max_seq_len)", param=prompt_param,
@@ -179,7 +180,8 @@ class Server:
 
   def spec_job(self, spec: ChatSpec, loop, received: float,
                prompt_param: str = "messages") -> Job:
-    """The job of a chat request of any API."""
+    """The job of a chat request of any API (``spec.logprobs``: its tokens' log-probs with
+    that many alternatives)."""
     self.check_model(spec.model)
     prompt = self.render(spec, prompt_param)
     ids = self.encoder.encode(prompt)
@@ -188,21 +190,31 @@ class Server:
                stream=spec.stream, chat=True,
                reasoning=self.reply_format.opens_thinking(prompt),
                tool_calls=spec.parse_tool_calls, loop=loop, received=received,
-               reply_format=self.reply_format, tools=spec.tools)
+               reply_format=self.reply_format, tools=spec.tools, logprobs=spec.logprobs)
 
   def count_tokens(self, spec: ChatSpec, prompt_param: str = "messages") -> int:
     """The prompt tokens ``spec`` would be given (the generation prompt included)."""
     self.check_model(spec.model)
     return len(self.encoder.encode(self.render(spec, prompt_param)))
 
-  def completion_job(self, req: CompletionRequest, loop, received: float) -> Job:
-    """The job of a completions request: its prompt's ids, continued as they are."""
+  def completion_jobs(self, req: CompletionRequest, loop, received: float) -> list[Job]:
+    """The jobs of a completions request, one per prompt: its ids, continued as they are
+    (``echo``: the reply repeats the prompt, with its log-probs when ``logprobs`` is set)."""
     self.check_model(req.model)
-    ids = openai.prompt_ids(req, self.tokenizer, self.engine.model.config.vocab_size)
-    limit = self._limit(len(ids), req.limit, "prompt")
-    return Job(ids=ids, max_tokens=limit, sampling=self._sampling(req), stops=req.stops,
-               stream=req.stream, chat=False, reasoning=False, tool_calls=False, loop=loop,
-               received=received)
+    jobs = []
+    prompts = req.prompts
+    for i, prompt in enumerate(prompts):
+      param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+      ids = openai.prompt_ids(prompt, self.tokenizer, self.engine.model.config.vocab_size,
+                              param)
+      limit = self._limit(len(ids), req.limit, param)
+      echo_text = "" if not req.echo else (
+          prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
+      jobs.append(Job(ids=ids, max_tokens=limit, sampling=self._sampling(req),
+                      stops=req.stops, stream=req.stream, chat=False, reasoning=False,
+                      tool_calls=False, loop=loop, received=received, logprobs=req.logprobs,
+                      echo=req.echo, echo_text=echo_text))
+    return jobs
 
   # -- Jobs to responses --------------------------------------------------------------------
 
@@ -253,6 +265,24 @@ class Server:
       return JSONResponse({})
     on_done(outcome)
     return JSONResponse(body(deltas, outcome))
+
+  async def respond_all(self, jobs: list[Job], request: Request, endpoint: str
+                        ) -> list[tuple[list[Delta], Outcome]]:
+    """The whole replies of ``jobs`` (one request's prompts), submitted together so that
+    they run side by side: each one's deltas and outcome. One refused (429) or failed fails
+    the request, and the others are cancelled."""
+    try:
+      for job in jobs:
+        self.worker.submit(job)
+      results = await asyncio.gather(*(self.collect(job, request) for job in jobs))
+    finally:
+      for job in jobs:
+        job.cancelled.set()  # a no-op for those done; drops the rest after a failure
+    if any(outcome is None for _, outcome in results):
+      return []  # the client went away
+    for _, outcome in results:
+      self.metrics.finished(endpoint, outcome)
+    return list(results)
 
   async def collect(self, job: Job, request: Request) -> tuple[list[Delta], Outcome | None]:
     """Waits for the submitted ``job``'s end: its deltas and outcome (None when the client
@@ -440,7 +470,8 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
         lambda events, on_done: openai.stream(events, rid, model, fingerprint, job.chat,
                                               include_usage, on_done),
         lambda deltas, outcome: openai.completion_body(rid, model, fingerprint, job.chat,
-                                                       deltas, outcome))
+                                                       deltas, outcome,
+                                                       job.logprobs is not None))
 
   @app.post("/v1/chat/completions")
   async def chat(req: ChatRequest, request: Request):
@@ -451,8 +482,12 @@ def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> FastAPI
   @app.post("/v1/completions")
   async def completions(req: CompletionRequest, request: Request):
     received = time.perf_counter()
-    job = server.completion_job(req, asyncio.get_running_loop(), received)
-    return await openai_response(job, request, "completions", openai.include_usage(req))
+    jobs = server.completion_jobs(req, asyncio.get_running_loop(), received)
+    if len(jobs) == 1:
+      return await openai_response(jobs[0], request, "completions", openai.include_usage(req))
+    return JSONResponse(openai.completions_body(
+        openai.completion_id(False), config.model_name, server.fingerprint,
+        await server.respond_all(jobs, request, "completions"), req.logprobs is not None))
 
   @app.post("/v1/messages")
   async def messages(req: anthropic.MessagesRequest, request: Request):

@@ -8,6 +8,14 @@ SDKs parse, ending with ``data: [DONE]``. The request bodies are ``protocol``'s.
 A chat reply's reasoning is its message's ``reasoning_content``, its tool calls
 ``tool_calls`` (``content`` is null when there are calls and no text);
 ``usage.prompt_tokens_details.cached_tokens`` are the prompt tokens the session reused.
+
+Log-probabilities (of the model's distribution: the raw logits' log-softmax, whatever the
+sampling options) come in each API's shape: a completion's legacy object (``tokens``,
+``token_logprobs``, ``top_logprobs`` as {token: log-prob}, ``text_offset``; with ``echo``
+the prompt's tokens first, the first of them with null), a chat choice's ``logprobs.content``
+(every generated token's, reasoning included, with ``bytes`` and ``top_logprobs``). The end
+token a reply stops at is listed too (an evaluation harness reads the token after the prompt).
+A prompt given as a list is one choice per prompt, run side by side.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from ftjax.server.outputs import Delta
-from ftjax.server.protocol import ApiError, ChatRequest, ChatSpec, CompletionRequest
+from ftjax.server.outputs import Delta, Logprob
+from ftjax.server.protocol import (LEAST_LOGPROB, ApiError, ChatRequest, ChatSpec,
+                                   CompletionRequest)
 
 
 def to_spec(req: ChatRequest) -> ChatSpec:
@@ -28,23 +37,50 @@ def to_spec(req: ChatRequest) -> ChatSpec:
                   tools=tools, template_options=dict(req.chat_template_kwargs or {}),
                   parse_tool_calls=bool(tools) and req.tool_choice != "none",
                   max_tokens=req.limit, temperature=req.temperature, top_p=req.top_p,
-                  seed=req.seed, stops=req.stops, stream=req.stream)
+                  seed=req.seed, stops=req.stops, stream=req.stream, logprobs=req.top)
 
 
-def prompt_ids(req: CompletionRequest, tokenizer, vocab_size: int) -> list[int]:
+def prompt_ids(prompt: str | list[int], tokenizer, vocab_size: int,
+               param: str = "prompt") -> list[int]:
   """The token ids of a completions request's prompt: its text encoded, or its ids as given
   (a 400 for ids outside the vocabulary, or a text of no tokens)."""
-  if isinstance(req.prompt, str):
-    ids = tokenizer.encode(req.prompt)
+  if isinstance(prompt, str):
+    ids = tokenizer.encode(prompt)
     if not ids:
-      raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+      raise ApiError(400, "the prompt encodes to no tokens", param=param)
     return ids
-  ids = list(req.prompt)
+  ids = list(prompt)
   bad = [t for t in ids if not 0 <= t < vocab_size]
   if bad:
     raise ApiError(400, f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}",
-                   param="prompt")
+                   param=param)
   return ids
+
+
+def _finite(x: float | None) -> float | None:
+  return None if x is None else max(float(x), LEAST_LOGPROB)
+
+
+def legacy_logprobs(lps: list[Logprob]) -> dict[str, Any]:
+  """A completion choice's ``logprobs`` (the legacy shape lm-evaluation-harness reads)."""
+  return {"tokens": [lp.token for lp in lps],
+          "token_logprobs": [_finite(lp.logprob) for lp in lps],
+          "top_logprobs": [None if lp.logprob is None else
+                           {token: _finite(v) for token, _, v in lp.top} for lp in lps],
+          "text_offset": [lp.offset for lp in lps]}
+
+
+def chat_logprobs(lps: list[Logprob]) -> dict[str, Any]:
+  """A chat choice's ``logprobs``: each token's, with its bytes and alternatives."""
+  return {"content": [{"token": lp.token, "logprob": _finite(lp.logprob),
+                       "bytes": list(lp.bytes),
+                       "top_logprobs": [{"token": t, "logprob": _finite(v), "bytes": list(b)}
+                                        for t, b, v in lp.top]} for lp in lps],
+          "refusal": None}
+
+
+def _logprobs_of(deltas: list[Delta]) -> list[Logprob]:
+  return [lp for d in deltas if d.kind == "logprobs" for lp in d.logprobs]
 
 
 def include_usage(req: ChatRequest | CompletionRequest) -> bool:
@@ -69,16 +105,40 @@ def completion_id(chat: bool) -> str:
   return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
+def text_choice(index: int, deltas: list[Delta], outcome, logprobs: bool) -> dict[str, Any]:
+  """One choice of a ``text_completion``."""
+  text = "".join(d.text for d in deltas if d.kind == "content")
+  return {"index": index, "text": text,
+          "logprobs": legacy_logprobs(_logprobs_of(deltas)) if logprobs else None,
+          "finish_reason": outcome.finish_reason}
+
+
+def completions_body(rid: str, model: str, fingerprint: str,
+                     results: list[tuple[list[Delta], Any]], logprobs: bool) -> dict[str, Any]:
+  """A ``text_completion`` of several prompts: a choice each, the usage summed."""
+  total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+           "prompt_tokens_details": {"cached_tokens": 0}}
+  for _, outcome in results:
+    one = usage(outcome)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+      total[key] += one[key]
+    total["prompt_tokens_details"]["cached_tokens"] += outcome.cached_tokens
+  return {"id": rid, "created": int(time.time()), "model": model,
+          "system_fingerprint": fingerprint, "usage": total, "object": "text_completion",
+          "choices": [text_choice(i, deltas, outcome, logprobs)
+                      for i, (deltas, outcome) in enumerate(results)]}
+
+
 def completion_body(rid: str, model: str, fingerprint: str, chat: bool, deltas: list[Delta],
-                    outcome) -> dict[str, Any]:
-  """The whole reply: a ``chat.completion`` (``chat``) or a ``text_completion``."""
+                    outcome, logprobs: bool = False) -> dict[str, Any]:
+  """The whole reply: a ``chat.completion`` (``chat``) or a ``text_completion``; with the
+  tokens' log-probs when ``logprobs``."""
   base = {"id": rid, "created": int(time.time()), "model": model,
           "system_fingerprint": fingerprint, "usage": usage(outcome)}
   text = "".join(d.text for d in deltas if d.kind == "content")
   if not chat:
     return {**base, "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": outcome.finish_reason}]}
+            "choices": [text_choice(0, deltas, outcome, logprobs)]}
   reasoning = [d.text for d in deltas if d.kind == "reasoning"]
   calls = [d.call for d in deltas if d.kind == "tool_call"]
   message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls
@@ -88,7 +148,8 @@ def completion_body(rid: str, model: str, fingerprint: str, chat: bool, deltas: 
   if calls:
     message["tool_calls"] = [tool_call_json(c) for c in calls]
   return {**base, "object": "chat.completion",
-          "choices": [{"index": 0, "message": message, "logprobs": None,
+          "choices": [{"index": 0, "message": message,
+                       "logprobs": chat_logprobs(_logprobs_of(deltas)) if logprobs else None,
                        "finish_reason": outcome.finish_reason}]}
 
 
@@ -103,11 +164,11 @@ async def stream(events: AsyncIterator[tuple[str, Any]], rid: str, model: str, f
     base["usage"] = None
   kind_of = "chat.completion.chunk" if chat else "text_completion"
 
-  def chunk(delta=None, finish=None, text=None) -> str:
+  def chunk(delta=None, finish=None, text=None, logprobs=None) -> str:
     if chat:
-      choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+      choice = {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
     else:
-      choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+      choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     body = {**base, "object": kind_of, "choices": [choice]}
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
@@ -117,7 +178,10 @@ async def stream(events: AsyncIterator[tuple[str, Any]], rid: str, model: str, f
   async for kind, payload in events:
     if kind == "deltas":
       for d in payload:
-        if not chat:
+        if d.kind == "logprobs":
+          lps = list(d.logprobs)
+          yield chunk(logprobs=chat_logprobs(lps) if chat else legacy_logprobs(lps))
+        elif not chat:
           yield chunk(text=d.text)
         elif d.kind == "content":
           yield chunk({"content": d.text})

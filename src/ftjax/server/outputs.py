@@ -40,10 +40,24 @@ class ToolCall:
 
 
 @dataclasses.dataclass(frozen=True)
+class Logprob:
+  """A token's log-probability as the APIs write it: its text and bytes, its log-prob under
+  the model's distribution (None: a prompt's first token, which has no context), the most
+  probable tokens' (text, bytes, log-prob), and where its text starts in the choice's text
+  (legacy completions' ``text_offset``)."""
+  token: str
+  bytes: bytes
+  logprob: float | None
+  top: tuple[tuple[str, bytes, float], ...]
+  offset: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Delta:
-  kind: str  # "reasoning", "content" or "tool_call"
+  kind: str  # "reasoning", "content", "tool_call" or "logprobs" (of the tokens before it)
   text: str = ""
   call: ToolCall | None = None
+  logprobs: tuple[Logprob, ...] = ()
 
 
 def new_call(name: str, arguments: str) -> ToolCall:

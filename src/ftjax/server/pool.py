@@ -53,11 +53,14 @@ class SessionPool:
     self.created += 1
     return self.new_session()
 
-  def take(self, token_ids: Sequence[int]) -> Session:
+  def take(self, token_ids: Sequence[int], *, reuse: bool = True) -> Session:
     """The session to serve ``token_ids`` with (the best match, or a new one); it becomes the
-    most recently used."""
+    most recently used. ``reuse=False``: a new one, held by the pool like the others (a
+    request that reads its whole prompt again: its log-probs)."""
     if not self.reuse:
       return self._new()
+    if not reuse:
+      return self._hold(self._new())
     best_key, best = None, 0
     for key, session in self._sessions.items():  # later = more recent: wins ties
       if id(session) in self._busy:
@@ -74,6 +77,10 @@ class SessionPool:
       self.forked += 1
     else:
       session = self._new()
+    return self._hold(session)
+
+  def _hold(self, session: Session) -> Session:
+    """Adds ``session`` (busy) to the pool, evicting idle ones over ``max_sessions``."""
     idle = [k for k, s in self._sessions.items() if id(s) not in self._busy]
     while len(self._sessions) >= self.max_sessions and idle:
       self._sessions.pop(idle.pop(0)).close()

@@ -4,8 +4,10 @@ reader of "a string or a list of text blocks" content).
 
 Fields the server does not use (``user``, ``metadata``, ``parallel_tool_calls``, ...) are
 accepted and ignored, as OpenAI-compatible servers do; fields whose meaning the server cannot
-honour (``n`` > 1, ``logprobs``, penalties, a JSON ``response_format``, a forced
-``tool_choice``) are a 400 that says so, never silently dropped.
+honour (``n`` > 1, penalties, a JSON ``response_format``, a forced ``tool_choice``) are a
+400 that says so, never silently dropped. Log-probabilities are served: completions'
+``logprobs`` (0 .. ``MAX_LOGPROBS`` alternatives, in the legacy shape) with ``echo`` (the
+prompt's too), chat's ``logprobs`` / ``top_logprobs``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4
+MAX_LOGPROBS = 20  # alternatives a token's log-probs may list (``programs.TOP_LOGPROBS``)
+LEAST_LOGPROB = -9999.0  # what a log-prob of -inf is written as (JSON has no infinity)
 
 
 class ApiError(Exception):
@@ -55,6 +59,7 @@ class ChatSpec:
   seed: int | None = None
   stops: list[str] = dataclasses.field(default_factory=list)
   stream: bool = False
+  logprobs: int | None = None  # the tokens' log-probs with this many alternatives (None: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +184,6 @@ class _Sampling(Body):
   stream_options: StreamOptions | None = None
   presence_penalty: float | None = None
   frequency_penalty: float | None = None
-  logprobs: bool | int | None = None
   logit_bias: dict[str, float] | None = None
 
   @field_validator("stop")
@@ -201,8 +205,6 @@ class _Sampling(Body):
     for name in ("presence_penalty", "frequency_penalty"):
       if getattr(self, name) not in (None, 0):
         raise ValueError(f"{name} is not supported by this server: leave it out or 0")
-    if self.logprobs not in (None, False, 0):
-      raise ValueError("logprobs are not supported by this server: leave them out")
     if self.logit_bias:
       raise ValueError("logit_bias is not supported by this server: leave it out")
     if self.stream_options is not None and not self.stream:
@@ -222,9 +224,13 @@ class ChatRequest(_Sampling):
   max_completion_tokens: int | None = Field(default=None, ge=1)
   response_format: dict[str, Any] | None = None
   chat_template_kwargs: dict[str, Any] | None = None
+  logprobs: bool | None = None
+  top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
   @model_validator(mode="after")
   def _chat_supported(self):
+    if self.top_logprobs is not None and not self.logprobs:
+      raise ValueError("top_logprobs needs logprobs=true")
     if isinstance(self.tool_choice, dict):
       raise ValueError("tool_choice forcing a function is not supported by this server: use "
                        "'auto' or 'none'")
@@ -238,18 +244,41 @@ class ChatRequest(_Sampling):
     return self.max_completion_tokens if self.max_completion_tokens is not None \
         else self.max_tokens
 
+  @property
+  def top(self) -> int | None:
+    """Alternatives per token's log-probs (None: no log-probs)."""
+    return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Sampling):
-  prompt: str | list[int] = Field(min_length=1)
-  max_tokens: int | None = Field(default=16, ge=1)
+  """A prompt is a text or token ids, or a list of either: each its own choice (``index`` in
+  order), run as requests side by side."""
+  prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+  max_tokens: int | None = Field(default=16, ge=0)
   echo: bool = False
+  logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
   suffix: str | None = None
   best_of: int | None = None
 
+  @field_validator("prompt")
+  @classmethod
+  def _prompts(cls, v):
+    if isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v):
+      raise ValueError("each prompt of a list must be a non-empty text or list of token ids")
+    return v
+
+  @property
+  def prompts(self) -> list[str | list[int]]:
+    """The prompts, each a text or a list of token ids."""
+    if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+      return [self.prompt]
+    return list(self.prompt)
+
   @model_validator(mode="after")
   def _completion_supported(self):
-    if self.echo:
-      raise ValueError("echo is not supported by this server")
+    if len(self.prompts) > 1 and self.stream:
+      raise ValueError("stream=true takes one prompt: send a list of prompts unstreamed, or "
+                       "one request per prompt")
     if self.suffix:
       raise ValueError("suffix (insertion) is not supported by this server")
     if self.best_of not in (None, 1):

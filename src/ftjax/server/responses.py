@@ -31,9 +31,10 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ftjax.server.outputs import Delta
-from ftjax.server.protocol import ApiError, Body, ChatSpec, TextContent
+from ftjax.server.outputs import Delta, Logprob
+from ftjax.server.protocol import LEAST_LOGPROB, MAX_LOGPROBS, ApiError, Body, ChatSpec, TextContent
 
+LOGPROBS_ITEM = "message.output_text.logprobs"  # what ``include`` names to get them
 THINKING_OFF = ("none", "minimal")  # reasoning.effort values that switch thinking off
 # Tools that OpenAI's servers run themselves (or, for custom and local_shell, that take
 # free-form input the chat template has no syntax for): not offered to the model here. Codex
@@ -82,7 +83,8 @@ class Request(Body):
   previous_response_id: str | None = None
   conversation: Any = None
   background: bool | None = None
-  top_logprobs: int | None = None
+  top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+  include: list[str] | None = None
   metadata: dict[str, Any] | None = None
 
   @field_validator("tools")
@@ -101,8 +103,6 @@ class Request(Body):
                        "send the whole conversation in 'input'")
     if self.background:
       raise ValueError("background responses are not supported by this server")
-    if self.top_logprobs:
-      raise ValueError("top_logprobs is not supported by this server: leave it out")
     if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
       raise ValueError("tool_choice forcing a tool call is not supported: the chat template "
                        "cannot force one; use 'auto' or 'none'")
@@ -202,7 +202,21 @@ def to_spec(req: Request) -> ChatSpec:
                   template_options=options,
                   parse_tool_calls=bool(tools) and req.tool_choice != "none",
                   max_tokens=req.max_output_tokens, temperature=req.temperature,
-                  top_p=req.top_p, stream=req.stream)
+                  top_p=req.top_p, stream=req.stream, logprobs=logprobs_wanted(req))
+
+
+def logprobs_wanted(req: Request) -> int | None:
+  """Alternatives per output token's log-probs (None: none): asked for with
+  ``top_logprobs`` or ``include: ["message.output_text.logprobs"]``."""
+  if req.top_logprobs is None and LOGPROBS_ITEM not in (req.include or []):
+    return None
+  return req.top_logprobs or 0
+
+
+def _logprob_json(lp: Logprob) -> dict[str, Any]:
+  return {"token": lp.token, "logprob": max(lp.logprob, LEAST_LOGPROB), "bytes": list(lp.bytes),
+          "top_logprobs": [{"token": t, "logprob": max(v, LEAST_LOGPROB), "bytes": list(b)}
+                           for t, b, v in lp.top]}
 
 
 def response_id() -> str:
@@ -259,7 +273,7 @@ class Builder:
     if item["type"] == "message":
       part = item["content"][0]
       out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                            content_index=0, text=part["text"], logprobs=[]))
+                            content_index=0, text=part["text"], logprobs=part["logprobs"]))
       out.append(self.event("response.content_part.done", item_id=item["id"],
                             output_index=index, content_index=0, part=part))
     else:
@@ -271,6 +285,10 @@ class Builder:
 
   def push(self, d: Delta) -> list[str]:
     out: list[str] = []
+    if d.kind == "logprobs":  # of the tokens before it: kept with the open message's text
+      if self.open and self.items[-1]["type"] == "message":
+        self.items[-1]["content"][0]["logprobs"] += [_logprob_json(lp) for lp in d.logprobs]
+      return out
     if d.kind == "tool_call":
       out += self._close()
       item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": d.call.id,

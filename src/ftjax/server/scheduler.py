@@ -35,11 +35,11 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from ftjax.runtime.engine import Engine
-from ftjax.runtime.executor import PREPARE_WORKERS, Batch, Feed, Generation
-from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, Session
+from ftjax.runtime.executor import PREPARE_WORKERS, Batch, Feed, Generation, TokenLogprob
+from ftjax.runtime.session import DEFAULT_ANCHOR_BUDGET_BYTES, ContextResult, Session
 from ftjax.runtime.tokenizer import StreamDecoder, load_tokenizer
 from ftjax.server.auth import check_key
-from ftjax.server.outputs import Delta, StopMatcher
+from ftjax.server.outputs import Delta, Logprob, StopMatcher
 from ftjax.server.pool import SessionPool
 from ftjax.server.protocol import ApiError
 from ftjax.server.reply_formats import QWEN, ReplyFormat, check_name
@@ -114,8 +114,18 @@ class Job:
   received: float
   reply_format: ReplyFormat = QWEN  # how the model writes reasoning and tool calls
   tools: list[dict[str, Any]] | None = None  # the request's (some formats type arguments by them)
+  # Log-probs of the reply's tokens with this many alternatives each (None: none), and with
+  # ``echo`` the prompt's (``echo_text`` the prompt as the reply repeats it): its context is
+  # then read whole, as a prompt's log-probs come from the forward that reads it.
+  logprobs: int | None = None
+  echo: bool = False
+  echo_text: str = ""
   events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+  @property
+  def scores_prompt(self) -> bool:
+    return self.echo and self.logprobs is not None
 
   def send(self, kind: str, payload: Any = None) -> None:
     try:
@@ -137,12 +147,17 @@ class Outcome:
   stop_sequence: str | None = None  # the request's stop string that ended the reply
 
 
+def _chars(raw: bytes) -> int:
+  """Characters a token's bytes start (UTF-8 lead bytes): a text's length, summed."""
+  return sum((b & 0xC0) != 0x80 for b in raw)
+
+
 class Reply:
   """A running job's reply: turns its tokens into deltas (text, reasoning, tool calls),
   matches its stop strings and makes its outcome."""
 
   def __init__(self, job: Job, tokenizer, eos: set[int]):
-    self.job, self.eos = job, eos
+    self.job, self.eos, self.tokenizer = job, eos, tokenizer
     self.decoder = StreamDecoder(tokenizer)
     self.stops = StopMatcher(job.stops)
     self.parser = job.reply_format.parser(reasoning=job.reasoning, tool_calls=job.tool_calls,
@@ -150,6 +165,39 @@ class Reply:
     self.count, self.first_at, self.finish, self.after_cancel = 0, None, "length", 0
     self.held: list[Delta] = []  # a non-streaming reply's deltas, sent once at the end
     self.cached_tokens = 0
+    self.generation: Generation | None = None  # its sequence (log-probs are read from it)
+    self.seen = 0  # tokens heard (``on_token``), past a stop too
+    self.chars = 0  # characters of the choice's text so far (``Logprob.offset``)
+    self._texts: dict[int, tuple[str, bytes]] = {}
+
+  def _token(self, token: int) -> tuple[str, bytes]:
+    if token not in self._texts:
+      self._texts[token] = (self.tokenizer.decode([token]), self.tokenizer.token_bytes(token))
+    return self._texts[token]
+
+  def logprob(self, entry: TokenLogprob | None, token: int, offset: int) -> Logprob:
+    """The API's form of a token's log-probs (``entry`` None: a prompt's first token)."""
+    text, raw = self._token(token)
+    if entry is None:
+      return Logprob(text, raw, None, (), offset)
+    n = self.job.logprobs or 0
+    top = tuple((*self._token(int(i)), float(lp))
+                for i, lp in zip(entry.top_ids[:n], entry.top[:n]))
+    return Logprob(text, raw, entry.logprob, top, offset)
+
+  def start(self, context: ContextResult) -> None:
+    """The prompt has been read: an echoed prompt's text (and log-probs) come first."""
+    if not self.job.echo:
+      return
+    out = [Delta("content", self.job.echo_text)] if self.job.echo_text else []
+    if context.logprobs is not None:
+      chars, lps = 0, []
+      for token, entry in zip(self.job.ids, context.logprobs):
+        lps.append(self.logprob(entry, token, chars))
+        chars += _chars(self._token(token)[1])
+      out.append(Delta("logprobs", logprobs=tuple(lps)))
+    self.chars = len(self.job.echo_text)
+    self.send(out)
 
   def send(self, out: list[Delta]) -> None:
     if not out:
@@ -165,6 +213,10 @@ class Reply:
     return self.parser.push(text)
 
   def on_token(self, tok: int) -> None:
+    entry = None
+    if self.job.logprobs is not None and self.generation is not None:
+      entry = self.generation.logprobs[self.seen]
+    self.seen += 1
     if self.job.cancelled.is_set():
       self.after_cancel += 1
     if self.stops.stopped or self.finish == "stop":
@@ -172,13 +224,19 @@ class Reply:
     self.count += 1
     if self.first_at is None:
       self.first_at = time.perf_counter()
+    offset = self.chars
+    lp = [] if entry is None else [Delta("logprobs", logprobs=(self.logprob(entry, tok,
+                                                                              offset),))]
     if tok in self.eos:
       self.finish = "stop"
+      self.send(lp)  # the end token's log-prob too (a harness reads the token it scores)
       return
-    out = self.deltas(self.stops.push(self.decoder.push(tok)))
+    piece = self.decoder.push(tok)
+    self.chars += len(piece)
+    out = self.deltas(self.stops.push(piece))
     if self.stops.stopped:
       self.finish = "stop"
-    self.send(out)
+    self.send(out + lp)
 
   def cancel(self) -> bool:
     return self.job.cancelled.is_set() or self.stops.stopped
@@ -496,14 +554,15 @@ class Worker(Feed):
       return True
     self._unqueue(job, running=True)
     try:
-      session = self.pool.take(job.ids)
+      session = self.pool.take(job.ids, reuse=not job.scores_prompt)
     except Exception as e:  # noqa: BLE001 - reported to the client as a 500
       with self._lock:
         self.running -= 1
       job.send("error", e)
       return True
     running = Running(job=job, session=session, reply=Reply(job, self.tokenizer, self.eos),
-                      prefill=session.context_steps(job.ids), started=time.perf_counter())
+                      prefill=session.context_steps(job.ids, logprobs=job.scores_prompt),
+                      started=time.perf_counter())
     self._admitted.append(running)
     return True
 
@@ -608,10 +667,11 @@ class Worker(Feed):
     running.reply.cached_tokens = context.reused_tokens
     reply = running.reply
     try:
-      running.generation = running.session.generation(
+      reply.start(context)
+      running.generation = reply.generation = running.session.generation(
           running.job.max_tokens, stop_tokens=self.eos, on_token=reply.on_token,
           cancel=reply.cancel, on_done=lambda _, r=running: self._end(r),
-          **running.job.sampling)
+          logprobs=running.job.logprobs is not None, **running.job.sampling)
     except Exception as e:  # noqa: BLE001
       self._end(running, error=e)
       return len(running.job.ids) - before
