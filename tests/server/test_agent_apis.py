@@ -289,7 +289,7 @@ def _responses_bad(name):
           {"type": "function_call_output", "output": "x"}]), 400),
       ("item not an object", with_(input=["hi"]), 400),
       ("temperature 3", with_(temperature=3), 400),
-      ("top_logprobs", with_(top_logprobs=2), 400),
+      ("top_logprobs 21", with_(top_logprobs=21), 400),
       ("prompt past the context", with_(input="x " * 70000), 400),
   ]
 

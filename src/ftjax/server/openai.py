@@ -47,12 +47,12 @@ def prompt_ids(prompt: str | list[int], tokenizer, vocab_size: int,
   if isinstance(prompt, str):
     ids = tokenizer.encode(prompt)
     if not ids:
-      raise ApiError(400, "the prompt encodes to no tokens", param=param)
+      raise ApiError(400, f"{param} encodes to no tokens", param=param)
     return ids
   ids = list(prompt)
   bad = [t for t in ids if not 0 <= t < vocab_size]
   if bad:
-    raise ApiError(400, f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}",
+    raise ApiError(400, f"{param} token ids must be in [0, {vocab_size}); got {bad[:5]}",
                    param=param)
   return ids
 
