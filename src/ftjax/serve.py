@@ -54,6 +54,8 @@ def main(argv):
         session_budget_bytes=_FLAGS["session_budget_bytes"].value,
         max_sessions=_FLAGS["max_sessions"].value, session_reuse=_FLAGS["session_reuse"].value,
         anchor_budget_bytes=_FLAGS["anchor_budget_bytes"].value,
+        session_dir=_FLAGS["session_dir"].value,
+        session_disk_bytes=_FLAGS["session_disk_bytes"].value,
         precompile=_FLAGS["precompile"].value,
         api_keys=gather_keys(_FLAGS["api_key"].value, _FLAGS["api_key_file"].value, ENV_KEY),
         admin_keys=gather_keys(_FLAGS["admin_key"].value, _FLAGS["admin_key_file"].value,
@@ -134,6 +136,13 @@ def cli() -> None:
       "anchor_budget_bytes": flags.DEFINE_integer(
           "anchor_budget_bytes", DEFAULT_ANCHOR_BUDGET_BYTES,
           "host memory for recurrent-state anchors per session (0: none)", lower_bound=0),
+      "session_dir": flags.DEFINE_string(
+          "session_dir", None, "keep sessions on disk here across restarts: those dropped from "
+          "memory and, at shutdown, those held are saved (KV, recurrent states, anchors); a "
+          "request whose prompt a saved session serves loads it instead of prefilling"),
+      "session_disk_bytes": flags.DEFINE_integer(
+          "session_disk_bytes", d.session_disk_bytes, "disk the saved sessions may take "
+          "(--session_dir); the least recently saved are deleted first", lower_bound=0),
       "api_key": flags.DEFINE_string(
           "api_key", None, f"the key every route but /health needs (Authorization: Bearer, "
           f"or x-api-key); default ${ENV_KEY}, which keeps it out of the process list"),

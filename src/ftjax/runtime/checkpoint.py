@@ -93,29 +93,48 @@ class Writer:
     self._manager.close()
 
 
-def read(directory: str) -> tuple[dict, dict[str, Any], int]:
-  """(arrays, meta, step) of the newest complete step in ``directory``."""
+def _meta(manager, path: str) -> tuple[dict[str, Any], int]:
+  step = manager.latest_step()
+  if step is None:
+    raise CheckpointError(
+        f"{path} holds no complete session checkpoint (a save that was interrupted leaves "
+        "none behind): save the session there again")
+  try:
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  except Exception as e:  # orbax raises many kinds for damaged files
+    raise CheckpointError(f"the session checkpoint {path} (step {step}) is unreadable: {e}; "
+                          "it is corrupt: save the session again") from e
+  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    raise CheckpointError(f"{path} (step {step}) is not an ftjax session checkpoint")
+  if meta.get("format_version") != FORMAT_VERSION:
+    raise CheckpointError(
+        f"{path} (step {step}) is session checkpoint format {meta.get('format_version')}; "
+        f"this ftjax reads format {FORMAT_VERSION}")
+  return meta, step
+
+
+def _manager(directory: str):
   path = os.path.abspath(os.fspath(directory))
   if not os.path.isdir(path):
     raise FileNotFoundError(f"no session checkpoint at {path}: the directory does not exist")
-  manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
+  return path, ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
+
+
+def read_meta(directory: str) -> tuple[dict[str, Any], int]:
+  """(meta, step) of the newest complete step in ``directory``, its arrays left unread (their
+  CRC-32s are checked by ``read``)."""
+  path, manager = _manager(directory)
   try:
-    step = manager.latest_step()
-    if step is None:
-      raise CheckpointError(
-          f"{path} holds no complete session checkpoint (a save that was interrupted leaves "
-          "none behind): save the session there again")
-    try:
-      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    except Exception as e:  # orbax raises many kinds for damaged files
-      raise CheckpointError(f"the session checkpoint {path} (step {step}) is unreadable: {e}; "
-                            "it is corrupt: save the session again") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-      raise CheckpointError(f"{path} (step {step}) is not an ftjax session checkpoint")
-    if meta.get("format_version") != FORMAT_VERSION:
-      raise CheckpointError(
-          f"{path} (step {step}) is session checkpoint format {meta.get('format_version')}; "
-          f"this ftjax reads format {FORMAT_VERSION}")
+    return _meta(manager, path)
+  finally:
+    manager.close()
+
+
+def read(directory: str) -> tuple[dict, dict[str, Any], int]:
+  """(arrays, meta, step) of the newest complete step in ``directory``."""
+  path, manager = _manager(directory)
+  try:
+    meta, step = _meta(manager, path)
     try:
       arrays = manager.restore(step, args=ocp.args.Composite(
           arrays=ocp.args.StandardRestore())).arrays

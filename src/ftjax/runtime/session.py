@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ftjax.kernels.cpu_info import ftjax_version
 from ftjax.model import DecodeState, KVCache, LinearState
 from ftjax.runtime import checkpoint, executor
 from ftjax.runtime.checkpoint import CheckpointError
@@ -236,6 +237,16 @@ class Session:
   def tokens(self) -> list[int]:
     """The current context: what was set plus what was generated since."""
     return self._fed + ([self._pending] if self._pending is not None else [])
+
+  @property
+  def read_tokens(self) -> list[int]:
+    """The tokens the state has read (``tokens`` but a last generated one not read yet)."""
+    return list(self._fed)
+
+  @property
+  def anchor_positions(self) -> list[int]:
+    """The positions the recurrent layers' state can be put back to (its anchors)."""
+    return sorted(self._anchors)
 
   def _ensure_capacity(self, needed: int) -> None:
     """A state whose KV caches hold at least ``needed`` rows (one of the engine's
@@ -619,7 +630,7 @@ class Session:
         "anchors": [{"position": a.position, "turn": a.turn, "serial": a.serial,
                      "uses": a.uses} for a in self._anchors.values()],
         "serial": self._serial, "restores": self._restores, "turns": self._turns,
-        "metadata": metadata,
+        "metadata": metadata, "ftjax_version": ftjax_version(),
     }
     try:
       json.dumps(metadata)

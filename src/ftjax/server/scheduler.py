@@ -42,6 +42,7 @@ from ftjax.server.auth import check_key
 from ftjax.server.outputs import Delta, Logprob, StopMatcher
 from ftjax.server.pool import SessionPool
 from ftjax.server.protocol import ApiError
+from ftjax.server.store import SessionStore
 from ftjax.server.reply_formats import QWEN, ReplyFormat, check_name
 
 _LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
@@ -69,7 +70,10 @@ class ServerConfig:
   api_keys, admin_keys: the keys every route but ``/health`` needs, and those the controls
     (``POST /v1/cache``) need (``ftjax.server.auth``); none: open.
   reply_format: the format replies are parsed in (a name of ``reply_formats.FORMATS``); None:
-    chosen by the chat template's tags and the model's ``model_type``."""
+    chosen by the chat template's tags and the model's ``model_type``.
+  session_dir, session_disk_bytes: sessions kept on disk across restarts (``store``): the
+    pool saves those it drops and, at shutdown, those it holds, within the byte budget; None:
+    none kept."""
   model_name: str = "default"
   max_queue: int = 16
   max_running: int = 4
@@ -83,6 +87,8 @@ class ServerConfig:
   api_keys: tuple[str, ...] = ()
   admin_keys: tuple[str, ...] = ()
   reply_format: str | None = None
+  session_dir: str | None = None
+  session_disk_bytes: int = 16 << 30
 
   def __post_init__(self):
     check_name(self.reply_format)
@@ -282,9 +288,15 @@ class Worker(Feed):
     model = engine.model
     self.tokenizer = load_tokenizer(model.path, model.config.vocab_size)
     self.eos = set(model.config.eos_token_ids)
+    store = None
+    if config.session_dir is not None:
+      store = SessionStore(config.session_dir, engine, config.session_disk_bytes,
+                           anchor_budget_bytes=config.anchor_budget_bytes)
+      _LOG.warning("ftjax.serve: %d saved sessions in %s (%.1f MiB; %d skipped)", len(store),
+                   store.root, store.nbytes / MB, len(store.skipped))
     self.pool = SessionPool(engine, budget_bytes=config.session_budget_bytes,
                             max_sessions=config.max_sessions, reuse=config.session_reuse,
-                            anchor_budget_bytes=config.anchor_budget_bytes)
+                            anchor_budget_bytes=config.anchor_budget_bytes, store=store)
     self.max_queue = config.max_queue
     self.max_running = config.max_running
     self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -360,10 +372,19 @@ class Worker(Feed):
     self._jobs.put(job)
 
   def stop(self) -> None:
+    """Stops the engine thread (after the jobs it runs), then saves the sessions held to the
+    session store, if there is one."""
+    if self._closed.is_set():
+      return
     self._closed.set()
     self._idle.set()  # the background loader sees the stop
     self._jobs.put(None)
     self._thread.join(timeout=60)
+    if self.pool.store is not None and not self._thread.is_alive():
+      t0 = time.perf_counter()
+      saved = self.pool.save_all()
+      _LOG.warning("ftjax.serve: saved %d sessions to %s in %.2f s", saved,
+                   self.pool.store.root, time.perf_counter() - t0)
 
   def control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
     """Runs ``fn`` on the engine thread at the next safe point (between decode chunks, or at
