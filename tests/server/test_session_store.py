@@ -124,7 +124,7 @@ def test_the_disk_budget_keeps_the_newest(tmp_path):
   sizes = sorted(s.nbytes for s in store.saved.values())
   assert len(store) == 3
   store.budget_bytes = sizes[-1] + sizes[-2] + 1  # room for two
-  store._trim(keep="")
+  store.trim()
   assert len(store) == 2 and len(os.listdir(tmp_path)) == 2
 
 

@@ -23,8 +23,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ftjax.kernels.cpu_info import ftjax_version
+
 FORMAT = "ftjax-session"
 FORMAT_VERSION = 1
+
+
+def writer_version() -> str:
+  """The ftjax version a session's meta records (``ftjax_version``), which a session store
+  compares with its own."""
+  return ftjax_version()
 
 
 class CheckpointError(ValueError):

@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ftjax.kernels.cpu_info import ftjax_version
 from ftjax.model import DecodeState, KVCache, LinearState
 from ftjax.runtime import checkpoint, executor
 from ftjax.runtime.checkpoint import CheckpointError
@@ -630,7 +629,7 @@ class Session:
         "anchors": [{"position": a.position, "turn": a.turn, "serial": a.serial,
                      "uses": a.uses} for a in self._anchors.values()],
         "serial": self._serial, "restores": self._restores, "turns": self._turns,
-        "metadata": metadata, "ftjax_version": ftjax_version(),
+        "metadata": metadata, "ftjax_version": checkpoint.writer_version(),
     }
     try:
       json.dumps(metadata)

@@ -27,7 +27,6 @@ import uuid
 import weakref
 from typing import Sequence
 
-from ftjax.kernels.cpu_info import ftjax_version
 from ftjax.runtime import checkpoint
 from ftjax.runtime.engine import Engine
 from ftjax.runtime.session import Session
@@ -105,9 +104,9 @@ class SessionStore:
                    f"fingerprint {meta.get('model_fingerprint')}; this server runs "
                    f"{self.fingerprint})")
         continue
-      if meta.get("ftjax_version") != ftjax_version():
+      if meta.get("ftjax_version") != checkpoint.writer_version():
         self._skip(name, f"it was saved by ftjax {meta.get('ftjax_version')}, this is "
-                   f"{ftjax_version()}")
+                   f"{checkpoint.writer_version()}")
         continue
       try:
         tokens = [int(t) for t in meta["tokens"]]
@@ -171,14 +170,18 @@ class SessionStore:
     self.saved[name] = Saved(name, session.read_tokens, session.anchor_positions,
                              _bytes(path), time.time())
     self.saves += 1
-    self._trim(keep=name)
+    self.trim()
     return True
 
-  def _trim(self, keep: str) -> None:
+  def trim(self) -> None:
+    """Deletes the least recently saved sessions until the store is within its budget (the
+    session just saved goes last: only when it is larger than the budget alone)."""
     while self.nbytes > self.budget_bytes and self.saved:
       oldest = min(self.saved.values(), key=lambda s: s.saved_at)
-      if oldest.name == keep and len(self.saved) == 1 and oldest.nbytes <= self.budget_bytes:
-        break
+      if len(self.saved) == 1:
+        _LOG.warning("ftjax.serve: a saved session of %.1f MiB is larger than "
+                     "--session_disk_bytes (%.1f MiB): deleted", oldest.nbytes / 2**20,
+                     self.budget_bytes / 2**20)
       self.saved.pop(oldest.name)
       shutil.rmtree(os.path.join(self.root, oldest.name), ignore_errors=True)
 
