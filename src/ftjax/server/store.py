@@ -27,6 +27,8 @@ import uuid
 import weakref
 from typing import Sequence
 
+import numpy as np
+
 from ftjax.runtime import checkpoint
 from ftjax.runtime.engine import Engine
 from ftjax.runtime.session import Session
@@ -38,7 +40,7 @@ _LOG = logging.getLogger("uvicorn.error")  # the server's log
 class Saved:
   """A session on disk, as its meta says."""
   name: str  # its directory under the root
-  tokens: list[int]  # the context it holds
+  tokens: np.ndarray  # int32: the context it holds
   anchors: list[int]  # positions a recurrent model's state can be put back to
   nbytes: int
   saved_at: float
@@ -55,13 +57,11 @@ def _bytes(path: str) -> int:
   return total
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-  n = 0
-  for x, y in zip(a, b):
-    if x != y:
-      break
-    n += 1
-  return n
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+  """The length of the common prefix of two int32 arrays."""
+  n = min(len(a), len(b))
+  differ = np.flatnonzero(a[:n] != b[:n])
+  return int(differ[0]) if len(differ) else n
 
 
 class SessionStore:
@@ -109,7 +109,7 @@ class SessionStore:
                    f"{checkpoint.writer_version()}")
         continue
       try:
-        tokens = [int(t) for t in meta["tokens"]]
+        tokens = np.asarray([int(t) for t in meta["tokens"]], np.int32)
         anchors = sorted(int(a["position"]) for a in meta.get("anchors", []))
       except (KeyError, TypeError, ValueError) as e:
         self._skip(name, f"its meta is malformed ({e})")
@@ -125,7 +125,8 @@ class SessionStore:
 
   def reusable(self, saved: Saved, token_ids: Sequence[int]) -> int:
     """The tokens a saved session would keep of ``token_ids`` (``Session.reusable_tokens``)."""
-    limit = min(_common(saved.tokens, token_ids), len(token_ids) - 1)
+    ids = np.asarray(token_ids, np.int32)
+    limit = min(_common(saved.tokens, ids), len(ids) - 1)
     if not self.recurrent or len(saved.tokens) <= limit:
       return max(0, min(limit, len(saved.tokens)))
     return max([a for a in saved.anchors if a <= limit], default=0)
@@ -133,8 +134,9 @@ class SessionStore:
   def best(self, token_ids: Sequence[int]) -> tuple[str | None, int]:
     """The saved session that keeps the most of ``token_ids``, and how many it keeps."""
     best, most = None, 0
+    ids = np.asarray(token_ids, np.int32)
     for name, saved in self.saved.items():
-      n = self.reusable(saved, token_ids)
+      n = self.reusable(saved, ids)
       if n > most:
         best, most = name, n
     return best, most
@@ -167,7 +169,8 @@ class SessionStore:
       _LOG.warning("ftjax.serve: saving a session to %s failed: %s", path, e)
       return False
     self._names[session] = name
-    self.saved[name] = Saved(name, session.read_tokens, session.anchor_positions,
+    self.saved[name] = Saved(name, np.asarray(session.read_tokens, np.int32),
+                             session.anchor_positions,
                              _bytes(path), time.time())
     self.saves += 1
     self.trim()
