@@ -168,7 +168,8 @@ def test_the_streamed_prefill_exports_for_cuda(tiny_config):
     exported = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
         jax.tree.map(spec, model.params), bank,
         jax.tree.map(spec, engine.executor.engine_state(engine.executor.abstract_state(1, 256))),
-        jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar)
+        jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar,
+        jax.ShapeDtypeStruct((1, 32), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_))
     text = exported.mlir_module()
     # Streamed: no host experts; each whole layer comes by the fill mechanism, started one
     # layer ahead (CUDA: a side-stream copy whose done the layer's compute waits for).
@@ -203,7 +204,8 @@ def test_the_per_layer_stream_choice_exports_for_cuda(tiny_config):
   exported = export.export(fn, platforms=["cuda"], disabled_checks=checks)(
       jax.tree.map(spec, model.params), None,
       jax.tree.map(spec, engine.executor.engine_state(engine.executor.abstract_state(1, 256))),
-      jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar)
+      jax.ShapeDtypeStruct((1, 32), jnp.int32), scalar,
+      jax.ShapeDtypeStruct((1, 32), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_))
   text = exported.mlir_module()
   layers = tiny_config.num_layers
   for target in ("ftjax_cuda_host_experts_start", "ftjax_cuda_host_experts_done",
