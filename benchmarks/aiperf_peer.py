@@ -8,8 +8,15 @@ by a round trip, converted by llama.cpp's converter; cached). Both servers run a
 idle while the other is measured:
 
 - ftjax: ``python -m ftjax.serve --model NAME --max_running 4`` (default kernels and flags);
-- llama-server: ``llama-server -m GGUF -t 2 -c 16384 -np 4 --jinja`` (4 slots, continuous
-  batching, the GGUF's chat template).
+- llama-server: ``llama-server -m GGUF -t THREADS -c 16384 -np 4 --jinja`` (4 slots,
+  continuous batching, the GGUF's chat template).
+
+The client needs a core of its own: on this project's 2-core machines aiperf's timing process
+held ~0.9 of a core, and llama-server's thread pool (``-t 2``) stalls when one of its threads
+is descheduled (a lone request decoded at 16.5 tok/s beside aiperf, against 345 tok/s per slot
+with 4 requests in the warm-up). So the servers run on ``--server_cpus`` (default: every CPU
+but the first; ``taskset``; llama-server with ``-t`` as many, ftjax's kernels take the
+affinity) and aiperf on ``--client_cpus`` (default: the first).
 
 A run is ``aiperf profile`` with synthetic prompts of ``--isl`` tokens (aiperf's corpus, its
 tokenizer the model's) asking for ``--osl`` tokens, streaming, at a concurrency of 1, 4 and 8
@@ -88,17 +95,21 @@ def rss_bytes(pid: int) -> int:
   return 0
 
 
+def pinned(cpus: str, cmd: list[str]) -> list[str]:
+  return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
 def run_aiperf(exe: str, port: int, model: str, endpoint: str, concurrency: int, args,
                tokenizer: str, out: str) -> dict:
   shutil.rmtree(out, ignore_errors=True)
   count = max(8, 4 * concurrency)
-  cmd = [exe, "profile", "--model", model, "--url", f"http://127.0.0.1:{port}",
+  cmd = pinned(args.client_cpus, [exe, "profile", "--model", model, "--url", f"http://127.0.0.1:{port}",
          "--endpoint-type", endpoint, "--streaming", "--concurrency", str(concurrency),
          "--request-count", str(count), "--prompt-input-tokens-mean", str(args.isl),
          "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(args.osl),
          "--prompt-output-tokens-stddev", "0", "--tokenizer", tokenizer,
          "--use-server-token-count", "--output-artifact-dir", out, "--ui", "simple",
-         "--no-server-metrics", "--no-gpu-telemetry", "--random-seed", "1"]
+         "--no-server-metrics", "--no-gpu-telemetry", "--random-seed", "1"])
   with open(out + ".log", "w") as log:
     # (HF_HUB_OFFLINE=1 makes aiperf refuse a tokenizer directory as a repository name.)
     proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
@@ -135,13 +146,19 @@ def main() -> None:
   p.add_argument("--gguf_dir", default=os.path.join(
       os.environ.get("FTJAX_CACHE_DIR") or os.path.expanduser("~/.cache/ftjax"),
       "dense_quality"), help="where dense_quality.py keeps its GGUFs")
+  cpus = sorted(os.sched_getaffinity(0))
+  p.add_argument("--server_cpus", default=",".join(map(str, cpus[1:] or cpus)),
+                 help="CPUs the servers run on (taskset; empty: no pinning)")
+  p.add_argument("--client_cpus", default=str(cpus[0]), help="CPUs aiperf runs on")
   p.add_argument("--out", default=None)
   args = p.parse_args()
+  threads = len(args.server_cpus.split(",")) if args.server_cpus else 2
   from ftjax.assets import EMBEDDED_MODELS  # noqa: PLC0415
   exe = ensure_aiperf(args.venv)
   work = tempfile.mkdtemp(prefix="ftjax-aiperf-")
   report = {"machine": machine_info(), "aiperf": AIPERF, "isl": args.isl, "osl": args.osl,
-            "rounds": args.rounds, "models": {}}
+            "rounds": args.rounds, "server_cpus": args.server_cpus,
+            "client_cpus": args.client_cpus, "llama_threads": threads, "models": {}}
   for name in args.models.split(","):
     ftw_dir = EMBEDDED_MODELS[name]
     gguf = prepare_ggufs(name, ftw_dir, argparse.Namespace(
@@ -154,13 +171,14 @@ def main() -> None:
     ports = {"ftjax": free_port(), "llama": free_port()}
     logs = {side: os.path.join(work, f"{side}-{name}.log") for side in SIDES}
     procs = {
-        "ftjax": subprocess.Popen(
-            [sys.executable, "-m", "ftjax.serve", f"--model={name}", f"--port={ports['ftjax']}",
-             "--max_running=4"], stdout=open(logs["ftjax"], "w"), stderr=subprocess.STDOUT),
-        "llama": subprocess.Popen(
-            [os.path.join(args.llama_build, "bin", "llama-server"), "-m", gguf, "-t", "2",
-             "-c", "16384", "-np", "4", "--jinja", "--host", "127.0.0.1", "--port",
-             str(ports["llama"])], stdout=open(logs["llama"], "w"), stderr=subprocess.STDOUT)}
+        "ftjax": subprocess.Popen(pinned(args.server_cpus, [
+            sys.executable, "-m", "ftjax.serve", f"--model={name}", f"--port={ports['ftjax']}",
+            "--max_running=4"]), stdout=open(logs["ftjax"], "w"), stderr=subprocess.STDOUT),
+        "llama": subprocess.Popen(pinned(args.server_cpus, [
+            os.path.join(args.llama_build, "bin", "llama-server"), "-m", gguf, "-t",
+            str(threads), "-c", "16384", "-np", "4", "--jinja", "--host", "127.0.0.1",
+            "--port", str(ports["llama"])]), stdout=open(logs["llama"], "w"),
+            stderr=subprocess.STDOUT)}
     try:
       for side in SIDES:
         wait_healthy(procs[side], ports[side], side, logs[side])
