@@ -331,6 +331,10 @@ constexpr int64_t kTokenTile = 64;       // tokens per GEMM tile in the grouped 
 // rows and 512 down rows no better (and 512 leaves 4 down tasks for the threads to balance).
 constexpr int64_t kDecodeFfnChunk = 256;
 constexpr int64_t kDecodeModelChunk = 256;
+// The decode form's routes of one expert run one at a time over sub-tiles of this many bytes of
+// weights (RunExperts' part_dot): the first route reads a sub-tile from memory, the others from
+// L2 (1-2 MiB a core on the machines here).
+constexpr int64_t kRouteTileBytes = 256 * 1024;
 // They reuse the grouped form's per-worker scratch.
 static_assert(kDecodeMaxTokens * kDecodeFfnChunk <= kTokenTile * kFfnChunk);
 static_assert(kDecodeMaxTokens * kDecodeModelChunk <= kTokenTile * kModelChunk);
@@ -582,9 +586,13 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       (kMxfp4 || kInt4) && kRound
           ? 0
           : PackedMinTokens(kernels, kBf16Pairs && D % 32 == 0 && F % 32 == 0, PackedUse::kExpert);
+  // The decode form packs no expert (below: each route runs alone), except the pairings that
+  // have no dot kernel (never in the decode form: ExpertFfn's dispatch).
+  const bool decode_form = dims.tokens <= kDecodeMaxTokens;
   auto is_packed = [&](int64_t i) {
     const int64_t routes_of_expert = groups.offsets[i + 1] - groups.offsets[i];
-    return packed_dot != nullptr && routes_of_expert > packed_min_routes;
+    return packed_dot != nullptr && routes_of_expert > packed_min_routes &&
+           (!decode_form || packed_min_routes == 0);
   };
   int64_t packed_x_size = 0, packed_hidden_size = 0;
   for (int64_t i = 0; i < num_experts; ++i) {
@@ -735,6 +743,34 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     });
   }
 
+  // The dot products of rows [row, row + rows) of part `part` with `tokens` routes' activations
+  // (a, a_scales), token j's into c + j * rows. In the decode form each route runs as a
+  // one-token dot of its own, in sub-tiles of kRouteTileBytes of weights (read from memory by
+  // the first route, from L2 by the others): a token's sums then never depend on how many other
+  // tokens of the call chose the same expert (the one-token and several-token kernels sum in
+  // different orders, cpu_kernels_impl.h), so a sequence's tokens are the same whatever else is
+  // in its batch (issue 54), on every ISA and for every format (AVX-512's fused 4-bit kernels
+  // sum a token alike beside others; AVX2's do not).
+  auto part_dot = [&](const WeightT* block, int part, int64_t row, int64_t rows,
+                      const ActivationT* const* a, const float* const* a_scales, int64_t tokens,
+                      float* c) {
+    if (!decode_form || tokens == 1) {
+      PartDot<WeightT, ActivationT>(dot, block, dims, part, row, rows, a, a_scales, tokens, c,
+                                    rows);
+      return;
+    }
+    const int64_t n = part == 2 ? F : D;
+    const int64_t tile = std::max<int64_t>(1, kRouteTileBytes / (n * sizeof(WeightT)));
+    for (int64_t r = 0; r < rows; r += tile) {
+      const int64_t sub = std::min(tile, rows - r);
+      for (int64_t j = 0; j < tokens; ++j) {
+        PartDot<WeightT, ActivationT>(dot, block, dims, part, row + r, sub, a + j,
+                                      a_scales != nullptr ? a_scales + j : nullptr, 1,
+                                      c + j * rows + r, rows);
+      }
+    }
+  };
+
   // Phase 1: h = silu(gate . x) * (up . x), task = (expert, chunk of F).
   // Decode, with at most kDecodeMaxTokens routes per expert (none packed): larger chunks, whose
   // tiles still fit the per-worker scratch (the static_asserts above).
@@ -806,10 +842,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
     for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
       const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
       const float* const* x_scales_of = kBlockScales ? route_x_scales + r0 : nullptr;
-      PartDot<WeightT, ActivationT>(dot, block, dims, 0, f0, rows, route_x + r0, x_scales_of,
-                                    tokens, s.gate, rows);
-      PartDot<WeightT, ActivationT>(dot, block, dims, 1, f0, rows, route_x + r0, x_scales_of,
-                                    tokens, s.up, rows);
+      part_dot(block, 0, f0, rows, route_x + r0, x_scales_of, tokens, s.gate);
+      part_dot(block, 1, f0, rows, route_x + r0, x_scales_of, tokens, s.up);
       if constexpr (kQuantise && !kBlockScales) {  // the tokens' activation scales
         for (int64_t j = 0; j < tokens; ++j) {
           const float x_scale = x_scales[groups.route_token[r0 + j]];
@@ -904,9 +938,8 @@ void RunExperts(const ExpertFfnDims& dims, const ExpertGroups& groups, const flo
       }
       for (int64_t r0 = groups.offsets[i]; r0 < groups.offsets[i + 1]; r0 += token_tile) {
         const int64_t tokens = std::min(token_tile, groups.offsets[i + 1] - r0);
-        PartDot<WeightT, ActivationT>(dot, block, dims, 2, d0, rows, route_hidden + r0,
-                                      kBlockScales ? route_hidden_scales + r0 : nullptr, tokens, z,
-                                      rows);
+        part_dot(block, 2, d0, rows, route_hidden + r0,
+                 kBlockScales ? route_hidden_scales + r0 : nullptr, tokens, z);
         for (int64_t j = 0; j < tokens; ++j) {
           float weight = groups.route_weight[r0 + j];
           if constexpr (kQuantise && !kBlockScales) weight *= hidden_scales[r0 + j];
