@@ -65,7 +65,7 @@ from jax.experimental import serialize_executable
 from ftjax.kernels.cpu_info import build_digest, cpu_identity, ftjax_version
 from ftjax.utils import paths
 
-__all__ = ["build_key", "cpu_identity", "default_root", "disable_executables", "enable",
+__all__ = ["build_key", "compiler_options", "cpu_identity", "default_root", "disable_executables", "enable",
            "enable_executables", "executables_dir", "compile_program", "fingerprint", "ftjax_version", "load_executable",
            "save_executable", "source_digest"]
 
@@ -175,7 +175,8 @@ def _environment() -> str:
                if k.startswith(("FTJAX_", "JAX_", "XLA_")) and "CACHE" not in k)
   devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
   return repr((FORMAT, build_key(), source_digest(), jax.__version__, jaxlib.__version__,
-               backend.platform, backend.platform_version, devices, options, env))
+               backend.platform, backend.platform_version, devices, options, env,
+               sorted(compiler_options().items())))
 
 
 def _describe_leaf(x) -> tuple:
@@ -249,17 +250,36 @@ def _on_event(event: str, **_) -> None:
     _HITS.count = getattr(_HITS, "count", 0) + 1
 
 
+# XLA options every program is compiled with (``compiler_options``), on the CPU backend: no
+# YNNPACK fusions. An XLA:CPU executable with them, loaded from a serialized form (this store, or
+# JAX's persistent cache), ran far slower than the same program just compiled (jaxlib 0.10.2):
+# the server's 4-row decode program of the default model took ~270 ms a chunk of 8 steps
+# instead of ~8 (128 streamed tokens in 4.1-4.6 s against 0.11-0.17 s, Zen 5, 2 cores), on
+# every warm start of `python -m ftjax.serve`. Without them the loaded program is as fast as a
+# fresh one (0.20-0.28 s for those tokens; fresh 0.11-0.15 s), and a fresh one no slower: the
+# work they fused (small dots and elementwise ops beside the C++ kernels) runs on XLA's own
+# emitters instead.
+_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options() -> dict[str, str]:
+  """The XLA options ftjax compiles its programs with on this process's backend."""
+  return dict(_CPU_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
 def compile_program(lowered, digest: str | None):
-  """``lowered.compile()`` (a ``jax.stages.Lowered``), stored under ``digest`` when XLA
-  compiled it now rather than JAX's own cache serving it (the module docstring says why)."""
+  """``lowered.compile()`` (a ``jax.stages.Lowered``) with ``compiler_options()``, stored
+  under ``digest`` when XLA compiled it now rather than JAX's own cache serving it (the module
+  docstring says why)."""
+  options = compiler_options()
   if digest is None or _STORE[0] is None:
-    return lowered.compile()
+    return lowered.compile(compiler_options=options)
   with _LOCK:
     if not _LISTENING[0]:
       jax.monitoring.register_event_listener(_on_event)
       _LISTENING[0] = True
   before = getattr(_HITS, "count", 0)
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options=options)
   if getattr(_HITS, "count", 0) > before:
     _say_once("JAX's persistent compilation cache served a program this store lacks; an "
               "executable loaded that way cannot be stored again whole (XLA:CPU), so it is "
