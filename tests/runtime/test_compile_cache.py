@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 import ftjax
 from ftjax.runtime import compile_cache, programs
@@ -52,6 +53,18 @@ def test_the_key_follows_the_build():
   assert compile_cache.build_key() == key  # stable for one build and machine
   identity = compile_cache.cpu_identity()
   assert "flags" in identity and "model name" in identity  # keyed by the CPU's ISA too
+
+
+def test_the_key_follows_the_cpus_the_process_may_use():
+  """XLA:CPU partitions fusions for the threads it finds when it compiles: a process pinned to
+  one CPU must not hand its executables to one that has two."""
+  if len(os.sched_getaffinity(0)) < 2:
+    pytest.skip("needs 2 CPUs")
+  code = "from ftjax.runtime import compile_cache; print(compile_cache.build_key())"
+  one = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
+                        "-c", code], capture_output=True, text=True, check=True, cwd="/")
+  assert one.stdout.strip() != compile_cache.build_key()
+  assert one.stdout.strip().startswith(f"ftjax-{ftjax.__version__}-")
 
 
 # -- Whole executables: a warm start loads its programs without tracing them ---------------------
