@@ -12,9 +12,10 @@ older ftjax, e.g. ``git stash; pip install --no-deps --no-build-isolation --targ
   float32 activations; each build in its own process, alternating, ``--rounds`` rounds,
   medians of per-call medians;
 - ``invariance``: the embedded models' executor decoding 8 sequences (greedy and seeded,
-  alternating) in a batch of 8 rows, and each alone in a batch of 8 rows, default kernels:
-  sequences whose tokens differ, and the largest difference of their chosen tokens'
-  log-probabilities.
+  alternating) in a batch of 8 rows, and each alone in a batch of 8 rows, default kernels,
+  under this machine's kernel tuning and under the kernels' shipped defaults (the one-token
+  kernel's accumulators decide whether the old decode form's orders differed): sequences whose
+  tokens differ, and the largest difference of their chosen tokens' log-probabilities.
 
 Writes ``results/batch_invariance.json``."""
 
@@ -91,9 +92,14 @@ def invariance() -> dict:
     def work(self):
       return bool(self.queue)
 
+  from ftjax.kernels import tuning  # noqa: PLC0415
+
   out = {}
-  for name in ("default", "default-hybrid"):
+  for name, tuned in (("default", "machine"), ("default-hybrid", "machine"),
+                      ("default", "shipped"), ("default-hybrid", "shipped")):
     engine = ftjax.Engine(ftjax.load(name))
+    if tuned == "shipped":  # the kernels' own defaults, not this machine's tuned variant
+      tuning.apply(tuning.DEFAULT)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, 400, size=int(rng.integers(5, 40)))) for _ in range(8)]
     samplings = [dict(greedy=True) if i % 2 == 0 else dict(greedy=False, temperature=0.9, seed=i)
@@ -122,8 +128,9 @@ def invariance() -> dict:
         worst = max(worst, float(np.max(np.abs(
             np.array([e.logprob for e in a.logprobs[:n]]) -
             np.array([e.logprob for e in b.logprobs[:n]])))))
-    out[name] = {"kernels": engine.kernels_path, "sequences": 8, "tokens_differ": differ,
-                 "max_logprob_difference": worst}
+    out[f"{name}, {tuned} tuning"] = {
+        "kernels": engine.kernels_path, "tuning": tuning.current().name, "sequences": 8,
+        "tokens_differ": differ, "max_logprob_difference": worst}
     engine.close()
   return out
 
@@ -132,7 +139,7 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--baseline", default=None,
                  help="a folder holding an ftjax build from before the change (PYTHONPATH)")
-  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--rounds", type=int, default=3, help="kernel rounds (0: none)")
   p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child process's part
   p.add_argument("--out", default=None)
   args = p.parse_args()
@@ -159,10 +166,10 @@ def main() -> None:
       print(f"round {r + 1} {b}: " + ", ".join(f"{k} {v['ms']:.2f} ms"
                                                for k, v in rounds[b][-1].items()), flush=True)
   medians = {b: {k: float(np.median([x[k]["ms"] for x in rs])) for k in rs[0]}
-             for b, rs in rounds.items()}
+             for b, rs in rounds.items() if rs}
   report = {"machine": machine_info(), "shapes": {"D": D, "F": F, "E": E, "K": K},
             "kernel_rounds": rounds, "kernel_median_ms": medians}
-  if "baseline" in builds:
+  if "baseline" in medians:
     report["kernel_ratio_current_over_baseline"] = {
         k: medians["current"][k] / medians["baseline"][k] for k in medians["current"]}
     for k, v in report["kernel_ratio_current_over_baseline"].items():

@@ -11,7 +11,14 @@ For each model, a fresh server process three ways, alternating within each round
 * traced: the same with ``--noexecutable_store`` (JAX's cache alone: each program traced and
   lowered before the cache answers, as before the store); warm and traced alternate their
   order from round to round;
-* lazy: ``--noprecompile`` with the warm cache (ready at once; requests compile as they come).
+* lazy: ``--noprecompile`` with the warm cache (ready at once; requests compile as they come);
+* beside it (``--llama``, the default where llama-server is built: ../shared/PEERS.md),
+  llama-server on the same weights (the embedded models' BF16 GGUF from llama.cpp's converter,
+  ``dense_quality.prepare_ggufs``; ``-t 2 -c 16384 -np 4``): ``llama_warm`` with the GGUF in
+  the page cache, and ``llama_cold`` after the page cache is dropped (root only:
+  ``/proc/sys/vm/drop_caches``). Each round runs llama_cold, llama_warm, then ftjax's ways: with
+  llama-server beside, ftjax's ``cold`` also reads its weights from disk (dropped with the rest
+  of the page cache) on top of an empty compilation cache; without it, only the latter.
 
 Reported per way: seconds from the process's start to ``GET /health`` answering 200 (the
 interpreter, jax and the model's loading included), the programs compiled at start-up and
@@ -28,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +43,9 @@ import tempfile
 import time
 
 from common import machine_info, write_results
+from dense_quality import LLAMA_BUILD, LLAMA_SRC, prepare_ggufs
+
+from ftjax.assets import EMBEDDED_MODELS
 
 LISTEN = re.compile(r"on http://\[?([^\]/]+?)\]?:(\d+)/v1")
 
@@ -97,18 +108,86 @@ def run(model: str, cache_root: str, *flags: str) -> dict:
     proc.wait(timeout=60)
 
 
+def drop_page_cache() -> bool:
+  try:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+      f.write("3\n")
+    return True
+  except OSError:
+    return False
+
+
+def run_llama(build: str, gguf: str) -> dict:
+  """llama-server from the process's start to ``GET /health`` 200, then the same first
+  request as ftjax's (a 300-word completion of one token)."""
+  port = _free_port()
+  t0 = time.perf_counter()
+  proc = subprocess.Popen([os.path.join(build, "bin", "llama-server"), "-m", gguf, "-t", "2",
+                           "-c", "16384", "-np", "4", "--host", "127.0.0.1", "--port",
+                           str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    while True:
+      if proc.poll() is not None:
+        raise RuntimeError(f"llama-server exited ({proc.returncode}) before it was ready")
+      try:
+        status, _ = _get(port, "/health")
+      except OSError:
+        status = None
+      if status == 200:
+        break
+      if time.perf_counter() - t0 > 900:
+        raise RuntimeError("llama-server was not ready after 900 s")
+      time.sleep(0.05)
+    ready = time.perf_counter() - t0
+    prompt = " ".join(f"word{i}" for i in range(300))
+    t1 = time.perf_counter()
+    status, _ = _get(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1,
+                                               "temperature": 0})
+    return {"ready_s": ready, "first_request_s": time.perf_counter() - t1,
+            "first_request_status": status}
+  finally:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--models", default="default,default-hybrid")
+  parser.add_argument("--llama", action=argparse.BooleanOptionalAction,
+                      default=os.path.exists(os.path.join(LLAMA_BUILD, "bin", "llama-server")),
+                      help="llama-server beside (embedded models only)")
+  parser.add_argument("--llama_build", default=LLAMA_BUILD)
+  parser.add_argument("--llama_src", default=LLAMA_SRC)
+  parser.add_argument("--gguf_dir", default=os.path.join(
+      os.environ.get("FTJAX_CACHE_DIR") or os.path.expanduser("~/.cache/ftjax"),
+      "dense_quality"), help="where dense_quality.py keeps its GGUFs")
   args = parser.parse_args()
   results = {"machine": machine_info(), "command": "python -m ftjax.serve --port=0",
-             "models": {}}
+             "llama_command": "llama-server -m BF16.gguf -t 2 -c 16384 -np 4", "models": {}}
   for model in args.models.split(","):
     rows = {"cold": [], "warm": [], "traced": [], "lazy": []}
+    gguf = None
+    if args.llama and model in EMBEDDED_MODELS:
+      gguf = prepare_ggufs(model, EMBEDDED_MODELS[model], argparse.Namespace(
+          work_dir=args.gguf_dir, llama_src=args.llama_src, llama_build=args.llama_build,
+          threads=2))["files"]["BF16"]
+      rows.update(llama_warm=[], llama_cold=[])
     for r in range(args.rounds):
       root = tempfile.mkdtemp(prefix="ftjax-serve-startup-")
       try:
+        if gguf is not None:
+          dropped = drop_page_cache()
+          rows["llama_cold"].append({**run_llama(args.llama_build, gguf),
+                                     "page_cache_dropped": dropped})
+          rows["llama_warm"].append(run_llama(args.llama_build, gguf))
         rows["cold"].append(run(model, root, "--served_model_name=m"))
         ways = [("warm", ()), ("traced", ("--noexecutable_store",))]
         for way, flags in (ways if r % 2 == 0 else ways[::-1]):
@@ -123,10 +202,22 @@ def main() -> None:
                      for key in rows[way][0]} for way in rows}
     results["models"][model] = {"rounds": rows, "median": summary}
     for way, row in summary.items():
-      print(f"{model:>16} {way:>5}: ready in {row['ready_s']:6.1f} s "
+      if way.startswith("llama"):
+        print(f"{model:>16} {way:>10}: ready in {row['ready_s']:6.1f} s; first request "
+              f"{row['first_request_s']:.2f} s", flush=True)
+        continue
+      print(f"{model:>16} {way:>10}: ready in {row['ready_s']:6.1f} s "
             f"({row['startup_programs']:.0f} programs at start-up, "
             f"{row['startup_compile_s']:.1f} s); first request {row['first_request_s']:.2f} s "
             f"with {row['first_request_compiles']:.0f} compiles", flush=True)
+    if gguf is not None:
+      ratios = {f"{way}_over_llama_{peer}": summary[way]["ready_s"] /
+                summary[f"llama_{peer}"]["ready_s"]
+                for way, peer in (("warm", "warm"), ("cold", "cold"), ("lazy", "warm"))}
+      results["models"][model]["ready_ratio"] = ratios
+      print(f"{model:>16} ready, ftjax / llama-server: " +
+            ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + " (goal: warm <= 2x)",
+            flush=True)
   print("wrote", write_results("serve_startup", results))
 
 

@@ -29,7 +29,7 @@ PROMPTS = [
     "with open(path) as f:\n    for line in f:",
     "try:\n    import json\nexcept ImportError:",
 ]
-NEW = [24, 17, 30, 21, 26, 19, 28, 23]
+NEW = [14, 9, 18, 11, 16, 10, 17, 12]
 # Greedy and seeded sampling alternate.
 SAMPLING = [dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.9, top_p=0.95, seed=i)
             for i in range(len(PROMPTS))]

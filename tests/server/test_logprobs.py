@@ -5,8 +5,9 @@ Responses API's ``top_logprobs``, each equal to the JAX API's (``Engine.prompt_l
 ``generate_timed(logprobs=True)``) on a separate engine; and their bad requests.
 
 The engines run the float32-activation kernels: the server decodes in a batch of 4 rows, the
-JAX API alone, and the bfloat16-activation kernels round a row differently beside others
-(issue 54's batch invariance; measured here 1.7e-3 on the hybrid model)."""
+JAX API one row, and the bfloat16-activation dense kernels sum 4 rows in another order than one
+(measured here 1.7e-3 on the hybrid model; within the server's batch a row is the same beside
+any others: test_batch_invariance.py)."""
 
 from __future__ import annotations
 
