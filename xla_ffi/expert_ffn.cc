@@ -47,7 +47,10 @@
 //
 // The two forms, chosen by T:
 //   decode  (T <= 8)  the distinct experts of all tokens are found by a linear scan, so an
-//                     expert chosen by several tokens is read once for all of them;
+//                     expert chosen by several tokens is read from memory once for all of
+//                     them; each of its routes runs as a one-token dot of its own (the others
+//                     re-read its sub-tiles from L2), so that a token's sums do not depend on
+//                     the other tokens of the call (RunExperts' part_dot);
 //   grouped (T > 8)   routes are bucketed by expert with a counting sort over E; empty experts
 //                     are skipped; each expert runs as a blocked GEMM over its routes, in tiles
 //                     of kTokenTile routes.
