@@ -25,7 +25,8 @@ counts are the servers' (``--use-server-token-count``). A warm-up pass over ever
 first (not counted: each server's programs, batch states and session pool filled), then
 rounds (``--rounds``) alternate which server goes first; per cell the medians over rounds of
 aiperf's output tok/s, TTFT p50/p99, inter-token latency p50/p99 and errors. ftjax's RSS is
-read after the warm-up (its baseline) and after every run: goal, no growth past it.
+read after the warm-up (its baseline) and after every run, with what its session pool holds
+(``ftjax_session_bytes``): goal, no growth past the baseline beyond the pool's own.
 
 Run: ``python benchmarks/aiperf_peer.py`` (``--models``, ``--rounds``, ``--isl``, ``--osl``).
 Writes ``results/aiperf_peer.{json,png}`` with the machine.
@@ -92,6 +93,16 @@ def rss_bytes(pid: int) -> int:
     for line in f:
       if line.startswith("VmRSS:"):
         return int(line.split()[1]) * 1024
+  return 0
+
+
+def session_bytes(port: int) -> int:
+  """What ftjax's session pool holds (``ftjax_session_bytes`` on ``/metrics``): KV, recurrent
+  states and anchors of the sessions it keeps for the next turns, within its budget."""
+  with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    for line in r.read().decode().splitlines():
+      if line.startswith("ftjax_session_bytes "):
+        return int(float(line.split()[1]))
   return 0
 
 
@@ -189,7 +200,8 @@ def main() -> None:
                        os.path.join(work, f"warm-{side}-{name}-{endpoint}-{c}"))
       time.sleep(2)
       baseline = rss_bytes(procs["ftjax"].pid)
-      rss_after = []
+      pool_baseline = session_bytes(ports["ftjax"])
+      rss_after, pool_after = [], []
       cells: dict[str, list[dict]] = {}
       for r in range(args.rounds):
         for endpoint in ENDPOINTS:
@@ -200,11 +212,13 @@ def main() -> None:
               cells.setdefault(f"{side}/{endpoint}/{c}", []).append(row)
               if side == "ftjax":
                 rss_after.append(rss_bytes(procs["ftjax"].pid))
+                pool_after.append(session_bytes(ports["ftjax"]))
               print(f"{name} round {r} {side} {endpoint} c={c}: {row['output_tok_s']:.0f} tok/s, "
                     f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms, "
                     f"errors {row['errors']}", flush=True)
       time.sleep(2)
       final = rss_bytes(procs["ftjax"].pid)
+      pool_final = session_bytes(ports["ftjax"])
     finally:
       for proc in procs.values():
         proc.terminate()
@@ -221,10 +235,16 @@ def main() -> None:
         "gguf": gguf, "cells": cells, "median": med, "throughput_ratio_ftjax_over_llama": ratios,
         "errors": sum(row["errors"] for rows in cells.values() for row in rows),
         "ftjax_rss": {"baseline_bytes": baseline, "after_each_run_bytes": rss_after,
-                      "final_bytes": final, "growth_bytes": final - baseline}}
+                      "final_bytes": final, "growth_bytes": final - baseline,
+                      "session_pool_baseline_bytes": pool_baseline,
+                      "session_pool_after_each_run_bytes": pool_after,
+                      "session_pool_final_bytes": pool_final,
+                      "growth_beyond_the_session_pool_bytes":
+                          final - baseline - (pool_final - pool_baseline)}}
     print(f"{name}: output tok/s ftjax / llama-server: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
-          + f"; ftjax RSS {baseline / 2**20:.0f} -> {final / 2**20:.0f} MiB", flush=True)
+          + f"; ftjax RSS {baseline / 2**20:.0f} -> {final / 2**20:.0f} MiB, its session pool "
+          f"{pool_baseline / 2**20:.0f} -> {pool_final / 2**20:.0f} MiB", flush=True)
   path = write_results("aiperf_peer", report, args.out)
   plt = pyplot()
   if plt is not None:
