@@ -89,7 +89,9 @@ def build_key() -> str:
   threads as it finds at compile time, and an executable compiled under one CPU kept that
   (measured: the hybrid model's server compiled under ``taskset -c 1``, then started on 2 CPUs,
   streamed 128 tokens in 1.7 s against 0.14 s for one compiled on 2; its decode program's
-  fusions lacked their ``outer_dimension_partitions``)."""
+  fusions lacked their ``outer_dimension_partitions``). A directory given to ``enable`` or in
+  ``JAX_COMPILATION_CACHE_DIR`` is used as it is, without this key: JAX's own cache key does
+  not count the CPUs, so such a directory must not be shared across CPU counts."""
   version = ftjax_version()
   digest = hashlib.sha256(version.encode())
   digest.update(build_digest().encode())
