@@ -66,6 +66,31 @@ def _metric(text: str, name: str) -> float:
   return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
+def _wait_healthy(proc, port: int, t0: float, what: str) -> str:
+  """Polls ``GET /health`` until it answers 200 (its body), for at most 900 s from ``t0``."""
+  while True:
+    if proc.poll() is not None:
+      raise RuntimeError(f"{what} exited ({proc.returncode}) before it was ready")
+    try:
+      status, text = _get(port, "/health")
+    except OSError:
+      status = None
+    if status == 200:
+      return text
+    if time.perf_counter() - t0 > 900:
+      raise RuntimeError(f"{what} was not ready after 900 s")
+    time.sleep(0.05)
+
+
+def _first_request(port: int) -> tuple[float, int]:
+  """Seconds and status of a 300-word completion of one token."""
+  prompt = " ".join(f"word{i}" for i in range(300))
+  t1 = time.perf_counter()
+  status, _ = _get(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1,
+                                             "temperature": 0})
+  return time.perf_counter() - t1, status
+
+
 def run(model: str, cache_root: str, *flags: str) -> dict:
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   env["FTJAX_CACHE_DIR"] = cache_root
@@ -81,24 +106,11 @@ def run(model: str, cache_root: str, *flags: str) -> dict:
         raise RuntimeError(f"ftjax.serve exited ({proc.wait()}) before listening")
       found = LISTEN.search(line)
       port = int(found.group(2)) if found else None
-    while True:
-      try:
-        status, text = _get(port, "/health")
-      except OSError:
-        status = None
-      if status == 200:
-        break
-      if time.perf_counter() - t0 > 900:
-        raise RuntimeError("the server was not ready after 900 s")
-      time.sleep(0.05)
+    text = _wait_healthy(proc, port, t0, "ftjax.serve")
     ready = time.perf_counter() - t0
     startup = json.loads(text)["startup"]
     before = _metric(_get(port, "/metrics")[1], "ftjax_compiles_total")
-    prompt = " ".join(f"word{i}" for i in range(300))
-    t1 = time.perf_counter()
-    status, _ = _get(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1,
-                                               "temperature": 0})
-    first = time.perf_counter() - t1
+    first, status = _first_request(port)
     after = _metric(_get(port, "/metrics")[1], "ftjax_compiles_total")
     return {"ready_s": ready, "startup_programs": startup["compiled"],
             "startup_compile_s": startup["seconds"], "first_request_s": first,
@@ -127,25 +139,10 @@ def run_llama(build: str, gguf: str) -> dict:
                            "-c", "16384", "-np", "4", "--host", "127.0.0.1", "--port",
                            str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
-    while True:
-      if proc.poll() is not None:
-        raise RuntimeError(f"llama-server exited ({proc.returncode}) before it was ready")
-      try:
-        status, _ = _get(port, "/health")
-      except OSError:
-        status = None
-      if status == 200:
-        break
-      if time.perf_counter() - t0 > 900:
-        raise RuntimeError("llama-server was not ready after 900 s")
-      time.sleep(0.05)
+    _wait_healthy(proc, port, t0, "llama-server")
     ready = time.perf_counter() - t0
-    prompt = " ".join(f"word{i}" for i in range(300))
-    t1 = time.perf_counter()
-    status, _ = _get(port, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1,
-                                               "temperature": 0})
-    return {"ready_s": ready, "first_request_s": time.perf_counter() - t1,
-            "first_request_status": status}
+    first, status = _first_request(port)
+    return {"ready_s": ready, "first_request_s": first, "first_request_status": status}
   finally:
     proc.terminate()
     proc.wait(timeout=60)
