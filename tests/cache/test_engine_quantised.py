@@ -72,7 +72,16 @@ def test_4bit_experts_without_biases_through_the_cache(request, fmt, kernels):
                             bandwidths=(12.0, 24.0), cache_capacity=total)
       logits, tokens = _run(engine, prompts)
       np.testing.assert_array_equal(tokens, ref_tokens)
-      tolerances.assert_close(logits, ref_logits, tolerances.F32, floor=1.0,
+      # The prompt's logits to float32 rounding, the decode steps' to HF_PARITY, as in the
+      # dense test below: the 4-bit kernels scale a block after its integer-coded products, the
+      # float32 reference's weights are scaled before, and this 8x-scaled model amplifies that
+      # rounding step after step. Measured with the host kernels (Zen 5): the prompt 4.6e-6
+      # under every kernel tuning; the decode steps 4.3e-6 (AVX-512, 4-row blocks) to 1.3e-5
+      # (1-3-row blocks) and 1.9e-5 (AVX2); the float32 model's own ffi and xla paths differ
+      # by up to 2.9e-5 the same way.
+      tolerances.assert_close(logits[0], ref_logits[0], tolerances.F32, floor=1.0,
+                              what=f"{policy} {kernels} {slots} slots, prompt")
+      tolerances.assert_close(logits, ref_logits, tolerances.HF_PARITY, floor=1.0,
                               what=f"{policy} {kernels} {slots} slots")
       check_invariants(engine.cache)
       assert engine.cache.slots.dtype == q.bank.dtype
