@@ -525,7 +525,9 @@ void Attention(const AttentionProblem<KvT>& p, const KernelTable& kernels,
 constexpr std::string_view kOp = "ftjax_attention";
 
 std::string DtypeName(ffi::DataType dtype) {
-  return dtype == ffi::DataType::BF16 ? "bfloat16" : "float32";
+  return dtype == ffi::DataType::BF16 ? "bfloat16"
+         : dtype == ffi::DataType::U16 ? "uint16 (bfloat16 bits)"
+                                        : "float32";
 }
 
 ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -539,10 +541,14 @@ ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuf
   }
   const int64_t B = q_dims[0], T = q_dims[1], H = q_dims[2], A = q_dims[3];
   const auto k_dims = k.dimensions();
+  // A bfloat16 cache may come as its bits, uint16 (ftjax.model.layers.KV_BITS: XLA:CPU writes
+  // rows into a uint16 buffer in place), read exactly as bfloat16.
   const ffi::DataType kv_dtype = k.element_type();
-  if ((kv_dtype != ffi::DataType::F32 && kv_dtype != ffi::DataType::BF16) ||
+  if ((kv_dtype != ffi::DataType::F32 && kv_dtype != ffi::DataType::BF16 &&
+       kv_dtype != ffi::DataType::U16) ||
       k_dims.size() != 4 || k_dims[0] != B || k_dims[3] != A) {
-    return InvalidArgument(kOp, "k must be float32 or bfloat16 [B, S, G, A] with B = " +
+    return InvalidArgument(kOp, "k must be float32, bfloat16 or uint16 (bfloat16 bits) "
+                                "[B, S, G, A] with B = " +
                                     std::to_string(B) + " and A = " + std::to_string(A) +
                                     " from q, got shape " + ShapeString(k_dims));
   }
@@ -607,7 +613,7 @@ ffi::Error AttentionImpl(ffi::ThreadPool xla_pool, ffi::AnyBuffer q, ffi::AnyBuf
   for (int64_t b = 0; b < problems; ++b) {
     const float* q_b = q.typed_data<float>() + b * q_stride;
     float* out_b = out->typed_data() + b * q_stride;
-    if (kv_dtype == ffi::DataType::BF16) {
+    if (kv_dtype == ffi::DataType::BF16 || kv_dtype == ffi::DataType::U16) {
       const AttentionProblem<Bf16Bits> problem{
           rows_each, T, H, G, A, S, lengths[b], window, scale, q_b,
           k.reinterpret_data<Bf16Bits>() + b * kv_stride,

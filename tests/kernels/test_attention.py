@@ -147,6 +147,16 @@ def test_bf16_cache_close_to_f32_cache(case_name):
   tolerances.assert_close(out_bf16, out_f32, tolerances.BF16_KV_CACHE)
 
 
+@pytest.mark.parametrize("case_name", ["decode_gqa_r4", "sinks_window"])
+def test_a_bf16_cache_as_its_bits_reads_the_same(case_name, isa):
+  """A bfloat16 cache passed as its uint16 bits (how the engine holds it: KV_BITS) gives the
+  bfloat16 cache's output bit for bit."""
+  case = CASES[case_name]
+  q, k, v, sinks = make_inputs(case, kv_dtype=BF16)
+  bits = [np.asarray(x).view(np.uint16) for x in (k, v)]
+  np.testing.assert_array_equal(run_case(case, q, *bits, sinks), run_case(case, q, k, v, sinks))
+
+
 @pytest.mark.parametrize("case_name", ["long_window_sinks", "chunk_511_fresh_gqa_r4",
                                        "chunk_511_later_gqa_r8_window_sinks"])
 def test_threads_do_not_change_the_result(case_name, monkeypatch):
@@ -305,11 +315,11 @@ PYTHON_ERRORS = {
   "q_not_4d": (dict(q=np.zeros((3, 4, 8), np.float32)), "q must be float32 [B, T, H, A]"),
   "q_dtype": (dict(q=np.zeros((2, 3, 4, 8), np.float64)), "q must be float32 [B, T, H, A]"),
   "k_wrong_width": (dict(k=np.zeros((2, 10, 2, 9), np.float32)),
-                    "k must be float32 or bfloat16 [B, S, G, A] with B = 2 and A = 8 from q"),
+                    "k must be float32, bfloat16 or uint16 (bfloat16 bits) [B, S, G, A] with B = 2 and A = 8 from q"),
   "k_wrong_batch": (dict(k=np.zeros((1, 10, 2, 8), np.float32)),
-                    "k must be float32 or bfloat16 [B, S, G, A] with B = 2 and A = 8 from q"),
+                    "k must be float32, bfloat16 or uint16 (bfloat16 bits) [B, S, G, A] with B = 2 and A = 8 from q"),
   "k_dtype": (dict(k=np.zeros((2, 10, 2, 8), np.float16)),
-              "k must be float32 or bfloat16 [B, S, G, A]"),
+              "k must be float32, bfloat16 or uint16 (bfloat16 bits) [B, S, G, A]"),
   "kv_heads_do_not_divide": (dict(k=np.zeros((2, 10, 3, 8), np.float32)),
                              "k's kv heads G = 3 must divide q's heads H = 4"),
   "v_shape": (dict(v=np.zeros((2, 9, 2, 8), np.float32)), "v must have k's shape (2, 10, 2, 8)"),
@@ -374,10 +384,10 @@ KERNEL_ERRORS = {
                "q must be float32 [B, T, H, A], got shape [3, 4, 8]"),
   "q_dtype": (dict(q=np.zeros((2, 3, 4, 8), np.int32)), "q must be float32 [B, T, H, A]"),
   "k_wrong_width": (dict(k=np.zeros((2, 10, 2, 9), np.float32)),
-                    "k must be float32 or bfloat16 [B, S, G, A] with B = 2 and A = 8 from q, got "
+                    "k must be float32, bfloat16 or uint16 (bfloat16 bits) [B, S, G, A] with B = 2 and A = 8 from q, got "
                     "shape [2, 10, 2, 9]"),
   "k_dtype": (dict(k=np.zeros((2, 10, 2, 8), np.float16)),
-              "k must be float32 or bfloat16 [B, S, G, A]"),
+              "k must be float32, bfloat16 or uint16 (bfloat16 bits) [B, S, G, A]"),
   "kv_heads_do_not_divide": (dict(k=np.zeros((2, 10, 3, 8), np.float32)),
                              "k's kv heads G = 3 must divide q's heads H = 4"),
   "v_shape": (dict(v=np.zeros((2, 9, 2, 8), np.float32)),

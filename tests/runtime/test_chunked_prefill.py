@@ -9,6 +9,7 @@ import pytest
 
 import ftjax
 from ftjax.runtime import model as model_lib
+from ftjax.model import KV_BITS, kv_values
 
 import tolerances
 from conftest import scaled_params
@@ -118,7 +119,7 @@ def test_bf16_kv_cache_bounded_by_the_float32_one(heldout_ids, kernels):
   f32 = ftjax.Engine(default, kernels=kernels, kv_dtype="float32")
   bf16 = ftjax.Engine(default, kernels=kernels)
   assert bf16.kv_dtype == "bfloat16"
-  assert bf16.new_state(1, 8).layers[0].k.dtype == jnp.bfloat16
+  assert bf16.new_state(1, 8).layers[0].k.dtype == KV_BITS  # held as its bits
   for ids in windows:
     reference, got = f32.forward_logits(ids), bf16.forward_logits(ids)
     assert np.max(np.abs(got - reference)) > 0  # the cache really is bfloat16
@@ -129,7 +130,8 @@ def test_bf16_kv_cache_bounded_by_the_float32_one(heldout_ids, kernels):
 def test_kv_dtype_default_and_errors(model, tiny_config):
   bf16_model = model_lib.random_model(tiny_config, seed=3, dtype="bfloat16")
   assert ftjax.Engine(bf16_model, kernels="ffi").kv_dtype == "bfloat16"
-  assert ftjax.Engine(bf16_model, kernels="ffi").new_state(1, 8).layers[0].k.dtype == jnp.bfloat16
+  layer = ftjax.Engine(bf16_model, kernels="ffi").new_state(1, 8).layers[0]
+  assert layer.k.dtype == KV_BITS and kv_values(layer.k).dtype == jnp.bfloat16
   assert ftjax.Engine(model, kernels="ffi").kv_dtype == "float32"
   assert ftjax.Engine(bf16_model, kernels="ffi", kv_dtype="float32").kv_dtype == "float32"
   with pytest.raises(ValueError, match="kv_dtype must be one of"):

@@ -9,8 +9,10 @@ attends the rows up to its own (causal), with a sliding ``window`` only the last
 them; rows from ``length`` on are never read. ``sinks`` [H] are learned logits that join each
 head's softmax denominator but carry no value.
 
-The cache is float32 or bfloat16 (k and v alike, widened exactly in the kernel); queries, the
-softmax and the accumulation are float32.
+The cache is float32 or bfloat16 (k and v alike, widened exactly in the kernel), a bfloat16 one
+possibly as its bits, uint16 (``ftjax.model.layers.KV_BITS``, how the engine holds it: XLA:CPU
+writes rows into a uint16 buffer in place); queries, the softmax and the accumulation are
+float32.
 
 Why an op: inside the decode loop (a ``lax.while_loop``) XLA:CPU's einsum attention over the
 loop-carried cache copies and transposes all of K and V at every step. This op reads the cache
@@ -29,8 +31,8 @@ import numpy as np
 
 from ftjax.kernels._registration import require, shape_and_dtype
 
-# The dtypes of the KV cache: k and v share one.
-KV_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+# The dtypes of the KV cache: k and v share one (uint16: bfloat16 bits).
+KV_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.uint16))
 
 
 def attention(q, k, v, length, *, scale, window=None, sinks=None):
@@ -38,8 +40,9 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
 
   Args:
     q: [B, T, H, A] float32 queries (rotary embedding applied, not scaled).
-    k: [B, S, G, A] key cache, float32 or bfloat16 (read as is, widened exactly to float32 in
-      the kernel), G dividing H; query head h uses kv head h // (H / G).
+    k: [B, S, G, A] key cache, float32, bfloat16 or uint16 holding bfloat16 bits (read as is,
+      widened exactly to float32 in the kernel), G dividing H; query head h uses kv head
+      h // (H / G).
     v: [B, S, G, A] value cache, k's dtype.
     length: int32 scalar (array or Python int; may be traced): the number of valid cache rows,
       this step's T included, in [T, S]; or int32 [B], one per sequence (a batch at different
@@ -64,7 +67,8 @@ def attention(q, k, v, length, *, scale, window=None, sinks=None):
     raise ValueError(f"q must be float32 [B, T, H, A], got {q_dtype} of shape {q_shape}")
   B, T, H, A = q_shape
   if len(k_shape) != 4 or k_dtype not in KV_DTYPES or k_shape[0] != B or k_shape[3] != A:
-    raise ValueError(f"k must be float32 or bfloat16 [B, S, G, A] with B = {B} and A = {A} from "
+    raise ValueError(f"k must be float32, bfloat16 or uint16 (bfloat16 bits) [B, S, G, A] with "
+                     f"B = {B} and A = {A} from "
                      f"q, got {k_dtype} of shape {k_shape}")
   S, G = k_shape[1], k_shape[2]
   if G == 0 or H % G != 0:

@@ -26,6 +26,7 @@ dense ops only (GEMV/GEMM, attention), never the expert kernels, the cache or th
 
 from ftjax.model.config import ModelConfig, SUPPORTED_MODEL_TYPES, UnsupportedModelError
 from ftjax.model.deltanet import LinearState
+from ftjax.model.layers import KV_BITS, kv_stored, kv_values
 from ftjax.model.moe import RoutedExperts
 from ftjax.model.transformer import (DecodeState, KVCache, Transformer, abstract_params,
                                      init_state)
@@ -36,6 +37,9 @@ __all__ = [
     "UnsupportedModelError",
     "DecodeState",
     "KVCache",
+    "KV_BITS",
+    "kv_stored",
+    "kv_values",
     "LinearState",
     "RoutedExperts",
     "Transformer",

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ftjax.model import DecodeState, KVCache, LinearState
+from ftjax.model import DecodeState, KVCache, LinearState, kv_stored, kv_values
 from ftjax.runtime import checkpoint, executor
 from ftjax.runtime.checkpoint import CheckpointError
 from ftjax.runtime.engine import Engine
@@ -610,9 +610,10 @@ class Session:
       if isinstance(layer, KVCache):
         # A latent attention's values are its keys: its empty value rows are not saved (orbax
         # refuses zero-size arrays).
-        layers[str(i)] = {"k": host(layer.k[:, :n])}
+        # A bfloat16 cache is held as its bits (KV_BITS): saved as its bfloat16 values.
+        layers[str(i)] = {"k": host(kv_values(layer.k[:, :n]))}
         if layer.v.size:
-          layers[str(i)]["v"] = host(layer.v[:, :n])
+          layers[str(i)]["v"] = host(kv_values(layer.v[:, :n]))
       else:
         layers[str(i)] = {"conv": host(layer.conv), "recurrent": host(layer.recurrent)}
     arrays: dict[str, Any] = {"layers": layers}
@@ -684,8 +685,10 @@ class Session:
         if tuple(np.shape(saved.get("k"))) != shape or tuple(v_saved) != v_shape:
           raise CheckpointError(f"the session checkpoint {where} has KV rows of layer {i} that do "
                                 f"not fit the model (expected {shape} and {v_shape})")
-        layers.append(KVCache(k=layer.k.at[:, :n].set(saved["k"]),
-                              v=layer.v.at[:, :n].set(saved["v"]) if layer.v.size else layer.v))
+        layers.append(KVCache(
+            k=layer.k.at[:, :n].set(kv_stored(jnp.asarray(saved["k"]), layer.k.dtype)),
+            v=(layer.v.at[:, :n].set(kv_stored(jnp.asarray(saved["v"]), layer.v.dtype))
+               if layer.v.size else layer.v)))
       else:
         layers.append(jax.device_put(self._linear_state(saved, layer, f"layer {i}", where)))
     self._state = DecodeState(layers=tuple(layers), length=jnp.asarray(n, jnp.int32))
