@@ -86,10 +86,9 @@ def build_key() -> str:
   (its model and instruction-set flags: XLA:CPU compiles for the host's ISA, and a cache
   directory shared by machines with different ones must not hand an AVX-512 program to an
   AVX2 machine), and how many CPUs the process may use: XLA:CPU splits fusions across as many
-  threads as it finds at compile time, and an executable compiled under one CPU kept that
-  (measured: the hybrid model's server compiled under ``taskset -c 1``, then started on 2 CPUs,
-  streamed 128 tokens in 1.7 s against 0.14 s for one compiled on 2; its decode program's
-  fusions lacked their ``outer_dimension_partitions``). A directory given to ``enable`` or in
+  threads as it finds at compile time (``outer_dimension_partitions``), and an executable
+  compiled under one CPU keeps that. (What made such programs 10-40x slower was the KV write,
+  since fixed: ``ftjax.model.layers.KV_BITS``.) A directory given to ``enable`` or in
   ``JAX_COMPILATION_CACHE_DIR`` is used as it is, without this key: JAX's own cache key does
   not count the CPUs, so such a directory must not be shared across CPU counts."""
   version = ftjax_version()
