@@ -26,7 +26,8 @@ first (not counted: each server's programs, batch states and session pool filled
 rounds (``--rounds``) alternate which server goes first; per cell the medians over rounds of
 aiperf's output tok/s, TTFT p50/p99, inter-token latency p50/p99 and errors. ftjax's RSS is
 read after the warm-up (its baseline) and after every run, with what its session pool holds
-(``ftjax_session_bytes``): goal, no growth past the baseline beyond the pool's own.
+(``ftjax_session_bytes``) and the programs it has prepared (``ftjax_compiles_total``), and once
+more after 30 s idle: goal, no growth past the baseline beyond the pool's own.
 
 Run: ``python benchmarks/aiperf_peer.py`` (``--models``, ``--rounds``, ``--isl``, ``--osl``).
 Writes ``results/aiperf_peer.{json,png}`` with the machine.
@@ -55,6 +56,7 @@ AIPERF = "aiperf==0.13.0"  # the version this script was written against
 CONCURRENCY = (1, 4, 8)
 ENDPOINTS = ("chat", "completions")
 SIDES = ("ftjax", "llama")
+SETTLE_S = 30  # seconds idle before the last RSS reading
 
 
 def ensure_aiperf(venv: str) -> str:
@@ -96,14 +98,27 @@ def rss_bytes(pid: int) -> int:
   return 0
 
 
-def session_bytes(port: int) -> int:
-  """What ftjax's session pool holds (``ftjax_session_bytes`` on ``/metrics``): KV, recurrent
-  states and anchors of the sessions it keeps for the next turns, within its budget."""
+def metric(port: int, name: str) -> int:
+  """A value on ftjax's ``/metrics`` (0 when absent)."""
   with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
     for line in r.read().decode().splitlines():
-      if line.startswith("ftjax_session_bytes "):
+      if line.startswith(f"{name} "):
         return int(float(line.split()[1]))
   return 0
+
+
+def session_bytes(port: int) -> int:
+  """What ftjax's session pool holds (``ftjax_session_bytes``): KV, recurrent states and
+  anchors of the sessions it keeps for the next turns, within its budget."""
+  return metric(port, "ftjax_session_bytes")
+
+
+def programs(port: int) -> dict:
+  """The programs ftjax has prepared so far: compiled or loaded (``ftjax_compiles_total``), of
+  them loaded from the executable store (``ftjax_programs_loaded_total``): each new one holds
+  its code in RSS."""
+  return {"prepared": metric(port, "ftjax_compiles_total"),
+          "loaded": metric(port, "ftjax_programs_loaded_total")}
 
 
 def pinned(cpus: str, cmd: list[str]) -> list[str]:
@@ -201,7 +216,8 @@ def main() -> None:
       time.sleep(2)
       baseline = rss_bytes(procs["ftjax"].pid)
       pool_baseline = session_bytes(ports["ftjax"])
-      rss_after, pool_after = [], []
+      programs_baseline = programs(ports["ftjax"])
+      rss_after, pool_after, programs_after = [], [], []
       cells: dict[str, list[dict]] = {}
       for r in range(args.rounds):
         for endpoint in ENDPOINTS:
@@ -213,12 +229,15 @@ def main() -> None:
               if side == "ftjax":
                 rss_after.append(rss_bytes(procs["ftjax"].pid))
                 pool_after.append(session_bytes(ports["ftjax"]))
+                programs_after.append(programs(ports["ftjax"]))
               print(f"{name} round {r} {side} {endpoint} c={c}: {row['output_tok_s']:.0f} tok/s, "
                     f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms, "
                     f"errors {row['errors']}", flush=True)
       time.sleep(2)
       final = rss_bytes(procs["ftjax"].pid)
       pool_final = session_bytes(ports["ftjax"])
+      time.sleep(SETTLE_S)  # idle: what is still held after the last request's work is done
+      settled = rss_bytes(procs["ftjax"].pid)
     finally:
       for proc in procs.values():
         proc.terminate()
@@ -240,7 +259,10 @@ def main() -> None:
                       "session_pool_after_each_run_bytes": pool_after,
                       "session_pool_final_bytes": pool_final,
                       "growth_beyond_the_session_pool_bytes":
-                          final - baseline - (pool_final - pool_baseline)}}
+                          final - baseline - (pool_final - pool_baseline),
+                      f"after_{SETTLE_S}_s_idle_bytes": settled,
+                      "programs_baseline": programs_baseline,
+                      "programs_after_each_run": programs_after}}
     print(f"{name}: output tok/s ftjax / llama-server: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
           + f"; ftjax RSS {baseline / 2**20:.0f} -> {final / 2**20:.0f} MiB, its session pool "
