@@ -139,13 +139,14 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | Non
   return x_rot if width == x.shape[-1] else jnp.concatenate([x_rot, x_pass], axis=-1)
 
 
-# A bfloat16 KV cache is held as its bits, uint16: XLA:CPU writes a row into a uint16 buffer in
-# place, but widens a bfloat16 dynamic-update-slice or scatter to float32 (the whole buffer,
-# every step), and a bitcast of the buffer inside the program defeats the in-place write too.
-# Measured on the Zen 5 VM, 12 KV buffers [4, 4096, 2, 64] (the default model's, batch 4), one
-# row per sequence: 3.7-4.2 ms a step through the bitcast on 2 CPUs and 38-57 ms on 1 CPU
-# (`taskset -c 1`: the server decoded 100 tok/s instead of 2,000+), against 0.045 ms into uint16
-# bits either way; one sequence's row into [1, 4096, 2, 64]: 0.6-0.8 ms against 0.04 ms.
+# A bfloat16 KV cache is held as its bits, uint16: XLA:CPU writes rows into a uint16 buffer in
+# place, but runs a bfloat16 dynamic-update-slice or scatter over the whole buffer (widened to
+# float32), and a bitcast of the buffer inside the program lets the B chained writes of a batch
+# fuse into one loop over the whole buffer too. benchmarks/kv_write.py, Zen 5 VM, the default
+# model's 12 KV buffers [4, 4096, 2, 64], one row per sequence at its own length: 46 ms a step
+# through the bitcast on 1 CPU (`taskset -c 1`: the server decoded ~100 tok/s instead of
+# 1,700) and 4.1 ms on 2, against 0.08-0.13 ms for one scatter into the bits. One sequence's
+# row was in place either way (0.05-0.08 ms for the 12 buffers).
 KV_BITS = jnp.uint16
 
 
