@@ -75,3 +75,10 @@ def pyplot():
     print("matplotlib is not installed: no plot", flush=True)
     return None
   return plt
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on now (for a server a benchmark starts)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

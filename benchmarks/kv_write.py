@@ -6,7 +6,7 @@ then the server it slowed.
    [B, 4096, 2, 64], donated, B = 1 (one length) and 4 (each sequence its own length):
    - ``previous``: the form before this benchmark (bfloat16 caches written through their
      uint16 bits by ``dynamic_update_slice``, one per sequence; reproduced here);
-   - ``current``: ``ftjax.model.layers._write_kv`` on caches held as their bits (``KV_BITS``:
+   - ``current``: ``ftjax.model.layers.write_kv`` on caches held as their bits (``KV_BITS``:
      one scatter of the B rows).
    Rounds alternate the two; medians. The ceiling is the write of the rows alone: 12 x B x 256
    bytes, nothing a step could do faster than ~microseconds, so the ratio printed is previous
@@ -26,7 +26,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, write_results  # noqa: E402
+from common import free_port, machine_info, write_results  # noqa: E402
 
 CACHES, S, G, A = 12, 4096, 2, 64  # the default model: 6 layers x (k, v)
 
@@ -65,14 +64,14 @@ def write_child(rounds: int, steps: int) -> dict:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from ftjax.model.layers import KV_BITS, _write_kv  # noqa: PLC0415
+  from ftjax.model.layers import KV_BITS, write_kv  # noqa: PLC0415
 
   out = {}
   for batch in (1, 4):
     length = (jnp.arange(batch, dtype=jnp.int32) * 37 + 5) if batch > 1 else jnp.int32(5)
     rows = jnp.ones((batch, 1, G, A), jnp.float32)
     forms = {}
-    for name, fn in (("previous", _previous_write), ("current", _write_kv)):
+    for name, fn in (("previous", _previous_write), ("current", write_kv)):
       step = jax.jit(lambda bufs, rows, length, fn=fn: [fn(b, rows, length) for b in bufs],
                      donate_argnums=0)
       dtype = jnp.bfloat16 if name == "previous" else KV_BITS
@@ -95,18 +94,12 @@ def write_child(rounds: int, steps: int) -> dict:
   return out
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def server_run(cpus: str | None, model: str, rounds: int) -> dict:
   """4 concurrent 128-token greedy completions against a fresh server (its own cache
   directory: it compiles), per round; tok/s."""
   import openai  # noqa: PLC0415
 
-  port = _free_port()
+  port = free_port()
   cache = tempfile.mkdtemp(prefix="ftjax-kv-write-")
   cmd = [sys.executable, "-m", "ftjax.serve", f"--port={port}", "--max_running=4",
          f"--model={model}"]

@@ -156,7 +156,7 @@ def test_kv_rows_land_where_each_sequence_is(dtype, t):
   values = np.asarray(jnp.asarray(start).astype(dtype).astype(jnp.float32))
   rounded = np.asarray(jnp.asarray(rows).astype(dtype).astype(jnp.float32))
   for length in (np.array([0, 5, 15, 40], np.int32), np.int32(6)):
-    got = layers._write_kv(buffer, jnp.asarray(rows), jnp.asarray(length))
+    got = layers.write_kv(buffer, jnp.asarray(rows), jnp.asarray(length))
     assert got.dtype == buffer.dtype
     np.testing.assert_array_equal(np.asarray(layers.kv_values(got)).astype(np.float32),
                                   _written(values, rounded, length), err_msg=str(length))
@@ -168,7 +168,7 @@ def test_a_batch_writes_its_kv_rows_in_place():
   dynamic-update-slices of a bitcast bfloat16 cache fused into a loop over every element,
   which ran 38-57 ms a step on one CPU for the default model's 12 caches)."""
   cache = KVCache.zeros(4, 4096, 2, 64, jnp.bfloat16)
-  write = jax.jit(layers._write_kv, donate_argnums=0)
+  write = jax.jit(layers.write_kv, donate_argnums=0)
   rows = jnp.ones((4, 1, 2, 64), jnp.float32)
   text = write.lower(cache.k, rows, jnp.array([3, 9, 100, 7], jnp.int32)).compile().as_text()
   whole = re.findall(r"%([\w.-]+) = u16\[4,4096,2,64\]\S* ([\w-]+)\(", text)

@@ -257,7 +257,7 @@ _ROWS_AT = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3),
                                            scatter_dims_to_operand_dims=(0, 1))
 
 
-def _write_kv(buffer: jax.Array, rows: jax.Array, length: jax.Array) -> jax.Array:
+def write_kv(buffer: jax.Array, rows: jax.Array, length: jax.Array) -> jax.Array:
   """``rows`` [B, T, G, A] (values) written into the cache ``buffer`` [B, S, G, A] at row
   ``length``: one row for every sequence (an int32 []), or each sequence's own (int32 [B], a
   batch of sequences at different lengths: one scatter of B windows, each clamped into the
@@ -406,7 +406,7 @@ class Attention(nnx.Module):
     # Keys and values as the cache stores them (rounded once for a bfloat16 cache): a fresh
     # prefill attends to exactly what later chunks and decode steps read back.
     k, v = k.astype(kv_value_dtype(cache.k.dtype)), v.astype(kv_value_dtype(cache.v.dtype))
-    cache = KVCache(k=_write_kv(cache.k, k, length), v=_write_kv(cache.v, v, length))
+    cache = KVCache(k=write_kv(cache.k, k, length), v=write_kv(cache.v, v, length))
     sinks = f32(self.sinks_h) if self.sinks else None
     if kernels in FFI_KERNELS:  # fresh or not: no T x S scores in memory
       scale = self.head_dim ** -0.5
@@ -496,7 +496,7 @@ class LatentAttention(nnx.Module):
     q_abs = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, H, R + P]
     rows = jnp.concatenate([latent[:, :, None, :], k_rope], axis=-1).astype(
         kv_value_dtype(cache.k.dtype))
-    cache = KVCache(k=_write_kv(cache.k, rows, length), v=cache.v)
+    cache = KVCache(k=write_kv(cache.k, rows, length), v=cache.v)
     if kernels in FFI_KERNELS:
       if jnp.ndim(length) and length.shape[0] == 1:
         length = length[0]
