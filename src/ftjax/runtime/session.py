@@ -543,7 +543,10 @@ class Session:
       return True
 
     def on_leave(seq: executor.Generation) -> None:
-      self._state, self._generating = seq.state, False
+      # The session takes its state back, and the generation lets go of it: a generation
+      # kept past its end (a server's reply refers to it) must not hold a dropped session's
+      # KV buffers until Python's next full collection.
+      self._state, seq.state, self._generating = seq.state, None, False
       if self._turns:
         turn = self._turns[-1]
         turn["generated_tokens"] += len(out)
