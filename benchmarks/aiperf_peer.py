@@ -25,9 +25,11 @@ counts are the servers' (``--use-server-token-count``). A warm-up pass over ever
 first (not counted: each server's programs, batch states and session pool filled), then
 rounds (``--rounds``) alternate which server goes first; per cell the medians over rounds of
 aiperf's output tok/s, TTFT p50/p99, inter-token latency p50/p99 and errors. ftjax's RSS is
-read after the warm-up (its baseline) and after every run, with what its session pool holds
-(``ftjax_session_bytes``) and the programs it has prepared (``ftjax_compiles_total``), and once
-more after 30 s idle: goal, no growth past the baseline beyond the pool's own.
+read after the warm-up and 30 s idle (its baseline: the session pool filled, the programs a
+warm start loads in the background loaded, the idle engine's heap trim done), after every run,
+with what its session pool holds (``ftjax_session_bytes``) and the programs it has prepared
+(``ftjax_compiles_total``), and again after 30 s idle: goal, no growth past the baseline beyond
+the pool's own.
 
 Run: ``python benchmarks/aiperf_peer.py`` (``--models``, ``--rounds``, ``--isl``, ``--osl``).
 Writes ``results/aiperf_peer.{json,png}`` with the machine.
@@ -213,8 +215,9 @@ def main() -> None:
           for side in SIDES:
             run_aiperf(exe, ports[side], name, endpoint, c, args, tok,
                        os.path.join(work, f"warm-{side}-{name}-{endpoint}-{c}"))
-      time.sleep(2)
+      time.sleep(SETTLE_S)  # idle, as before the last reading
       baseline = rss_bytes(procs["ftjax"].pid)
+      trims_baseline = metric(ports["ftjax"], "ftjax_heap_trims")
       pool_baseline = session_bytes(ports["ftjax"])
       programs_baseline = programs(ports["ftjax"])
       rss_after, pool_after, programs_after = [], [], []
@@ -238,6 +241,8 @@ def main() -> None:
       pool_final = session_bytes(ports["ftjax"])
       time.sleep(SETTLE_S)  # idle: what is still held after the last request's work is done
       settled = rss_bytes(procs["ftjax"].pid)
+      trims = metric(ports["ftjax"], "ftjax_heap_trims") - trims_baseline
+      programs_settled = programs(ports["ftjax"])
     finally:
       for proc in procs.values():
         proc.terminate()
@@ -261,11 +266,15 @@ def main() -> None:
                       "growth_beyond_the_session_pool_bytes":
                           final - baseline - (pool_final - pool_baseline),
                       f"after_{SETTLE_S}_s_idle_bytes": settled,
+                      "growth_after_idle_bytes": settled - baseline,
+                      "heap_trims_during_the_runs": trims,
+                      "programs_after_idle": programs_settled,
                       "programs_baseline": programs_baseline,
                       "programs_after_each_run": programs_after}}
     print(f"{name}: output tok/s ftjax / llama-server: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
-          + f"; ftjax RSS {baseline / 2**20:.0f} -> {final / 2**20:.0f} MiB, its session pool "
+          + f"; ftjax RSS {baseline / 2**20:.0f} -> {final / 2**20:.0f} MiB, "
+          f"{settled / 2**20:.0f} MiB after {SETTLE_S} s idle, its session pool "
           f"{pool_baseline / 2**20:.0f} -> {pool_final / 2**20:.0f} MiB", flush=True)
   path = write_results("aiperf_peer", report, args.out)
   plt = pyplot()

@@ -14,7 +14,7 @@ import jax
 import ftjax
 from ftjax.runtime.tokenizer import load_tokenizer
 from ftjax.server import ServerConfig
-from ftjax.server.scheduler import Job, Worker
+from ftjax.server.scheduler import TRIM_IDLE_S, Job, Worker
 
 PROMPTS = ("def parse_args(argv):", "import numpy as np\n\n", "class Tree:\n  def __init__(",
            "for i in range(10):")
@@ -71,7 +71,8 @@ def test_a_dropped_sessions_decode_state_goes_without_a_collection():
   generation's callbacks and the job): the worker unlinks them, so the decode state of a
   session the pool drops goes by reference counting. With Python's collector off, no KV
   buffer outlives the sessions the pool holds. (It did: a load run kept 23 dropped
-  sessions' states, 276 MiB, until a full collection, which counts objects, not bytes.)"""
+  sessions' states, 276 MiB, until a full collection, which counts objects, not bytes.)
+  Then, idle, the engine trims the C heap once."""
   engine = ftjax.Engine(ftjax.load("default"))
   tokenizer = load_tokenizer(engine.model.path, engine.model.config.vocab_size)
   worker = Worker(engine, ServerConfig(max_running=2, max_sessions=1))
@@ -94,9 +95,16 @@ def test_a_dropped_sessions_decode_state_goes_without_a_collection():
     held = {id(a) for s in worker.pool._sessions.values() for a in jax.tree.leaves(s._state)
             if a.ndim == 4}
     alive = set(kv()) - weights
+    # Idle after work, the engine gives the C heap's free pages back, once.
+    deadline = time.monotonic() + 30
+    while worker.heap_trims == 0 and time.monotonic() < deadline:
+      time.sleep(0.1)
+    time.sleep(2 * TRIM_IDLE_S)
+    trims = worker.heap_trims
   finally:
     gc.enable()
     worker.stop()
     loop.call_soon_threadsafe(loop.stop)
   assert len(worker.pool) == 1 and held
   assert alive == held, (len(alive), len(held))
+  assert trims == 1

@@ -118,6 +118,8 @@ class Metrics:
           registry=r).set_function(lambda: worker.startup["compiled"])
     Gauge("ftjax_startup_seconds", "seconds of start-up compilation",
           registry=r).set_function(lambda: worker.startup["seconds"])
+    Gauge("ftjax_heap_trims", "times the engine, idle after work, gave the C heap's free "
+          "pages back to the system", registry=r).set_function(lambda: worker.heap_trims)
     r.register(EngineTotals(engine))
 
   def finished(self, endpoint: str, outcome) -> None:
