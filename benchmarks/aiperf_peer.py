@@ -283,13 +283,13 @@ def main() -> None:
     fig, axes = plt.subplots(len(models), 3, figsize=(13, 3.6 * len(models)), squeeze=False)
     for i, name in enumerate(models):
       med = report["models"][name]["median"]
-      for j, (metric, label) in enumerate((("output_tok_s", "output tok/s"),
+      for j, (field, label) in enumerate((("output_tok_s", "output tok/s"),
                                            ("ttft_p50_ms", "TTFT p50 (ms)"),
                                            ("itl_p50_ms", "inter-token latency p50 (ms)"))):
         ax = axes[i][j]
         for side, marker in (("ftjax", "o"), ("llama", "s")):
           for endpoint, style in (("chat", "-"), ("completions", "--")):
-            ax.plot(CONCURRENCY, [med[f"{side}/{endpoint}/{c}"][metric] for c in CONCURRENCY],
+            ax.plot(CONCURRENCY, [med[f"{side}/{endpoint}/{c}"][field] for c in CONCURRENCY],
                     style, marker=marker,
                     label=f"{'ftjax.serve' if side == 'ftjax' else 'llama-server'} {endpoint}")
         ax.set_xticks(CONCURRENCY)
