@@ -2,6 +2,7 @@
 default): cold and warm from the persistent compilation cache.
 
   python benchmarks/serve_startup.py [--rounds=2] [--models=default,default-hybrid,DIR]
+      [--bench_model]
 
 For each model, a fresh server process three ways, alternating within each round:
 
@@ -14,7 +15,8 @@ For each model, a fresh server process three ways, alternating within each round
 * lazy: ``--noprecompile`` with the warm cache (ready at once; requests compile as they come);
 * beside it (``--llama``, the default where llama-server is built: ../shared/PEERS.md),
   llama-server on the same weights (the embedded models' BF16 GGUF from llama.cpp's converter,
-  ``dense_quality.prepare_ggufs``; ``-t 2 -c 16384 -np 4``): ``llama_warm`` with the GGUF in
+  ``dense_quality.prepare_ggufs``; with ``--bench_model``, also cpu_peer.py's 4-layer
+  Qwen3-30B-A3B-shaped model and its BF16 GGUF; ``-t 2 -c 16384 -np 4``): ``llama_warm`` with the GGUF in
   the page cache, and ``llama_cold`` after the page cache is dropped (root only:
   ``/proc/sys/vm/drop_caches``). Each round runs llama_cold, llama_warm, then ftjax's ways: with
   llama-server beside, ftjax's ``cold`` also reads its weights from disk (dropped with the rest
@@ -43,6 +45,7 @@ import tempfile
 import time
 
 from common import machine_info, write_results
+from cpu_peer import convert_gguf, write_checkpoint
 from dense_quality import LLAMA_BUILD, LLAMA_SRC, prepare_ggufs
 
 from ftjax.assets import EMBEDDED_MODELS
@@ -160,19 +163,38 @@ def main() -> None:
   parser.add_argument("--models", default="default,default-hybrid")
   parser.add_argument("--llama", action=argparse.BooleanOptionalAction,
                       default=os.path.exists(os.path.join(LLAMA_BUILD, "bin", "llama-server")),
-                      help="llama-server beside (embedded models only)")
+                      help="llama-server beside (embedded models and --bench_model)")
   parser.add_argument("--llama_build", default=LLAMA_BUILD)
   parser.add_argument("--llama_src", default=LLAMA_SRC)
   parser.add_argument("--gguf_dir", default=os.path.join(
       os.environ.get("FTJAX_CACHE_DIR") or os.path.expanduser("~/.cache/ftjax"),
       "dense_quality"), help="where dense_quality.py keeps its GGUFs")
+  parser.add_argument("--bench_model", action="store_true",
+                      help="also cpu_peer.py's bench model: 4 layers of Qwen3-30B-A3B's shape, "
+                      "random bf16 weights written to --bench_dir (~5 GB; kept for the next "
+                      "run), converted once by ftjax before the rounds, beside llama-server "
+                      "on llama.cpp's BF16 GGUF of them")
+  parser.add_argument("--bench_dir", default="/tmp/ftjax-cpu-peer",
+                      help="cpu_peer.py's work directory (its checkpoint and GGUF are reused)")
+  parser.add_argument("--out", default=None,
+                      help="results file (default results/serve_startup.json)")
   args = parser.parse_args()
+  models = [m for m in args.models.split(",") if m]
+  ggufs = {}
+  if args.bench_model:
+    hf_dir = write_checkpoint(4, os.path.join(args.bench_dir, "hf-4l"))
+    subprocess.run([sys.executable, "-c", f"import ftjax; ftjax.load({hf_dir!r})"], check=True)
+    if args.llama:
+      ggufs[hf_dir] = convert_gguf(hf_dir, args.llama_src, args.bench_dir)
+    models.append(hf_dir)
   results = {"machine": machine_info(), "command": "python -m ftjax.serve --port=0",
              "llama_command": "llama-server -m BF16.gguf -t 2 -c 16384 -np 4", "models": {}}
-  for model in args.models.split(","):
+  for model in models:
     rows = {"cold": [], "warm": [], "traced": [], "lazy": []}
-    gguf = None
-    if args.llama and model in EMBEDDED_MODELS:
+    gguf = ggufs.get(model)
+    if gguf is not None:
+      rows.update(llama_warm=[], llama_cold=[])
+    elif args.llama and model in EMBEDDED_MODELS:
       gguf = prepare_ggufs(model, EMBEDDED_MODELS[model], argparse.Namespace(
           work_dir=args.gguf_dir, llama_src=args.llama_src, llama_build=args.llama_build,
           threads=2))["files"]["BF16"]
@@ -215,7 +237,7 @@ def main() -> None:
       print(f"{model:>16} ready, ftjax / llama-server: " +
             ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + " (goal: warm <= 2x)",
             flush=True)
-  print("wrote", write_results("serve_startup", results))
+  print("wrote", write_results("serve_startup", results, args.out))
 
 
 if __name__ == "__main__":
