@@ -95,16 +95,19 @@ def test_a_dropped_sessions_decode_state_goes_without_a_collection():
     held = {id(a) for s in worker.pool._sessions.values() for a in jax.tree.leaves(s._state)
             if a.ndim == 4}
     alive = set(kv()) - weights
-    # Idle after work, the engine gives the C heap's free pages back, once.
+    # Idle after work, the engine gives the C heap's free pages back, and not again while it
+    # stays idle (one trim after the jobs, one after the control, as the timing falls).
     deadline = time.monotonic() + 30
     while worker.heap_trims == 0 and time.monotonic() < deadline:
       time.sleep(0.1)
     time.sleep(2 * TRIM_IDLE_S)
     trims = worker.heap_trims
+    time.sleep(2 * TRIM_IDLE_S)
+    trims_later = worker.heap_trims
   finally:
     gc.enable()
     worker.stop()
     loop.call_soon_threadsafe(loop.stop)
   assert len(worker.pool) == 1 and held
   assert alive == held, (len(alive), len(held))
-  assert trims == 1
+  assert 1 <= trims <= 2 and trims_later == trims, (trims, trims_later)
