@@ -47,7 +47,6 @@ from ftjax.server.store import SessionStore
 from ftjax.server.reply_formats import QWEN, ReplyFormat, check_name
 
 _LOG = logging.getLogger("uvicorn.error")  # where uvicorn's own messages go
-_TRIMMED = object()  # from ``_next_job``: idle after work, the heap was trimmed (wait on)
 _WAKE = object()  # in the job queue: a control is waiting (the engine thread may be idle)
 MB = 1 << 20
 # A warm start's later programs load once the engine has been idle this long (seconds).
@@ -333,6 +332,7 @@ class Worker(Feed):
     self._closed = threading.Event()  # stop() was called
     self._woken = 0  # times the engine thread took a job after waiting
     self.heap_trims = 0  # times the engine, idle after work, gave the C heap's free pages back
+    self._trimmed_at = 0  # ``_woken`` at the last trim (no work since: no trim)
     self._thread = threading.Thread(target=self._run, name="ftjax-engine", daemon=True)
     self._thread.start()
 
@@ -490,32 +490,28 @@ class Worker(Feed):
 
   # -- The engine thread ------------------------------------------------------------------------
 
-  def _next_job(self, *, worked: bool):
-    """The next job, waited for; after work, once idle for ``TRIM_IDLE_S`` the C heap's free
-    pages go back to the system and ``_TRIMMED`` comes instead (then wait on)."""
-    if not worked:
-      return self._jobs.get()
-    try:
-      return self._jobs.get(timeout=TRIM_IDLE_S)
-    except queue.Empty:
-      return_free_heap()
-      self.heap_trims += 1
-      return _TRIMMED
+  def _next_job(self):
+    """The next job, waited for; after work, once idle for ``TRIM_IDLE_S``, the C heap's
+    free pages go back to the system first."""
+    if self._woken > self._trimmed_at:
+      try:
+        return self._jobs.get(timeout=TRIM_IDLE_S)
+      except queue.Empty:
+        return_free_heap()
+        self.heap_trims += 1
+        self._trimmed_at = self._woken
+    return self._jobs.get()
 
   def _run(self) -> None:
     if not self.startup["done"]:
       self._precompile()
     executor = self.engine.executor
     batch = self.batch = executor.batch(self.max_running)
-    trimmed_at = 0  # ``_woken`` when the heap was last trimmed
     while not self._stopping:
       job = self._blocked
       if job is None:
         self._idle.set()
-        job = self._next_job(worked=self._woken > trimmed_at)
-        if job is _TRIMMED:
-          trimmed_at = self._woken
-          job = self._jobs.get()
+        job = self._next_job()
         self._idle.clear()
         self._woken += 1
       self._run_controls()
